@@ -1,0 +1,148 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRankRequest(_message.Message):
+    __slots__ = ("engine_id", "rank", "spec", "tensors")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: int
+    spec: _common_pb2.EngineSpec
+    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorHandle]
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHandle, _Mapping]]] = ...) -> None: ...
+
+class RegisterRankResponse(_message.Message):
+    __slots__ = ("sidecar_id", "peer_address")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    peer_address: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class UnregisterRankRequest(_message.Message):
+    __slots__ = ("engine_id", "rank")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: int
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnregisterRankResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("engine_id", "rank", "unregister_on_close")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    UNREGISTER_ON_CLOSE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: int
+    unregister_on_close: bool
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., unregister_on_close: _Optional[bool] = ...) -> None: ...
+
+class RequestConsumed(_message.Message):
+    __slots__ = ("request_id", "block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseExpired(_message.Message):
+    __slots__ = ("request_id", "block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("consumed", "lease_expired", "ready")
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    consumed: RequestConsumed
+    lease_expired: LeaseExpired
+    ready: bool
+    def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    lease_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: _common_pb2.TransferParams
+    def __init__(self, params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("params", "engine_id", "ranks", "block_ids", "start_token", "timeout_ms")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    params: _common_pb2.TransferParams
+    engine_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_token: int
+    timeout_ms: int
+    def __init__(self, params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ..., engine_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("bytes", "duration_us", "path")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    duration_us: int
+    path: str
+    def __init__(self, bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: _containers.RepeatedCompositeFieldContainer[_common_pb2.TransferParams]
+    def __init__(self, params: _Optional[_Iterable[_Union[_common_pb2.TransferParams, _Mapping]]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_deadline_unix_ms",)
+    LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_deadline_unix_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_deadline_unix_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

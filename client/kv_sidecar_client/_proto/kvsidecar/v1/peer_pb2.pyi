@@ -1,0 +1,124 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("address", "length", "device_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    length: int
+    device_id: int
+    def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class RankMemory(_message.Message):
+    __slots__ = ("rank", "regions", "memory_kind")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    memory_kind: str
+    def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., memory_kind: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "engine_id", "reader_engine_id", "reader_spec", "plan_hash")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_SPEC_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sidecar_id: str
+    agent_name: str
+    agent_metadata: bytes
+    engine_id: str
+    reader_engine_id: str
+    reader_spec: _common_pb2.EngineSpec
+    plan_hash: str
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sidecar_id: str
+    agent_name: str
+    agent_metadata: bytes
+    spec: _common_pb2.EngineSpec
+    ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
+    plan_hash: str
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+
+class OpenReadRequest(_message.Message):
+    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    engine_id: str
+    request_id: str
+    reader_engine_id: str
+    reader_ranks: _containers.RepeatedScalarFieldContainer[int]
+    plan_hash: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    lease_deadline_unix_ms: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class PeerKeepAliveRequest(_message.Message):
+    __slots__ = ("engine_id", "request_ids")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PeerKeepAliveResponse(_message.Message):
+    __slots__ = ("lease_deadline_unix_ms",)
+    LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_deadline_unix_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_deadline_unix_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CloseReadRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_ranks", "failed")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    reader_engine_id: str
+    reader_ranks: _containers.RepeatedScalarFieldContainer[int]
+    failed: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class CloseReadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

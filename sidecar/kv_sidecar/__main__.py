@@ -1,0 +1,3 @@
+from kv_sidecar.cli import main
+
+raise SystemExit(main())

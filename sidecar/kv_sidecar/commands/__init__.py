@@ -1,0 +1,1 @@
+"""`kv-sidecar` subcommands; each module has `add_parser(subparsers)` setting `func`."""

@@ -1,0 +1,1 @@
+"""Executors: apply a plan to real memory (host tensors, NIXL, GPU kernels)."""

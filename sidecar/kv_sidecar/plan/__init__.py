@@ -1,0 +1,1 @@
+"""The plan: which bytes go where. Pure functions of two engine descriptions."""

@@ -1,0 +1,211 @@
+"""Engine descriptions: what an engine's KV cache looks like, as pure data.
+
+An `EngineSpec` describes one engine (all of its TP ranks). Everything the
+planner needs is here; nothing here touches memory, torch or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
+from enum import Enum
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A pairing or request the planner refuses; `code` names the gRPC status."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Layout(str, Enum):
+    """Physical order of the dims of one rank's KV tensor (per layer).
+
+    N: blocks, B: tokens in a block, H: KV heads on this rank, D: head_dim,
+    2: K and V, L: MLA latent size.
+    """
+
+    FLASH_ATTN_NHD = "flash_attn_nhd"  # [2, N, B, H, D]
+    FLASH_ATTN_HND = "flash_attn_hnd"  # [2, N, H, B, D]
+    FLASHINFER_NHD = "flashinfer_nhd"  # [N, 2, B, H, D]
+    FLASHINFER_HND = "flashinfer_hnd"  # [N, 2, H, B, D]
+    PACKED = "packed"  # [N, H, B, 2*D]
+    MLA = "mla"  # [N, B, L]
+
+
+# Bytes per element of the dtypes we move. Names follow torch without the prefix.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine's KV cache geometry, identical on every one of its ranks.
+
+    `block_size` is the logical block size the scheduler hands out block ids
+    in; `kernel_block_size` (if set) is the block size of the physical tensors,
+    so that logical block b is kernel blocks b*r .. b*r+r-1 (r = ratio).
+    `num_blocks` counts logical blocks. With `cross_layer`, one tensor holds
+    every layer as `[N, num_layers, <layout without N>]` (blocks outermost, so a
+    block of all layers is contiguous); otherwise there is one tensor per layer.
+    """
+
+    tp_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    num_blocks: int
+    layout: Layout
+    kernel_block_size: int | None = None
+    cross_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, str) and not isinstance(self.layout, Layout):
+            object.__setattr__(self, "layout", parse_layout(self.layout))
+        self.validate()
+
+    # -- validation -------------------------------------------------------
+    def validate(self) -> None:
+        for name in ("tp_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            _positive(name, getattr(self, name))
+        if self.dtype not in DTYPE_SIZES:
+            raise PlanError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_SIZES)}")
+        if self.kernel_block_size is not None:
+            _positive("kernel_block_size", self.kernel_block_size)
+            if self.block_size % self.kernel_block_size:
+                raise PlanError(
+                    f"block_size {self.block_size} is not a multiple of "
+                    f"kernel_block_size {self.kernel_block_size}"
+                )
+        if self.layout is Layout.MLA and self.num_kv_heads != 1:
+            raise PlanError(f"layout mla has one latent 'head'; num_kv_heads must be 1, got {self.num_kv_heads}")
+        kv, tp = self.num_kv_heads, self.tp_size
+        if self.layout is not Layout.MLA and kv % tp and tp % kv:
+            raise PlanError(
+                f"num_kv_heads {kv} and tp_size {tp}: one must divide the other "
+                f"(heads are split evenly or replicated evenly across ranks)"
+            )
+
+    # -- derived geometry -------------------------------------------------
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.layout is Layout.MLA
+
+    @property
+    def physical_block_size(self) -> int:
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self.block_size // self.physical_block_size
+
+    @property
+    def heads_per_rank(self) -> int:
+        """KV heads each rank holds (1 when heads are replicated, tp > heads)."""
+        if self.is_mla:
+            return 1
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def rank_heads(self, rank: int) -> tuple[int, int]:
+        """Global KV head range [start, stop) held by `rank`."""
+        if not 0 <= rank < self.tp_size:
+            raise PlanError(f"rank {rank} out of range for tp_size {self.tp_size}")
+        if self.is_mla:
+            return (0, 1)
+        if self.num_kv_heads >= self.tp_size:
+            h = self.heads_per_rank
+            return (rank * h, rank * h + h)
+        # tp > heads: consecutive groups of tp/heads ranks share one head.
+        head = rank // (self.tp_size // self.num_kv_heads)
+        return (head, head + 1)
+
+    def layer_tensor_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's tensor on one rank, in physical (kernel) blocks."""
+        n = self.num_blocks * self.kernel_blocks_per_block
+        b, h, d = self.physical_block_size, self.heads_per_rank, self.head_dim
+        return {
+            Layout.FLASH_ATTN_NHD: (2, n, b, h, d),
+            Layout.FLASH_ATTN_HND: (2, n, h, b, d),
+            Layout.FLASHINFER_NHD: (n, 2, b, h, d),
+            Layout.FLASHINFER_HND: (n, 2, h, b, d),
+            Layout.PACKED: (n, h, b, 2 * d),
+            Layout.MLA: (n, b, d),
+        }[self.layout]
+
+    def rank_tensor_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the tensors one rank registers, in order (per layer, or one)."""
+        shape = self.layer_tensor_shape()
+        if self.cross_layer:
+            # Blocks outermost: [N, layers, <rest of the layer shape without N>].
+            n_dim = shape.index(self.num_blocks * self.kernel_blocks_per_block)
+            rest = shape[:n_dim] + shape[n_dim + 1 :]
+            return [(shape[n_dim], self.num_layers, *rest)]
+        return [shape] * self.num_layers
+
+    def rank_bytes(self) -> int:
+        total = 0
+        for shape in self.rank_tensor_shapes():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * self.element_size
+        return total
+
+    # -- (de)serialisation -----------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layout"] = self.layout.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"unknown engine spec keys {unknown}; known keys are {sorted(known)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise PlanError(f"engine spec is missing {missing}")
+        return cls(**dict(data))
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+def parse_layout(name: str) -> Layout:
+    try:
+        return Layout(name)
+    except ValueError:
+        raise PlanError(
+            f"unknown layout {name!r}; use one of {[layout.value for layout in Layout]}"
+        ) from None
+
+
+# Fields that two engines must share for any plan to exist between them.
+MUST_MATCH = ("num_layers", "head_dim", "dtype")
