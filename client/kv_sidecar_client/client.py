@@ -1,0 +1,192 @@
+"""The engine-side thin client: a few calls over the sidecar's unix socket."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+DEFAULT_SOCKET = "/run/kv-sidecar/engine.sock"
+TransferParams = common_pb2.TransferParams
+EngineSpec = common_pb2.EngineSpec
+TensorHandle = common_pb2.TensorHandle
+
+
+class KVSidecarError(Exception):
+    """A sidecar call failed; `code` is the gRPC status code name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _error(e: grpc.RpcError) -> KVSidecarError:
+    if isinstance(e, grpc.Call):
+        return KVSidecarError(e.code().name, e.details() or "")
+    return KVSidecarError("UNKNOWN", str(e))
+
+
+def params_to_json(params: TransferParams) -> str:
+    """Transfer params as JSON, to carry through a router (kv_transfer_params)."""
+    return json_format.MessageToJson(params, indent=None, preserving_proto_field_name=True)
+
+
+def params_from_json(text: str | Mapping[str, Any]) -> TransferParams:
+    msg = TransferParams()
+    if isinstance(text, str):
+        json_format.Parse(text, msg)
+    else:
+        json_format.ParseDict(dict(text), msg)
+    return msg
+
+
+def spec_message(spec: Mapping[str, Any] | EngineSpec) -> EngineSpec:
+    if isinstance(spec, EngineSpec):
+        return spec
+    d = dict(spec)
+    if d.get("kernel_block_size") is None:
+        d.pop("kernel_block_size", None)
+    return EngineSpec(**d)
+
+
+@dataclass
+class PullResult:
+    ok: bool
+    bytes: int = 0
+    duration_s: float = 0.0
+    path: str = ""
+    error_code: str = ""
+    error: str = ""
+    unfilled_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
+
+    def raise_for_error(self) -> PullResult:
+        if not self.ok:
+            raise KVSidecarError(self.error_code, self.error)
+        return self
+
+
+@dataclass
+class Event:
+    kind: str  # "ready" | "consumed" | "lease_expired"
+    request_id: str = ""
+    block_ids: list[int] = field(default_factory=list)
+
+
+class EventStream:
+    """Iterate events of one rank; close() ends the session."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            for msg in self._call:
+                kind = msg.WhichOneof("kind")
+                if kind == "ready":
+                    yield Event("ready")
+                else:
+                    body = getattr(msg, kind)
+                    yield Event(kind, body.request_id, list(body.block_ids))
+        except grpc.RpcError as e:
+            if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise _error(e) from None
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class SidecarClient:
+    """Synchronous client. `target` is a unix socket path or a gRPC target string."""
+
+    def __init__(self, target: str = DEFAULT_SOCKET, timeout_s: float = 30.0) -> None:
+        if "://" not in target and not target.startswith("unix:") and ":" not in target:
+            target = f"unix:{target}"
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the sidecar's socket accepts connections."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise KVSidecarError("UNAVAILABLE", f"sidecar at {self.target} is not reachable") from None
+
+    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    # -- registration -------------------------------------------------------------
+    def register_rank(self, engine_id: str, rank: int, spec: Mapping[str, Any] | EngineSpec,
+                      tensors: Sequence[TensorHandle]) -> engine_pb2.RegisterRankResponse:
+        req = engine_pb2.RegisterRankRequest(engine_id=engine_id, rank=rank, spec=spec_message(spec),
+                                             tensors=list(tensors))
+        return self._call("RegisterRank", req)
+
+    def unregister_rank(self, engine_id: str, rank: int) -> None:
+        self._call("UnregisterRank", engine_pb2.UnregisterRankRequest(engine_id=engine_id, rank=rank))
+
+    def events(self, engine_id: str, rank: int, unregister_on_close: bool = True) -> EventStream:
+        call = self._stub.Events(engine_pb2.EventsRequest(engine_id=engine_id, rank=rank,
+                                                          unregister_on_close=unregister_on_close))
+        return EventStream(call)
+
+    # -- prefill ----------------------------------------------------------------------
+    def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int,
+                lease_ms: int = 0) -> TransferParams:
+        req = engine_pb2.PublishRequest(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
+                                        num_tokens=num_tokens, lease_ms=lease_ms)
+        return self._call("Publish", req).params
+
+    # -- decode -----------------------------------------------------------------------
+    def pull(self, params: TransferParams, engine_id: str, block_ids: Sequence[int],
+             ranks: Sequence[int] = (), start_token: int = 0, timeout_s: float | None = None) -> PullResult:
+        """Fill local blocks; never raises for a failed transfer (see PullResult)."""
+        timeout = timeout_s or self.timeout_s
+        req = engine_pb2.PullRequest(params=params, engine_id=engine_id, ranks=list(ranks),
+                                     block_ids=list(block_ids), start_token=start_token,
+                                     timeout_ms=int(timeout * 1000))
+        try:
+            resp = self._stub.Pull(req, timeout=timeout + 5)  # the sidecar times out first, with details
+        except grpc.RpcError as e:
+            err = _error(e)
+            unfilled = list(block_ids)
+            with contextlib.suppress(Exception):
+                for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+                    if key == "kvsidecar-unfilled-blocks":
+                        unfilled = [int(b) for b in value.split(",") if b]
+            return PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=unfilled)
+        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+
+    def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
+        return list(self._call("KeepAlive", engine_pb2.KeepAliveRequest(params=list(params))).lease_deadline_unix_ms)
+
+    # -- either side -----------------------------------------------------------------
+    def abort(self, engine_id: str, request_id: str) -> bool:
+        return self._call("Abort", engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id)).found

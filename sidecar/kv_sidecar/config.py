@@ -1,0 +1,88 @@
+"""Sidecar settings. Precedence: command-line flags > KV_SIDECAR_* env > YAML file > defaults."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "KV_SIDECAR_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine_socket: str = "/run/kv-sidecar/engine.sock"
+    peer_host: str = "0.0.0.0"
+    peer_port: int = 50061
+    metrics_port: int = 9464
+    advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
+    staging_bytes: int = 256 << 20
+    lease_ms: int = 30_000
+    pull_timeout_ms: int = 30_000
+    max_message_bytes: int = 64 << 20
+    log_level: str = "INFO"
+    sidecar_id: str = ""  # default: a random id per process
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    token_file: str = ""
+
+    HELP = {
+        "engine_socket": "unix socket path of the engine API",
+        "peer_host": "address the peer API listens on",
+        "peer_port": "TCP port of the peer API (0 picks a free port)",
+        "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
+        "advertise_address": "host:port other sidecars use to reach this one",
+        "staging_bytes": "bytes of sidecar-owned staging memory for layout/TP conversions",
+        "lease_ms": "default lease of published blocks, in milliseconds",
+        "pull_timeout_ms": "default timeout of one pull, in milliseconds",
+        "max_message_bytes": "largest gRPC message accepted or sent",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        "sidecar_id": "stable id of this sidecar (default: random per process)",
+        "tls_cert": "PEM certificate for the peer API (enables TLS)",
+        "tls_key": "PEM private key for tls_cert",
+        "tls_ca": "PEM CA bundle: verify peers (mutual TLS on the server)",
+        "token_file": "file holding the shared peer token",
+    }
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if kind is int:
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    return str(value)
+
+
+def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | None = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    types = {f.name: type(f.default) for f in fields(Settings)}
+    merged: dict[str, Any] = {}
+    if config_file:
+        try:
+            with open(config_file) as fh:
+                data = yaml.safe_load(fh) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {config_file}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {config_file} must hold a mapping")
+        unknown = sorted(set(data) - set(types))
+        if unknown:
+            raise ConfigError(f"unknown keys {unknown} in {config_file}; known: {sorted(types)}")
+        merged.update(data)
+    for name in types:
+        if ENV_PREFIX + name.upper() in env:
+            merged[name] = env[ENV_PREFIX + name.upper()]
+    for name, value in (flags or {}).items():
+        if value is not None and name in types:
+            merged[name] = value
+    return Settings(**{k: _coerce(k, v, types[k]) for k, v in merged.items()})

@@ -1,0 +1,1 @@
+"""Mapping engine memory into the sidecar (shared memory, CUDA IPC)."""

@@ -1,0 +1,73 @@
+"""Where each block's bytes sit in a rank's tensors: NIXL descriptor tables.
+
+In every supported layout a logical block is a contiguous run of bytes for each
+index of the dims *before* the block dim (K/V for kv-first layouts, nothing for
+blocks-first and cross-layer ones). One such run is a "chunk"; a rank has
+regions x outer x num_blocks chunks. Pure numpy, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_sidecar.plan.spec import EngineSpec, Layout
+
+_KV_FIRST = (Layout.FLASH_ATTN_NHD, Layout.FLASH_ATTN_HND)
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    regions: int  # tensors per rank
+    outer: int  # chunks per block per region
+    outer_stride: int  # bytes between consecutive outer indices
+    chunk: int  # bytes of one block's run (all kernel blocks of a logical block)
+    num_blocks: int
+    region_bytes: int
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.regions * self.outer * self.num_blocks
+
+
+def chunk_geometry(spec: EngineSpec) -> ChunkGeometry:
+    shapes = spec.rank_tensor_shapes()
+    shape = shapes[0]
+    block_dim = 1 if (spec.layout in _KV_FIRST and not spec.cross_layer) else 0
+    per_kernel_block = math.prod(shape[block_dim + 1 :]) * spec.element_size
+    return ChunkGeometry(
+        regions=len(shapes),
+        outer=math.prod(shape[:block_dim]),
+        outer_stride=shape[block_dim] * per_kernel_block,
+        chunk=per_kernel_block * spec.kernel_blocks_per_block,
+        num_blocks=spec.num_blocks,
+        region_bytes=math.prod(shape) * spec.element_size,
+    )
+
+
+def chunk_indices(geo: ChunkGeometry, block_ids: np.ndarray) -> np.ndarray:
+    """Indices into `descriptor_table` for these blocks, ordered region, outer, block."""
+    base = np.arange(geo.regions * geo.outer, dtype=np.int64) * geo.num_blocks
+    return (base[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def descriptors(geo: ChunkGeometry, region_bases: list[int], block_ids: np.ndarray, device: int = 0) -> np.ndarray:
+    """(M, 3) uint64 [address, length, device] for these blocks, same order as chunk_indices."""
+    if len(region_bases) != geo.regions:
+        raise ValueError(f"expected {geo.regions} region addresses, got {len(region_bases)}")
+    bases = np.asarray(region_bases, dtype=np.uint64)[:, None] + (
+        np.arange(geo.outer, dtype=np.uint64) * np.uint64(geo.outer_stride)
+    )[None, :]
+    addrs = bases.reshape(-1)[:, None] + np.asarray(block_ids, dtype=np.uint64)[None, :] * np.uint64(geo.chunk)
+    out = np.empty((addrs.size, 3), dtype=np.uint64)
+    out[:, 0] = addrs.reshape(-1)
+    out[:, 1] = geo.chunk
+    out[:, 2] = device
+    return out
+
+
+def descriptor_table(geo: ChunkGeometry, region_bases: list[int], device: int = 0) -> np.ndarray:
+    """Every chunk of a rank, to prepare once as a NIXL dlist."""
+    return descriptors(geo, region_bases, np.arange(geo.num_blocks), device)

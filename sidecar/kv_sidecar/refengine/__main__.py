@@ -1,0 +1,3 @@
+from kv_sidecar.refengine.engine import main
+
+raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""A reference engine process: one engine (all its TP ranks) with KV caches in shared memory.
+
+Driven by JSON lines on stdin, answering one JSON line each on stdout:
+  {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0}
+      -> {"ok": true, "params": {...}}                       (fills blocks, publishes)
+  {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
+      -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
+  {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
+  {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
+from kv_sidecar_client.shm import ShmKVCache
+
+
+class RefEngine:
+    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int], poison: int) -> None:
+        self.spec = spec
+        self.engine_id = engine_id
+        self.client = SidecarClient(socket)
+        self.client.wait_ready()
+        self.caches: dict[int, ShmKVCache] = {}
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        dtype = getattr(torch, spec.dtype)
+        for r in ranks:
+            cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
+            for t in cache.tensors:
+                t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
+            self.caches[r] = cache
+            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles())
+            stream = self.client.events(engine_id, r)
+            threading.Thread(target=self._follow, args=(r, stream), daemon=True).start()
+
+    def _follow(self, rank: int, stream: Any) -> None:
+        try:
+            for ev in stream:
+                if ev.kind != "ready":
+                    self.events.put({"rank": rank, "kind": ev.kind, "request_id": ev.request_id,
+                                     "block_ids": ev.block_ids})
+        except KVSidecarError as e:
+            self.events.put({"rank": rank, "kind": "stream_error", "error": str(e)})
+
+    def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
+        for r, cache in self.caches.items():
+            fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        params = self.client.publish(self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"],
+                                     cmd.get("lease_ms", 0))
+        return {"ok": True, "params": json.loads(params_to_json(params))}
+
+    def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        params = params_from_json(cmd["params"])
+        ranks = cmd.get("ranks") or sorted(self.caches)
+        start = cmd.get("start_token", 0)
+        verify = cmd.get("verify", True)
+        before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks} if verify else {}
+        res = self.client.pull(params, self.engine_id, cmd["block_ids"], ranks=cmd.get("ranks") or (),
+                               start_token=start, timeout_s=cmd.get("timeout_s"))
+        out: dict[str, Any] = {"ok": res.ok, "bytes": res.bytes, "duration_s": res.duration_s, "gbps": res.gbps,
+                               "path": res.path, "error_code": res.error_code, "error": res.error,
+                               "unfilled_blocks": res.unfilled_blocks}
+        if res.ok and verify:
+            logical = logical_kv(self.spec, params.num_tokens, cmd["seed"])
+            errors: list[str] = []
+            for r in ranks:
+                errors += check_request(self.spec, r, self.caches[r].tensors, cmd["block_ids"], logical, start)
+                errors += changed_outside(self.spec, before[r], self.caches[r].tensors, cmd["block_ids"])
+            out["verified"] = not errors
+            out["errors"] = errors[:20]
+        elif verify:
+            # A failed pull must not touch blocks it was not asked to fill.
+            errors = [e for r in ranks for e in changed_outside(self.spec, before[r], self.caches[r].tensors,
+                                                                 cmd["block_ids"])]
+            out["verified"] = not errors
+            out["errors"] = errors[:20]
+        return out
+
+    def next_event(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return {"ok": True, **self.events.get(timeout=cmd.get("timeout_s", 10))}
+        except queue.Empty:
+            return {"ok": False, "error": "no event"}
+
+    def close(self) -> None:
+        for r in list(self.caches):
+            try:
+                self.client.unregister_rank(self.engine_id, r)
+            except KVSidecarError:
+                pass  # the sidecar may be gone already
+            self.caches.pop(r).close()
+        self.client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="kv-sidecar reference engine (stdin/stdout JSON lines)")
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--spec", required=True, help="engine spec as JSON")
+    ap.add_argument("--ranks", default="", help="comma-separated ranks to host (default: all)")
+    ap.add_argument("--poison", type=int, default=0xA5)
+    args = ap.parse_args(argv)
+    spec = EngineSpec.from_dict(json.loads(args.spec))
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
+    try:
+        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison)
+    except KVSidecarError as e:
+        print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
+        return 1
+    print(json.dumps({"ok": True, "ready": True}), flush=True)
+    handlers = {"prefill": engine.prefill, "pull": engine.pull, "next_event": engine.next_event}
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            try:
+                reply = handlers[cmd["cmd"]](cmd)
+            except KVSidecarError as e:
+                reply = {"ok": False, "error_code": e.code, "error": e.message}
+            print(json.dumps(reply), flush=True)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Write and read one logical block of a rank's cache, layout by layout.
+
+Deliberately plain (one block at a time, explicit per-layout indexing) and
+independent of the executors, so it can serve as the reference they are
+checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec, Layout
+
+
+def logical_kv(spec: EngineSpec, num_tokens: int, seed: int) -> torch.Tensor:
+    """[layers, 2, tokens, heads, dim] (MLA: [layers, 1, tokens, 1, latent]) from a seed."""
+    g = torch.Generator().manual_seed(seed)
+    kv = 1 if spec.is_mla else 2
+    heads = 1 if spec.is_mla else spec.num_kv_heads
+    x = torch.randn(spec.num_layers, kv, num_tokens, heads, spec.head_dim, generator=g)
+    return x.to(getattr(torch, spec.dtype))
+
+
+def _block_slot(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int) -> torch.Tensor:
+    """A view [kv, r*kb tokens..., heads, dim]-ish of one logical block in one layer, in physical dim order."""
+    r = spec.kernel_blocks_per_block
+    if spec.cross_layer:
+        return tensors[0][block * r : (block + 1) * r, layer]  # [r, <layer shape without N>]
+    t = tensors[layer]
+    if spec.layout in (Layout.FLASH_ATTN_NHD, Layout.FLASH_ATTN_HND):
+        return t[:, block * r : (block + 1) * r].transpose(0, 1)  # [r, 2, ...]
+    return t[block * r : (block + 1) * r]
+
+
+def _to_physical(spec: EngineSpec, x: torch.Tensor) -> torch.Tensor:
+    """x: [kv, tokens(block_size), heads, dim] -> [r, <per-kernel-block physical dims>]."""
+    r, kb = spec.kernel_blocks_per_block, spec.physical_block_size
+    kv, _, h, d = x.shape
+    x = x.reshape(kv, r, kb, h, d).permute(1, 0, 2, 3, 4)  # [r, kv, kb, h, d]
+    lay = spec.layout
+    if lay in (Layout.FLASH_ATTN_NHD, Layout.FLASHINFER_NHD):
+        return x
+    if lay in (Layout.FLASH_ATTN_HND, Layout.FLASHINFER_HND):
+        return x.permute(0, 1, 3, 2, 4)
+    if lay is Layout.PACKED:
+        return torch.cat([x[:, 0], x[:, 1]], dim=-1).permute(0, 2, 1, 3)  # [r, h, kb, 2d]
+    return x[:, 0, :, 0, :]  # MLA: [r, kb, latent]
+
+
+def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
+    r, kb = spec.kernel_blocks_per_block, spec.physical_block_size
+    lay = spec.layout
+    if lay in (Layout.FLASH_ATTN_NHD, Layout.FLASHINFER_NHD):
+        x = y
+    elif lay in (Layout.FLASH_ATTN_HND, Layout.FLASHINFER_HND):
+        x = y.permute(0, 1, 3, 2, 4)
+    elif lay is Layout.PACKED:
+        d = y.shape[-1] // 2
+        z = y.permute(0, 2, 1, 3)  # [r, kb, h, 2d]
+        x = torch.stack([z[..., :d], z[..., d:]], dim=1)
+    else:
+        x = y[:, None, :, None, :]
+    kv, h, d = x.shape[1], x.shape[3], x.shape[4]
+    return x.permute(1, 0, 2, 3, 4).reshape(kv, r * kb, h, d)
+
+
+def write_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int, x: torch.Tensor) -> None:
+    """x: [kv, block_size, heads_local, dim]."""
+    _block_slot(spec, tensors, layer, block).copy_(_to_physical(spec, x))
+
+
+def read_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int) -> torch.Tensor:
+    return _from_physical(spec, _block_slot(spec, tensors, layer, block))
+
+
+def fill_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int],
+                 logical: torch.Tensor) -> None:
+    """Write the rank's shard of `logical` (all tokens) into `block_ids`."""
+    h0, h1 = spec.rank_heads(rank)
+    bs, tokens = spec.block_size, logical.shape[2]
+    for j, b in enumerate(block_ids):
+        t0, t1 = j * bs, min(tokens, (j + 1) * bs)
+        for layer in range(spec.num_layers):
+            x = torch.zeros(logical.shape[1], bs, h1 - h0, spec.head_dim, dtype=logical.dtype)
+            x[:, : t1 - t0] = logical[layer, :, t0:t1, h0:h1]
+            write_block(spec, tensors, layer, b, x)
+
+
+def check_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int],
+                  logical: torch.Tensor, start_token: int = 0) -> list[str]:
+    """Compare tokens [start_token, tokens) in `block_ids` with `logical`; returns mismatches."""
+    h0, h1 = spec.rank_heads(rank)
+    bs, tokens = spec.block_size, logical.shape[2]
+    errors: list[str] = []
+    for j, b in enumerate(block_ids):
+        t0 = start_token + j * bs
+        t1 = min(tokens, t0 + bs)
+        for layer in range(spec.num_layers):
+            got = read_block(spec, tensors, layer, b)[:, : t1 - t0]
+            want = logical[layer, :, t0:t1, h0:h1]
+            if not torch.equal(_bits(got), _bits(want)):
+                errors.append(f"rank {rank} layer {layer} block {b} (tokens {t0}..{t1}) differs")
+    return errors
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Compare raw bytes: NaN != NaN and -0.0 == 0.0 must not hide a difference."""
+    return t.contiguous().view(torch.uint8)
+
+
+def block_dim(spec: EngineSpec) -> int:
+    return 1 if spec.layout in (Layout.FLASH_ATTN_NHD, Layout.FLASH_ATTN_HND) and not spec.cross_layer else 0
+
+
+def changed_outside(spec: EngineSpec, before: list[torch.Tensor], after: list[torch.Tensor],
+                    block_ids: list[int]) -> list[str]:
+    """Tensors whose bytes changed outside `block_ids` (kernel blocks expanded)."""
+    r, dim = spec.kernel_blocks_per_block, block_dim(spec)
+    keep = torch.ones(spec.num_blocks * r, dtype=torch.bool)
+    for b in block_ids:
+        keep[b * r : (b + 1) * r] = False
+    idx = keep.nonzero().flatten()
+    return [
+        f"tensor {i} changed outside the requested blocks"
+        for i, (x, y) in enumerate(zip(before, after, strict=True))
+        if not torch.equal(_bits(x.index_select(dim, idx)), _bits(y.index_select(dim, idx)))
+    ]

@@ -1,0 +1,116 @@
+"""Start real sidecar and reference-engine processes (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from kv_sidecar.plan.spec import EngineSpec
+
+
+class ProcessError(RuntimeError):
+    pass
+
+
+class _Proc:
+    def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.stderr_tail: deque[str] = deque(maxlen=200)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, bufsize=1, env={**os.environ, **(env or {})})
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_tail.append(line.rstrip())
+
+    def readline(self, timeout_s: float) -> str:
+        """One stdout line, or ProcessError with the stderr tail if the process died or hung."""
+        assert self.proc.stdout is not None
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        t.start()
+        t.join(timeout_s)
+        if not box or not box[0]:
+            tail = "\n".join(self.stderr_tail)
+            raise ProcessError(f"{self.name} gave no answer (exit code {self.proc.poll()}); stderr:\n{tail}")
+        return box[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class SidecarProcess(_Proc):
+    """`kv-sidecar serve` on a temporary unix socket and free ports on loopback."""
+
+    def __init__(self, name: str = "sidecar", workdir: str | None = None, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 60) -> None:
+        self.workdir = workdir or tempfile.mkdtemp(prefix="kvsidecar-")
+        self.socket = os.path.join(self.workdir, f"{name}.sock")
+        argv = [sys.executable, "-m", "kv_sidecar", "serve", "--engine-socket", self.socket,
+                "--peer-host", "127.0.0.1", "--peer-port", "0", "--metrics-port", "0", *(extra or [])]
+        super().__init__(argv, name, env)
+        deadline = time.monotonic() + start_timeout_s
+        while True:  # NIXL prints its own log lines to stdout before ours
+            line = self.readline(max(0.1, deadline - time.monotonic()))
+            m = re.search(r"^kv-sidecar ready id=(\S+) .*peer=(\S+) metrics_port=(\d+)", line)
+            if m:
+                break
+        self.sidecar_id, self.peer_address, self.metrics_port = m.group(1), m.group(2), int(m.group(3))
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+
+class EngineProcess(_Proc):
+    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int] | None = None,
+                 start_timeout_s: float = 60) -> None:
+        argv = [sys.executable, "-m", "kv_sidecar.refengine", "--socket", socket, "--engine-id", engine_id,
+                "--spec", spec.canonical_json()]
+        if ranks:
+            argv += ["--ranks", ",".join(map(str, ranks))]
+        super().__init__(argv, f"engine {engine_id}")
+        self.spec = spec
+        self.engine_id = engine_id
+        ready = json.loads(self.readline(start_timeout_s))
+        if not ready.get("ok"):
+            self.kill()
+            raise ProcessError(f"engine {engine_id} failed to start: {ready}")
+
+    def send(self, cmd: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.readline(timeout_s))
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()

@@ -1,0 +1,1 @@
+"""The gRPC services and the state behind them."""

@@ -1,0 +1,168 @@
+"""EngineService: the thin client's API (pod-local, on a unix socket)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kv_sidecar.server.engines import spec_from_proto
+from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.peers import rpc_error
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+def check_blocks(kind: str, block_ids: list[int], num_blocks: int) -> None:
+    seen: set[int] = set()
+    for b in block_ids:
+        if b >= num_blocks:
+            raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} block id {b} is out of range [0, {num_blocks})")
+        if b in seen:
+            raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} block id {b} appears twice")
+        seen.add(b)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sc = sidecar
+
+    @rpc
+    def RegisterRank(self, request: engine_pb2.RegisterRankRequest, context: grpc.ServicerContext
+                     ) -> engine_pb2.RegisterRankResponse:
+        check_id("engine_id", request.engine_id)
+        if not request.HasField("spec"):
+            raise SidecarError(Code.INVALID_ARGUMENT, "spec is required")
+        spec = spec_from_proto(request.spec)
+        self._sc.engines.register(request.engine_id, request.rank, spec, list(request.tensors))
+        self._sc.refresh_gauges()
+        return engine_pb2.RegisterRankResponse(sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address)
+
+    @rpc
+    def UnregisterRank(self, request: engine_pb2.UnregisterRankRequest, context: grpc.ServicerContext
+                       ) -> engine_pb2.UnregisterRankResponse:
+        self._unregister(request.engine_id, request.rank)
+        return engine_pb2.UnregisterRankResponse()
+
+    def _unregister(self, engine_id: str, rank: int) -> None:
+        sc = self._sc
+        sc.engines.unregister(engine_id, rank)
+        if not any(e.engine_id == engine_id for e in sc.engines.all()):
+            dropped = sc.published.drop_engine(engine_id)
+            if dropped:
+                log.info("released %d published requests of engine %s", dropped, engine_id)
+        sc.refresh_gauges()
+
+    @stream_rpc
+    def Events(self, request: engine_pb2.EventsRequest, context: grpc.ServicerContext) -> Iterator[engine_pb2.Event]:
+        entry = self._sc.engines.get(request.engine_id, request.rank)
+        closed = threading.Event()
+        context.add_callback(closed.set)
+        entry.sessions += 1
+        try:
+            yield engine_pb2.Event(ready=True)
+            while not closed.is_set() and context.is_active():
+                try:
+                    event = entry.events.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    return  # unregistered
+                yield event
+        finally:
+            entry.sessions -= 1
+            if request.unregister_on_close and closed.is_set():
+                try:
+                    if self._sc.engines.get(request.engine_id, request.rank) is entry:
+                        log.warning("session of engine %s rank %d ended: unregistering it",
+                                    request.engine_id, request.rank)
+                        self._unregister(request.engine_id, request.rank)
+                except SidecarError:
+                    pass
+
+    @rpc
+    def Publish(self, request: engine_pb2.PublishRequest, context: grpc.ServicerContext) -> engine_pb2.PublishResponse:
+        sc = self._sc
+        check_id("engine_id", request.engine_id)
+        check_id("request_id", request.request_id)
+        spec = sc.engines.spec(request.engine_id)
+        if request.num_tokens <= 0:
+            raise SidecarError(Code.INVALID_ARGUMENT, "num_tokens must be positive")
+        need = math.ceil(request.num_tokens / spec.block_size)
+        if len(request.block_ids) != need:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"{request.num_tokens} tokens at block size {spec.block_size} need {need} blocks, "
+                f"got {len(request.block_ids)}",
+            )
+        check_blocks("prefill", list(request.block_ids), spec.num_blocks)
+        lease_ms = request.lease_ms or sc.settings.lease_ms
+        item = sc.published.publish(request.engine_id, request.request_id, list(request.block_ids),
+                                    request.num_tokens, lease_ms / 1000)
+        sc.refresh_gauges()
+        params = common_pb2.TransferParams(
+            engine_id=request.engine_id, sidecar_address=sc.peer_address, sidecar_id=sc.sidecar_id,
+            request_id=request.request_id, block_ids=request.block_ids, num_tokens=request.num_tokens,
+            lease_deadline_unix_ms=item.deadline_unix_ms(),
+        )
+        return engine_pb2.PublishResponse(params=params)
+
+    @rpc
+    def Pull(self, request: engine_pb2.PullRequest, context: grpc.ServicerContext) -> engine_pb2.PullResponse:
+        sc = self._sc
+        check_id("engine_id", request.engine_id)
+        check_id("params.request_id", request.params.request_id)
+        check_id("params.engine_id", request.params.engine_id)
+        key = (request.engine_id, request.params.request_id)
+        cancel = threading.Event()
+        with sc.pulls_lock:
+            if key in sc.pulls_in_flight:
+                raise SidecarError(Code.ALREADY_EXISTS,
+                                   f"a pull of request {key[1]!r} into engine {key[0]!r} is already running")
+            sc.pulls_in_flight[key] = cancel
+        context.add_callback(cancel.set)  # the engine went away: stop waiting
+        try:
+            return sc.puller.pull(request, cancel)
+        finally:
+            with sc.pulls_lock:
+                sc.pulls_in_flight.pop(key, None)
+
+    @rpc
+    def KeepAlive(self, request: engine_pb2.KeepAliveRequest, context: grpc.ServicerContext
+                  ) -> engine_pb2.KeepAliveResponse:
+        sc = self._sc
+        out: list[int] = []
+        for p in request.params:
+            if p.sidecar_id == sc.sidecar_id:
+                out.append(sc.published.keep_alive(p.engine_id, p.request_id))
+                continue
+            link = sc.peers.link(p.sidecar_address)
+            try:
+                resp = link.stub.KeepAlive(peer_pb2.PeerKeepAliveRequest(engine_id=p.engine_id,
+                                                                        request_ids=[p.request_id]),
+                                           timeout=5, metadata=sc.peer_metadata())
+            except grpc.RpcError as e:
+                raise rpc_error(e, p.sidecar_address, "keep-alive") from None
+            out.extend(resp.lease_deadline_unix_ms)
+        return engine_pb2.KeepAliveResponse(lease_deadline_unix_ms=out)
+
+    @rpc
+    def Abort(self, request: engine_pb2.AbortRequest, context: grpc.ServicerContext) -> engine_pb2.AbortResponse:
+        sc = self._sc
+        found = sc.published.abort(request.engine_id, request.request_id)
+        with sc.pulls_lock:
+            cancel = sc.pulls_in_flight.get((request.engine_id, request.request_id))
+        if cancel is not None:
+            cancel.set()
+            found = True
+        sc.refresh_gauges()
+        return engine_pb2.AbortResponse(found=found)

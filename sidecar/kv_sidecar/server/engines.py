@@ -1,0 +1,186 @@
+"""Registered engine ranks: their spec, their mapped tensors, their NIXL registration."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv_sidecar.execute.host import RankView, rank_view
+from kv_sidecar.memory.shm import ShmMapper
+from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
+from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
+
+log = logging.getLogger(__name__)
+
+
+def spec_from_proto(msg: common_pb2.EngineSpec) -> EngineSpec:
+    return EngineSpec(
+        tp_size=msg.tp_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        block_size=msg.block_size,
+        num_blocks=msg.num_blocks,
+        layout=msg.layout,  # type: ignore[arg-type]  # parsed and validated by EngineSpec
+        kernel_block_size=msg.kernel_block_size or None,
+        cross_layer=msg.cross_layer,
+    )
+
+
+def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
+    d = spec.to_dict()
+    d["kernel_block_size"] = d["kernel_block_size"] or 0
+    return common_pb2.EngineSpec(**d)
+
+
+@dataclass
+class RankEntry:
+    engine_id: str
+    rank: int
+    spec: EngineSpec
+    tensors: list[torch.Tensor]
+    shm_names: list[str]
+    view: RankView
+    geometry: ChunkGeometry
+    nixl_key: int | None = None
+    local_dlist: int | None = None  # every chunk of this rank, prepared once
+    events: queue.Queue[engine_pb2.Event | None] = field(default_factory=queue.Queue)
+    sessions: int = 0
+
+    @property
+    def region_bases(self) -> list[int]:
+        return [t.data_ptr() for t in self.tensors]
+
+    @property
+    def regions(self) -> list[tuple[int, int, int]]:
+        return [(t.data_ptr(), t.numel() * t.element_size(), 0) for t in self.tensors]
+
+    def emit(self, event: engine_pb2.Event) -> None:
+        self.events.put(event)
+
+
+class EngineRegistry:
+    """Thread-safe map of (engine_id, rank) to RankEntry."""
+
+    def __init__(self, nixl: Any | None) -> None:
+        self._nixl = nixl
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankEntry] = {}
+        self._shm = ShmMapper()
+
+    def register(self, engine_id: str, rank: int, spec: EngineSpec,
+                 handles: list[common_pb2.TensorHandle]) -> RankEntry:
+        if rank >= spec.tp_size:
+            raise SidecarError(Code.INVALID_ARGUMENT, f"rank {rank} is out of range for tp_size {spec.tp_size}")
+        with self._lock:
+            if (engine_id, rank) in self._ranks:
+                raise SidecarError(Code.ALREADY_EXISTS, f"engine {engine_id!r} rank {rank} is already registered")
+            for (eid, _), other in self._ranks.items():
+                if eid == engine_id and other.spec != spec:
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"engine {engine_id!r} rank {rank} declares a spec that differs from rank {other.rank}'s",
+                    )
+            # Reserve the key so a concurrent duplicate fails fast while we map memory.
+            self._ranks[(engine_id, rank)] = None  # type: ignore[assignment]
+        try:
+            entry = self._build(engine_id, rank, spec, handles)
+        except BaseException:
+            with self._lock:
+                del self._ranks[(engine_id, rank)]
+            raise
+        with self._lock:
+            self._ranks[(engine_id, rank)] = entry
+        return entry
+
+    def _build(self, engine_id: str, rank: int, spec: EngineSpec,
+               handles: list[common_pb2.TensorHandle]) -> RankEntry:
+        expected = spec.rank_tensor_shapes()
+        if len(handles) != len(expected):
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"spec needs {len(expected)} tensors ({'one cross-layer' if spec.cross_layer else 'one per layer'}), "
+                f"got {len(handles)}",
+            )
+        tensors: list[torch.Tensor] = []
+        names: list[str] = []
+        try:
+            for i, (h, shape) in enumerate(zip(handles, expected, strict=True)):
+                if h.WhichOneof("memory") != "shm":
+                    raise SidecarError(
+                        Code.UNIMPLEMENTED, f"tensor {i}: only shared-memory tensors are served by this sidecar build"
+                    )
+                if tuple(h.shape) != shape:
+                    raise SidecarError(
+                        Code.INVALID_ARGUMENT, f"tensor {i}: shape {list(h.shape)} does not match the spec's {list(shape)}"
+                    )
+                if h.dtype != spec.dtype:
+                    raise SidecarError(Code.INVALID_ARGUMENT, f"tensor {i}: dtype {h.dtype} but the spec says {spec.dtype}")
+                tensors.append(self._shm.map_tensor(h.shm.name, h.shm.offset, h.shape, h.strides, h.dtype))
+                names.append(h.shm.name)
+            view = rank_view(spec, rank, tensors)
+        except BaseException:
+            for n in names:
+                self._shm.release(n)
+            raise
+        entry = RankEntry(engine_id, rank, spec, tensors, names, view, chunk_geometry(spec))
+        if self._nixl is not None:
+            entry.nixl_key = self._nixl.register(entry.regions)
+        log.info("registered engine %s rank %d (%s, %d bytes)", engine_id, rank, spec.layout.value, spec.rank_bytes())
+        return entry
+
+    def unregister(self, engine_id: str, rank: int) -> RankEntry:
+        with self._lock:
+            entry = self._ranks.get((engine_id, rank))
+            if entry is None:
+                raise SidecarError(Code.NOT_FOUND, f"engine {engine_id!r} rank {rank} is not registered")
+            del self._ranks[(engine_id, rank)]
+        if self._nixl is not None:
+            if entry.local_dlist is not None:
+                self._nixl.release_dlist(entry.local_dlist)
+            if entry.nixl_key is not None:
+                self._nixl.deregister(entry.nixl_key)
+        entry.tensors.clear()
+        for n in entry.shm_names:
+            self._shm.release(n)
+        entry.emit(None)  # ends any open event stream
+        log.info("unregistered engine %s rank %d", engine_id, rank)
+        return entry
+
+    def get(self, engine_id: str, rank: int) -> RankEntry:
+        entry = self._ranks.get((engine_id, rank))
+        if entry is None:
+            if any(eid == engine_id for eid, _ in self._ranks):
+                raise SidecarError(Code.NOT_FOUND, f"engine {engine_id!r} has no rank {rank} registered here")
+            raise SidecarError(Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here")
+        return entry
+
+    def engine_ranks(self, engine_id: str) -> list[RankEntry]:
+        with self._lock:
+            ranks = sorted((e for (eid, _), e in self._ranks.items() if eid == engine_id and e is not None),
+                           key=lambda e: e.rank)
+        if not ranks:
+            raise SidecarError(Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here")
+        return ranks
+
+    def spec(self, engine_id: str) -> EngineSpec:
+        return self.engine_ranks(engine_id)[0].spec
+
+    def all(self) -> list[RankEntry]:
+        with self._lock:
+            return [e for e in self._ranks.values() if e is not None]
+
+    def close(self) -> None:
+        for e in self.all():
+            try:
+                self.unregister(e.engine_id, e.rank)
+            except (SidecarError, PlanError):
+                pass

@@ -1,0 +1,83 @@
+"""One exception type that carries a gRPC status, and the adapter that applies it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from kv_sidecar.memory.shm import HandleError
+from kv_sidecar.plan.spec import PlanError
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+Code = grpc.StatusCode
+
+
+class SidecarError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def as_sidecar_error(e: Exception) -> SidecarError:
+    if isinstance(e, SidecarError):
+        return e
+    if isinstance(e, PlanError):
+        return SidecarError(getattr(Code, e.code, Code.INVALID_ARGUMENT), str(e))
+    if isinstance(e, HandleError):
+        return SidecarError(Code.INVALID_ARGUMENT, str(e))
+    return SidecarError(Code.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+
+def _abort(context: grpc.ServicerContext, e: Exception) -> None:
+    err = as_sidecar_error(e)
+    if err.code is Code.INTERNAL:
+        log.exception("internal error in handler")
+    if err.metadata:
+        context.set_trailing_metadata(err.metadata)
+    context.abort(err.code, err.message)
+
+
+def rpc(fn: F) -> F:
+    """Map exceptions raised by a unary handler to gRPC statuses."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            if isinstance(e, grpc.RpcError) and not isinstance(e, grpc.Call):
+                raise  # context.abort() already ran
+            _abort(context, e)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stream_rpc(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(self, request, context)
+        except Exception as e:
+            if isinstance(e, grpc.RpcError) and not isinstance(e, grpc.Call):
+                raise
+            _abort(context, e)
+
+    return wrapper  # type: ignore[return-value]
+
+
+_MAX_ID = 256
+
+
+def check_id(kind: str, value: str) -> str:
+    if not value:
+        raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must not be empty")
+    if len(value) > _MAX_ID or any(ord(c) < 32 for c in value):
+        raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must be at most {_MAX_ID} printable characters")
+    return value

@@ -1,0 +1,144 @@
+"""Links to peer sidecars: one gRPC channel each, and handshakes cached per engine pair."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
+from kv_sidecar.plan.pair import PairPlan, plan_pair
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1024)
+def cached_plan(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
+    """Plans are pure functions of the two specs: compute each pairing once."""
+    return plan_pair(prefill, decode)
+
+
+@dataclass
+class RemoteEngine:
+    """What a handshake taught us about one engine behind a peer sidecar."""
+
+    sidecar_id: str
+    agent_name: str
+    engine_id: str
+    spec: EngineSpec
+    plan: PairPlan
+    geometry: ChunkGeometry
+    regions: dict[int, list[int]]  # prefill rank -> region base addresses
+    memory_kind: str
+    dlists: dict[int, int] = field(default_factory=dict)  # prefill rank -> prepared NIXL dlist key
+
+
+class PeerLink:
+    def __init__(self, address: str, channel: grpc.Channel) -> None:
+        self.address = address
+        self.channel = channel
+        self.stub = peer_pb2_grpc.PeerServiceStub(channel)
+        self.engines: dict[tuple[str, str], RemoteEngine] = {}
+        self.lock = threading.Lock()
+
+
+def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
+    code = e.code() if isinstance(e, grpc.Call) else Code.UNAVAILABLE
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+        return SidecarError(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
+    return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
+
+
+class Peers:
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sc = sidecar
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+
+    def link(self, address: str) -> PeerLink:
+        with self._lock:
+            link = self._links.get(address)
+            if link is None:
+                link = PeerLink(address, self._sc.peer_channel(address))
+                self._links[address] = link
+            return link
+
+    def remote_engine(self, address: str, engine_id: str, reader_engine: str, reader_spec: EngineSpec,
+                      timeout_s: float) -> tuple[PeerLink, RemoteEngine]:
+        link = self.link(address)
+        key = (engine_id, reader_engine)
+        with link.lock:
+            known = link.engines.get(key)
+            if known is not None and known.plan.decode == reader_spec:
+                return link, known
+            remote = self._handshake(link, engine_id, reader_engine, reader_spec, timeout_s)
+            link.engines[key] = remote
+            return link, remote
+
+    def _handshake(self, link: PeerLink, engine_id: str, reader_engine: str, reader_spec: EngineSpec,
+                   timeout_s: float) -> RemoteEngine:
+        sc = self._sc
+        start = time.perf_counter()
+        req = peer_pb2.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, sidecar_id=sc.sidecar_id, agent_name=sc.sidecar_id,
+            agent_metadata=sc.nixl.metadata(), engine_id=engine_id, reader_engine_id=reader_engine,
+            reader_spec=spec_to_proto(reader_spec),
+        )
+        try:
+            resp = link.stub.Handshake(req, timeout=timeout_s, metadata=sc.peer_metadata())
+        except grpc.RpcError as e:
+            sc.metrics.handshakes.labels("error").inc()
+            raise rpc_error(e, link.address, "the handshake") from None
+        if resp.protocol_version != PROTOCOL_VERSION:
+            sc.metrics.handshakes.labels("error").inc()
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"peer {link.address} speaks protocol {resp.protocol_version}, this sidecar {PROTOCOL_VERSION}",
+            )
+        spec = spec_from_proto(resp.spec)
+        plan = cached_plan(spec, reader_spec)
+        if plan.hash() != resp.plan_hash:
+            sc.metrics.handshakes.labels("error").inc()
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"plan mismatch with peer {link.address}: ours {plan.hash()}, theirs {resp.plan_hash} "
+                f"(different kv-sidecar versions?)",
+            )
+        agent = sc.nixl.add_remote(resp.agent_metadata)
+        remote = RemoteEngine(
+            sidecar_id=resp.sidecar_id, agent_name=agent, engine_id=engine_id, spec=spec, plan=plan,
+            geometry=chunk_geometry(spec), regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
+            memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
+        )
+        sc.metrics.handshakes.labels("ok").inc()
+        sc.metrics.handshake_duration.observe(time.perf_counter() - start)
+        log.info("handshake with %s for engine %s: %d ranks, plan %s", link.address, engine_id,
+                 len(remote.regions), plan.hash())
+        return remote
+
+    def forget(self, address: str) -> None:
+        """Drop cached handshakes (e.g. after the peer restarted)."""
+        with self._lock:
+            link = self._links.pop(address, None)
+        if link is not None:
+            link.channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.channel.close()

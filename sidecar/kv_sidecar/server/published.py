@@ -1,0 +1,163 @@
+"""Published requests: blocks held for readers under a lease, and who has read them.
+
+A prefill engine publishes a request; its blocks stay valid until every decode
+rank that depends on each prefill rank has read (then that rank gets
+"consumed"), the lease runs out (every rank gets "lease expired" and later
+reads fail), or the engine aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.server.errors import Code, SidecarError
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 10_000  # remember this many ended requests, to explain late reads
+
+
+@dataclass
+class Published:
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    lease_s: float
+    deadline: float  # time.monotonic()
+    reader: str | None = None  # decode engine id reading it
+    pending: dict[int, set[int]] = field(default_factory=dict)  # prefill rank -> decode ranks not done
+
+    def deadline_unix_ms(self) -> int:
+        return int((time.time() + self.deadline - time.monotonic()) * 1000)
+
+
+# Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
+EventSink = Callable[[str, int, "Published"], None]
+
+
+class PublishedStore:
+    def __init__(self, on_consumed: EventSink, on_expired: Callable[[Published], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[tuple[str, str], Published] = {}
+        self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._on_consumed = on_consumed
+        self._on_expired = on_expired
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def publish(self, engine_id: str, request_id: str, block_ids: list[int], num_tokens: int,
+                lease_s: float) -> Published:
+        key = (engine_id, request_id)
+        with self._lock:
+            if key in self._items:
+                raise SidecarError(Code.ALREADY_EXISTS, f"request {request_id!r} of engine {engine_id!r} is already published")
+            item = Published(engine_id, request_id, list(block_ids), num_tokens, lease_s, self._clock() + lease_s)
+            self._items[key] = item
+            self._ended.pop(key, None)
+        return item
+
+    def _end(self, key: tuple[str, str], why: str) -> None:
+        self._items.pop(key, None)
+        self._ended[key] = why
+        self._ended.move_to_end(key)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+
+    def get_live(self, engine_id: str, request_id: str) -> Published:
+        key = (engine_id, request_id)
+        item = self._items.get(key)
+        if item is not None and item.deadline > self._clock():
+            return item
+        why = self._ended.get(key)
+        if item is not None or why == "expired":
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"the lease of request {request_id!r} of engine {engine_id!r} has expired; "
+                f"its blocks may have been reused, so it cannot be read",
+            )
+        if why:
+            raise SidecarError(Code.NOT_FOUND, f"request {request_id!r} of engine {engine_id!r} was already {why}")
+        raise SidecarError(Code.NOT_FOUND, f"request {request_id!r} was never published by engine {engine_id!r}")
+
+    def open_read(self, engine_id: str, request_id: str, reader: str, plan: PairPlan, ranks: list[int],
+                  min_hold_s: float) -> Published:
+        """Start (part of) a read: fix the reader, and hold the lease while it runs."""
+        with self._lock:
+            item = self.get_live(engine_id, request_id)
+            if item.reader is None:
+                item.reader = reader
+                item.pending = {p: set(plan.consumers_of(p)) for p in range(plan.prefill.tp_size)}
+            elif item.reader != reader:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"request {request_id!r} is already being read by engine {item.reader!r}",
+                )
+            for r in ranks:
+                if not 0 <= r < plan.decode.tp_size:
+                    raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
+            item.deadline = max(item.deadline, self._clock() + min_hold_s)
+            return item
+
+    def mark_done(self, engine_id: str, request_id: str, reader: str, decode_rank: int,
+                  prefill_ranks: list[int]) -> None:
+        """Decode rank finished with these prefill ranks; fire "consumed" where complete."""
+        fired: list[int] = []
+        with self._lock:
+            item = self._items.get((engine_id, request_id))
+            if item is None or item.reader != reader:
+                return  # aborted, expired, or a stale notification
+            for p in prefill_ranks:
+                waiting = item.pending.get(p)
+                if waiting is None or decode_rank not in waiting:
+                    continue
+                waiting.discard(decode_rank)
+                if not waiting:
+                    fired.append(p)
+            if item.pending and all(not w for w in item.pending.values()):
+                self._end((engine_id, request_id), "consumed")
+        for p in fired:
+            self._on_consumed(engine_id, p, item)
+
+    def keep_alive(self, engine_id: str, request_id: str) -> int:
+        with self._lock:
+            item = self._items.get((engine_id, request_id))
+            if item is None or item.deadline <= self._clock():
+                return 0
+            item.deadline = max(item.deadline, self._clock() + item.lease_s)
+            return item.deadline_unix_ms()
+
+    def abort(self, engine_id: str, request_id: str) -> bool:
+        with self._lock:
+            if (engine_id, request_id) not in self._items:
+                return False
+            self._end((engine_id, request_id), "aborted")
+            return True
+
+    def drop_engine(self, engine_id: str) -> int:
+        with self._lock:
+            keys = [k for k in self._items if k[0] == engine_id]
+            for k in keys:
+                self._end(k, "released (the engine unregistered)")
+        return len(keys)
+
+    def expire(self) -> int:
+        """End every request whose lease ran out; returns how many."""
+        now = self._clock()
+        with self._lock:
+            expired = [item for item in self._items.values() if item.deadline <= now]
+            for item in expired:
+                self._end((item.engine_id, item.request_id), "expired")
+        for item in expired:
+            log.info("lease of request %s (engine %s) expired", item.request_id, item.engine_id)
+            self._on_expired(item)
+        return len(expired)

@@ -1,0 +1,175 @@
+"""A running sidecar: its state, its two gRPC servers, health, metrics and lease reaper."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kv_sidecar.config import Settings
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.server.engine_service import EngineServicer
+from kv_sidecar.server.engines import EngineRegistry
+from kv_sidecar.server.peer_service import PeerServicer
+from kv_sidecar.server.peers import Peers
+from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.pull import Puller, parse_notification
+from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+
+
+class Sidecar:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sidecar_id = settings.sidecar_id or f"kvs-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.metrics = Metrics()
+        self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
+        self.engines = EngineRegistry(self.nixl)
+        self.published = PublishedStore(self._on_consumed, self._on_expired)
+        self.peers = Peers(self)
+        self.puller = Puller(self)
+        self.pulls_in_flight: dict[tuple[str, str], threading.Event] = {}
+        self.pulls_lock = threading.Lock()
+        self.peer_address = ""
+        self.peer_port = 0
+        self.metrics_port = 0
+        self._engine_server: grpc.Server | None = None
+        self._peer_server: grpc.Server | None = None
+        self._health = [health.HealthServicer(), health.HealthServicer()]
+        self._http: Any = None
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        s = self.settings
+        self.nixl.start()
+        opts = [("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes)]
+        self._engine_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine"),
+                                          options=opts)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), self._engine_server)
+        self._peer_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer"),
+                                        options=opts)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), self._peer_server)
+        for server, hs, name in ((self._engine_server, self._health[0], ENGINE_SERVICE),
+                                 (self._peer_server, self._health[1], PEER_SERVICE)):
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+            reflection.enable_server_reflection(
+                (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        sock = s.engine_socket
+        os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
+        if os.path.exists(sock):
+            os.unlink(sock)  # a stale socket from a previous run
+        self._engine_server.add_insecure_port(f"unix:{sock}")
+        self.peer_port = self._add_peer_port(self._peer_server)
+        host = s.peer_host if s.peer_host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        self.peer_address = s.advertise_address or f"{host}:{self.peer_port}"
+        self._engine_server.start()
+        self._peer_server.start()
+        if s.metrics_port >= 0:
+            self._http, _ = start_http_server(s.metrics_port, addr=s.peer_host or "0.0.0.0",
+                                              registry=self.metrics.registry)
+            self.metrics_port = self._http.server_port
+        self._reaper.start()
+        for hs, name in zip(self._health, (ENGINE_SERVICE, PEER_SERVICE), strict=True):
+            hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("sidecar %s up: engine socket %s, peer %s (advertised %s), metrics :%d",
+                 self.sidecar_id, sock, self.peer_port, self.peer_address, self.metrics_port)
+
+    def _add_peer_port(self, server: grpc.Server) -> int:
+        s = self.settings
+        address = f"{s.peer_host}:{s.peer_port}"
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for hs in self._health:
+            hs.enter_graceful_shutdown()
+        self._stop.set()
+        events = [srv.stop(grace_s) for srv in (self._engine_server, self._peer_server) if srv is not None]
+        for ev in events:
+            ev.wait(grace_s + 1)
+        self.peers.close()
+        self.engines.close()
+        self.nixl.stop()
+        if self._http is not None:
+            self._http.shutdown()
+        sock = self.settings.engine_socket
+        if os.path.exists(sock):
+            os.unlink(sock)
+        log.info("sidecar %s stopped", self.sidecar_id)
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    # -- helpers for the services ---------------------------------------------
+    def peer_channel(self, address: str) -> grpc.Channel:
+        s = self.settings
+        opts = [("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes)]
+        return grpc.insecure_channel(address, options=opts)
+
+    def peer_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def refresh_gauges(self) -> None:
+        entries = self.engines.all()
+        self.metrics.registered_ranks.set(len(entries))
+        self.metrics.registered_engines.set(len({e.engine_id for e in entries}))
+        self.metrics.published_requests.set(len(self.published))
+
+    # -- callbacks --------------------------------------------------------------
+    def _on_notif(self, agent: str, msg: bytes) -> None:
+        parsed = parse_notification(msg)
+        if parsed is None:
+            log.warning("ignoring malformed notification from %s", agent)
+            self.metrics.failures.labels("bad_notification").inc()
+            return
+        engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
+        self.published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
+
+    def _rank_event(self, engine_id: str, rank: int, event: engine_pb2.Event) -> None:
+        try:
+            self.engines.get(engine_id, rank).emit(event)
+        except Exception:
+            log.warning("no registered rank %d of engine %s to tell about %s", rank, engine_id,
+                        event.WhichOneof("kind"))
+
+    def _on_consumed(self, engine_id: str, rank: int, item: Published) -> None:
+        ev = engine_pb2.Event(consumed=engine_pb2.RequestConsumed(request_id=item.request_id, block_ids=item.block_ids))
+        self._rank_event(engine_id, rank, ev)
+        self.refresh_gauges()
+
+    def _on_expired(self, item: Published) -> None:
+        self.metrics.lease_expiries.inc()
+        ev = engine_pb2.Event(lease_expired=engine_pb2.LeaseExpired(request_id=item.request_id,
+                                                                    block_ids=item.block_ids))
+        for entry in self.engines.all():
+            if entry.engine_id == item.engine_id:
+                entry.emit(ev)
+        self.refresh_gauges()
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.published.expire()
+            except Exception:
+                log.exception("lease reaper failed")

@@ -1,0 +1,1 @@
+"""Moving bytes between sidecars: the NIXL agent and its single driver thread."""

@@ -1,0 +1,297 @@
+"""The sidecar's one NIXL agent, driven from one thread.
+
+NIXL agents are not thread-safe, while gRPC handlers run on a thread pool.
+Every NIXL call therefore goes through `NixlDriver`: handlers submit work and
+wait on futures; the driver thread runs the calls, polls in-flight transfers
+and delivers notifications.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def import_nixl() -> Any:
+    """The NIXL python API, from the `nixl` meta-package or a CUDA-specific wheel."""
+    # Make UCX fail loudly instead of silently emulating over TCP (DESIGN.md section 1).
+    os.environ.setdefault("UCX_PROTO_EMULATION_ENABLE", "n")
+    try:
+        from nixl import _api
+    except ImportError:
+        try:
+            from nixl_cu13 import _api  # type: ignore[no-redef]
+        except ImportError:
+            from nixl_cu12 import _api  # type: ignore[no-redef]
+    return _api
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Inflight:
+    handle: Any
+    future: Future[None]
+    started: float
+    deadline: float
+    release: list[Any] = field(default_factory=list)
+
+
+class NixlDriver:
+    """Owns the NIXL agent; all methods are safe to call from any thread."""
+
+    def __init__(self, name: str, on_notif: Callable[[str, bytes], None] | None = None,
+                 idle_wait_s: float = 0.002) -> None:
+        self.name = name
+        self._on_notif = on_notif
+        self._idle = idle_wait_s
+        self._queue: queue.Queue[tuple[Callable[[Any], Any], Future[Any]] | None] = queue.Queue()
+        self._inflight: list[_Inflight] = []
+        self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
+        self._ready: Future[None] = Future()
+        self._agent: Any = None
+        self._registrations: dict[int, Any] = {}
+        self._next_reg = 0
+        self._remotes: set[str] = set()
+        self._dlists: dict[int, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.result(timeout=60)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self._ready.done() and self._ready.exception() is None
+
+    def _run(self) -> None:
+        try:
+            api = import_nixl()
+            self._api = api
+            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            if "UCX" not in self._agent.backends:
+                raise TransferError("NIXL has no UCX backend on this machine")
+        except Exception as e:  # surfaced to start()
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        while True:
+            wait = 0.0 if self._inflight else self._idle
+            try:
+                item = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
+            except queue.Empty:
+                item = ()  # type: ignore[assignment]
+            if item is None:
+                return
+            if item:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self._agent))
+                    except Exception as e:
+                        fut.set_exception(e)
+                # Drain what else is queued before polling, cheaply.
+                continue
+            self._poll_transfers()
+            self._poll_notifs()
+
+    def _poll_transfers(self) -> None:
+        now = time.monotonic()
+        still: list[_Inflight] = []
+        for x in self._inflight:
+            try:
+                state = self._agent.check_xfer_state(x.handle)
+            except Exception as e:
+                state, err = "ERR", e
+            else:
+                err = None
+            if state == "PROC" and now < x.deadline:
+                still.append(x)
+                continue
+            self._release(x)
+            if state == "DONE":
+                x.future.set_result(None)
+            elif state == "PROC":
+                x.future.set_exception(TimeoutError("NIXL transfer did not finish before its deadline"))
+            else:
+                x.future.set_exception(TransferError(f"NIXL transfer failed: {err or state}"))
+        self._inflight = still
+
+    def _release(self, x: _Inflight) -> None:
+        for h in (x.handle, *x.release):
+            try:
+                h.release()
+            except Exception:  # a failed transfer may not be releasable yet; NIXL frees it at exit
+                log.debug("could not release NIXL handle", exc_info=True)
+
+    def _poll_notifs(self) -> None:
+        if self._on_notif is None:
+            return
+        for agent, msgs in self._agent.get_new_notifs().items():
+            for msg in msgs:
+                try:
+                    self._on_notif(agent, msg)
+                except Exception:
+                    log.exception("notification handler failed for %r", msg)
+
+    def _shutdown(self) -> None:
+        for x in self._inflight:
+            x.future.set_exception(TransferError("sidecar is shutting down"))
+        self._inflight.clear()
+        for h in self._dlists.values():
+            try:
+                h.release()
+            except Exception:
+                log.debug("could not release dlist", exc_info=True)
+        for descs in self._registrations.values():
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:
+                log.debug("could not deregister", exc_info=True)
+        for remote in self._remotes:
+            try:
+                self._agent.remove_remote_agent(remote)
+            except Exception:
+                log.debug("could not remove remote agent", exc_info=True)
+        self._registrations.clear()
+        self._agent = None
+
+    # -- calls from other threads -------------------------------------------
+    def call(self, fn: Callable[[Any], T], timeout: float | None = 60) -> T:
+        fut: Future[T] = Future()
+        if not self._thread.is_alive():
+            raise TransferError("NIXL driver is not running")
+        self._queue.put((fn, fut))
+        return fut.result(timeout=timeout)
+
+    def metadata(self) -> bytes:
+        return self.call(lambda a: a.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        def add(a: Any) -> str:
+            name = a.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._remotes.add(name)
+            return name
+
+        return self.call(add)
+
+    def register(self, regions: list[tuple[int, int, int]], mem_type: str = "DRAM") -> int:
+        """Register (address, length, device) regions; returns a key for deregister."""
+
+        def reg(a: Any) -> int:
+            descs = a.register_memory([(addr, n, dev, "") for addr, n, dev in regions], mem_type)
+            key = self._next_reg
+            self._next_reg += 1
+            self._registrations[key] = descs
+            return key
+
+        return self.call(reg)
+
+    def deregister(self, key: int) -> None:
+        def dereg(a: Any) -> None:
+            descs = self._registrations.pop(key, None)
+            if descs is not None:
+                a.deregister_memory(descs)
+
+        self.call(dereg)
+
+    def prep_dlist(self, agent_name: str, descs: np.ndarray, mem_type: str = "DRAM") -> int:
+        """Prepare an (N, 3) [addr, len, dev] list once; "" means local. Returns a key."""
+
+        def prep(a: Any) -> int:
+            target = agent_name or "NIXL_INIT_AGENT"
+            handle = a.prep_xfer_dlist(target, descs, mem_type)
+            key = self._next_reg
+            self._next_reg += 1
+            self._dlists[key] = handle
+            return key
+
+        return self.call(prep)
+
+    def release_dlist(self, key: int) -> None:
+        def rel(a: Any) -> None:
+            h = self._dlists.pop(key, None)
+            if h is not None:
+                h.release()
+
+        self.call(rel)
+
+    def read_prepped(self, local: int, local_idx: np.ndarray, remote: int, remote_idx: np.ndarray,
+                     notif: bytes, timeout_s: float) -> Future[None]:
+        """READ remote descriptors into local ones, by indices into prepared lists."""
+        done: Future[None] = Future()
+
+        def post(a: Any) -> None:
+            handle = a.make_prepped_xfer(
+                "READ", self._dlists[local], local_idx.astype(np.int32),
+                self._dlists[remote], remote_idx.astype(np.int32), notif,
+            )
+            self._post(a, handle, done, timeout_s)
+
+        self._submit_async(post, done)
+        return done
+
+    def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+             timeout_s: float, mem_type: str = "DRAM") -> Future[None]:
+        """READ with descriptor lists built for this transfer ((N, 3) arrays)."""
+        done: Future[None] = Future()
+
+        def post(a: Any) -> None:
+            lo = a.get_xfer_descs(local, mem_type)
+            re_ = a.get_xfer_descs(remote, mem_type)
+            handle = a.initialize_xfer("READ", lo, re_, remote_agent, notif)
+            self._post(a, handle, done, timeout_s)
+
+        self._submit_async(post, done)
+        return done
+
+    def send_notif(self, remote_agent: str, msg: bytes) -> None:
+        self.call(lambda a: a.send_notif(remote_agent, msg))
+
+    def _submit_async(self, fn: Callable[[Any], None], done: Future[None]) -> None:
+        if not self._thread.is_alive():
+            raise TransferError("NIXL driver is not running")
+        carrier: Future[None] = Future()
+
+        def run(a: Any) -> None:
+            try:
+                fn(a)
+            except Exception as e:
+                done.set_exception(TransferError(f"could not start NIXL transfer: {e}"))
+
+        self._queue.put((run, carrier))
+
+    def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float) -> None:
+        now = time.monotonic()
+        state = a.transfer(handle)
+        if state == "ERR":
+            handle.release()
+            done.set_exception(TransferError("NIXL refused to post the transfer (backend error)"))
+            return
+        self._inflight.append(_Inflight(handle, done, now, now + timeout_s))
