@@ -35,7 +35,7 @@ class Settings:
         "peer_host": "address the peer API listens on",
         "peer_port": "TCP port of the peer API (0 picks a free port)",
         "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
-        "advertise_address": "host:port other sidecars use to reach this one",
+        "advertise_address": "host or host:port other sidecars use to reach this one (bare host: the peer port is added)",
         "staging_bytes": "bytes of sidecar-owned staging memory for layout/TP conversions",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",

@@ -12,13 +12,20 @@ import torch
 from kv_sidecar.plan.spec import EngineSpec, Layout
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
 def logical_kv(spec: EngineSpec, num_tokens: int, seed: int) -> torch.Tensor:
-    """[layers, 2, tokens, heads, dim] (MLA: [layers, 1, tokens, 1, latent]) from a seed."""
+    """[layers, 2, tokens, heads, dim] (MLA: [layers, 1, tokens, 1, latent]) of seeded random bits.
+
+    Random bit patterns, not random numbers: every byte value occurs (NaNs
+    too), which is what a byte-exact mover must carry, and it is fast.
+    """
     g = torch.Generator().manual_seed(seed)
     kv = 1 if spec.is_mla else 2
     heads = 1 if spec.is_mla else spec.num_kv_heads
-    x = torch.randn(spec.num_layers, kv, num_tokens, heads, spec.head_dim, generator=g)
-    return x.to(getattr(torch, spec.dtype))
+    bits = torch.empty(spec.num_layers, kv, num_tokens, heads, spec.head_dim, dtype=_INT_OF_SIZE[spec.element_size])
+    return bits.random_(generator=g).view(getattr(torch, spec.dtype))
 
 
 def _block_slot(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int) -> torch.Tensor:
@@ -61,7 +68,7 @@ def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
     else:
         x = y[:, None, :, None, :]
     kv, h, d = x.shape[1], x.shape[3], x.shape[4]
-    return x.permute(1, 0, 2, 3, 4).reshape(kv, r * kb, h, d)
+    return x.permute(1, 0, 2, 3, 4).reshape(kv, -1, h, d)  # [kv, kernel blocks * kb, h, d]
 
 
 def write_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int, x: torch.Tensor) -> None:
@@ -86,20 +93,38 @@ def fill_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block
             write_block(spec, tensors, layer, b, x)
 
 
+def gather_blocks(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block_ids: list[int]) -> torch.Tensor:
+    """Copy of logical blocks in one layer as [n, kv, block_size, heads_local, dim] (one gather, no loop)."""
+    r = spec.kernel_blocks_per_block
+    idx = (torch.tensor(block_ids, dtype=torch.int64)[:, None] * r + torch.arange(r)[None, :]).flatten()
+    if spec.cross_layer:
+        y = tensors[0][:, layer].index_select(0, idx)
+    elif block_dim(spec) == 1:
+        y = tensors[layer].index_select(1, idx).transpose(0, 1)
+    else:
+        y = tensors[layer].index_select(0, idx)
+    y = y.reshape(len(block_ids), r, *y.shape[1:])
+    flat = _from_physical(spec, y.reshape(len(block_ids) * r, *y.shape[2:]))  # [kv, n*block_size, h, d]
+    kv, _, h, d = flat.shape
+    return flat.reshape(kv, len(block_ids), spec.block_size, h, d).transpose(0, 1)
+
+
 def check_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int],
                   logical: torch.Tensor, start_token: int = 0) -> list[str]:
     """Compare tokens [start_token, tokens) in `block_ids` with `logical`; returns mismatches."""
     h0, h1 = spec.rank_heads(rank)
-    bs, tokens = spec.block_size, logical.shape[2]
+    tokens = logical.shape[2]
+    n = tokens - start_token
     errors: list[str] = []
-    for j, b in enumerate(block_ids):
-        t0 = start_token + j * bs
-        t1 = min(tokens, t0 + bs)
-        for layer in range(spec.num_layers):
-            got = read_block(spec, tensors, layer, b)[:, : t1 - t0]
-            want = logical[layer, :, t0:t1, h0:h1]
-            if not torch.equal(_bits(got), _bits(want)):
-                errors.append(f"rank {rank} layer {layer} block {b} (tokens {t0}..{t1}) differs")
+    for layer in range(spec.num_layers):
+        got = gather_blocks(spec, tensors, layer, block_ids)  # [nb, kv, B, h, d]
+        got = got.transpose(0, 1).reshape(got.shape[1], -1, *got.shape[3:])[:, :n]
+        want = logical[layer, :, start_token:, h0:h1]
+        if not torch.equal(_bits(got), _bits(want)):
+            bad = (_bits(got) != _bits(want)).reshape(got.shape[0], n, -1).any(-1).any(0).nonzero().flatten()
+            first = int(bad[0]) // spec.block_size
+            errors.append(f"rank {rank} layer {layer}: {len(bad)} tokens differ, first in block "
+                          f"{block_ids[first]} (token {start_token + int(bad[0])})")
     return errors
 
 

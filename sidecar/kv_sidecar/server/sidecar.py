@@ -78,7 +78,10 @@ class Sidecar:
         self._engine_server.add_insecure_port(f"unix:{sock}")
         self.peer_port = self._add_peer_port(self._peer_server)
         host = s.peer_host if s.peer_host not in ("0.0.0.0", "::", "") else socket.gethostname()
-        self.peer_address = s.advertise_address or f"{host}:{self.peer_port}"
+        adv = s.advertise_address
+        # A bare host (e.g. the pod IP from the downward API) gets our peer port.
+        self.peer_address = (adv if ":" in adv.strip("[]") or adv.startswith("[") and "]:" in adv
+                             else f"{adv or host}:{self.peer_port}")
         self._engine_server.start()
         self._peer_server.start()
         if s.metrics_port >= 0:
