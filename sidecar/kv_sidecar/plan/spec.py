@@ -96,7 +96,9 @@ class EngineSpec:
                     f"kernel_block_size {self.kernel_block_size}"
                 )
         if self.layout is Layout.MLA and self.num_kv_heads != 1:
-            raise PlanError(f"layout mla has one latent 'head'; num_kv_heads must be 1, got {self.num_kv_heads}")
+            raise PlanError(
+                f"layout mla has one latent 'head'; num_kv_heads must be 1, got {self.num_kv_heads}"
+            )
         kv, tp = self.num_kv_heads, self.tp_size
         if self.layout is not Layout.MLA and kv % tp and tp % kv:
             raise PlanError(
@@ -209,3 +211,33 @@ def parse_layout(name: str) -> Layout:
 
 # Fields that two engines must share for any plan to exist between them.
 MUST_MATCH = ("num_layers", "head_dim", "dtype")
+
+
+# Dim order of one layer's physical tensor, one letter per dim: N blocks (kernel
+# blocks), K the K/V plane, B token in block, H local head, D head_dim (MLA:
+# latent). PACKED stores K and V side by side in its last dim, so its physical
+# tensor has 4 dims and "KD" names the two halves of the last one (K outer).
+# MLA has neither K/V nor heads. Executors build their views from this table.
+LAYOUT_DIMS: dict[Layout, str] = {
+    Layout.FLASH_ATTN_NHD: "KNBHD",
+    Layout.FLASH_ATTN_HND: "KNHBD",
+    Layout.FLASHINFER_NHD: "NKBHD",
+    Layout.FLASHINFER_HND: "NKHBD",
+    Layout.PACKED: "NHBKD",
+    Layout.MLA: "NBD",
+}
+
+
+def kv_planes(spec: EngineSpec) -> int:
+    """How many planes a token has per layer and head: 2 (K and V), 1 for MLA."""
+    return 1 if spec.is_mla else 2
+
+
+def token_bytes_per_head(spec: EngineSpec) -> int:
+    """Bytes one token of one head occupies across all layers and K/V planes."""
+    return spec.num_layers * kv_planes(spec) * spec.head_dim * spec.element_size
+
+
+def rank_block_bytes(spec: EngineSpec) -> int:
+    """Bytes one logical block occupies on one rank (all layers, K and V, its heads)."""
+    return spec.block_size * spec.heads_per_rank * token_bytes_per_head(spec)

@@ -1,0 +1,223 @@
+"""CPU executor: carry out one decode rank's read of a request with torch host ops.
+
+Every rank's tensors are seen through one canonical strided view
+`[layer, kv, kernel_block, token_in_kernel_block, local_head, dim]` (kv and
+head have size 1 for MLA), built from the layout table in the spec. A copy is
+then token-level: tokens [start_token, num_tokens) are mapped to
+(kernel block, slot) on each side by vectorised index arithmetic, gathered
+from the source with one advanced index, and written into the destination
+with one index_put. Layout, block size (any ratio), kernel block size,
+cross-layer and head slicing all reduce to that index arithmetic and strides,
+and nothing outside the addressed token slots and heads is ever written.
+
+Tensors are viewed as same-width integers: the copy is bitwise (NaN payloads
+survive) and works for dtypes CPU indexing lacks kernels for (float8).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv_sidecar.plan.blocks import (
+    blocks_for,
+    check_block_ids,
+    check_tokens,
+    dst_block_count,
+    src_block_range,
+)
+from kv_sidecar.plan.spec import LAYOUT_DIMS, EngineSpec, Layout, PlanError
+
+CANONICAL = "LKNBHD"  # layer, K/V, kernel block, token in kernel block, local head, dim
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class RankView:
+    """A rank's registered tensors seen through its spec.
+
+    `layers` is one canonical view `[L, K, N, B, H, D]` when all layers can be
+    addressed as one strided tensor (cross-layer, or per-layer tensors equally
+    spaced in one storage); otherwise one `[1, K, N, B, H, D]` view per layer.
+    """
+
+    spec: EngineSpec
+    rank: int
+    layers: tuple[torch.Tensor, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    @property
+    def is_single_view(self) -> bool:
+        return len(self.layers) == 1
+
+
+def rank_view(spec: EngineSpec, rank: int, tensors: Sequence[torch.Tensor]) -> RankView:
+    """Validate `tensors` against `spec.rank_tensor_shapes()` and build the canonical view(s)."""
+    if not 0 <= rank < spec.tp_size:
+        raise PlanError(f"rank {rank} out of range for tp_size {spec.tp_size}")
+    shapes = spec.rank_tensor_shapes()
+    if len(tensors) != len(shapes):
+        raise PlanError(f"rank {rank}: expected {len(shapes)} KV tensors, got {len(tensors)}")
+    want_dtype = getattr(torch, spec.dtype)
+    for i, (tensor, shape) in enumerate(zip(tensors, shapes, strict=True)):
+        if tuple(tensor.shape) != shape:
+            raise PlanError(
+                f"rank {rank} tensor {i}: shape {tuple(tensor.shape)} does not match spec {shape}"
+            )
+        if tensor.dtype != want_dtype:
+            raise PlanError(f"rank {rank} tensor {i}: dtype {tensor.dtype} does not match spec {spec.dtype}")
+        if not tensor.is_contiguous():
+            raise PlanError(f"rank {rank} tensor {i}: must be contiguous (strides {tensor.stride()})")
+        if tensor.device != tensors[0].device:
+            raise PlanError(f"rank {rank} tensor {i}: on {tensor.device}, tensor 0 on {tensors[0].device}")
+    as_ints = [t.view(_INT_OF_WIDTH[spec.element_size]) for t in tensors]
+    canon = [_canonical(spec, t) for t in as_ints]
+    if spec.cross_layer:
+        return RankView(spec, rank, (canon[0],))
+    stacked = _stack_equally_spaced(canon)
+    if stacked is not None:
+        return RankView(spec, rank, (stacked,))
+    # Layers in separate allocations (or unevenly spaced) cannot be one view:
+    # the copy then loops over layers, one gather + index_put each.
+    return RankView(spec, rank, tuple(c.unsqueeze(0) for c in canon))
+
+
+def _canonical(spec: EngineSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """View one registered tensor in canonical dim order (with L only if cross-layer)."""
+    dims = LAYOUT_DIMS[spec.layout]
+    if spec.layout is Layout.PACKED:
+        # Last dim is 2*D with K in the first half: split it into (K, D).
+        tensor = tensor.unflatten(-1, (2, spec.head_dim))
+    if spec.cross_layer:
+        dims = "NL" + dims.replace("N", "")
+    for letter in "KH":  # MLA has no K/V split and no head dim: add them with size 1
+        if letter not in dims:
+            tensor = tensor.unsqueeze(-1)
+            dims += letter
+    wanted = CANONICAL if spec.cross_layer else CANONICAL[1:]
+    return tensor.permute([dims.index(letter) for letter in wanted])
+
+
+def _stack_equally_spaced(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [L, ...] view over per-layer views that share a storage at a constant, non-overlapping stride."""
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(0)
+    storage = first.untyped_storage().data_ptr()
+    if any(v.untyped_storage().data_ptr() != storage for v in views):
+        return None
+    offsets = [v.storage_offset() for v in views]
+    step = offsets[1] - offsets[0]
+    if any(b - a != step for a, b in itertools.pairwise(offsets)):
+        return None
+    if step < first.numel():  # overlapping or reversed layers: not a sane cache, do not fuse
+        return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _slots(
+    block_ids: Sequence[int], first_pos: int, spec: EngineSpec, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel block, slot in kernel block) of each token; block_ids[0] holds block number first_pos."""
+    ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=tokens.device)
+    in_block = tokens % spec.block_size
+    logical = ids[tokens // spec.block_size - first_pos]
+    kernel_block = logical * spec.kernel_blocks_per_block + in_block // spec.physical_block_size
+    return kernel_block, in_block % spec.physical_block_size
+
+
+def _local_heads(view: RankView, heads: tuple[int, int] | None, side: str) -> slice:
+    """Slice of `view`'s local head dim holding global heads `heads`."""
+    if view.spec.is_mla:
+        if heads is not None:
+            raise PlanError(f"heads must be None for an mla cache, got {heads}")
+        return slice(0, 1)
+    if heads is None:
+        raise PlanError("heads must be a [start, stop) range for a non-mla cache, got None")
+    start, stop = view.spec.rank_heads(view.rank)
+    if not start <= heads[0] < heads[1] <= stop:
+        raise PlanError(
+            f"heads {list(heads)} are not all held by {side} rank {view.rank} (it holds [{start}, {stop}))"
+        )
+    return slice(heads[0] - start, heads[1] - start)
+
+
+def _check_pair(src: EngineSpec, dst: EngineSpec) -> None:
+    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
+        if getattr(src, name) != getattr(dst, name):
+            raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
+
+
+def copy_request(
+    src: RankView,
+    dst: RankView,
+    heads: tuple[int, int] | None,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int,
+    start_token: int = 0,
+) -> int:
+    """Copy tokens [start_token, num_tokens) of global heads `heads` from src into dst; return bytes written.
+
+    `dst_block_ids` covers exactly tokens [start_token, num_tokens) at dst's
+    block size. `src_block_ids` is, at src's block size, either
+    - the "full" form: at least the blocks of tokens [0, num_tokens) (more is
+      fine, e.g. the whole request when it is moved in rounds of tokens), or
+    - the "tail" form: exactly the blocks from the one holding start_token on
+      (a staging mini-cache holding only the needed blocks).
+    The two forms have different lengths whenever the distinction matters,
+    so the length says which. Source ids may repeat (ids in positions that
+    hold no requested token are never read, so callers may pad with any id).
+    """
+    _check_pair(src.spec, dst.spec)
+    check_tokens(num_tokens, start_token, dst.spec.block_size)
+    bs, bd = src.spec.block_size, dst.spec.block_size
+    full, tail = blocks_for(num_tokens, bs), len(src_block_range(bs, num_tokens, start_token))
+    if len(src_block_ids) < full and len(src_block_ids) != tail:
+        raise PlanError(
+            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
+            f"at block_size {bs} need {full} (from token 0) or {tail} (from the start token's block)"
+        )
+    want_dst = dst_block_count(bd, num_tokens, start_token)
+    if len(dst_block_ids) != want_dst:
+        raise PlanError(
+            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
+            f"at block_size {bd} need {want_dst}"
+        )
+    check_block_ids("source", src_block_ids, src.spec.num_blocks, unique=False)
+    check_block_ids("destination", dst_block_ids, dst.spec.num_blocks)
+    src_heads, dst_heads = _local_heads(src, heads, "source"), _local_heads(dst, heads, "destination")
+    if start_token == num_tokens:
+        return 0
+
+    src_first = 0 if len(src_block_ids) >= full else start_token // bs
+    src_tokens = torch.arange(start_token, num_tokens, device=src.device)
+    dst_tokens = torch.arange(start_token, num_tokens, device=dst.device)
+    s_block, s_slot = _slots(src_block_ids, src_first, src.spec, src_tokens)
+    d_block, d_slot = _slots(dst_block_ids, start_token // bd, dst.spec, dst_tokens)
+
+    written = 0
+    for s_view, d_view in _layer_pairs(src, dst):
+        # [L, K, T, H, D]: the two advanced indices are adjacent, so T lands in their place.
+        data = s_view[:, :, s_block, s_slot, src_heads]
+        d_view[:, :, d_block, d_slot, dst_heads] = data.to(d_view.device)
+        written += data.numel() * dst.spec.element_size
+    return written
+
+
+def _layer_pairs(src: RankView, dst: RankView) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Matching (src, dst) canonical views: one pair if both are single views, else one per layer."""
+    if src.is_single_view and dst.is_single_view:
+        return [(src.layers[0], dst.layers[0])]
+    return [(_layer(src, i), _layer(dst, i)) for i in range(src.spec.num_layers)]
+
+
+def _layer(view: RankView, i: int) -> torch.Tensor:
+    return view.layers[0][i : i + 1] if view.is_single_view else view.layers[i]

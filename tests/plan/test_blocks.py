@@ -1,0 +1,84 @@
+"""Request-level checks: check_pull and needed_src_blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
+from kv_sidecar.plan.pair import PairPlan, plan_pair
+from kv_sidecar.plan.spec import EngineSpec, PlanError
+
+
+def pair(bp: int = 16, bd: int = 16, np_: int = 10, nd: int = 10) -> PairPlan:
+    common: dict[str, Any] = {
+        "tp_size": 1, "num_layers": 1, "num_kv_heads": 2, "head_dim": 4, "dtype": "float16",
+        "layout": "flash_attn_nhd",
+    }
+    return plan_pair(EngineSpec(block_size=bp, num_blocks=np_, **common),
+                     EngineSpec(block_size=bd, num_blocks=nd, **common))
+
+
+def test_valid_pulls_pass() -> None:
+    check_pull(pair(), [3, 1, 2], 40, [0, 9, 5])
+    check_pull(pair(16, 32), [3, 1, 2], 40, [7, 8])
+    check_pull(pair(32, 16), [3, 1], 40, [7, 8, 0])
+    check_pull(pair(16, 16), [3, 1, 2], 40, [5], start_token=32)  # prefix hit: only the last block
+    check_pull(pair(16, 8), [3, 1, 2], 40, [5, 6, 7], start_token=16)
+    check_pull(pair(16, 16), [3, 1], 32, [], start_token=32)  # everything was a hit
+    check_pull(pair(5, 3), [0, 1, 2], 11, [4, 5, 6, 7])  # no integer ratio: tokens are tokens
+    check_pull(pair(), np.array([3, 1, 2]), 40, [np.int64(0), 9, 5])  # numpy ids are integers too
+
+
+@pytest.mark.parametrize(
+    ("plan", "src", "n", "dst", "start", "message"),
+    [
+        (pair(), [0, 1, 2], 40, [0, 1, 2, 3], 0,
+         "local and remote block lists have different lengths (4 vs 3)"),
+        (pair(), [0, 1, 2, 3], 40, [0, 1, 2], 0,
+         "local and remote block lists have different lengths (3 vs 4)"),
+        (pair(), [0, 1], 40, [0, 1], 0,
+         "remote (prefill) block list has 2 ids but 40 tokens at block_size 16 need 3"),
+        (pair(16, 32), [0, 1, 2], 40, [0], 0,
+         "local (decode) block list has 1 ids but 40 tokens at block_size 32 need 2"),
+        (pair(16, 32), [0, 1], 40, [0, 1], 0,
+         "remote (prefill) block list has 2 ids but 40 tokens at block_size 16"),
+        (pair(), [0, 1, 2], 40, [0], 16,
+         "local (decode) block list has 1 ids but tokens [16, 40) at block_size 16 need 2"),
+        (pair(), [0, 1, 2], 40, [0], 8,
+         "start_token 8 is not a multiple of the local (decode) block_size 16"),
+        (pair(), [0, 1, 2], 40, [], 48, "start_token 48 is past num_tokens 40"),
+        (pair(), [0, 1, 2], 40, [0], -16, "start_token must be a non-negative integer, got -16"),
+        (pair(), [], 0, [], 0, "num_tokens must be a positive integer, got 0"),
+        (pair(), [0], -3, [0], 0, "num_tokens must be a positive integer, got -3"),
+        (pair(), [0, 10, 2], 40, [0, 1, 2], 0,
+         "remote (prefill) block id 10 at position 1 is out of range [0, 10)"),
+        (pair(), [0, -1, 2], 40, [0, 1, 2], 0,
+         "remote (prefill) block id -1 at position 1 is out of range [0, 10)"),
+        (pair(), [4, 1, 4], 40, [0, 1, 2], 0,
+         "remote (prefill) block id 4 appears twice (positions 0 and 2)"),
+        (pair(nd=3), [0, 1, 2], 40, [0, 1, 3], 0,
+         "local (decode) block id 3 at position 2 is out of range [0, 3)"),
+        (pair(), [0, 1, 2], 40, [7, 7, 2], 0, "local (decode) block id 7 appears twice (positions 0 and 1)"),
+        (pair(), [0, 1.5, 2], 40, [0, 1, 2], 0,
+         "remote (prefill) block id 1.5 at position 1 is out of range"),
+    ],
+)
+def test_check_pull_errors(plan: PairPlan, src: list, n: int, dst: list, start: int, message: str) -> None:
+    with pytest.raises(PlanError) as info:
+        check_pull(plan, src, n, dst, start)
+    assert message in str(info.value)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_needed_src_blocks() -> None:
+    assert needed_src_blocks(pair(), [5, 6, 7], 40) == [0, 1, 2]
+    assert needed_src_blocks(pair(), [5, 6, 7], 40, start_token=32) == [2]
+    assert needed_src_blocks(pair(16, 8), [5, 6, 7], 40, start_token=24) == [1, 2]  # token 24 sits in block 1
+    assert needed_src_blocks(pair(64, 16), [5], 40, start_token=32) == [0]
+    assert needed_src_blocks(pair(), [5, 6], 32, start_token=32) == []
+    # A caller moving the request in rounds passes the whole list with a smaller num_tokens.
+    assert needed_src_blocks(pair(16, 8), [5, 6, 7], 24, start_token=8) == [0, 1]
+    with pytest.raises(PlanError, match="remote \\(prefill\\) block list has 2 ids but 40 tokens"):
+        needed_src_blocks(pair(), [5, 6], 40)

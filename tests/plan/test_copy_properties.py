@@ -1,0 +1,175 @@
+"""Property tests: plan + CPU executor against the logical-KV oracle.
+
+For random valid (prefill, decode) pairs, materialise every prefill rank's
+cache from a logical KV, poison every decode rank's cache, run each decode
+rank's reads through copy_request, and require that each decode rank holds
+exactly the logical KV of the requested tokens for its heads, with every
+other byte (other blocks, later token slots, gaps between layer tensors)
+unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_sidecar.execute.host import RankView, copy_request, rank_view
+from kv_sidecar.plan.blocks import blocks_for, check_pull, dst_block_count, needed_src_blocks
+from kv_sidecar.plan.pair import PairPlan, plan_pair
+from kv_sidecar.plan.spec import EngineSpec, Layout
+from tests.plan.plan_oracle import allocate, kernel_block_axis, logical_kv, write_tokens
+
+HEAD_LAYOUTS = [layout for layout in Layout if layout is not Layout.MLA]
+STORAGES = ["separate", "packed", "gapped", "uneven"]
+
+
+@st.composite
+def engine(draw: st.DrawFn, common: dict, heads: int, mla: bool) -> EngineSpec:
+    if mla:
+        tp = draw(st.integers(1, 8))
+        layout = Layout.MLA
+    else:
+        tp = draw(st.sampled_from([t for t in range(1, 9) if heads % t == 0 or t % heads == 0]))
+        layout = draw(st.sampled_from(HEAD_LAYOUTS))
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8, 16]))
+    kernel = draw(st.sampled_from([None, *[k for k in range(1, block_size + 1) if block_size % k == 0]]))
+    return EngineSpec(
+        tp_size=tp,
+        num_kv_heads=heads,
+        layout=layout,
+        block_size=block_size,
+        kernel_block_size=kernel,
+        num_blocks=draw(st.integers(1, 12)),
+        cross_layer=draw(st.booleans()),
+        **common,
+    )
+
+
+@st.composite
+def pull_case(draw: st.DrawFn) -> dict:
+    mla = draw(st.integers(0, 5)) == 0
+    common = {
+        "num_layers": draw(st.integers(1, 3)),
+        "head_dim": draw(st.integers(2, 8)),
+        "dtype": draw(st.sampled_from(["float16", "float32", "bfloat16"])),
+    }
+    heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    prefill = draw(engine(common, heads, mla))
+    decode = draw(engine(common, heads, mla))
+    capacity = min(prefill.num_blocks * prefill.block_size, decode.num_blocks * decode.block_size, 48)
+    num_tokens = draw(st.integers(1, capacity))
+    start_token = decode.block_size * draw(st.integers(0, num_tokens // decode.block_size))
+    n_src = blocks_for(num_tokens, prefill.block_size)
+    n_dst = dst_block_count(decode.block_size, num_tokens, start_token)
+    src_ids = draw(st.permutations(range(prefill.num_blocks)))[:n_src]
+    dst_ids = draw(st.permutations(range(decode.num_blocks)))[:n_dst]
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "num_tokens": num_tokens,
+        "start_token": start_token,
+        "src_ids": src_ids,
+        "dst_ids": dst_ids,
+        "storage": (draw(st.sampled_from(STORAGES)), draw(st.sampled_from(STORAGES))),
+        "staging": draw(st.sampled_from([None, "tail", "padded"])),
+        # Move the request in rounds of this many tokens (a multiple of the decode block size), or at once.
+        "round": decode.block_size * draw(st.integers(1, 4)) if draw(st.booleans()) else None,
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+def check_plan_shape(plan: PairPlan) -> None:
+    """Each decode rank reads each of its heads exactly once; every prefill rank is consumed."""
+    p, d = plan.prefill, plan.decode
+    for rank_plan in plan.decode_ranks:
+        readers = {read.prefill_rank for read in rank_plan.reads}
+        assert readers.isdisjoint(rank_plan.notify_only)
+        if p.is_mla:
+            assert len(rank_plan.reads) == 1 and rank_plan.reads[0].heads is None
+            continue
+        covered = []
+        for read in rank_plan.reads:
+            assert read.heads is not None
+            start, stop = p.rank_heads(read.prefill_rank)
+            assert start <= read.heads[0] < read.heads[1] <= stop
+            covered.extend(range(*read.heads))
+        assert covered == list(range(*d.rank_heads(rank_plan.rank)))
+    for prefill_rank in range(p.tp_size):
+        assert plan.consumers_of(prefill_rank), f"prefill rank {prefill_rank} is never consumed"
+
+
+def staged(
+    prefill: EngineSpec,
+    rank: int,
+    tensors: list[torch.Tensor],
+    src_ids: list[int],
+    needed: list[int],
+    form: str,
+) -> tuple[RankView, list[int]]:
+    """A mini-cache of just the needed source blocks, copied byte for byte (what the NIXL path stages).
+
+    Its ids are either just the staged blocks ("tail") or padded with block 0
+    in front so that position i is still source block i ("padded").
+    """
+    spec = dataclasses.replace(prefill, num_blocks=max(1, len(needed)))
+    r = prefill.kernel_blocks_per_block
+    kblocks = [src_ids[pos] * r + k for pos in needed for k in range(r)]
+    axis = kernel_block_axis(prefill)
+    out = [t.index_select(axis, torch.tensor(kblocks, dtype=torch.int64)).contiguous() for t in tensors]
+    if not needed:  # a full prefix hit moves nothing; keep one dummy block so the shape is valid
+        out = [torch.zeros(s, dtype=tensors[0].dtype) for s in spec.rank_tensor_shapes()]
+    ids = list(range(len(needed)))
+    if form == "padded" and needed:
+        ids = [0] * needed[0] + ids
+    return rank_view(spec, rank, out), ids
+
+
+def rounds(start: int, num_tokens: int, size: int | None) -> list[tuple[int, int]]:
+    if size is None or start == num_tokens:
+        return [(start, num_tokens)]
+    return [(t0, min(num_tokens, t0 + size)) for t0 in range(start, num_tokens, size)]
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pull_case())
+def test_pull_matches_logical_kv(case: dict) -> None:
+    prefill, decode = case["prefill"], case["decode"]
+    n, start = case["num_tokens"], case["start_token"]
+    src_ids, dst_ids = case["src_ids"], case["dst_ids"]
+    rng = np.random.default_rng(case["seed"])
+    plan = plan_pair(prefill, decode)
+    check_plan_shape(plan)
+    check_pull(plan, src_ids, n, dst_ids, start)
+
+    logical = logical_kv(prefill, n, rng)
+    sources = []
+    for rank in range(prefill.tp_size):
+        cache = allocate(prefill, case["storage"][0], rng)
+        write_tokens(prefill, rank, cache.arrays(), logical, src_ids, 0, range(n))
+        sources.append(cache)
+
+    bd = decode.block_size
+    for rank_plan in plan.decode_ranks:
+        dst_cache = allocate(decode, case["storage"][1], rng)
+        expected = dst_cache.snapshot()
+        write_tokens(decode, rank_plan.rank, expected, logical, dst_ids, start // bd, range(start, n))
+        dst = rank_view(decode, rank_plan.rank, dst_cache.as_spec_dtype(decode))
+        moved = 0
+        for read in rank_plan.reads:
+            src_tensors = sources[read.prefill_rank].as_spec_dtype(prefill)
+            for t0, t1 in rounds(start, n, case["round"]):
+                round_dst = dst_ids[(t0 - start) // bd : -(-(t1 - start) // bd)]
+                if case["staging"]:
+                    needed = needed_src_blocks(plan, src_ids, t1, t0)
+                    form = case["staging"]
+                    src, ids = staged(prefill, read.prefill_rank, src_tensors, src_ids, needed, form)
+                else:  # the whole request's ids, even when this round needs fewer
+                    src, ids = rank_view(prefill, read.prefill_rank, src_tensors), src_ids
+                moved += copy_request(src, dst, read.heads, ids, round_dst, t1, t0)
+        for got, want in zip(dst_cache.arrays(), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        per_token = decode.num_layers * (1 if decode.is_mla else 2) * decode.heads_per_rank * decode.head_dim
+        assert moved == (n - start) * per_token * decode.element_size

@@ -1,0 +1,136 @@
+"""CPU executor: view validation, fused-layer views, argument errors, dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from kv_sidecar.execute.host import copy_request, rank_view
+from kv_sidecar.plan.spec import EngineSpec, PlanError
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def spec(**over: Any) -> EngineSpec:
+    base: dict[str, Any] = {
+        "tp_size": 2, "num_layers": 3, "num_kv_heads": 4, "head_dim": 2, "dtype": "float16",
+        "block_size": 4, "num_blocks": 5, "layout": "flash_attn_nhd",
+    }
+    if over.get("layout") == "mla":
+        base["num_kv_heads"] = 1
+    return EngineSpec(**{**base, **over})
+
+
+def tensors(s: EngineSpec, fill: float = 0.0) -> list[torch.Tensor]:
+    return [torch.full(shape, fill, dtype=getattr(torch, s.dtype)) for shape in s.rank_tensor_shapes()]
+
+
+def test_rank_view_rejects_wrong_tensors() -> None:
+    s = spec()
+    good = tensors(s)
+    with pytest.raises(PlanError, match="rank 0: expected 3 KV tensors, got 2"):
+        rank_view(s, 0, good[:2])
+    wrong_shape = "rank 1 tensor 1: shape (2, 5, 4, 2, 3) does not match spec (2, 5, 4, 2, 2)"
+    with pytest.raises(PlanError, match=re.escape(wrong_shape)):
+        rank_view(s, 1, [good[0], torch.zeros(2, 5, 4, 2, 3, dtype=torch.float16), good[2]])
+    with pytest.raises(PlanError, match=r"tensor 0: dtype torch\.bfloat16 does not match spec float16"):
+        rank_view(s, 0, [good[0].to(torch.bfloat16), *good[1:]])
+    with pytest.raises(PlanError, match="rank 0 tensor 2: must be contiguous"):
+        rank_view(s, 0, [*good[:2], torch.zeros(2, 5, 2, 4, 2, dtype=torch.float16).transpose(2, 3)])
+    with pytest.raises(PlanError, match="rank 2 out of range for tp_size 2"):
+        rank_view(s, 2, good)
+
+
+def test_equally_spaced_layers_become_one_view() -> None:
+    s = spec()
+    shape = s.layer_tensor_shape()
+    size = torch.Size(shape).numel()
+    big = torch.zeros(3 * size + 30, dtype=torch.float16)
+    spaced = [big[i * (size + 10) : i * (size + 10) + size].view(shape) for i in range(3)]
+    assert rank_view(s, 0, spaced).is_single_view
+    uneven = [big[o : o + size].view(shape) for o in (0, size + 3, 2 * size + 20)]
+    assert not rank_view(s, 0, uneven).is_single_view
+    assert not rank_view(s, 0, tensors(s)).is_single_view
+    assert rank_view(spec(cross_layer=True), 0, tensors(spec(cross_layer=True))).is_single_view
+
+
+def test_copy_argument_errors() -> None:
+    s = spec()
+    src, dst = rank_view(s, 0, tensors(s)), rank_view(s, 1, tensors(s))
+    not_held = "heads [0, 2] are not all held by destination rank 1 (it holds [2, 4))"
+    with pytest.raises(PlanError, match=re.escape(not_held)):
+        copy_request(src, dst, (0, 2), [0], [0], 4)
+    with pytest.raises(PlanError, match="heads must be a \\[start, stop\\) range for a non-mla cache"):
+        copy_request(src, src, None, [0], [1], 4)
+    with pytest.raises(PlanError, match="source block list has 1 ids; 8 tokens from 0 at block_size 4"):
+        copy_request(src, src, (0, 2), [0], [1, 2], 8)
+    with pytest.raises(PlanError, match=re.escape("destination block list has 1 ids; tokens [0, 8) at")):
+        copy_request(src, src, (0, 2), [0, 1], [2], 8)
+    with pytest.raises(PlanError, match="destination block id 5 at position 1 is out of range \\[0, 5\\)"):
+        copy_request(src, src, (0, 2), [0, 1], [2, 5], 8)
+    other = spec(head_dim=4)
+    with pytest.raises(PlanError, match="head_dim differs: source 2, destination 4"):
+        copy_request(src, rank_view(other, 0, tensors(other)), (0, 2), [0], [0], 4)
+    mla = spec(layout="mla")
+    m = rank_view(mla, 0, tensors(mla))
+    with pytest.raises(PlanError, match="heads must be None for an mla cache"):
+        copy_request(m, m, (0, 1), [0], [1], 4)
+
+
+def test_copy_is_bitwise_for_nan_payloads_and_float8() -> None:
+    for dtype, pattern in (("float16", 0x7E01), ("float8_e4m3fn", 0x7F), ("bfloat16", 0xFFC1)):
+        s = spec(dtype=dtype, tp_size=1)
+        width = {2: torch.int16, 1: torch.uint8}[s.element_size]
+        src_t = [torch.full(sh, pattern, dtype=torch.int32).to(width).view(getattr(torch, dtype))
+                 for sh in s.rank_tensor_shapes()]
+        dst_t = tensors(s)
+        moved = copy_request(rank_view(s, 0, src_t), rank_view(s, 0, dst_t), (0, 4), [0, 1], [3, 4], 6)
+        assert moved == 3 * 2 * 6 * 4 * 2 * s.element_size
+        got = dst_t[1].view(width)
+        assert (got[:, 3] == torch.tensor(pattern).to(width)).all()
+        assert (got[:, 4, :2] == torch.tensor(pattern).to(width)).all()
+        assert (got[:, 4, 2:] == 0).all()  # slots past num_tokens in the last block stay untouched
+        assert (got[:, :3] == 0).all()
+
+
+def test_destination_can_be_a_mini_cache_too() -> None:
+    s = spec(tp_size=1)
+    small = dataclasses.replace(s, num_blocks=2, layout="packed", block_size=2)
+    src_t, dst_t = tensors(s, 1.0), tensors(small, 0.0)
+    moved = copy_request(rank_view(s, 0, src_t), rank_view(small, 0, dst_t), (0, 4), [4, 0], [1, 0], 8, 4)
+    assert moved == 4 * 3 * 2 * 4 * 2 * 2
+    assert all(bool((t == 1.0).all()) for t in dst_t)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a block of code runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_one_gather_and_one_index_put_whatever_the_block_count(cross_layer: bool) -> None:
+    s = spec(tp_size=1, num_blocks=40, cross_layer=cross_layer)
+    shape, layers = s.rank_tensor_shapes()[0], len(s.rank_tensor_shapes())
+    size = torch.Size(shape).numel()
+    big = torch.zeros(layers * size, dtype=torch.float16)  # per-layer tensors back to back: one fused view
+    src = rank_view(s, 0, [big[i * size : (i + 1) * size].view(shape) for i in range(layers)])
+    dst = rank_view(s, 0, tensors(s))
+    counts = []
+    for blocks in (1, 30):
+        ids = list(range(blocks))
+        with OpCounter() as counter:
+            copy_request(src, dst if cross_layer else src, (0, 4), ids, ids[::-1], blocks * 4)
+        counts.append(counter.ops)
+    assert counts[0] == counts[1]  # no per-block work
+    assert counts[0]["index_put_"] == 1
+    assert counts[0]["index"] == 3  # block-id lookups for src and dst, then the one gather
