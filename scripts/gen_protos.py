@@ -28,8 +28,14 @@ _IMPORT = re.compile(r"^from kvsidecar\.v1 import (\w+) as (\w+)$", re.MULTILINE
 def generate(dest: Path) -> None:
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}",
-        f"--python_out={dest}", f"--pyi_out={dest}", f"--grpc_python_out={dest}", *files,
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTOS}",
+        f"--python_out={dest}",
+        f"--pyi_out={dest}",
+        f"--grpc_python_out={dest}",
+        *files,
     ]
     subprocess.run(cmd, check=True)
     pkg = dest / "kvsidecar" / "v1"

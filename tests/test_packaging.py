@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_protos_are_fresh() -> None:
-    res = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -36,8 +39,10 @@ def test_client_distribution_does_not_depend_on_nixl() -> None:
 
 
 def test_installed_top_level_names_are_specific() -> None:
-    for pyproject, expected in ((ROOT / "pyproject.toml", ["kv_sidecar*"]), (ROOT / "client" / "pyproject.toml",
-                                                                           ["kv_sidecar_client*"])):
+    for pyproject, expected in (
+        (ROOT / "pyproject.toml", ["kv_sidecar*"]),
+        (ROOT / "client" / "pyproject.toml", ["kv_sidecar_client*"]),
+    ):
         find = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]["find"]
         assert find["include"] == expected
     generated = ROOT / "client" / "kv_sidecar_client" / "_proto" / "kvsidecar" / "v1" / "engine_pb2_grpc.py"

@@ -143,35 +143,56 @@ class SidecarClient:
             raise _error(e) from None
 
     # -- registration -------------------------------------------------------------
-    def register_rank(self, engine_id: str, rank: int, spec: Mapping[str, Any] | EngineSpec,
-                      tensors: Sequence[TensorHandle]) -> engine_pb2.RegisterRankResponse:
-        req = engine_pb2.RegisterRankRequest(engine_id=engine_id, rank=rank, spec=spec_message(spec),
-                                             tensors=list(tensors))
+    def register_rank(
+        self, engine_id: str, rank: int, spec: Mapping[str, Any] | EngineSpec, tensors: Sequence[TensorHandle]
+    ) -> engine_pb2.RegisterRankResponse:
+        req = engine_pb2.RegisterRankRequest(
+            engine_id=engine_id, rank=rank, spec=spec_message(spec), tensors=list(tensors)
+        )
         return self._call("RegisterRank", req)
 
     def unregister_rank(self, engine_id: str, rank: int) -> None:
         self._call("UnregisterRank", engine_pb2.UnregisterRankRequest(engine_id=engine_id, rank=rank))
 
     def events(self, engine_id: str, rank: int, unregister_on_close: bool = True) -> EventStream:
-        call = self._stub.Events(engine_pb2.EventsRequest(engine_id=engine_id, rank=rank,
-                                                          unregister_on_close=unregister_on_close))
+        call = self._stub.Events(
+            engine_pb2.EventsRequest(engine_id=engine_id, rank=rank, unregister_on_close=unregister_on_close)
+        )
         return EventStream(call)
 
     # -- prefill ----------------------------------------------------------------------
-    def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int,
-                lease_ms: int = 0) -> TransferParams:
-        req = engine_pb2.PublishRequest(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
-                                        num_tokens=num_tokens, lease_ms=lease_ms)
+    def publish(
+        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, lease_ms: int = 0
+    ) -> TransferParams:
+        req = engine_pb2.PublishRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            lease_ms=lease_ms,
+        )
         return self._call("Publish", req).params
 
     # -- decode -----------------------------------------------------------------------
-    def pull(self, params: TransferParams, engine_id: str, block_ids: Sequence[int],
-             ranks: Sequence[int] = (), start_token: int = 0, timeout_s: float | None = None) -> PullResult:
+    def pull(
+        self,
+        params: TransferParams,
+        engine_id: str,
+        block_ids: Sequence[int],
+        ranks: Sequence[int] = (),
+        start_token: int = 0,
+        timeout_s: float | None = None,
+    ) -> PullResult:
         """Fill local blocks; never raises for a failed transfer (see PullResult)."""
         timeout = timeout_s or self.timeout_s
-        req = engine_pb2.PullRequest(params=params, engine_id=engine_id, ranks=list(ranks),
-                                     block_ids=list(block_ids), start_token=start_token,
-                                     timeout_ms=int(timeout * 1000))
+        req = engine_pb2.PullRequest(
+            params=params,
+            engine_id=engine_id,
+            ranks=list(ranks),
+            block_ids=list(block_ids),
+            start_token=start_token,
+            timeout_ms=int(timeout * 1000),
+        )
         try:
             resp = self._stub.Pull(req, timeout=timeout + 5)  # the sidecar times out first, with details
         except grpc.RpcError as e:
@@ -185,7 +206,9 @@ class SidecarClient:
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
-        return list(self._call("KeepAlive", engine_pb2.KeepAliveRequest(params=list(params))).lease_deadline_unix_ms)
+        return list(
+            self._call("KeepAlive", engine_pb2.KeepAliveRequest(params=list(params))).lease_deadline_unix_ms
+        )
 
     # -- either side -----------------------------------------------------------------
     def abort(self, engine_id: str, request_id: str) -> bool:

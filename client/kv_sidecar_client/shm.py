@@ -7,6 +7,7 @@ opens /dev/shm/<name> and maps it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -73,16 +74,13 @@ class ShmKVCache:
         """Drop our mapping (tensors become invalid) and remove the object."""
         self.tensors = []
         if self._mmap is not None:
-            try:
+            # A tensor view is still alive somewhere; the OS unmaps at exit.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass  # a tensor view is still alive somewhere; the OS unmaps at exit
             self._mmap = None
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> ShmKVCache:
         return self

@@ -62,8 +62,11 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     return str(value)
 
 
-def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | None = None,
-                  env: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
     env = os.environ if env is None else env
     types = {f.name: type(f.default) for f in fields(Settings)}
     merged: dict[str, Any] = {}

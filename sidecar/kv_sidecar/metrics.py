@@ -17,8 +17,12 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.pulls = Counter("kvsidecar_pulls", "Pulls finished, by path and outcome", ["path", "outcome"], registry=r)
-        self.pull_bytes = Counter("kvsidecar_pull_bytes", "Bytes written into local KV blocks", ["path"], registry=r)
+        self.pulls = Counter(
+            "kvsidecar_pulls", "Pulls finished, by path and outcome", ["path", "outcome"], registry=r
+        )
+        self.pull_bytes = Counter(
+            "kvsidecar_pull_bytes", "Bytes written into local KV blocks", ["path"], registry=r
+        )
         self.pull_duration = Histogram(
             "kvsidecar_pull_duration_seconds", "Pull latency", ["path"], buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -30,21 +34,34 @@ class Metrics:
             registry=r,
         )
         self.nixl_descriptors = Histogram(
-            "kvsidecar_nixl_descriptors_per_transfer", "NIXL descriptors per transfer", buckets=_SIZE_BUCKETS, registry=r
+            "kvsidecar_nixl_descriptors_per_transfer",
+            "NIXL descriptors per transfer",
+            buckets=_SIZE_BUCKETS,
+            registry=r,
         )
-        self.handshakes = Counter("kvsidecar_handshakes", "Handshakes with peer sidecars", ["outcome"], registry=r)
+        self.handshakes = Counter(
+            "kvsidecar_handshakes", "Handshakes with peer sidecars", ["outcome"], registry=r
+        )
         self.handshake_duration = Histogram(
             "kvsidecar_handshake_duration_seconds", "Handshake latency", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.lease_expiries = Counter("kvsidecar_lease_expiries", "Published requests whose lease expired", registry=r)
-        self.registered_engines = Gauge("kvsidecar_registered_engines", "Engines with a registered rank", registry=r)
+        self.lease_expiries = Counter(
+            "kvsidecar_lease_expiries", "Published requests whose lease expired", registry=r
+        )
+        self.registered_engines = Gauge(
+            "kvsidecar_registered_engines", "Engines with a registered rank", registry=r
+        )
         self.registered_ranks = Gauge("kvsidecar_registered_ranks", "Registered engine ranks", registry=r)
-        self.published_requests = Gauge("kvsidecar_published_requests", "Requests held for readers", registry=r)
+        self.published_requests = Gauge(
+            "kvsidecar_published_requests", "Requests held for readers", registry=r
+        )
         self.staging_in_use = Gauge("kvsidecar_staging_bytes_in_use", "Staging bytes in use", registry=r)
         self.staging_capacity = Gauge("kvsidecar_staging_bytes_capacity", "Staging bytes owned", registry=r)
         self.inflight = Gauge("kvsidecar_inflight_transfers", "Pulls in progress", registry=r)
         self.failures = Counter("kvsidecar_failures", "Failed operations by reason", ["reason"], registry=r)
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
-            "kvsidecar_ucx_emulation_detected", "Transfers refused because UCX would emulate over TCP", registry=r
+            "kvsidecar_ucx_emulation_detected",
+            "Transfers refused because UCX would emulate over TCP",
+            registry=r,
         )

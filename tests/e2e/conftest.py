@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from kv_sidecar.refengine.procs import SidecarProcess
 
 
@@ -14,10 +13,20 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
     yield a, b
     codes = a.stop(), b.stop()
-    assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(list(a.stderr_tail) + list(b.stderr_tail))
+    assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(
+        list(a.stderr_tail) + list(b.stderr_tail)
+    )
 
 
 def spec_dict(**over: object) -> dict[str, object]:
-    base: dict[str, object] = {"tp_size": 1, "num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "dtype": "float16",
-                               "block_size": 16, "num_blocks": 64, "layout": "flash_attn_nhd"}
+    base: dict[str, object] = {
+        "tp_size": 1,
+        "num_layers": 2,
+        "num_kv_heads": 4,
+        "head_dim": 16,
+        "dtype": "float16",
+        "block_size": 16,
+        "num_blocks": 64,
+        "layout": "flash_attn_nhd",
+    }
     return base | over

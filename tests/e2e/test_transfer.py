@@ -10,7 +10,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
@@ -19,13 +18,22 @@ from .conftest import spec_dict
 _ids = itertools.count()
 
 
-def _transfer(prefill: EngineProcess, decode: EngineProcess, src: list[int], dst: list[int], tokens: int,
-              start_token: int = 0) -> dict[str, object]:
+def _transfer(
+    prefill: EngineProcess,
+    decode: EngineProcess,
+    src: list[int],
+    dst: list[int],
+    tokens: int,
+    start_token: int = 0,
+) -> dict[str, object]:
     rid = f"req-{next(_ids)}"
-    pub = prefill.send({"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": tokens, "seed": 7})
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": tokens, "seed": 7}
+    )
     assert pub["ok"], pub
-    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 7,
-                       "start_token": start_token})
+    res = decode.send(
+        {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 7, "start_token": start_token}
+    )
     assert res["ok"], res
     assert res["verified"], res["errors"]
     for _ in range(prefill.spec.tp_size):  # every prefill rank hears that its blocks were consumed
@@ -78,9 +86,13 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
         with grpc.insecure_channel(target) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
-            names = [s.name for r in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
-                for s in r.list_services_response.service]
+            names = [
+                s.name
+                for r in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
+                for s in r.list_services_response.service
+            ]
             assert "grpc.health.v1.Health" in names
             assert any(n.startswith("kvsidecar.v1.") for n in names)
     before = _metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')

@@ -16,8 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 def spec(**over: Any) -> EngineSpec:
     base: dict[str, Any] = {
-        "tp_size": 2, "num_layers": 3, "num_kv_heads": 4, "head_dim": 2, "dtype": "float16",
-        "block_size": 4, "num_blocks": 5, "layout": "flash_attn_nhd",
+        "tp_size": 2,
+        "num_layers": 3,
+        "num_kv_heads": 4,
+        "head_dim": 2,
+        "dtype": "float16",
+        "block_size": 4,
+        "num_blocks": 5,
+        "layout": "flash_attn_nhd",
     }
     if over.get("layout") == "mla":
         base["num_kv_heads"] = 1
@@ -84,8 +90,10 @@ def test_copy_is_bitwise_for_nan_payloads_and_float8() -> None:
     for dtype, pattern in (("float16", 0x7E01), ("float8_e4m3fn", 0x7F), ("bfloat16", 0xFFC1)):
         s = spec(dtype=dtype, tp_size=1)
         width = {2: torch.int16, 1: torch.uint8}[s.element_size]
-        src_t = [torch.full(sh, pattern, dtype=torch.int32).to(width).view(getattr(torch, dtype))
-                 for sh in s.rank_tensor_shapes()]
+        src_t = [
+            torch.full(sh, pattern, dtype=torch.int32).to(width).view(getattr(torch, dtype))
+            for sh in s.rank_tensor_shapes()
+        ]
         dst_t = tensors(s)
         moved = copy_request(rank_view(s, 0, src_t), rank_view(s, 0, dst_t), (0, 4), [0, 1], [3, 4], 6)
         assert moved == 3 * 2 * 6 * 4 * 2 * s.element_size

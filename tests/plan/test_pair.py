@@ -45,15 +45,24 @@ def table(plan: PairPlan) -> list[tuple[list[tuple[int, Any]], list[int]]]:
             3,
             6,
             6,
-            [([(0, (0, 1))], []), ([(0, (1, 2))], []), ([(1, (2, 3))], []),
-             ([(1, (3, 4))], []), ([(2, (4, 5))], []), ([(2, (5, 6))], [])],
+            [
+                ([(0, (0, 1))], []),
+                ([(0, (1, 2))], []),
+                ([(1, (2, 3))], []),
+                ([(1, (3, 4))], []),
+                ([(2, (4, 5))], []),
+                ([(2, (5, 6))], []),
+            ],
         ),
         (
             6,
             3,
             6,
-            [([(0, (0, 1)), (1, (1, 2))], []), ([(2, (2, 3)), (3, (3, 4))], []),
-             ([(4, (4, 5)), (5, (5, 6))], [])],
+            [
+                ([(0, (0, 1)), (1, (1, 2))], []),
+                ([(2, (2, 3)), (3, (3, 4))], []),
+                ([(4, (4, 5)), (5, (5, 6))], []),
+            ],
         ),
         # TP ratio 2:3, heads split evenly on both sides: decode rank 1 straddles two prefill ranks.
         (2, 3, 6, [([(0, (0, 2))], []), ([(0, (2, 3)), (1, (3, 4))], []), ([(1, (4, 6))], [])]),
@@ -98,8 +107,10 @@ def test_consumers_of() -> None:
 
 def test_layouts_and_block_sizes_do_not_change_the_mapping() -> None:
     plain = plan_pair(spec(2), spec(4))
-    other = plan_pair(spec(2, layout="packed", block_size=16, kernel_block_size=4),
-                      spec(4, layout="flashinfer_hnd", block_size=48, cross_layer=True))
+    other = plan_pair(
+        spec(2, layout="packed", block_size=16, kernel_block_size=4),
+        spec(4, layout="flashinfer_hnd", block_size=48, cross_layer=True),
+    )
     assert plain.decode_ranks == other.decode_ranks
 
 

@@ -12,8 +12,14 @@ import pytest
 from kv_sidecar.commands import plan as plan_command
 
 PREFILL = {
-    "tp_size": 2, "num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "dtype": "bfloat16",
-    "block_size": 16, "num_blocks": 100, "layout": "flash_attn_nhd",
+    "tp_size": 2,
+    "num_layers": 4,
+    "num_kv_heads": 8,
+    "head_dim": 64,
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "num_blocks": 100,
+    "layout": "flash_attn_nhd",
 }
 DECODE = {**PREFILL, "tp_size": 4, "block_size": 32, "num_blocks": 50, "layout": "flash_attn_hnd"}
 
@@ -40,8 +46,15 @@ def test_json_output_inline_and_file(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run("--prefill", json.dumps({**PREFILL, "num_kv_heads": 2, "tp_size": 4}),
-               "--decode", json.dumps({**PREFILL, "num_kv_heads": 2, "tp_size": 1})) == 0
+    assert (
+        run(
+            "--prefill",
+            json.dumps({**PREFILL, "num_kv_heads": 2, "tp_size": 4}),
+            "--decode",
+            json.dumps({**PREFILL, "num_kv_heads": 2, "tp_size": 1}),
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "decode rank  reads prefill rank  heads   bytes/decode block  notify only" in out
     assert "0            0                   [0, 1)  16384               1,3" in out
@@ -52,8 +65,10 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     ("decode", "message"),
     [
         ({**DECODE, "num_kv_heads": 4}, "num_kv_heads differs: prefill 8, decode 4"),
-        ({**DECODE, "layout": "mla", "num_kv_heads": 1},
-         "layout differs: prefill flash_attn_nhd, decode mla"),
+        (
+            {**DECODE, "layout": "mla", "num_kv_heads": 1},
+            "layout differs: prefill flash_attn_nhd, decode mla",
+        ),
         ({**DECODE, "tp_size": 3}, "--decode: num_kv_heads 8 and tp_size 3: one must divide the other"),
         ({**DECODE, "colour": "red"}, "--decode: unknown engine spec keys ['colour']"),
     ],

@@ -16,15 +16,27 @@ import time
 from typing import Any
 
 DEFAULT_SPEC: dict[str, Any] = {
-    "tp_size": 1, "num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
-    "block_size": 16, "num_blocks": 1024, "layout": "flash_attn_nhd",
+    "tp_size": 1,
+    "num_layers": 8,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "num_blocks": 1024,
+    "layout": "flash_attn_nhd",
 }
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run a local prefill/decode pair on CPU and verify a transfer",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", metavar="SPEC", help="prefill engine spec, JSON (default: a 8-layer bf16 model)")
+    p = sub.add_parser(
+        "demo",
+        help="run a local prefill/decode pair on CPU and verify a transfer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--prefill", metavar="SPEC", help="prefill engine spec, JSON (default: a 8-layer bf16 model)"
+    )
     p.add_argument("--decode", metavar="SPEC", help="decode engine spec, JSON (default: same as prefill)")
     p.add_argument("--tokens", type=int, default=8192, help="prompt tokens to transfer (default: 8192)")
     p.add_argument("--repeat", type=int, default=3, help="requests to transfer (default: 3)")
@@ -49,18 +61,24 @@ def run(args: argparse.Namespace) -> int:
     tokens = args.tokens
     need_p, need_d = math.ceil(tokens / pspec.block_size), math.ceil(tokens / dspec.block_size)
     if need_p > pspec.num_blocks or need_d > dspec.num_blocks:
-        print(f"kv-sidecar demo: {tokens} tokens do not fit the caches ({pspec.num_blocks} / {dspec.num_blocks} blocks)",
-              file=sys.stderr)
+        print(
+            f"kv-sidecar demo: {tokens} tokens do not fit the caches ({pspec.num_blocks} / {dspec.num_blocks} blocks)",
+            file=sys.stderr,
+        )
         return 2
-    print(f"prefill: TP{pspec.tp_size} {pspec.layout.value} block {pspec.block_size}; "
-          f"decode: TP{dspec.tp_size} {dspec.layout.value} block {dspec.block_size}; {tokens} tokens")
+    print(
+        f"prefill: TP{pspec.tp_size} {pspec.layout.value} block {pspec.block_size}; "
+        f"decode: TP{dspec.tp_size} {dspec.layout.value} block {dspec.block_size}; {tokens} tokens"
+    )
     t0 = time.perf_counter()
     sidecars: list[Any] = []
     engines: list[Any] = []
     failed = False
     try:
         sidecars = [SidecarProcess("prefill-node"), SidecarProcess("decode-node")]
-        print(f"2 sidecars up in {time.perf_counter() - t0:.1f}s: {sidecars[0].peer_address} and {sidecars[1].peer_address}")
+        print(
+            f"2 sidecars up in {time.perf_counter() - t0:.1f}s: {sidecars[0].peer_address} and {sidecars[1].peer_address}"
+        )
         prefill = EngineProcess(sidecars[0].socket, "prefill-engine", pspec)
         decode = EngineProcess(sidecars[1].socket, "decode-engine", dspec)
         engines = [prefill, decode]
@@ -72,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
             if len(set(src)) != need_p or len(set(dst)) != need_d:
                 src, dst = list(range(need_p)), list(range(need_d))
             rid = f"demo-{i}"
-            pub = prefill.send({"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": tokens,
-                                "seed": i})
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": tokens, "seed": i}
+            )
             if not pub["ok"]:
                 raise ProcessError(f"publish failed: {pub}")
             res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": i})
@@ -85,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
                 consumed += ev.get("kind") == "consumed" and ev.get("request_id") == rid
             ok = res.get("verified", False)
             failed |= not ok or consumed != pspec.tp_size
-            print(f"{rid:>8} {res['path']:>17} {res['bytes'] / 2**20:9.1f} {res['duration_s'] * 1e3:9.2f} "
-                  f"{res['gbps']:7.2f}  {'yes' if ok else 'NO'}       {consumed}/{pspec.tp_size} ranks")
+            print(
+                f"{rid:>8} {res['path']:>17} {res['bytes'] / 2**20:9.1f} {res['duration_s'] * 1e3:9.2f} "
+                f"{res['gbps']:7.2f}  {'yes' if ok else 'NO'}       {consumed}/{pspec.tp_size} ranks"
+            )
             for err in res.get("errors", []):
                 print(f"  {err}")
     except ProcessError as e:

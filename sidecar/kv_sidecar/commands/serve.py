@@ -21,17 +21,28 @@ def add_parser(sub: Any) -> None:
         f"Every flag can also be set as {ENV_PREFIX}<FLAG> in the environment or as a key in --config; "
         "precedence: flags > environment > config file > defaults.",
     )
-    p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys as the flags, with underscores)")
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML file of settings (keys as the flags, with underscores)"
+    )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, dest=f.name, type=type(f.default), default=None, metavar=f.name.upper(),
-                       help=f"{Settings.HELP[f.name]} (default: {f.default!r})")
+        p.add_argument(
+            flag,
+            dest=f.name,
+            type=type(f.default),
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{Settings.HELP[f.name]} (default: {f.default!r})",
+        )
     p.set_defaults(func=run)
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
         sidecar.stop(0)
         return 1
     # Machine-readable line for supervisors and tests that start us with port 0.
-    print(f"kv-sidecar ready id={sidecar.sidecar_id} engine_socket={settings.engine_socket} "
-          f"peer={sidecar.peer_address} metrics_port={sidecar.metrics_port}", flush=True)
+    print(
+        f"kv-sidecar ready id={sidecar.sidecar_id} engine_socket={settings.engine_socket} "
+        f"peer={sidecar.peer_address} metrics_port={sidecar.metrics_port}",
+        flush=True,
+    )
     stop.wait()
     sidecar.stop()
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -74,7 +75,9 @@ class ShmMapper:
         self._segments[name] = (seg, 1)
         return seg
 
-    def map_tensor(self, name: str, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: str) -> torch.Tensor:
+    def map_tensor(
+        self, name: str, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: str
+    ) -> torch.Tensor:
         if dtype not in DTYPE_SIZES:
             raise HandleError(f"dtype {dtype!r} is not supported")
         if not shape or any(s <= 0 for s in shape):
@@ -102,10 +105,9 @@ class ShmMapper:
             return
         del self._segments[name]
         seg.flat = torch.empty(0, dtype=torch.uint8)
-        try:
+        # A view is still referenced (e.g. an in-flight copy); unmapped when collected.
+        with contextlib.suppress(BufferError):
             seg.mm.close()
-        except BufferError:
-            pass  # a view is still referenced (e.g. an in-flight copy); unmapped when collected
 
     @property
     def open_segments(self) -> int:

@@ -53,14 +53,19 @@ def chunk_indices(geo: ChunkGeometry, block_ids: np.ndarray) -> np.ndarray:
     return (base[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :]).reshape(-1)
 
 
-def descriptors(geo: ChunkGeometry, region_bases: list[int], block_ids: np.ndarray, device: int = 0) -> np.ndarray:
+def descriptors(
+    geo: ChunkGeometry, region_bases: list[int], block_ids: np.ndarray, device: int = 0
+) -> np.ndarray:
     """(M, 3) uint64 [address, length, device] for these blocks, same order as chunk_indices."""
     if len(region_bases) != geo.regions:
         raise ValueError(f"expected {geo.regions} region addresses, got {len(region_bases)}")
-    bases = np.asarray(region_bases, dtype=np.uint64)[:, None] + (
-        np.arange(geo.outer, dtype=np.uint64) * np.uint64(geo.outer_stride)
-    )[None, :]
-    addrs = bases.reshape(-1)[:, None] + np.asarray(block_ids, dtype=np.uint64)[None, :] * np.uint64(geo.chunk)
+    bases = (
+        np.asarray(region_bases, dtype=np.uint64)[:, None]
+        + (np.arange(geo.outer, dtype=np.uint64) * np.uint64(geo.outer_stride))[None, :]
+    )
+    addrs = bases.reshape(-1)[:, None] + np.asarray(block_ids, dtype=np.uint64)[None, :] * np.uint64(
+        geo.chunk
+    )
     out = np.empty((addrs.size, 3), dtype=np.uint64)
     out[:, 0] = addrs.reshape(-1)
     out[:, 1] = geo.chunk

@@ -208,7 +208,8 @@ def _notify_only(prefill: EngineSpec, decode: EngineSpec, reads: list[list[Read]
         else:
             p_start, p_stop = prefill.rank_heads(p)
             candidates = [
-                d for d in range(decode.tp_size)
+                d
+                for d in range(decode.tp_size)
                 if decode.rank_heads(d)[0] < p_stop and p_start < decode.rank_heads(d)[1]
             ]
         notify[candidates[p % len(candidates)]].add(p)

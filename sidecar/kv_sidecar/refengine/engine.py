@@ -12,6 +12,7 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import sys
@@ -19,11 +20,11 @@ import threading
 from typing import Any
 
 import torch
+from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
+from kv_sidecar_client.shm import ShmKVCache
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
-from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
-from kv_sidecar_client.shm import ShmKVCache
 
 
 class RefEngine:
@@ -48,8 +49,14 @@ class RefEngine:
         try:
             for ev in stream:
                 if ev.kind != "ready":
-                    self.events.put({"rank": rank, "kind": ev.kind, "request_id": ev.request_id,
-                                     "block_ids": ev.block_ids})
+                    self.events.put(
+                        {
+                            "rank": rank,
+                            "kind": ev.kind,
+                            "request_id": ev.request_id,
+                            "block_ids": ev.block_ids,
+                        }
+                    )
         except KVSidecarError as e:
             self.events.put({"rank": rank, "kind": "stream_error", "error": str(e)})
 
@@ -57,8 +64,9 @@ class RefEngine:
         logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
         for r, cache in self.caches.items():
             fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
-        params = self.client.publish(self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"],
-                                     cmd.get("lease_ms", 0))
+        params = self.client.publish(
+            self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
+        )
         return {"ok": True, "params": json.loads(params_to_json(params))}
 
     def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -67,23 +75,41 @@ class RefEngine:
         start = cmd.get("start_token", 0)
         verify = cmd.get("verify", True)
         before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks} if verify else {}
-        res = self.client.pull(params, self.engine_id, cmd["block_ids"], ranks=cmd.get("ranks") or (),
-                               start_token=start, timeout_s=cmd.get("timeout_s"))
-        out: dict[str, Any] = {"ok": res.ok, "bytes": res.bytes, "duration_s": res.duration_s, "gbps": res.gbps,
-                               "path": res.path, "error_code": res.error_code, "error": res.error,
-                               "unfilled_blocks": res.unfilled_blocks}
+        res = self.client.pull(
+            params,
+            self.engine_id,
+            cmd["block_ids"],
+            ranks=cmd.get("ranks") or (),
+            start_token=start,
+            timeout_s=cmd.get("timeout_s"),
+        )
+        out: dict[str, Any] = {
+            "ok": res.ok,
+            "bytes": res.bytes,
+            "duration_s": res.duration_s,
+            "gbps": res.gbps,
+            "path": res.path,
+            "error_code": res.error_code,
+            "error": res.error,
+            "unfilled_blocks": res.unfilled_blocks,
+        }
         if res.ok and verify:
             logical = logical_kv(self.spec, params.num_tokens, cmd["seed"])
             errors: list[str] = []
             for r in ranks:
-                errors += check_request(self.spec, r, self.caches[r].tensors, cmd["block_ids"], logical, start)
+                errors += check_request(
+                    self.spec, r, self.caches[r].tensors, cmd["block_ids"], logical, start
+                )
                 errors += changed_outside(self.spec, before[r], self.caches[r].tensors, cmd["block_ids"])
             out["verified"] = not errors
             out["errors"] = errors[:20]
         elif verify:
             # A failed pull must not touch blocks it was not asked to fill.
-            errors = [e for r in ranks for e in changed_outside(self.spec, before[r], self.caches[r].tensors,
-                                                                 cmd["block_ids"])]
+            errors = [
+                e
+                for r in ranks
+                for e in changed_outside(self.spec, before[r], self.caches[r].tensors, cmd["block_ids"])
+            ]
             out["verified"] = not errors
             out["errors"] = errors[:20]
         return out
@@ -96,10 +122,9 @@ class RefEngine:
 
     def close(self) -> None:
         for r in list(self.caches):
-            try:
+            # The sidecar may be gone already.
+            with contextlib.suppress(KVSidecarError):
                 self.client.unregister_rank(self.engine_id, r)
-            except KVSidecarError:
-                pass  # the sidecar may be gone already
             self.caches.pop(r).close()
         self.client.close()
 

@@ -11,7 +11,6 @@ import torch
 
 from kv_sidecar.plan.spec import EngineSpec, Layout
 
-
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -24,7 +23,9 @@ def logical_kv(spec: EngineSpec, num_tokens: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     kv = 1 if spec.is_mla else 2
     heads = 1 if spec.is_mla else spec.num_kv_heads
-    bits = torch.empty(spec.num_layers, kv, num_tokens, heads, spec.head_dim, dtype=_INT_OF_SIZE[spec.element_size])
+    bits = torch.empty(
+        spec.num_layers, kv, num_tokens, heads, spec.head_dim, dtype=_INT_OF_SIZE[spec.element_size]
+    )
     return bits.random_(generator=g).view(getattr(torch, spec.dtype))
 
 
@@ -55,7 +56,7 @@ def _to_physical(spec: EngineSpec, x: torch.Tensor) -> torch.Tensor:
 
 
 def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
-    r, kb = spec.kernel_blocks_per_block, spec.physical_block_size
+    _r, _kb = spec.kernel_blocks_per_block, spec.physical_block_size
     lay = spec.layout
     if lay in (Layout.FLASH_ATTN_NHD, Layout.FLASHINFER_NHD):
         x = y
@@ -71,7 +72,9 @@ def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 0, 2, 3, 4).reshape(kv, -1, h, d)  # [kv, kernel blocks * kb, h, d]
 
 
-def write_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int, x: torch.Tensor) -> None:
+def write_block(
+    spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block: int, x: torch.Tensor
+) -> None:
     """x: [kv, block_size, heads_local, dim]."""
     _block_slot(spec, tensors, layer, block).copy_(_to_physical(spec, x))
 
@@ -80,8 +83,9 @@ def read_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block:
     return _from_physical(spec, _block_slot(spec, tensors, layer, block))
 
 
-def fill_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int],
-                 logical: torch.Tensor) -> None:
+def fill_request(
+    spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int], logical: torch.Tensor
+) -> None:
     """Write the rank's shard of `logical` (all tokens) into `block_ids`."""
     h0, h1 = spec.rank_heads(rank)
     bs, tokens = spec.block_size, logical.shape[2]
@@ -93,7 +97,9 @@ def fill_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block
             write_block(spec, tensors, layer, b, x)
 
 
-def gather_blocks(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block_ids: list[int]) -> torch.Tensor:
+def gather_blocks(
+    spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block_ids: list[int]
+) -> torch.Tensor:
     """Copy of logical blocks in one layer as [n, kv, block_size, heads_local, dim] (one gather, no loop)."""
     r = spec.kernel_blocks_per_block
     idx = (torch.tensor(block_ids, dtype=torch.int64)[:, None] * r + torch.arange(r)[None, :]).flatten()
@@ -109,8 +115,14 @@ def gather_blocks(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, blo
     return flat.reshape(kv, len(block_ids), spec.block_size, h, d).transpose(0, 1)
 
 
-def check_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int],
-                  logical: torch.Tensor, start_token: int = 0) -> list[str]:
+def check_request(
+    spec: EngineSpec,
+    rank: int,
+    tensors: list[torch.Tensor],
+    block_ids: list[int],
+    logical: torch.Tensor,
+    start_token: int = 0,
+) -> list[str]:
     """Compare tokens [start_token, tokens) in `block_ids` with `logical`; returns mismatches."""
     h0, h1 = spec.rank_heads(rank)
     tokens = logical.shape[2]
@@ -123,8 +135,10 @@ def check_request(spec: EngineSpec, rank: int, tensors: list[torch.Tensor], bloc
         if not torch.equal(_bits(got), _bits(want)):
             bad = (_bits(got) != _bits(want)).reshape(got.shape[0], n, -1).any(-1).any(0).nonzero().flatten()
             first = int(bad[0]) // spec.block_size
-            errors.append(f"rank {rank} layer {layer}: {len(bad)} tokens differ, first in block "
-                          f"{block_ids[first]} (token {start_token + int(bad[0])})")
+            errors.append(
+                f"rank {rank} layer {layer}: {len(bad)} tokens differ, first in block "
+                f"{block_ids[first]} (token {start_token + int(bad[0])})"
+            )
     return errors
 
 
@@ -137,8 +151,9 @@ def block_dim(spec: EngineSpec) -> int:
     return 1 if spec.layout in (Layout.FLASH_ATTN_NHD, Layout.FLASH_ATTN_HND) and not spec.cross_layer else 0
 
 
-def changed_outside(spec: EngineSpec, before: list[torch.Tensor], after: list[torch.Tensor],
-                    block_ids: list[int]) -> list[str]:
+def changed_outside(
+    spec: EngineSpec, before: list[torch.Tensor], after: list[torch.Tensor], block_ids: list[int]
+) -> list[str]:
     """Tensors whose bytes changed outside `block_ids` (kernel blocks expanded)."""
     r, dim = spec.kernel_blocks_per_block, block_dim(spec)
     keep = torch.ones(spec.num_blocks * r, dtype=torch.bool)

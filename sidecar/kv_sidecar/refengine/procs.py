@@ -25,8 +25,15 @@ class _Proc:
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.stderr_tail: deque[str] = deque(maxlen=200)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
+        )
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
@@ -59,12 +66,31 @@ class _Proc:
 class SidecarProcess(_Proc):
     """`kv-sidecar serve` on a temporary unix socket and free ports on loopback."""
 
-    def __init__(self, name: str = "sidecar", workdir: str | None = None, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 60) -> None:
+    def __init__(
+        self,
+        name: str = "sidecar",
+        workdir: str | None = None,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 60,
+    ) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvsidecar-")
         self.socket = os.path.join(self.workdir, f"{name}.sock")
-        argv = [sys.executable, "-m", "kv_sidecar", "serve", "--engine-socket", self.socket,
-                "--peer-host", "127.0.0.1", "--peer-port", "0", "--metrics-port", "0", *(extra or [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "kv_sidecar",
+            "serve",
+            "--engine-socket",
+            self.socket,
+            "--peer-host",
+            "127.0.0.1",
+            "--peer-port",
+            "0",
+            "--metrics-port",
+            "0",
+            *(extra or []),
+        ]
         super().__init__(argv, name, env)
         deadline = time.monotonic() + start_timeout_s
         while True:  # NIXL prints its own log lines to stdout before ours
@@ -85,10 +111,25 @@ class SidecarProcess(_Proc):
 
 
 class EngineProcess(_Proc):
-    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int] | None = None,
-                 start_timeout_s: float = 60) -> None:
-        argv = [sys.executable, "-m", "kv_sidecar.refengine", "--socket", socket, "--engine-id", engine_id,
-                "--spec", spec.canonical_json()]
+    def __init__(
+        self,
+        socket: str,
+        engine_id: str,
+        spec: EngineSpec,
+        ranks: list[int] | None = None,
+        start_timeout_s: float = 60,
+    ) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "kv_sidecar.refengine",
+            "--socket",
+            socket,
+            "--engine-id",
+            engine_id,
+            "--spec",
+            spec.canonical_json(),
+        ]
         if ranks:
             argv += ["--ranks", ",".join(map(str, ranks))]
         super().__init__(argv, f"engine {engine_id}")

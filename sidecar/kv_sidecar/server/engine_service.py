@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
 
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.peers import rpc_error
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -26,7 +26,9 @@ def check_blocks(kind: str, block_ids: list[int], num_blocks: int) -> None:
     seen: set[int] = set()
     for b in block_ids:
         if b >= num_blocks:
-            raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} block id {b} is out of range [0, {num_blocks})")
+            raise SidecarError(
+                Code.INVALID_ARGUMENT, f"{kind} block id {b} is out of range [0, {num_blocks})"
+            )
         if b in seen:
             raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} block id {b} appears twice")
         seen.add(b)
@@ -37,19 +39,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._sc = sidecar
 
     @rpc
-    def RegisterRank(self, request: engine_pb2.RegisterRankRequest, context: grpc.ServicerContext
-                     ) -> engine_pb2.RegisterRankResponse:
+    def RegisterRank(
+        self, request: engine_pb2.RegisterRankRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.RegisterRankResponse:
         check_id("engine_id", request.engine_id)
         if not request.HasField("spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "spec is required")
         spec = spec_from_proto(request.spec)
         self._sc.engines.register(request.engine_id, request.rank, spec, list(request.tensors))
         self._sc.refresh_gauges()
-        return engine_pb2.RegisterRankResponse(sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address)
+        return engine_pb2.RegisterRankResponse(
+            sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address
+        )
 
     @rpc
-    def UnregisterRank(self, request: engine_pb2.UnregisterRankRequest, context: grpc.ServicerContext
-                       ) -> engine_pb2.UnregisterRankResponse:
+    def UnregisterRank(
+        self, request: engine_pb2.UnregisterRankRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.UnregisterRankResponse:
         self._unregister(request.engine_id, request.rank)
         return engine_pb2.UnregisterRankResponse()
 
@@ -63,7 +69,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         sc.refresh_gauges()
 
     @stream_rpc
-    def Events(self, request: engine_pb2.EventsRequest, context: grpc.ServicerContext) -> Iterator[engine_pb2.Event]:
+    def Events(
+        self, request: engine_pb2.EventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[engine_pb2.Event]:
         entry = self._sc.engines.get(request.engine_id, request.rank)
         closed = threading.Event()
         context.add_callback(closed.set)
@@ -83,14 +91,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             if request.unregister_on_close and closed.is_set():
                 try:
                     if self._sc.engines.get(request.engine_id, request.rank) is entry:
-                        log.warning("session of engine %s rank %d ended: unregistering it",
-                                    request.engine_id, request.rank)
+                        log.warning(
+                            "session of engine %s rank %d ended: unregistering it",
+                            request.engine_id,
+                            request.rank,
+                        )
                         self._unregister(request.engine_id, request.rank)
                 except SidecarError:
                     pass
 
     @rpc
-    def Publish(self, request: engine_pb2.PublishRequest, context: grpc.ServicerContext) -> engine_pb2.PublishResponse:
+    def Publish(
+        self, request: engine_pb2.PublishRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.PublishResponse:
         sc = self._sc
         check_id("engine_id", request.engine_id)
         check_id("request_id", request.request_id)
@@ -106,12 +119,21 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             )
         check_blocks("prefill", list(request.block_ids), spec.num_blocks)
         lease_ms = request.lease_ms or sc.settings.lease_ms
-        item = sc.published.publish(request.engine_id, request.request_id, list(request.block_ids),
-                                    request.num_tokens, lease_ms / 1000)
+        item = sc.published.publish(
+            request.engine_id,
+            request.request_id,
+            list(request.block_ids),
+            request.num_tokens,
+            lease_ms / 1000,
+        )
         sc.refresh_gauges()
         params = common_pb2.TransferParams(
-            engine_id=request.engine_id, sidecar_address=sc.peer_address, sidecar_id=sc.sidecar_id,
-            request_id=request.request_id, block_ids=request.block_ids, num_tokens=request.num_tokens,
+            engine_id=request.engine_id,
+            sidecar_address=sc.peer_address,
+            sidecar_id=sc.sidecar_id,
+            request_id=request.request_id,
+            block_ids=request.block_ids,
+            num_tokens=request.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
         )
         return engine_pb2.PublishResponse(params=params)
@@ -126,8 +148,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         cancel = threading.Event()
         with sc.pulls_lock:
             if key in sc.pulls_in_flight:
-                raise SidecarError(Code.ALREADY_EXISTS,
-                                   f"a pull of request {key[1]!r} into engine {key[0]!r} is already running")
+                raise SidecarError(
+                    Code.ALREADY_EXISTS,
+                    f"a pull of request {key[1]!r} into engine {key[0]!r} is already running",
+                )
             sc.pulls_in_flight[key] = cancel
         context.add_callback(cancel.set)  # the engine went away: stop waiting
         try:
@@ -137,8 +161,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 sc.pulls_in_flight.pop(key, None)
 
     @rpc
-    def KeepAlive(self, request: engine_pb2.KeepAliveRequest, context: grpc.ServicerContext
-                  ) -> engine_pb2.KeepAliveResponse:
+    def KeepAlive(
+        self, request: engine_pb2.KeepAliveRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.KeepAliveResponse:
         sc = self._sc
         out: list[int] = []
         for p in request.params:
@@ -147,16 +172,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 continue
             link = sc.peers.link(p.sidecar_address)
             try:
-                resp = link.stub.KeepAlive(peer_pb2.PeerKeepAliveRequest(engine_id=p.engine_id,
-                                                                        request_ids=[p.request_id]),
-                                           timeout=5, metadata=sc.peer_metadata())
+                resp = link.stub.KeepAlive(
+                    peer_pb2.PeerKeepAliveRequest(engine_id=p.engine_id, request_ids=[p.request_id]),
+                    timeout=5,
+                    metadata=sc.peer_metadata(),
+                )
             except grpc.RpcError as e:
                 raise rpc_error(e, p.sidecar_address, "keep-alive") from None
             out.extend(resp.lease_deadline_unix_ms)
         return engine_pb2.KeepAliveResponse(lease_deadline_unix_ms=out)
 
     @rpc
-    def Abort(self, request: engine_pb2.AbortRequest, context: grpc.ServicerContext) -> engine_pb2.AbortResponse:
+    def Abort(
+        self, request: engine_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.AbortResponse:
         sc = self._sc
         found = sc.published.abort(request.engine_id, request.request_id)
         with sc.pulls_lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -9,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 from kv_sidecar.execute.host import RankView, rank_view
 from kv_sidecar.memory.shm import ShmMapper
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,18 @@ class EngineRegistry:
         self._ranks: dict[tuple[str, int], RankEntry] = {}
         self._shm = ShmMapper()
 
-    def register(self, engine_id: str, rank: int, spec: EngineSpec,
-                 handles: list[common_pb2.TensorHandle]) -> RankEntry:
+    def register(
+        self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
+    ) -> RankEntry:
         if rank >= spec.tp_size:
-            raise SidecarError(Code.INVALID_ARGUMENT, f"rank {rank} is out of range for tp_size {spec.tp_size}")
+            raise SidecarError(
+                Code.INVALID_ARGUMENT, f"rank {rank} is out of range for tp_size {spec.tp_size}"
+            )
         with self._lock:
             if (engine_id, rank) in self._ranks:
-                raise SidecarError(Code.ALREADY_EXISTS, f"engine {engine_id!r} rank {rank} is already registered")
+                raise SidecarError(
+                    Code.ALREADY_EXISTS, f"engine {engine_id!r} rank {rank} is already registered"
+                )
             for (eid, _), other in self._ranks.items():
                 if eid == engine_id and other.spec != spec:
                     raise SidecarError(
@@ -101,8 +107,9 @@ class EngineRegistry:
             self._ranks[(engine_id, rank)] = entry
         return entry
 
-    def _build(self, engine_id: str, rank: int, spec: EngineSpec,
-               handles: list[common_pb2.TensorHandle]) -> RankEntry:
+    def _build(
+        self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
+    ) -> RankEntry:
         expected = spec.rank_tensor_shapes()
         if len(handles) != len(expected):
             raise SidecarError(
@@ -116,14 +123,18 @@ class EngineRegistry:
             for i, (h, shape) in enumerate(zip(handles, expected, strict=True)):
                 if h.WhichOneof("memory") != "shm":
                     raise SidecarError(
-                        Code.UNIMPLEMENTED, f"tensor {i}: only shared-memory tensors are served by this sidecar build"
+                        Code.UNIMPLEMENTED,
+                        f"tensor {i}: only shared-memory tensors are served by this sidecar build",
                     )
                 if tuple(h.shape) != shape:
                     raise SidecarError(
-                        Code.INVALID_ARGUMENT, f"tensor {i}: shape {list(h.shape)} does not match the spec's {list(shape)}"
+                        Code.INVALID_ARGUMENT,
+                        f"tensor {i}: shape {list(h.shape)} does not match the spec's {list(shape)}",
                     )
                 if h.dtype != spec.dtype:
-                    raise SidecarError(Code.INVALID_ARGUMENT, f"tensor {i}: dtype {h.dtype} but the spec says {spec.dtype}")
+                    raise SidecarError(
+                        Code.INVALID_ARGUMENT, f"tensor {i}: dtype {h.dtype} but the spec says {spec.dtype}"
+                    )
                 tensors.append(self._shm.map_tensor(h.shm.name, h.shm.offset, h.shape, h.strides, h.dtype))
                 names.append(h.shm.name)
             view = rank_view(spec, rank, tensors)
@@ -134,7 +145,13 @@ class EngineRegistry:
         entry = RankEntry(engine_id, rank, spec, tensors, names, view, chunk_geometry(spec))
         if self._nixl is not None:
             entry.nixl_key = self._nixl.register(entry.regions)
-        log.info("registered engine %s rank %d (%s, %d bytes)", engine_id, rank, spec.layout.value, spec.rank_bytes())
+        log.info(
+            "registered engine %s rank %d (%s, %d bytes)",
+            engine_id,
+            rank,
+            spec.layout.value,
+            spec.rank_bytes(),
+        )
         return entry
 
     def unregister(self, engine_id: str, rank: int) -> RankEntry:
@@ -160,15 +177,21 @@ class EngineRegistry:
         if entry is None:
             if any(eid == engine_id for eid, _ in self._ranks):
                 raise SidecarError(Code.NOT_FOUND, f"engine {engine_id!r} has no rank {rank} registered here")
-            raise SidecarError(Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here")
+            raise SidecarError(
+                Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here"
+            )
         return entry
 
     def engine_ranks(self, engine_id: str) -> list[RankEntry]:
         with self._lock:
-            ranks = sorted((e for (eid, _), e in self._ranks.items() if eid == engine_id and e is not None),
-                           key=lambda e: e.rank)
+            ranks = sorted(
+                (e for (eid, _), e in self._ranks.items() if eid == engine_id and e is not None),
+                key=lambda e: e.rank,
+            )
         if not ranks:
-            raise SidecarError(Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here")
+            raise SidecarError(
+                Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here"
+            )
         return ranks
 
     def spec(self, engine_id: str) -> EngineSpec:
@@ -180,7 +203,5 @@ class EngineRegistry:
 
     def close(self) -> None:
         for e in self.all():
-            try:
+            with contextlib.suppress(SidecarError, PlanError):
                 self.unregister(e.engine_id, e.rank)
-            except (SidecarError, PlanError):
-                pass

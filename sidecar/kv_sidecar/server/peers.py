@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
@@ -17,7 +18,6 @@ from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -77,8 +77,9 @@ class Peers:
                 self._links[address] = link
             return link
 
-    def remote_engine(self, address: str, engine_id: str, reader_engine: str, reader_spec: EngineSpec,
-                      timeout_s: float) -> tuple[PeerLink, RemoteEngine]:
+    def remote_engine(
+        self, address: str, engine_id: str, reader_engine: str, reader_spec: EngineSpec, timeout_s: float
+    ) -> tuple[PeerLink, RemoteEngine]:
         link = self.link(address)
         key = (engine_id, reader_engine)
         with link.lock:
@@ -89,13 +90,18 @@ class Peers:
             link.engines[key] = remote
             return link, remote
 
-    def _handshake(self, link: PeerLink, engine_id: str, reader_engine: str, reader_spec: EngineSpec,
-                   timeout_s: float) -> RemoteEngine:
+    def _handshake(
+        self, link: PeerLink, engine_id: str, reader_engine: str, reader_spec: EngineSpec, timeout_s: float
+    ) -> RemoteEngine:
         sc = self._sc
         start = time.perf_counter()
         req = peer_pb2.HandshakeRequest(
-            protocol_version=PROTOCOL_VERSION, sidecar_id=sc.sidecar_id, agent_name=sc.sidecar_id,
-            agent_metadata=sc.nixl.metadata(), engine_id=engine_id, reader_engine_id=reader_engine,
+            protocol_version=PROTOCOL_VERSION,
+            sidecar_id=sc.sidecar_id,
+            agent_name=sc.sidecar_id,
+            agent_metadata=sc.nixl.metadata(),
+            engine_id=engine_id,
+            reader_engine_id=reader_engine,
             reader_spec=spec_to_proto(reader_spec),
         )
         try:
@@ -120,14 +126,24 @@ class Peers:
             )
         agent = sc.nixl.add_remote(resp.agent_metadata)
         remote = RemoteEngine(
-            sidecar_id=resp.sidecar_id, agent_name=agent, engine_id=engine_id, spec=spec, plan=plan,
-            geometry=chunk_geometry(spec), regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
+            sidecar_id=resp.sidecar_id,
+            agent_name=agent,
+            engine_id=engine_id,
+            spec=spec,
+            plan=plan,
+            geometry=chunk_geometry(spec),
+            regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
         )
         sc.metrics.handshakes.labels("ok").inc()
         sc.metrics.handshake_duration.observe(time.perf_counter() - start)
-        log.info("handshake with %s for engine %s: %d ranks, plan %s", link.address, engine_id,
-                 len(remote.regions), plan.hash())
+        log.info(
+            "handshake with %s for engine %s: %d ranks, plan %s",
+            link.address,
+            engine_id,
+            len(remote.regions),
+            plan.hash(),
+        )
         return remote
 
     def forget(self, address: str) -> None:

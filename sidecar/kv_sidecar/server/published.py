@@ -43,8 +43,12 @@ EventSink = Callable[[str, int, "Published"], None]
 
 
 class PublishedStore:
-    def __init__(self, on_consumed: EventSink, on_expired: Callable[[Published], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        on_consumed: EventSink,
+        on_expired: Callable[[Published], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._lock = threading.Lock()
         self._items: dict[tuple[str, str], Published] = {}
         self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -55,13 +59,19 @@ class PublishedStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def publish(self, engine_id: str, request_id: str, block_ids: list[int], num_tokens: int,
-                lease_s: float) -> Published:
+    def publish(
+        self, engine_id: str, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float
+    ) -> Published:
         key = (engine_id, request_id)
         with self._lock:
             if key in self._items:
-                raise SidecarError(Code.ALREADY_EXISTS, f"request {request_id!r} of engine {engine_id!r} is already published")
-            item = Published(engine_id, request_id, list(block_ids), num_tokens, lease_s, self._clock() + lease_s)
+                raise SidecarError(
+                    Code.ALREADY_EXISTS,
+                    f"request {request_id!r} of engine {engine_id!r} is already published",
+                )
+            item = Published(
+                engine_id, request_id, list(block_ids), num_tokens, lease_s, self._clock() + lease_s
+            )
             self._items[key] = item
             self._ended.pop(key, None)
         return item
@@ -86,11 +96,22 @@ class PublishedStore:
                 f"its blocks may have been reused, so it cannot be read",
             )
         if why:
-            raise SidecarError(Code.NOT_FOUND, f"request {request_id!r} of engine {engine_id!r} was already {why}")
-        raise SidecarError(Code.NOT_FOUND, f"request {request_id!r} was never published by engine {engine_id!r}")
+            raise SidecarError(
+                Code.NOT_FOUND, f"request {request_id!r} of engine {engine_id!r} was already {why}"
+            )
+        raise SidecarError(
+            Code.NOT_FOUND, f"request {request_id!r} was never published by engine {engine_id!r}"
+        )
 
-    def open_read(self, engine_id: str, request_id: str, reader: str, plan: PairPlan, ranks: list[int],
-                  min_hold_s: float) -> Published:
+    def open_read(
+        self,
+        engine_id: str,
+        request_id: str,
+        reader: str,
+        plan: PairPlan,
+        ranks: list[int],
+        min_hold_s: float,
+    ) -> Published:
         """Start (part of) a read: fix the reader, and hold the lease while it runs."""
         with self._lock:
             item = self.get_live(engine_id, request_id)
@@ -108,8 +129,9 @@ class PublishedStore:
             item.deadline = max(item.deadline, self._clock() + min_hold_s)
             return item
 
-    def mark_done(self, engine_id: str, request_id: str, reader: str, decode_rank: int,
-                  prefill_ranks: list[int]) -> None:
+    def mark_done(
+        self, engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: list[int]
+    ) -> None:
         """Decode rank finished with these prefill ranks; fire "consumed" where complete."""
         fired: list[int] = []
         with self._lock:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import torch
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
@@ -36,7 +37,6 @@ from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -47,7 +47,9 @@ SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything 
 NOTIF_TAG = "kvs1"
 
 
-def done_notification(engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: Sequence[int]) -> bytes:
+def done_notification(
+    engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: Sequence[int]
+) -> bytes:
     ranks = ",".join(str(p) for p in prefill_ranks)
     return SEP.join((NOTIF_TAG, engine_id, request_id, reader, str(decode_rank), ranks)).encode()
 
@@ -81,7 +83,9 @@ class PullJob:
         if self.cancel.is_set():
             raise SidecarError(Code.CANCELLED, f"pull of request {self.params.request_id!r} was aborted")
         if left <= 0:
-            raise SidecarError(Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out")
+            raise SidecarError(
+                Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out"
+            )
         return left
 
     def rank_plans(self) -> list[DecodeRankPlan]:
@@ -132,7 +136,8 @@ class Puller:
             sc.metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
             blocks = ",".join(str(b) for b in req.block_ids)
             raise SidecarError(
-                err.code, f"{err.message}; local blocks not filled: [{blocks}]",
+                err.code,
+                f"{err.message}; local blocks not filled: [{blocks}]",
                 (("kvsidecar-unfilled-blocks", blocks),),
             ) from None
         elapsed = time.perf_counter() - start
@@ -140,8 +145,14 @@ class Puller:
         sc.metrics.pull_bytes.labels(path).inc(nbytes)
         sc.metrics.pull_duration.labels(path).observe(elapsed)
         sc.metrics.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
-        log.info("pulled request=%s peer=%s bytes=%d path=%s duration_ms=%.2f", p.request_id,
-                 p.sidecar_address or "local", nbytes, path, elapsed * 1000)
+        log.info(
+            "pulled request=%s peer=%s bytes=%d path=%s duration_ms=%.2f",
+            p.request_id,
+            p.sidecar_address or "local",
+            nbytes,
+            path,
+            elapsed * 1000,
+        )
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
     def _local_ranks(self, req: engine_pb2.PullRequest) -> list[RankEntry]:
@@ -152,49 +163,94 @@ class Puller:
             return [reg.get(req.engine_id, r) for r in req.ranks]
         return reg.engine_ranks(req.engine_id)
 
-    def _job(self, req: engine_pb2.PullRequest, local: list[RankEntry], plan: PairPlan, src_blocks: list[int],
-             num_tokens: int, cancel: threading.Event, deadline: float) -> PullJob:
+    def _job(
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        plan: PairPlan,
+        src_blocks: list[int],
+        num_tokens: int,
+        cancel: threading.Event,
+        deadline: float,
+    ) -> PullJob:
         check_pull(plan, src_blocks, num_tokens, list(req.block_ids), req.start_token)
-        return PullJob(req.params, local, plan, src_blocks, list(req.block_ids), num_tokens, req.start_token,
-                       deadline, cancel)
+        return PullJob(
+            req.params,
+            local,
+            plan,
+            src_blocks,
+            list(req.block_ids),
+            num_tokens,
+            req.start_token,
+            deadline,
+            cancel,
+        )
 
     # -- same sidecar -------------------------------------------------------
-    def _pull_direct(self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event,
-                     deadline: float) -> int:
+    def _pull_direct(
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+    ) -> int:
         sc, p = self._sc, req.params
         src_ranks = sc.engines.engine_ranks(p.engine_id)
         plan = cached_plan(src_ranks[0].spec, local[0].spec)
         if len(src_ranks) != plan.prefill.tp_size:
-            raise SidecarError(Code.FAILED_PRECONDITION,
-                               f"engine {p.engine_id!r} has {len(src_ranks)} of {plan.prefill.tp_size} ranks registered")
-        item = sc.published.open_read(p.engine_id, p.request_id, req.engine_id, plan,
-                                      [e.rank for e in local], deadline - time.monotonic())
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {p.engine_id!r} has {len(src_ranks)} of {plan.prefill.tp_size} ranks registered",
+            )
+        item = sc.published.open_read(
+            p.engine_id,
+            p.request_id,
+            req.engine_id,
+            plan,
+            [e.rank for e in local],
+            deadline - time.monotonic(),
+        )
         job = self._job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline)
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
                 job.remaining()
-                nbytes += copy_request(src_ranks[read.prefill_rank].view, entry.view, read.heads, job.src_blocks,
-                                       job.dst_blocks, job.num_tokens, job.start_token)
+                nbytes += copy_request(
+                    src_ranks[read.prefill_rank].view,
+                    entry.view,
+                    read.heads,
+                    job.src_blocks,
+                    job.dst_blocks,
+                    job.num_tokens,
+                    job.start_token,
+                )
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
             sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
         return nbytes
 
     # -- another sidecar ------------------------------------------------------
-    def _pull_remote(self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event,
-                     deadline: float) -> tuple[int, str]:
+    def _pull_remote(
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+    ) -> tuple[int, str]:
         sc, p = self._sc, req.params
         if not p.sidecar_address:
             raise SidecarError(Code.INVALID_ARGUMENT, "transfer params carry no sidecar_address")
-        link, remote = sc.peers.remote_engine(p.sidecar_address, p.engine_id, req.engine_id, local[0].spec,
-                                              max(0.001, deadline - time.monotonic()))
+        link, remote = sc.peers.remote_engine(
+            p.sidecar_address,
+            p.engine_id,
+            req.engine_id,
+            local[0].spec,
+            max(0.001, deadline - time.monotonic()),
+        )
         ranks = [e.rank for e in local]
         try:
             opened = link.stub.OpenRead(
-                peer_pb2.OpenReadRequest(sidecar_id=sc.sidecar_id, engine_id=p.engine_id, request_id=p.request_id,
-                                         reader_engine_id=req.engine_id, reader_ranks=ranks,
-                                         plan_hash=remote.plan.hash()),
-                timeout=max(0.001, deadline - time.monotonic()), metadata=sc.peer_metadata(),
+                peer_pb2.OpenReadRequest(
+                    sidecar_id=sc.sidecar_id,
+                    engine_id=p.engine_id,
+                    request_id=p.request_id,
+                    reader_engine_id=req.engine_id,
+                    reader_ranks=ranks,
+                    plan_hash=remote.plan.hash(),
+                ),
+                timeout=max(0.001, deadline - time.monotonic()),
+                metadata=sc.peer_metadata(),
             )
         except grpc.RpcError as e:
             raise rpc_error(e, link.address, f"to open request {p.request_id!r}") from None
@@ -209,19 +265,29 @@ class Puller:
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
                 done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-                sc.nixl.send_notif(remote.agent_name,
-                                   done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done))
+                sc.nixl.send_notif(
+                    remote.agent_name,
+                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
+                )
         except Exception:
             self._close_read(link, req, ranks, failed=True)
             raise
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
-    def _close_read(self, link: PeerLink, req: engine_pb2.PullRequest, ranks: list[int], failed: bool) -> None:
+    def _close_read(
+        self, link: PeerLink, req: engine_pb2.PullRequest, ranks: list[int], failed: bool
+    ) -> None:
         try:
             link.stub.CloseRead(
-                peer_pb2.CloseReadRequest(engine_id=req.params.engine_id, request_id=req.params.request_id,
-                                          reader_engine_id=req.engine_id, reader_ranks=ranks, failed=failed),
-                timeout=2, metadata=self._sc.peer_metadata(),
+                peer_pb2.CloseReadRequest(
+                    engine_id=req.params.engine_id,
+                    request_id=req.params.request_id,
+                    reader_engine_id=req.engine_id,
+                    reader_ranks=ranks,
+                    failed=failed,
+                ),
+                timeout=2,
+                metadata=self._sc.peer_metadata(),
             )
         except grpc.RpcError:
             log.warning("could not tell %s that request %s failed", link.address, req.params.request_id)
@@ -239,26 +305,39 @@ class Puller:
     def _local_dlist(self, entry: RankEntry) -> int:
         with self._dlist_lock:
             if entry.local_dlist is None:
-                entry.local_dlist = self._sc.nixl.prep_dlist("", descriptor_table(entry.geometry, entry.region_bases))
+                entry.local_dlist = self._sc.nixl.prep_dlist(
+                    "", descriptor_table(entry.geometry, entry.region_bases)
+                )
             return entry.local_dlist
 
     def _remote_dlist(self, remote: RemoteEngine, rank: int) -> int:
         with self._dlist_lock:
             if rank not in remote.dlists:
                 if rank not in remote.regions:
-                    raise SidecarError(Code.FAILED_PRECONDITION, f"peer does not hold rank {rank} of engine {remote.engine_id!r}")
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"peer does not hold rank {rank} of engine {remote.engine_id!r}",
+                    )
                 table = descriptor_table(remote.geometry, remote.regions[rank])
                 remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_name, table)
             return remote.dlists[rank]
 
-    def _read_identity(self, job: PullJob, link: PeerLink, remote: RemoteEngine, entry: RankEntry, src_rank: int) -> int:
+    def _read_identity(
+        self, job: PullJob, link: PeerLink, remote: RemoteEngine, entry: RankEntry, src_rank: int
+    ) -> int:
         """Same geometry both sides: READ each source chunk into the matching destination chunk."""
         first = job.start_token // job.plan.prefill.block_size
         src = np.asarray(job.src_blocks[first : first + len(job.dst_blocks)], dtype=np.int64)
         local_idx = chunk_indices(entry.geometry, np.asarray(job.dst_blocks))
         remote_idx = chunk_indices(remote.geometry, src)
-        fut = self._sc.nixl.read_prepped(self._local_dlist(entry), local_idx, self._remote_dlist(remote, src_rank),
-                                         remote_idx, b"", job.remaining())
+        fut = self._sc.nixl.read_prepped(
+            self._local_dlist(entry),
+            local_idx,
+            self._remote_dlist(remote, src_rank),
+            remote_idx,
+            b"",
+            job.remaining(),
+        )
         self._sc.metrics.nixl_descriptors.observe(len(local_idx))
         self._sc.metrics.inflight.inc()
         try:
@@ -267,12 +346,20 @@ class Puller:
             self._sc.metrics.inflight.dec()
         return len(local_idx) * entry.geometry.chunk
 
-    def _read_staged(self, job: PullJob, remote: RemoteEngine, entry: RankEntry, src_rank: int,
-                     heads: tuple[int, int] | None) -> int:
+    def _read_staged(
+        self,
+        job: PullJob,
+        remote: RemoteEngine,
+        entry: RankEntry,
+        src_rank: int,
+        heads: tuple[int, int] | None,
+    ) -> int:
         """READ the needed source blocks into staging (source layout), then convert into the destination."""
         sc, geo = self._sc, remote.geometry
         if src_rank not in remote.regions:
-            raise SidecarError(Code.FAILED_PRECONDITION, f"peer does not hold rank {src_rank} of engine {remote.engine_id!r}")
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"peer does not hold rank {src_rank} of engine {remote.engine_id!r}"
+            )
         block_bytes = geo.regions * geo.outer * geo.chunk
         cap = self._staging.nbytes // block_bytes
         bs, bd = job.plan.prefill.block_size, job.plan.decode.block_size
@@ -280,9 +367,11 @@ class Puller:
         # Tokens per round: a multiple of lcm(Bs, Bd) so every round starts on both block grids.
         round_tokens = ((cap - 1) * bs // step) * step
         if round_tokens <= 0:
-            raise SidecarError(Code.RESOURCE_EXHAUSTED,
-                               f"staging_bytes {self._staging.nbytes} cannot hold one conversion round "
-                               f"({math.ceil(step / bs) + 1} blocks of {block_bytes} bytes)")
+            raise SidecarError(
+                Code.RESOURCE_EXHAUSTED,
+                f"staging_bytes {self._staging.nbytes} cannot hold one conversion round "
+                f"({math.ceil(step / bs) + 1} blocks of {block_bytes} bytes)",
+            )
         nbytes = 0
         with self._staging.lock:
             buf = self._staging.buffer()
@@ -297,8 +386,17 @@ class Puller:
                 sc.metrics.staging_in_use.set(0)
         return nbytes
 
-    def _staged_round(self, job: PullJob, remote: RemoteEngine, entry: RankEntry, src_rank: int,
-                      heads: tuple[int, int] | None, buf: torch.Tensor, t0: int, t1: int) -> int:
+    def _staged_round(
+        self,
+        job: PullJob,
+        remote: RemoteEngine,
+        entry: RankEntry,
+        src_rank: int,
+        heads: tuple[int, int] | None,
+        buf: torch.Tensor,
+        t0: int,
+        t1: int,
+    ) -> int:
         sc, geo = self._sc, remote.geometry
         positions = needed_src_blocks(job.plan, job.src_blocks, t1, t0)
         k = len(positions)

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from prometheus_client import start_http_server
 
 from kv_sidecar.config import Settings
@@ -24,7 +25,6 @@ from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller, parse_notification
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 class Sidecar:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.sidecar_id = settings.sidecar_id or f"kvs-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.sidecar_id = (
+            settings.sidecar_id or f"kvs-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        )
         self.metrics = Metrics()
         self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
         self.engines = EngineRegistry(self.nixl)
@@ -58,19 +60,27 @@ class Sidecar:
     def start(self) -> None:
         s = self.settings
         self.nixl.start()
-        opts = [("grpc.max_receive_message_length", s.max_message_bytes),
-                ("grpc.max_send_message_length", s.max_message_bytes)]
-        self._engine_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine"),
-                                          options=opts)
+        opts = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ]
+        self._engine_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine"), options=opts
+        )
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), self._engine_server)
-        self._peer_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer"),
-                                        options=opts)
+        self._peer_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer"), options=opts
+        )
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), self._peer_server)
-        for server, hs, name in ((self._engine_server, self._health[0], ENGINE_SERVICE),
-                                 (self._peer_server, self._health[1], PEER_SERVICE)):
+        for server, hs, name in (
+            (self._engine_server, self._health[0], ENGINE_SERVICE),
+            (self._peer_server, self._health[1], PEER_SERVICE),
+        ):
             health_pb2_grpc.add_HealthServicer_to_server(hs, server)
             reflection.enable_server_reflection(
-                (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+                (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server,
+            )
         sock = s.engine_socket
         os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
         if os.path.exists(sock):
@@ -80,20 +90,30 @@ class Sidecar:
         host = s.peer_host if s.peer_host not in ("0.0.0.0", "::", "") else socket.gethostname()
         adv = s.advertise_address
         # A bare host (e.g. the pod IP from the downward API) gets our peer port.
-        self.peer_address = (adv if ":" in adv.strip("[]") or adv.startswith("[") and "]:" in adv
-                             else f"{adv or host}:{self.peer_port}")
+        self.peer_address = (
+            adv
+            if ":" in adv.strip("[]") or (adv.startswith("[") and "]:" in adv)
+            else f"{adv or host}:{self.peer_port}"
+        )
         self._engine_server.start()
         self._peer_server.start()
         if s.metrics_port >= 0:
-            self._http, _ = start_http_server(s.metrics_port, addr=s.peer_host or "0.0.0.0",
-                                              registry=self.metrics.registry)
+            self._http, _ = start_http_server(
+                s.metrics_port, addr=s.peer_host or "0.0.0.0", registry=self.metrics.registry
+            )
             self.metrics_port = self._http.server_port
         self._reaper.start()
         for hs, name in zip(self._health, (ENGINE_SERVICE, PEER_SERVICE), strict=True):
             hs.set("", health_pb2.HealthCheckResponse.SERVING)
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("sidecar %s up: engine socket %s, peer %s (advertised %s), metrics :%d",
-                 self.sidecar_id, sock, self.peer_port, self.peer_address, self.metrics_port)
+        log.info(
+            "sidecar %s up: engine socket %s, peer %s (advertised %s), metrics :%d",
+            self.sidecar_id,
+            sock,
+            self.peer_port,
+            self.peer_address,
+            self.metrics_port,
+        )
 
     def _add_peer_port(self, server: grpc.Server) -> int:
         s = self.settings
@@ -126,8 +146,10 @@ class Sidecar:
     # -- helpers for the services ---------------------------------------------
     def peer_channel(self, address: str) -> grpc.Channel:
         s = self.settings
-        opts = [("grpc.max_receive_message_length", s.max_message_bytes),
-                ("grpc.max_send_message_length", s.max_message_bytes)]
+        opts = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ]
         return grpc.insecure_channel(address, options=opts)
 
     def peer_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -153,18 +175,25 @@ class Sidecar:
         try:
             self.engines.get(engine_id, rank).emit(event)
         except Exception:
-            log.warning("no registered rank %d of engine %s to tell about %s", rank, engine_id,
-                        event.WhichOneof("kind"))
+            log.warning(
+                "no registered rank %d of engine %s to tell about %s",
+                rank,
+                engine_id,
+                event.WhichOneof("kind"),
+            )
 
     def _on_consumed(self, engine_id: str, rank: int, item: Published) -> None:
-        ev = engine_pb2.Event(consumed=engine_pb2.RequestConsumed(request_id=item.request_id, block_ids=item.block_ids))
+        ev = engine_pb2.Event(
+            consumed=engine_pb2.RequestConsumed(request_id=item.request_id, block_ids=item.block_ids)
+        )
         self._rank_event(engine_id, rank, ev)
         self.refresh_gauges()
 
     def _on_expired(self, item: Published) -> None:
         self.metrics.lease_expiries.inc()
-        ev = engine_pb2.Event(lease_expired=engine_pb2.LeaseExpired(request_id=item.request_id,
-                                                                    block_ids=item.block_ids))
+        ev = engine_pb2.Event(
+            lease_expired=engine_pb2.LeaseExpired(request_id=item.request_id, block_ids=item.block_ids)
+        )
         for entry in self.engines.all():
             if entry.engine_id == item.engine_id:
                 entry.emit(ev)

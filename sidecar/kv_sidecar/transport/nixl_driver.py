@@ -54,8 +54,9 @@ class _Inflight:
 class NixlDriver:
     """Owns the NIXL agent; all methods are safe to call from any thread."""
 
-    def __init__(self, name: str, on_notif: Callable[[str, bytes], None] | None = None,
-                 idle_wait_s: float = 0.002) -> None:
+    def __init__(
+        self, name: str, on_notif: Callable[[str, bytes], None] | None = None, idle_wait_s: float = 0.002
+    ) -> None:
         self.name = name
         self._on_notif = on_notif
         self._idle = idle_wait_s
@@ -242,23 +243,41 @@ class NixlDriver:
 
         self.call(rel)
 
-    def read_prepped(self, local: int, local_idx: np.ndarray, remote: int, remote_idx: np.ndarray,
-                     notif: bytes, timeout_s: float) -> Future[None]:
+    def read_prepped(
+        self,
+        local: int,
+        local_idx: np.ndarray,
+        remote: int,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        timeout_s: float,
+    ) -> Future[None]:
         """READ remote descriptors into local ones, by indices into prepared lists."""
         done: Future[None] = Future()
 
         def post(a: Any) -> None:
             handle = a.make_prepped_xfer(
-                "READ", self._dlists[local], local_idx.astype(np.int32),
-                self._dlists[remote], remote_idx.astype(np.int32), notif,
+                "READ",
+                self._dlists[local],
+                local_idx.astype(np.int32),
+                self._dlists[remote],
+                remote_idx.astype(np.int32),
+                notif,
             )
             self._post(a, handle, done, timeout_s)
 
         self._submit_async(post, done)
         return done
 
-    def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-             timeout_s: float, mem_type: str = "DRAM") -> Future[None]:
+    def read(
+        self,
+        remote_agent: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+        timeout_s: float,
+        mem_type: str = "DRAM",
+    ) -> Future[None]:
         """READ with descriptor lists built for this transfer ((N, 3) arrays)."""
         done: Future[None] = Future()
 
