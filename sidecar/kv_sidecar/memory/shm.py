@@ -91,10 +91,11 @@ class ShmMapper:
         if offset % elem:
             raise HandleError(f"offset {offset} is not aligned to the {elem}-byte element size")
         seg = self._open(name)
-        if offset + nbytes > seg.size:
+        size = seg.size
+        if offset + nbytes > size:
             self.release(name)
             raise HandleError(
-                f"tensor at offset {offset} with {nbytes} bytes overruns shared memory object {name!r} of {seg.size} bytes"
+                f"tensor at offset {offset} with {nbytes} bytes overruns shared memory object {name!r} of {size} bytes"
             )
         return seg.flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(tuple(shape))
 

@@ -1,0 +1,162 @@
+"""Bad input gets a precise status and message; a concurrent valid pull is not disturbed."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar_client import KVSidecarError, SidecarClient
+from kv_sidecar_client.shm import ShmKVCache
+
+from .conftest import spec_dict
+
+SPEC = EngineSpec.from_dict(spec_dict())
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def valid_traffic(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[Callable[[], list[dict]]]:
+    """Keeps pulling a real request a -> b in the background; yields a function returning the results."""
+    a, b = sidecar_pair
+    prefill = EngineProcess(a.socket, "bg-prefill", SPEC)
+    decode = EngineProcess(b.socket, "bg-decode", SPEC)
+    results: list[dict] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            rid = f"bg-{next(_ids)}"
+            pub = prefill.send({"cmd": "prefill", "request_id": rid, "block_ids": [1, 2, 3, 4], "num_tokens": 60,
+                                "seed": 3})
+            results.append(decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [9, 8, 7, 6],
+                                        "seed": 3}))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield lambda: list(results)
+    stop.set()
+    t.join(60)
+    prefill.stop()
+    decode.stop()
+    assert results and all(r["ok"] and r["verified"] for r in results), [r for r in results if not r.get("ok")]
+
+
+@pytest.fixture
+def client(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[SidecarClient]:
+    with SidecarClient(sidecar_pair[0].socket) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(client: SidecarClient) -> Iterator[str]:
+    """A registered TP1 engine on sidecar a, held by this test process."""
+    eid = f"eng-{next(_ids)}"
+    cache = ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16)
+    client.register_rank(eid, 0, SPEC.to_dict(), cache.handles())
+    yield eid
+    try:
+        client.unregister_rank(eid, 0)
+    finally:
+        cache.close()
+
+
+def expect(code: str, fragment: str, fn: Callable[[], object]) -> None:
+    with pytest.raises(KVSidecarError) as info:
+        fn()
+    assert info.value.code == code, info.value
+    assert fragment in info.value.message, info.value.message
+
+
+def test_unknown_engine_and_request(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+    expect("NOT_FOUND", "unknown engine 'nope'", lambda: client.publish("nope", "r", [0], 1))
+    params = client.publish(engine, "known", [0], 1)
+    params.request_id = "never-published"
+    res = client.pull(params, engine, [5])
+    assert (res.ok, res.error_code) == (False, "NOT_FOUND")
+    assert "never published" in res.error and res.unfilled_blocks == [5]
+    res = client.pull(client.publish(engine, "r-unknown-local", [0], 1), "no-such-decode-engine", [5])
+    assert res.error_code == "NOT_FOUND" and "unknown engine 'no-such-decode-engine'" in res.error
+
+
+def test_block_ids_out_of_range_or_duplicated(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+    expect("INVALID_ARGUMENT", "block id 64 is out of range [0, 64)", lambda: client.publish(engine, "r", [64], 10))
+    expect("INVALID_ARGUMENT", "block id 3 appears twice", lambda: client.publish(engine, "r", [3, 3], 20))
+    expect("INVALID_ARGUMENT", "need 2 blocks, got 1", lambda: client.publish(engine, "r", [3], 20))
+    params = client.publish(engine, f"r-{next(_ids)}", [3, 4], 20)
+    for dst, fragment in (([1, 99], "99"), ([1, 1], "1")):
+        res = client.pull(params, engine, dst)
+        assert res.error_code == "INVALID_ARGUMENT" and fragment in res.error, res
+
+
+def test_block_lists_of_different_lengths(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+    params = client.publish(engine, f"r-{next(_ids)}", [3, 4, 5], 40)
+    res = client.pull(params, engine, [10, 11])
+    assert res.error_code == "INVALID_ARGUMENT"
+    assert "different lengths (3 vs 2)" in res.error or "different lengths (2 vs 3)" in res.error, res.error
+    assert res.unfilled_blocks == [10, 11]
+
+
+def test_second_registration_of_a_rank(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+    with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache:
+        expect("ALREADY_EXISTS", f"engine '{engine}' rank 0 is already registered",
+               lambda: client.register_rank(engine, 0, SPEC.to_dict(), cache.handles()))
+
+
+def test_malformed_shared_memory_handles(client: SidecarClient, valid_traffic: Callable) -> None:
+    with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache:
+        good = cache.handles()
+
+        def register(mutate: Callable) -> Callable[[], object]:
+            handles = [type(h)() for h in good]
+            for h, g in zip(handles, good, strict=True):
+                h.CopyFrom(g)
+            mutate(handles[0])
+            return lambda: client.register_rank(f"bad-{next(_ids)}", 0, SPEC.to_dict(), handles)
+
+        expect("INVALID_ARGUMENT", "does not exist", register(lambda h: setattr(h.shm, "name", "kvsidecar-missing")))
+        expect("INVALID_ARGUMENT", "is not valid", register(lambda h: setattr(h.shm, "name", "../etc/passwd")))
+        expect("INVALID_ARGUMENT", "overruns shared memory object",
+               register(lambda h: setattr(h.shm, "offset", cache.size)))
+        expect("INVALID_ARGUMENT", "not aligned", register(lambda h: setattr(h.shm, "offset", 1)))
+        expect("INVALID_ARGUMENT", "are not the contiguous strides", register(lambda h: h.strides.__setitem__(0, 1)))
+        expect("INVALID_ARGUMENT", "does not match the spec", register(lambda h: h.shape.__setitem__(1, 3)))
+        expect("INVALID_ARGUMENT", "dtype float32 but the spec says float16",
+               register(lambda h: setattr(h, "dtype", "float32")))
+        expect("INVALID_ARGUMENT", "spec needs 2 tensors", lambda: client.register_rank("x", 0, SPEC.to_dict(), good[:1]))
+        expect("INVALID_ARGUMENT", "unknown layout 'nhd'",
+               lambda: client.register_rank("x", 0, SPEC.to_dict() | {"layout": "nhd"}, good))
+
+
+def test_peer_sidecar_not_running(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+    params = client.publish(engine, f"r-{next(_ids)}", [1], 16)
+    params.sidecar_id, params.sidecar_address = "elsewhere", "127.0.0.1:9"  # nothing listens on port 9
+    res = client.pull(params, engine, [2], timeout_s=5)
+    assert res.error_code == "UNAVAILABLE" and "127.0.0.1:9 is not reachable" in res.error, res
+
+
+def test_incompatible_peer_names_the_field(sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+                                           valid_traffic: Callable) -> None:
+    a, b = sidecar_pair
+    other = EngineSpec.from_dict(spec_dict(head_dim=8))
+    prefill = EngineProcess(a.socket, f"p-{next(_ids)}", SPEC)
+    decode = EngineProcess(b.socket, f"d-{next(_ids)}", other)
+    try:
+        pub = prefill.send({"cmd": "prefill", "request_id": "x", "block_ids": [1], "num_tokens": 16, "seed": 1})
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2], "seed": 1})
+        assert res["error_code"] == "FAILED_PRECONDITION", res
+        assert "head_dim" in res["error"] and "16" in res["error"] and "8" in res["error"], res["error"]
+        assert res["verified"], res["errors"]  # the failed pull wrote nothing anywhere
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_valid_traffic_kept_flowing(valid_traffic: Callable) -> None:
+    done = valid_traffic()
+    assert done and all(r["ok"] and r["verified"] for r in done)
