@@ -1,0 +1,30 @@
+# The two commands a newcomer needs:  make demo  and  make test
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint protos bench clean
+
+$(BIN)/kv-sidecar: pyproject.toml client/pyproject.toml scripts/setup.sh
+	./scripts/setup.sh
+	@touch $@
+
+setup: $(BIN)/kv-sidecar
+
+demo: setup  ## a local 1P1D pair on CPU: two sidecars, two engines, a verified transfer
+	$(BIN)/kv-sidecar demo
+
+test: setup  ## the full CPU test suite (GPU tests skip without GPUs)
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check sidecar client tests scripts bench
+	$(BIN)/ruff format --check sidecar client tests scripts bench
+
+protos: setup  ## regenerate client/kv_sidecar_client/_proto from protos/
+	$(BIN)/python scripts/gen_protos.py
+
+bench: setup  ## CPU pull throughput through the whole stack; writes docs/benchmarks.md
+	$(BIN)/python bench/cpu_pull.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
