@@ -32,10 +32,12 @@ def valid_traffic(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterat
     def loop() -> None:
         while not stop.is_set():
             rid = f"bg-{next(_ids)}"
-            pub = prefill.send({"cmd": "prefill", "request_id": rid, "block_ids": [1, 2, 3, 4], "num_tokens": 60,
-                                "seed": 3})
-            results.append(decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [9, 8, 7, 6],
-                                        "seed": 3}))
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": [1, 2, 3, 4], "num_tokens": 60, "seed": 3}
+            )
+            results.append(
+                decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [9, 8, 7, 6], "seed": 3})
+            )
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -44,7 +46,9 @@ def valid_traffic(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterat
     t.join(60)
     prefill.stop()
     decode.stop()
-    assert results and all(r["ok"] and r["verified"] for r in results), [r for r in results if not r.get("ok")]
+    assert results and all(r["ok"] and r["verified"] for r in results), [
+        r for r in results if not r.get("ok")
+    ]
 
 
 @pytest.fixture
@@ -84,8 +88,14 @@ def test_unknown_engine_and_request(client: SidecarClient, engine: str, valid_tr
     assert res.error_code == "NOT_FOUND" and "unknown engine 'no-such-decode-engine'" in res.error
 
 
-def test_block_ids_out_of_range_or_duplicated(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
-    expect("INVALID_ARGUMENT", "block id 64 is out of range [0, 64)", lambda: client.publish(engine, "r", [64], 10))
+def test_block_ids_out_of_range_or_duplicated(
+    client: SidecarClient, engine: str, valid_traffic: Callable
+) -> None:
+    expect(
+        "INVALID_ARGUMENT",
+        "block id 64 is out of range [0, 64)",
+        lambda: client.publish(engine, "r", [64], 10),
+    )
     expect("INVALID_ARGUMENT", "block id 3 appears twice", lambda: client.publish(engine, "r", [3, 3], 20))
     expect("INVALID_ARGUMENT", "need 2 blocks, got 1", lambda: client.publish(engine, "r", [3], 20))
     params = client.publish(engine, f"r-{next(_ids)}", [3, 4], 20)
@@ -94,7 +104,9 @@ def test_block_ids_out_of_range_or_duplicated(client: SidecarClient, engine: str
         assert res.error_code == "INVALID_ARGUMENT" and fragment in res.error, res
 
 
-def test_block_lists_of_different_lengths(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
+def test_block_lists_of_different_lengths(
+    client: SidecarClient, engine: str, valid_traffic: Callable
+) -> None:
     params = client.publish(engine, f"r-{next(_ids)}", [3, 4, 5], 40)
     res = client.pull(params, engine, [10, 11])
     assert res.error_code == "INVALID_ARGUMENT"
@@ -104,8 +116,11 @@ def test_block_lists_of_different_lengths(client: SidecarClient, engine: str, va
 
 def test_second_registration_of_a_rank(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
     with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache:
-        expect("ALREADY_EXISTS", f"engine '{engine}' rank 0 is already registered",
-               lambda: client.register_rank(engine, 0, SPEC.to_dict(), cache.handles()))
+        expect(
+            "ALREADY_EXISTS",
+            f"engine '{engine}' rank 0 is already registered",
+            lambda: client.register_rank(engine, 0, SPEC.to_dict(), cache.handles()),
+        )
 
 
 def test_malformed_shared_memory_handles(client: SidecarClient, valid_traffic: Callable) -> None:
@@ -119,18 +134,41 @@ def test_malformed_shared_memory_handles(client: SidecarClient, valid_traffic: C
             mutate(handles[0])
             return lambda: client.register_rank(f"bad-{next(_ids)}", 0, SPEC.to_dict(), handles)
 
-        expect("INVALID_ARGUMENT", "does not exist", register(lambda h: setattr(h.shm, "name", "kvsidecar-missing")))
-        expect("INVALID_ARGUMENT", "is not valid", register(lambda h: setattr(h.shm, "name", "../etc/passwd")))
-        expect("INVALID_ARGUMENT", "overruns shared memory object",
-               register(lambda h: setattr(h.shm, "offset", cache.size)))
+        expect(
+            "INVALID_ARGUMENT",
+            "does not exist",
+            register(lambda h: setattr(h.shm, "name", "kvsidecar-missing")),
+        )
+        expect(
+            "INVALID_ARGUMENT", "is not valid", register(lambda h: setattr(h.shm, "name", "../etc/passwd"))
+        )
+        expect(
+            "INVALID_ARGUMENT",
+            "overruns shared memory object",
+            register(lambda h: setattr(h.shm, "offset", cache.size)),
+        )
         expect("INVALID_ARGUMENT", "not aligned", register(lambda h: setattr(h.shm, "offset", 1)))
-        expect("INVALID_ARGUMENT", "are not the contiguous strides", register(lambda h: h.strides.__setitem__(0, 1)))
+        expect(
+            "INVALID_ARGUMENT",
+            "are not the contiguous strides",
+            register(lambda h: h.strides.__setitem__(0, 1)),
+        )
         expect("INVALID_ARGUMENT", "does not match the spec", register(lambda h: h.shape.__setitem__(1, 3)))
-        expect("INVALID_ARGUMENT", "dtype float32 but the spec says float16",
-               register(lambda h: setattr(h, "dtype", "float32")))
-        expect("INVALID_ARGUMENT", "spec needs 2 tensors", lambda: client.register_rank("x", 0, SPEC.to_dict(), good[:1]))
-        expect("INVALID_ARGUMENT", "unknown layout 'nhd'",
-               lambda: client.register_rank("x", 0, SPEC.to_dict() | {"layout": "nhd"}, good))
+        expect(
+            "INVALID_ARGUMENT",
+            "dtype float32 but the spec says float16",
+            register(lambda h: setattr(h, "dtype", "float32")),
+        )
+        expect(
+            "INVALID_ARGUMENT",
+            "spec needs 2 tensors",
+            lambda: client.register_rank("x", 0, SPEC.to_dict(), good[:1]),
+        )
+        expect(
+            "INVALID_ARGUMENT",
+            "unknown layout 'nhd'",
+            lambda: client.register_rank("x", 0, SPEC.to_dict() | {"layout": "nhd"}, good),
+        )
 
 
 def test_peer_sidecar_not_running(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
@@ -140,14 +178,17 @@ def test_peer_sidecar_not_running(client: SidecarClient, engine: str, valid_traf
     assert res.error_code == "UNAVAILABLE" and "127.0.0.1:9 is not reachable" in res.error, res
 
 
-def test_incompatible_peer_names_the_field(sidecar_pair: tuple[SidecarProcess, SidecarProcess],
-                                           valid_traffic: Callable) -> None:
+def test_incompatible_peer_names_the_field(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], valid_traffic: Callable
+) -> None:
     a, b = sidecar_pair
     other = EngineSpec.from_dict(spec_dict(head_dim=8))
     prefill = EngineProcess(a.socket, f"p-{next(_ids)}", SPEC)
     decode = EngineProcess(b.socket, f"d-{next(_ids)}", other)
     try:
-        pub = prefill.send({"cmd": "prefill", "request_id": "x", "block_ids": [1], "num_tokens": 16, "seed": 1})
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "x", "block_ids": [1], "num_tokens": 16, "seed": 1}
+        )
         res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2], "seed": 1})
         assert res["error_code"] == "FAILED_PRECONDITION", res
         assert "head_dim" in res["error"] and "16" in res["error"] and "8" in res["error"], res["error"]

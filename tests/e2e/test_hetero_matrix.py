@@ -37,7 +37,9 @@ DIRECT = ("tp2-to-tp1", "nhd-to-hnd", "block32-to-16", "mla-tp1-to-tp2")
 
 
 @pytest.mark.parametrize(("case", "where"), [(c, "nixl") for c in CASES] + [(c, "direct") for c in DIRECT])
-def test_pairing_is_bit_exact(sidecar_pair: tuple[SidecarProcess, SidecarProcess], case: str, where: str) -> None:
+def test_pairing_is_bit_exact(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], case: str, where: str
+) -> None:
     a, b = sidecar_pair
     p_over, d_over, start = CASES[case]
     pspec = EngineSpec.from_dict(spec_dict(**p_over))
@@ -49,9 +51,13 @@ def test_pairing_is_bit_exact(sidecar_pair: tuple[SidecarProcess, SidecarProcess
     try:
         src = [pspec.num_blocks - 1 - 3 * j for j in range(math.ceil(tokens / pspec.block_size))]
         dst = [5 * j + 1 for j in range(math.ceil(tokens / dspec.block_size) - start // dspec.block_size)]
-        pub = prefill.send({"cmd": "prefill", "request_id": "r", "block_ids": src, "num_tokens": tokens, "seed": n})
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "r", "block_ids": src, "num_tokens": tokens, "seed": n}
+        )
         assert pub["ok"], pub
-        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n, "start_token": start})
+        res = decode.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n, "start_token": start}
+        )
         assert res["ok"], res
         assert res["verified"], res["errors"]
         assert res["path"] == ("host-direct" if where == "direct" else "host-nixl-staged")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from kv_sidecar.plan.spec import EngineSpec
 
 INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32}

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, PlanError

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kv_sidecar.execute.host import RankView, copy_request, rank_view
 from kv_sidecar.plan.blocks import blocks_for, check_pull, dst_block_count, needed_src_blocks
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, Layout
-
 from tests.plan.plan_oracle import allocate, kernel_block_axis, logical_kv, write_tokens
 
 HEAD_LAYOUTS = [layout for layout in Layout if layout is not Layout.MLA]

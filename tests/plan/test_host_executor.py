@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.spec import EngineSpec, PlanError
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def spec(**over: Any) -> EngineSpec:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan, Read, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kv_sidecar.commands import plan as plan_command
 
 PREFILL = {

@@ -17,14 +17,15 @@ import json
 import queue
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
-from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
-from kv_sidecar_client.shm import ShmKVCache
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
+from kv_sidecar_client.shm import ShmKVCache
 
 
 class RefEngine:
@@ -75,6 +76,7 @@ class RefEngine:
         start = cmd.get("start_token", 0)
         verify = cmd.get("verify", True)
         before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks} if verify else {}
+        t0 = time.perf_counter()
         res = self.client.pull(
             params,
             self.engine_id,
@@ -83,7 +85,9 @@ class RefEngine:
             start_token=start,
             timeout_s=cmd.get("timeout_s"),
         )
+        wall = time.perf_counter() - t0
         out: dict[str, Any] = {
+            "wall_s": wall,
             "ok": res.ok,
             "bytes": res.bytes,
             "duration_s": res.duration_s,

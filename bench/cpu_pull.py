@@ -1,0 +1,181 @@
+"""CPU pull throughput through the whole stack, next to a plain memcpy of the same bytes.
+
+Two real sidecars and two reference-engine processes on this machine; every
+row moves real KV blocks over NIXL (UCX, host memory) between the engines'
+shared-memory caches. The memcpy row copies the same number of bytes between
+two buffers of this process, in the same run: the ceiling.
+
+    python bench/cpu_pull.py            # full table, writes docs/benchmarks.md
+    python bench/cpu_pull.py --quick    # small sizes only, prints the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_section
+
+MiB = 1 << 20
+# 8 KV heads x head_dim 128 x bf16 = 2 KiB per token for K (and for V).
+BASE: dict[str, Any] = {
+    "num_layers": 4,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "layout": "flash_attn_nhd",
+    "tp_size": 1,
+}
+TOKEN_BYTES = 8 * 128 * 2
+
+
+def memcpy_gbps(nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    times = []
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def run_case(
+    sidecars: tuple[SidecarProcess, SidecarProcess],
+    label: str,
+    pover: dict[str, Any],
+    dover: dict[str, Any],
+    request_bytes: int,
+    segment: int,
+    iters: int,
+) -> dict[str, Any]:
+    block = (
+        segment // TOKEN_BYTES
+    )  # tokens per block so that one (layer, K/V, block) chunk is `segment` bytes
+    tokens = request_bytes // (BASE["num_layers"] * 2 * TOKEN_BYTES)
+    nblocks = math.ceil(tokens / block)
+    pspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | pover)
+    dspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | dover)
+    prefill = EngineProcess(sidecars[0].socket, f"bench-p-{label}-{request_bytes}-{segment}", pspec)
+    decode = EngineProcess(sidecars[1].socket, f"bench-d-{label}-{request_bytes}-{segment}", dspec)
+    server, wall, verified, path = [], [], True, ""
+    try:
+        for i in range(iters + 1):
+            # Fragmented ids: every other block, in reverse on the decode side.
+            src = list(range(0, 2 * math.ceil(tokens / pspec.block_size), 2))
+            dst = list(range(2 * math.ceil(tokens / dspec.block_size) - 1, 0, -2))
+            rid = f"r{i}"
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": tokens, "seed": i},
+                timeout_s=600,
+            )
+            res = decode.send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": i, "verify": i == 1},
+                timeout_s=600,
+            )
+            if not res["ok"]:
+                raise RuntimeError(f"{label}: {res['error_code']}: {res['error']}")
+            prefill.send({"cmd": "next_event", "timeout_s": 30})
+            if i == 1:
+                verified = res["verified"]
+            if i:  # the first pull pays for the handshake and connection set-up
+                server.append(res["duration_s"])
+                wall.append(res["wall_s"])
+            path = res["path"]
+            nbytes = res["bytes"]
+    finally:
+        prefill.stop()
+        decode.stop()
+    return {
+        "label": label,
+        "request": request_bytes,
+        "segment": segment,
+        "path": path,
+        "bytes": nbytes,
+        "server_gbps": nbytes / statistics.median(server) / 1e9,
+        "wall_gbps": nbytes / statistics.median(wall) / 1e9,
+        "p50_ms": statistics.median(wall) * 1e3,
+        "verified": verified,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only; do not write docs/benchmarks.md")
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    sizes = [MiB, 16 * MiB] if args.quick else [MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
+    hetero_size = 16 * MiB if args.quick else 256 * MiB
+    cases: list[tuple[str, dict, dict, int, int]] = [
+        ("homogeneous", {}, {}, size, seg) for seg in (16 * 1024, 64 * 1024) for size in sizes
+    ]
+    cases += [
+        ("TP1->TP2 head split", {}, {"tp_size": 2}, hetero_size, 64 * 1024),
+        ("TP2->TP1 gather", {"tp_size": 2}, {}, hetero_size, 64 * 1024),
+        ("NHD->HND", {}, {"layout": "flash_attn_hnd"}, hetero_size, 64 * 1024),
+    ]
+    sidecars = (
+        SidecarProcess("bench-prefill", extra=["--staging-bytes", str(512 * MiB)]),
+        SidecarProcess("bench-decode", extra=["--staging-bytes", str(512 * MiB)]),
+    )
+    rows = []
+    try:
+        for label, pover, dover, size, seg in cases:
+            row = run_case(sidecars, label, pover, dover, size, seg, args.iters)
+            row["memcpy_gbps"] = memcpy_gbps(row["bytes"], max(args.iters, 20))
+            rows.append(row)
+            print(
+                f"{label:>20} {size / MiB:7.0f} MiB seg {seg // 1024:3d} KiB {row['path']:>17} "
+                f"{row['wall_gbps']:6.2f} GB/s (memcpy {row['memcpy_gbps']:6.2f})",
+                flush=True,
+            )
+    finally:
+        for s in sidecars:
+            s.stop()
+    header = (
+        "| pairing | request | segment | path | pull GB/s (engine wall) | pull GB/s (sidecar) | p50 ms "
+        "| memcpy GB/s | pull / memcpy | verified |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    table = header + "".join(
+        f"| {r['label']} | {r['request'] // MiB} MiB | {r['segment'] // 1024} KiB | {r['path']} | "
+        f"{r['wall_gbps']:.2f} | {r['server_gbps']:.2f} | {r['p50_ms']:.1f} | {r['memcpy_gbps']:.2f} | "
+        f"{r['wall_gbps'] / r['memcpy_gbps']:.0%} | {'yes' if r['verified'] else 'NO'} |\n"
+        for r in rows
+    )
+    print(table)
+    if not args.quick:
+        machine = (
+            f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.python_version()}"
+        )
+        body = (
+            f"Command: `python bench/cpu_pull.py` · machine: {machine} (no GPU) · "
+            f"date: {datetime.date.today()} · median of {args.iters} pulls after one warm-up pull\n\n"
+            "Request bytes are what the decode engine receives (all layers, K and V, all its ranks). "
+            "Segment = one (layer, K/V, block) chunk. Block ids are fragmented (every other block on the "
+            "prefill side, reversed on the decode side). The memcpy column copies the same bytes between two "
+            "buffers of one process in the same run. 'engine wall' is measured around the client's pull() "
+            "in the engine process; 'sidecar' is the time the decode sidecar reports.\n\n" + table
+        )
+        write_section(
+            Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md",
+            "CPU pull (bench/cpu_pull.py)",
+            body,
+        )
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
