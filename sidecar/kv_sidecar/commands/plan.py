@@ -97,8 +97,13 @@ def render_table(plan: PairPlan) -> str:
             first = i == 0  # rank and notify-only go on a rank's first row only
             block_bytes = str(nbytes * plan.decode.block_size)
             rows.append(
-                (str(rank_plan.rank) if first else "", str(read.prefill_rank), heads, block_bytes,
-                 notify if first else "")
+                (
+                    str(rank_plan.rank) if first else "",
+                    str(read.prefill_rank),
+                    heads,
+                    block_bytes,
+                    notify if first else "",
+                )
             )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = [

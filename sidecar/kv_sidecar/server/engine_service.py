@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
 
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.peers import rpc_error
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar

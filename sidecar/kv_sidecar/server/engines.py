@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 from kv_sidecar.execute.host import RankView, rank_view
 from kv_sidecar.memory.shm import ShmMapper
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
 

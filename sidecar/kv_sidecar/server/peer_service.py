@@ -7,13 +7,13 @@ import threading
 from typing import TYPE_CHECKING
 
 import grpc
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.peers import cached_plan
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar

@@ -10,7 +10,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import grpc
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
@@ -18,6 +17,7 @@ from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import torch
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
@@ -37,6 +36,7 @@ from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar

@@ -13,7 +13,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from prometheus_client import start_http_server
 
 from kv_sidecar.config import Settings
@@ -25,6 +24,7 @@ from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller, parse_notification
 from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
