@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,9 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
     yield a, b
     codes = a.stop(), b.stop()
+    assert not os.path.exists(a.socket) and not os.path.exists(b.socket), (
+        "SIGTERM must remove the engine socket"
+    )
     assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(
         list(a.stderr_tail) + list(b.stderr_tail)
     )

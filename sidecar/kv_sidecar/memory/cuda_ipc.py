@@ -91,6 +91,17 @@ class ImportedTensor:
     def data_ptr(self) -> int:
         return self.ptr
 
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        """Bytes, for `torch.as_tensor(imported)` (e.g. to read back in tests).
+
+        Checked on H200s: torch asks the driver which device the pointer belongs
+        to, and a peer mapping opened in GPU1's context answers GPU1, so the
+        tensor lands on cuda:1 and reads through this very mapping; torch does
+        not re-open the handle. The executor itself needs only `data_ptr()`.
+        """
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
     def release(self) -> None:
         if self._registry is not None and self._key is not None:
             registry, key = self._registry, self._key

@@ -1,0 +1,386 @@
+"""GPU executor: carry out one decode rank's read of a request with one Triton kernel launch.
+
+Same contract as `kv_sidecar.execute.host.copy_request` (tokens
+[start_token, num_tokens) of global heads `heads`, every layer and K/V plane,
+any layout / block size / kernel block size / cross-layer on either side,
+nothing outside the destination tokens written), but on raw device addresses:
+both views are memory imported over CUDA IPC into the primary context of the
+GPU that runs the copy (`kv_sidecar.memory.cuda_ipc`), or memory the sidecar
+owns there. One launch per (request, source rank) replaces what would be
+tens of thousands of per-block copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kv_sidecar.execute import gpu_geometry as geo
+from kv_sidecar.plan.blocks import blocks_for, check_block_ids, check_tokens, dst_block_count
+from kv_sidecar.plan.spec import EngineSpec, PlanError
+
+# Bytes moved per program: large enough that each program keeps several 16-byte
+# loads per thread in flight over NVLink, small enough for many programs per SM.
+TILE_BYTES = 16384
+NUM_WARPS = 4
+
+_WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class HasDataPtr(Protocol):
+    def data_ptr(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class GpuRankView:
+    """One rank's registered KV tensors as addresses valid in `device`'s primary context.
+
+    `tensor_ptrs` are the registered tensors' addresses (per layer, or one
+    cross-layer tensor), `layer_ptrs` every layer's element 0. `keepalive`
+    holds whatever owns the memory (IPC imports, torch tensors) for as long as
+    the view lives.
+    """
+
+    spec: EngineSpec
+    rank: int
+    device: int
+    tensor_ptrs: tuple[int, ...]
+    layer_ptrs: tuple[int, ...]
+    keepalive: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+
+
+def gpu_rank_view(
+    spec: EngineSpec, rank: int, tensors: Sequence[HasDataPtr | int], device: int | torch.device
+) -> GpuRankView:
+    """A view over a rank's tensors (torch CUDA tensors, `ImportedTensor`s or raw addresses).
+
+    Sizes cannot be checked from a raw address: callers importing over IPC
+    check each tensor's byte size against `gpu_geometry.tensor_nbytes(spec)`.
+    """
+    if not 0 <= rank < spec.tp_size:
+        raise PlanError(f"rank {rank} out of range for tp_size {spec.tp_size}")
+    ordinal = device.index if isinstance(device, torch.device) else int(device)
+    if ordinal is None:
+        raise PlanError("a GPU view needs a device index")
+    ptrs: list[int] = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            _check_torch_tensor(spec, rank, i, t, ordinal)
+        ptrs.append(t if isinstance(t, int) else t.data_ptr())
+    layer_ptrs = geo.layer_addresses(spec, ptrs)
+    keep = tuple(t for t in tensors if not isinstance(t, int))
+    return GpuRankView(spec, rank, ordinal, tuple(ptrs), layer_ptrs, keep)
+
+
+def _check_torch_tensor(spec: EngineSpec, rank: int, i: int, t: torch.Tensor, device: int) -> None:
+    shape = spec.rank_tensor_shapes()[i] if i < len(spec.rank_tensor_shapes()) else None
+    if tuple(t.shape) != shape:
+        raise PlanError(f"rank {rank} tensor {i}: shape {tuple(t.shape)} does not match spec {shape}")
+    if t.dtype != getattr(torch, spec.dtype):
+        raise PlanError(f"rank {rank} tensor {i}: dtype {t.dtype} does not match spec {spec.dtype}")
+    if not t.is_contiguous():
+        raise PlanError(f"rank {rank} tensor {i}: must be contiguous (strides {t.stride()})")
+    if t.device.type != "cpu" and t.device != torch.device("cuda", device):
+        raise PlanError(f"rank {rank} tensor {i}: on {t.device}, the view is for cuda:{device}")
+
+
+def staging_view(
+    spec: EngineSpec, rank: int, buffer: HasDataPtr | int, num_blocks: int, device: int
+) -> GpuRankView:
+    """A contiguous mini-cache of `num_blocks` blocks shaped like (spec, rank): a staging buffer.
+
+    Gather = copy_request(engine_view, staging, ..., dst_block_ids=range(n));
+    scatter = copy_request(staging, engine_view, ..., src_block_ids=range(n)).
+    The staged cross-sidecar path moves the one buffer (all layers, one
+    descriptor) in between; the conversion happens in the gather or scatter.
+    """
+    mini = replace(spec, num_blocks=num_blocks)
+    base = buffer if isinstance(buffer, int) else buffer.data_ptr()
+    n = geo.tensor_nbytes(mini)
+    ptrs = [base] if mini.cross_layer else [base + i * n for i in range(mini.num_layers)]
+    keep = () if isinstance(buffer, int) else (buffer,)
+    return GpuRankView(mini, rank, device, tuple(ptrs), geo.layer_addresses(mini, ptrs), keep)
+
+
+def staging_bytes(spec: EngineSpec, num_blocks: int) -> int:
+    """Bytes a `staging_view` of `num_blocks` blocks needs."""
+    mini = replace(spec, num_blocks=num_blocks)
+    return geo.tensor_nbytes(mini) * len(mini.rank_tensor_shapes())
+
+
+def _local_heads(view: GpuRankView, heads: tuple[int, int] | None, side: str) -> tuple[int, int]:
+    """(first local head, count) of global heads `heads` on `view`'s rank (host executor's rules)."""
+    if view.spec.is_mla:
+        if heads is not None:
+            raise PlanError(f"heads must be None for an mla cache, got {heads}")
+        return 0, 1
+    if heads is None:
+        raise PlanError("heads must be a [start, stop) range for a non-mla cache, got None")
+    start, stop = view.spec.rank_heads(view.rank)
+    if not start <= heads[0] < heads[1] <= stop:
+        raise PlanError(
+            f"heads {list(heads)} are not all held by {side} rank {view.rank} (it holds [{start}, {stop}))"
+        )
+    return heads[0] - start, heads[1] - heads[0]
+
+
+def _check_pair(src: EngineSpec, dst: EngineSpec) -> None:
+    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
+        if getattr(src, name) != getattr(dst, name):
+            raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
+
+
+def _ids_array(what: str, ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    """Block ids as int32, validated: an out-of-range id would make the kernel fault the whole context."""
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size == 0:
+        return arr.astype(np.int32)
+    bad = arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= num_blocks
+    # bincount, not np.unique: O(n + num_blocks) and ~50x faster for the few thousand ids of a request.
+    if bad or np.bincount(arr, minlength=num_blocks).max() > 1:
+        check_block_ids(what, ids, num_blocks)  # raises with the host executor's exact message
+        raise PlanError(f"{what} block ids must be integers")
+    return arr.astype(np.int32)
+
+
+class _DeviceState:
+    """Per-device things reused across requests: anchors (one per word width) and layer tables."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._anchors: dict[tuple[str, int], torch.Tensor] = {}
+        self._tables: dict[tuple[str, int, tuple[int, ...]], torch.Tensor] = {}
+
+    def anchor(self, device: torch.device, width: int) -> torch.Tensor:
+        key = (str(device), width)
+        with self._lock:
+            if key not in self._anchors:
+                self._anchors[key] = torch.zeros(64 // width, dtype=_WORD_DTYPE[width], device=device)
+            return self._anchors[key]
+
+    def layer_table(self, device: torch.device, width: int, layer_ptrs: tuple[int, ...]) -> torch.Tensor:
+        """Word offsets of each layer from the anchor, on the device; cached (a view's layers never move)."""
+        key = (str(device), width, layer_ptrs)
+        with self._lock:
+            table = self._tables.get(key)
+        if table is None:
+            base = self.anchor(device, width).data_ptr()
+            table = torch.tensor([(p - base) // width for p in layer_ptrs], dtype=torch.int64).to(device)
+            with self._lock:
+                if len(self._tables) > 4096:  # views come and go with engines; stay bounded
+                    self._tables.clear()
+                self._tables[key] = table
+        return table
+
+
+_state = _DeviceState()
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """Everything one launch needs, decided on the host (exposed for tests and the bench)."""
+
+    width: int
+    align: int
+    chunk: int
+    rows: int
+    n_chunks: int
+    planes: int
+    args: tuple[Any, ...]
+    constexprs: dict[str, int]
+    num_warps: int
+
+
+def copy_request(
+    src: GpuRankView,
+    dst: GpuRankView,
+    heads: tuple[int, int] | None,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int,
+    start_token: int = 0,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    synchronize: bool = True,
+    interpret: bool = False,
+) -> int:
+    """Copy tokens [start_token, num_tokens) of global heads `heads` from src into dst; return bytes written.
+
+    Block id conventions are the host executor's: `dst_block_ids` covers tokens
+    [start_token, num_tokens); `src_block_ids` covers all tokens or only the
+    blocks from the start token's block on (the length says which). The launch
+    goes on `stream` (default: the current stream of dst's device); with
+    `synchronize` the call returns once the data is in place. `interpret` runs
+    Triton's CPU interpreter over host addresses (tests without a GPU).
+    """
+    prepared = prepare_request(
+        src, dst, heads, src_block_ids, dst_block_ids, num_tokens, start_token, interpret=interpret
+    )
+    prepared.launch(stream)
+    if synchronize and not interpret:
+        (stream or torch.cuda.current_stream(prepared.device)).synchronize()
+    return prepared.nbytes
+
+
+@dataclass
+class PreparedCopy:
+    """A validated request with its index tables already on the device: `launch()` only enqueues."""
+
+    launch_args: LaunchArgs
+    device: torch.device
+    anchor: torch.Tensor
+    tables: tuple[torch.Tensor, ...]
+    nbytes: int
+    interpret: bool = False
+
+    def launch(self, stream: torch.cuda.Stream | None = None) -> None:
+        from kv_sidecar.execute import gpu_kernels
+
+        la = self.launch_args
+        if la.n_chunks == 0:
+            return
+        grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)
+        if self.interpret:
+            gpu_kernels.interpreted(gpu_kernels.kv_copy_kernel)[grid](
+                self.anchor, *self.tables, *la.args, **la.constexprs
+            )
+            return
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
+            s = stream if stream is not None else current
+            if s != current:
+                s.wait_stream(current)  # the index tables were uploaded on the current stream
+            with torch.cuda.stream(s):
+                gpu_kernels.kv_copy_kernel[grid](
+                    self.anchor, *self.tables, *la.args, **la.constexprs, num_warps=la.num_warps
+                )
+            if stream is not None:
+                # The tables were uploaded on the current stream; keep their memory until `s` is done.
+                for t in self.tables:
+                    t.record_stream(s)
+
+
+def prepare_request(
+    src: GpuRankView,
+    dst: GpuRankView,
+    heads: tuple[int, int] | None,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int,
+    start_token: int = 0,
+    *,
+    interpret: bool = False,
+) -> PreparedCopy:
+    """Validate a request exactly as the host executor does and stage its index tables on the device."""
+    if src.device != dst.device:
+        raise PlanError(
+            f"both views must be mapped in one device's context (src {src.device}, dst {dst.device})"
+        )
+    _check_pair(src.spec, dst.spec)
+    check_tokens(num_tokens, start_token, dst.spec.block_size)
+    bs, bd = src.spec.block_size, dst.spec.block_size
+    full, tail = blocks_for(num_tokens, bs), blocks_for(num_tokens, bs) - start_token // bs
+    if len(src_block_ids) not in (full, tail):
+        raise PlanError(
+            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
+            f"at block_size {bs} need {full} (all) or {tail} (from the start token's block)"
+        )
+    want_dst = dst_block_count(bd, num_tokens, start_token)
+    if len(dst_block_ids) != want_dst:
+        raise PlanError(
+            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
+            f"at block_size {bd} need {want_dst}"
+        )
+    s_ids = _ids_array("source", src_block_ids, src.spec.num_blocks)
+    d_ids = _ids_array("destination", dst_block_ids, dst.spec.num_blocks)
+    s_h0, nh = _local_heads(src, heads, "source")
+    d_h0, _ = _local_heads(dst, heads, "destination")
+    src_first = 0 if len(src_block_ids) == full else start_token // bs
+    dev = torch.device("cpu") if interpret else torch.device("cuda", dst.device)
+    la = plan_launch(src, dst, nh, s_h0, d_h0, num_tokens, start_token, src_first, start_token // bd)
+    grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)
+    if grid[0] > 2**31 - 1 or grid[1] > 65535:
+        raise PlanError(f"request too large for one launch (grid {grid})")
+    anchor = _state.anchor(dev, la.width)
+    # Both id lists in one upload; dst's ids start 16-byte aligned so the launch specialises the same way.
+    pad = -len(s_ids) % 4
+    ids = torch.from_numpy(np.concatenate([s_ids, np.zeros(pad, np.int32), d_ids])).to(dev)
+    tables = (
+        _state.layer_table(dev, la.width, src.layer_ptrs),
+        _state.layer_table(dev, la.width, dst.layer_ptrs),
+        ids[: len(s_ids)],
+        ids[len(s_ids) + pad :],
+    )
+    nbytes = (num_tokens - start_token) * nh * geo.row_bytes(dst.spec) * la.planes
+    return PreparedCopy(la, dev, anchor, tables, nbytes, interpret)
+
+
+def plan_launch(
+    src: GpuRankView,
+    dst: GpuRankView,
+    nh: int,
+    s_h0: int,
+    d_h0: int,
+    num_tokens: int,
+    start_token: int,
+    src_first: int,
+    dst_first: int,
+) -> LaunchArgs:
+    """Word width, vector alignment, tiling and scalar arguments of one launch."""
+    specs = (src.spec, dst.spec)
+    addresses = (*src.layer_ptrs, *dst.layer_ptrs)
+    width = geo.word_bytes(specs, addresses)
+    align = geo.vector_words(specs, addresses, width)
+    row_words = geo.row_bytes(src.spec) // width
+    chunk = geo.chunk_words(row_words)
+    nc = row_words // chunk
+    rows = max(1, min(1024, TILE_BYTES // (chunk * width)))
+    rows = 1 << (rows.bit_length() - 1)  # Triton tiles are powers of two
+    ss, ds = geo.strides(src.spec), geo.strides(dst.spec)
+    es = src.spec.element_size
+    if es % width and any(s * es % width for s in (ss.kv, ss.block, ss.token, ss.head, ds.kv, ds.block)):
+        raise PlanError("internal: strides are not whole words")
+
+    def words(n: int) -> int:
+        return n * es // width
+
+    n_chunks = (num_tokens - start_token) * nh * nc
+    planes = src.spec.num_layers * (2 if not src.spec.is_mla else 1)
+    args = (
+        n_chunks,
+        start_token,
+        src_first,
+        dst_first,
+        s_h0,
+        d_h0,
+        words(ss.kv),
+        words(ss.block),
+        words(ss.token),
+        words(ss.head),
+        words(ds.kv),
+        words(ds.block),
+        words(ds.token),
+        words(ds.head),
+    )
+    constexprs = {
+        "NKV": 1 if src.spec.is_mla else 2,
+        "NH": nh,
+        "NC": nc,
+        "CHUNK": chunk,
+        "ROWS": rows,
+        "ALIGN": min(align, chunk),
+        "S_BS": src.spec.block_size,
+        "S_KBS": src.spec.physical_block_size,
+        "D_BS": dst.spec.block_size,
+        "D_KBS": dst.spec.physical_block_size,
+    }
+    return LaunchArgs(width, align, chunk, rows, n_chunks, planes, args, constexprs, NUM_WARPS)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,137 @@
+"""GPU executor end to end: engine tensors exported over CUDA IPC by real separate processes.
+
+A source engine process owns the prefill caches, a destination engine process
+the decode caches; this process is the sidecar: it imports both into the
+copying GPU's primary context and runs the kernel there. The destination
+engine then dumps its tensors, which must equal, bit for bit, what the CPU
+executor produces from the same bytes: the requested tokens and heads
+copied, every other byte (other blocks, other heads, the gaps between
+tensors of one allocation) untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kvcases as kc
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from ipc_engine import Engine, Job  # noqa: E402
+
+from kv_sidecar.execute import gpu  # noqa: E402
+from kv_sidecar.execute.gpu_geometry import tensor_nbytes  # noqa: E402
+from kv_sidecar.memory.cuda_ipc import IpcRegistry  # noqa: E402
+from kv_sidecar.plan.spec import PlanError  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PLACEMENTS = {"gpu0_to_gpu1": (0, 1, 2), "same_gpu": (0, 0, 1)}  # src device, dst device, GPUs needed
+SEED = 1234
+
+
+def _src_key(c: kc.Case, rank: int) -> str:
+    return f"{c.name}/src{rank}"
+
+
+def _dst_key(c: kc.Case) -> str:
+    return f"{c.name}/dst"
+
+
+class Setup:
+    def __init__(self, src_dev: int, dst_dev: int) -> None:
+        src_jobs = [
+            Job(_src_key(c, r), c.src.to_dict(), r, SEED + 10 * r) for c in kc.CASES for r in c.src_ranks()
+        ]
+        # Destination ranks live in one allocation each, with gaps: the kernel
+        # must not touch the gaps, and the tensors must share one IPC mapping.
+        dst_jobs = [
+            Job(_dst_key(c), c.dst.to_dict(), c.dst_rank, SEED + 1, one_allocation=True) for c in kc.CASES
+        ]
+        self.src_dev, self.dst_dev = src_dev, dst_dev
+        self.src_engine = Engine(src_dev, src_jobs)
+        self.dst_engine = Engine(dst_dev, dst_jobs)
+        self.registry = IpcRegistry()
+
+    def view(self, engine: Engine, key: str, spec: kc.EngineSpec, rank: int) -> gpu.GpuRankView:
+        n = tensor_nbytes(spec)
+        imported = [self.registry.open(e.handle, e.offset, n, self.dst_dev) for e in engine.exports[key]]
+        return gpu.gpu_rank_view(spec, rank, imported, self.dst_dev)
+
+    def close(self) -> None:
+        self.src_engine.close()
+        self.dst_engine.close()
+
+
+@pytest.fixture(scope="module", params=list(PLACEMENTS))
+def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
+    src_dev, dst_dev, need = PLACEMENTS[request.param]
+    if not torch.cuda.is_available() or torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} CUDA GPU(s)")
+    s = Setup(src_dev, dst_dev)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
+def test_pull_matches_host_executor(setup: Setup, name: str) -> None:
+    c = kc.case(name)
+    src_ids, dst_ids = kc.block_ids(c, SEED)
+    dview = setup.view(setup.dst_engine, _dst_key(c), c.dst, c.dst_rank)
+    written = 0
+    for r in c.reads:
+        sview = setup.view(setup.src_engine, _src_key(c, r.src_rank), c.src, r.src_rank)
+        written += gpu.copy_request(sview, dview, r.heads, src_ids, dst_ids, c.num_tokens, c.start_token)
+        for t in sview.keepalive:
+            t.release()
+    for t in dview.keepalive:
+        t.release()
+
+    srcs = {r: kc.random_tensors(c.src, SEED + 10 * r) for r in c.src_ranks()}
+    before = kc.random_tensors(c.dst, SEED + 1)
+    want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
+    got = setup.dst_engine.dump([_dst_key(c)])[_dst_key(c)]
+    assert written == want_bytes
+    for i, (g, w, b) in enumerate(zip(got, want, before, strict=True)):
+        assert not kc.bitwise_equal(w, b), "the case must change something"
+        assert kc.bitwise_equal(g, w), f"{name}: tensor {i} differs from the host executor's result"
+    gaps = setup.dst_engine.gaps(_dst_key(c))
+    assert gaps.numel() > 0 and bool((gaps == 0x5A).all()), "bytes between the destination tensors changed"
+    # The sources are read-only.
+    src_now = setup.src_engine.dump([_src_key(c, r) for r in c.src_ranks()])
+    for r in c.src_ranks():
+        for g, w in zip(src_now[_src_key(c, r)], srcs[r], strict=True):
+            assert kc.bitwise_equal(g, w)
+
+
+def test_tensors_of_one_allocation_share_one_mapping(setup: Setup) -> None:
+    """Every dst tensor of a rank came from one allocation: one handle, one mapping, refcounted."""
+    c = kc.case("homogeneous")
+    exports = setup.dst_engine.exports[_dst_key(c)]
+    assert len({e.handle for e in exports}) == 1
+    assert len({e.offset for e in exports}) == len(exports)
+    before = setup.registry.open_count()
+    view = setup.view(setup.dst_engine, _dst_key(c), c.dst, c.dst_rank)
+    assert setup.registry.open_count() == before + 1
+    for t in view.keepalive:
+        t.release()
+    assert setup.registry.open_count() == before
+
+
+def test_bad_requests_rejected_before_launch(setup: Setup) -> None:
+    c = kc.case("homogeneous")
+    src_ids, dst_ids = kc.block_ids(c, SEED)
+    sview = setup.view(setup.src_engine, _src_key(c, 0), c.src, 0)
+    dview = setup.view(setup.dst_engine, _dst_key(c), c.dst, c.dst_rank)
+    try:
+        with pytest.raises(PlanError, match="out of range"):
+            gpu.copy_request(sview, dview, (0, 4), [*src_ids[:-1], c.src.num_blocks], dst_ids, c.num_tokens)
+        with pytest.raises(PlanError, match="appears twice"):
+            gpu.copy_request(sview, dview, (0, 4), src_ids, [dst_ids[0], *dst_ids[:-1]], c.num_tokens)
+        with pytest.raises(PlanError, match="not all held"):
+            gpu.copy_request(sview, dview, (2, 6), src_ids, dst_ids, c.num_tokens)
+    finally:
+        for t in (*sview.keepalive, *dview.keepalive):
+            t.release()
