@@ -116,9 +116,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only; do not write docs/benchmarks.md")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument(
+        "--max-mib", type=int, default=1024, help="largest request to run (and the hetero rows' size)"
+    )
     args = ap.parse_args()
     sizes = [MiB, 16 * MiB] if args.quick else [MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
-    hetero_size = 16 * MiB if args.quick else 256 * MiB
+    sizes = [s for s in sizes if s <= args.max_mib * MiB]
+    hetero_size = min(sizes[-1], 256 * MiB)
     cases: list[tuple[str, dict, dict, int, int]] = [
         ("homogeneous", {}, {}, size, seg) for seg in (16 * 1024, 64 * 1024) for size in sizes
     ]
