@@ -93,10 +93,14 @@ def test_block_ids_out_of_range_or_duplicated(
 ) -> None:
     expect(
         "INVALID_ARGUMENT",
-        "block id 64 is out of range [0, 64)",
+        "block id 64 at position 0 is out of range [0, 64)",
         lambda: client.publish(engine, "r", [64], 10),
     )
-    expect("INVALID_ARGUMENT", "block id 3 appears twice", lambda: client.publish(engine, "r", [3, 3], 20))
+    expect(
+        "INVALID_ARGUMENT",
+        "block id 3 appears twice (positions 0 and 1)",
+        lambda: client.publish(engine, "r", [3, 3], 20),
+    )
     expect("INVALID_ARGUMENT", "need 2 blocks, got 1", lambda: client.publish(engine, "r", [3], 20))
     params = client.publish(engine, f"r-{next(_ids)}", [3, 4], 20)
     for dst, fragment in (([1, 99], "99"), ([1, 1], "1")):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.peers import rpc_error
@@ -20,18 +21,6 @@ if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
-
-
-def check_blocks(kind: str, block_ids: list[int], num_blocks: int) -> None:
-    seen: set[int] = set()
-    for b in block_ids:
-        if b >= num_blocks:
-            raise SidecarError(
-                Code.INVALID_ARGUMENT, f"{kind} block id {b} is out of range [0, {num_blocks})"
-            )
-        if b in seen:
-            raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} block id {b} appears twice")
-        seen.add(b)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -117,7 +106,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"{request.num_tokens} tokens at block size {spec.block_size} need {need} blocks, "
                 f"got {len(request.block_ids)}",
             )
-        check_blocks("prefill", list(request.block_ids), spec.num_blocks)
+        check_block_ids("prefill", request.block_ids, spec.num_blocks)
         lease_ms = request.lease_ms or sc.settings.lease_ms
         item = sc.published.publish(
             request.engine_id,
