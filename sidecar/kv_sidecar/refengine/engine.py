@@ -62,9 +62,10 @@ class RefEngine:
             self.events.put({"rank": rank, "kind": "stream_error", "error": str(e)})
 
     def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
-        for r, cache in self.caches.items():
-            fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        if cmd.get("fill", True):  # benchmarks republish blocks filled once; filling 1 GiB costs seconds
+            logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
+            for r, cache in self.caches.items():
+                fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
         params = self.client.publish(
             self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
         )
