@@ -20,6 +20,8 @@ class Settings:
     metrics_port: int = 9464
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
+    gpu_staging_bytes: int = 512 << 20
+    gpu_staging_slots: int = 4
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
@@ -36,7 +38,10 @@ class Settings:
         "peer_port": "TCP port of the peer API (0 picks a free port)",
         "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
         "advertise_address": "host or host:port other sidecars use to reach this one (bare host: the peer port is added)",
-        "staging_bytes": "bytes of sidecar-owned staging memory for layout/TP conversions",
+        "staging_bytes": "bytes of sidecar-owned host staging memory for layout/TP conversions",
+        "gpu_staging_bytes": "bytes of GPU staging memory per GPU for cross-sidecar transfers "
+        "(half a send ring, half a receive ring; allocated when the first GPU rank registers)",
+        "gpu_staging_slots": "slots per GPU ring: chunks of one transfer in flight at once (gather, wire, scatter)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",

@@ -1,10 +1,14 @@
-"""A reference engine process: one engine (all its TP ranks) with KV caches in shared memory.
+"""A reference engine process: one engine (its TP ranks) with KV caches in shared memory or on GPUs.
 
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
-  {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0}
-      -> {"ok": true, "params": {...}}                       (fills blocks, publishes)
+  {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0,
+   "fill": true}
+      -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes)
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
+  {"cmd": "randomize"} -> {"ok": true}   (every cache byte random: fast set-up for large benchmarks)
+  {"cmd": "digest", "block_ids": [..]} -> {"ok": true, "digests": {rank: hex}}
+      (sha256 of the blocks in logical token order: equal across layouts for equal block sizes)
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
   {"cmd": "quit"}
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import queue
 import sys
@@ -23,22 +28,41 @@ from typing import Any
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar.refengine.gpu_cache import GpuKVCache
+from kv_sidecar.refengine.layout_io import (
+    changed_outside,
+    check_request,
+    fill_request,
+    gather_blocks,
+    logical_kv,
+)
 from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 
 
 class RefEngine:
-    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int], poison: int) -> None:
+    def __init__(
+        self,
+        socket: str,
+        engine_id: str,
+        spec: EngineSpec,
+        ranks: list[int],
+        poison: int,
+        devices: list[torch.device] | None = None,
+    ) -> None:
         self.spec = spec
         self.engine_id = engine_id
         self.client = SidecarClient(socket)
         self.client.wait_ready()
-        self.caches: dict[int, ShmKVCache] = {}
+        self.caches: dict[int, ShmKVCache | GpuKVCache] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         dtype = getattr(torch, spec.dtype)
         for r in ranks:
-            cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
+            cache: ShmKVCache | GpuKVCache
+            if devices:
+                cache = GpuKVCache(spec.rank_tensor_shapes(), dtype, devices[r % len(devices)])
+            else:
+                cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
             for t in cache.tensors:
                 t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
             self.caches[r] = cache
@@ -119,6 +143,27 @@ class RefEngine:
             out["errors"] = errors[:20]
         return out
 
+    def randomize(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        g = torch.Generator(device=next(iter(self.caches.values())).tensors[0].device).manual_seed(
+            cmd.get("seed", 0)
+        )
+        for cache in self.caches.values():
+            for t in cache.tensors:
+                if t.device != g.device:
+                    g = torch.Generator(device=t.device).manual_seed(cmd.get("seed", 0))
+                t.view(torch.uint8).random_(generator=g)
+        return {"ok": True}
+
+    def digest(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, str] = {}
+        for r, cache in self.caches.items():
+            h = hashlib.sha256()
+            for layer in range(self.spec.num_layers):
+                blocks = gather_blocks(self.spec, cache.tensors, layer, cmd["block_ids"])
+                h.update(blocks.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out[str(r)] = h.hexdigest()
+        return {"ok": True, "digests": out}
+
     def next_event(self, cmd: dict[str, Any]) -> dict[str, Any]:
         try:
             return {"ok": True, **self.events.get(timeout=cmd.get("timeout_s", 10))}
@@ -141,16 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="engine spec as JSON")
     ap.add_argument("--ranks", default="", help="comma-separated ranks to host (default: all)")
     ap.add_argument("--poison", type=int, default=0xA5)
+    ap.add_argument(
+        "--devices",
+        default="",
+        help="comma-separated CUDA devices (e.g. cuda:0,cuda:1): rank r's cache goes on device r mod n "
+        "and is shared over CUDA IPC; default: host shared memory",
+    )
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
-        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison)
+        devices = [torch.device(d) for d in args.devices.split(",") if d]
+        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, devices)
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1
     print(json.dumps({"ok": True, "ready": True}), flush=True)
-    handlers = {"prefill": engine.prefill, "pull": engine.pull, "next_event": engine.next_event}
+    handlers = {
+        "prefill": engine.prefill,
+        "pull": engine.pull,
+        "next_event": engine.next_event,
+        "randomize": engine.randomize,
+        "digest": engine.digest,
+    }
     try:
         for line in sys.stdin:
             cmd = json.loads(line)

@@ -118,6 +118,7 @@ class EngineProcess(_Proc):
         spec: EngineSpec,
         ranks: list[int] | None = None,
         start_timeout_s: float = 60,
+        devices: list[str] | None = None,
     ) -> None:
         argv = [
             sys.executable,
@@ -132,6 +133,8 @@ class EngineProcess(_Proc):
         ]
         if ranks:
             argv += ["--ranks", ",".join(map(str, ranks))]
+        if devices:
+            argv += ["--devices", ",".join(devices)]
         super().__init__(argv, f"engine {engine_id}")
         self.spec = spec
         self.engine_id = engine_id

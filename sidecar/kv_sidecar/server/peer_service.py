@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
@@ -61,7 +63,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             ranks=[
                 peer_pb2.RankMemory(
                     rank=e.rank,
-                    memory_kind="DRAM",
+                    memory_kind=e.memory_kind,
                     regions=[
                         peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in e.regions
                     ],
@@ -124,3 +126,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 request.engine_id,
             )
         return peer_pb2.CloseReadResponse()
+
+    @stream_rpc
+    def Gather(
+        self, request_iterator: Iterator[peer_pb2.GatherRequest], context: grpc.ServicerContext
+    ) -> Iterator[peer_pb2.GatherReply]:
+        yield from gpu_transfer.serve_gather(self._sc, request_iterator, context)

@@ -10,6 +10,8 @@ Three paths, chosen per request:
   TP, block size): NIXL READs the source blocks into sidecar-owned staging
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
+- gpu-ipc and gpu-nixl-staged: the same two situations in GPU memory
+  (`kv_sidecar.server.gpu_transfer`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
+from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
@@ -112,6 +115,7 @@ class Staging:
 class Puller:
     def __init__(self, sidecar: Sidecar) -> None:
         self._sc = sidecar
+        self.sidecar = sidecar
         self._staging = Staging(sidecar, sidecar.settings.staging_bytes)
         self._dlist_lock = threading.Lock()
 
@@ -126,7 +130,7 @@ class Puller:
         path = "host-direct" if remote_here else "host-nixl"
         try:
             if remote_here:
-                nbytes = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
+                nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
                 nbytes, path = self._pull_remote(req, local, cancel, time.monotonic() + timeout_s)
         except Exception as e:
@@ -189,7 +193,7 @@ class Puller:
     # -- same sidecar -------------------------------------------------------
     def _pull_direct(
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
-    ) -> int:
+    ) -> tuple[int, str]:
         sc, p = self._sc, req.params
         src_ranks = sc.engines.engine_ranks(p.engine_id)
         plan = cached_plan(src_ranks[0].spec, local[0].spec)
@@ -207,13 +211,19 @@ class Puller:
             deadline - time.monotonic(),
         )
         job = self._job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline)
+        if any(e.gpu is not None for e in [*src_ranks, *local]):
+            nbytes = gpu_transfer.pull_direct(job, src_ranks)
+            for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+                done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
+                sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
+            return nbytes, gpu_transfer.PATH_DIRECT
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
                 job.remaining()
                 nbytes += copy_request(
-                    src_ranks[read.prefill_rank].view,
-                    entry.view,
+                    src_ranks[read.prefill_rank].host_view,
+                    entry.host_view,
                     read.heads,
                     job.src_blocks,
                     job.dst_blocks,
@@ -222,7 +232,7 @@ class Puller:
                 )
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
             sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
-        return nbytes
+        return nbytes, "host-direct"
 
     # -- another sidecar ------------------------------------------------------
     def _pull_remote(
@@ -256,11 +266,20 @@ class Puller:
             raise rpc_error(e, link.address, f"to open request {p.request_id!r}") from None
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
+        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
+        if on_gpu and remote.memory_kind != "VRAM":
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
+                "memory; host<->GPU pulls are not supported",
+            )
         try:
             nbytes = 0
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
-                    if identity:
+                    if on_gpu:
+                        nbytes += gpu_transfer.read_staged(self, job, link, remote, entry, read.prefill_rank)
+                    elif identity:
                         nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
@@ -272,6 +291,8 @@ class Puller:
         except Exception:
             self._close_read(link, req, ranks, failed=True)
             raise
+        if on_gpu:
+            return nbytes, gpu_transfer.PATH_STAGED
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def _close_read(
@@ -292,7 +313,7 @@ class Puller:
         except grpc.RpcError:
             log.warning("could not tell %s that request %s failed", link.address, req.params.request_id)
 
-    def _wait(self, fut: Future[None], job: PullJob) -> None:
+    def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
             try:
                 fut.result(timeout=min(0.05, job.remaining()))
@@ -341,7 +362,7 @@ class Puller:
         self._sc.metrics.nixl_descriptors.observe(len(local_idx))
         self._sc.metrics.inflight.inc()
         try:
-            self._wait(fut, job)
+            self.wait(fut, job)
         finally:
             self._sc.metrics.inflight.dec()
         return len(local_idx) * entry.geometry.chunk
@@ -416,7 +437,7 @@ class Puller:
         sc.metrics.nixl_descriptors.observe(len(local))
         sc.metrics.inflight.inc()
         try:
-            self._wait(fut, job)
+            self.wait(fut, job)
         finally:
             sc.metrics.inflight.dec()
         view = rank_view(mini, src_rank, tensors)
@@ -425,4 +446,6 @@ class Puller:
         bd = job.plan.decode.block_size
         first_dst = (t0 - job.start_token) // bd
         last_dst = math.ceil((t1 - job.start_token) / bd)
-        return copy_request(view, entry.view, heads, staged_ids, job.dst_blocks[first_dst:last_dst], t1, t0)
+        return copy_request(
+            view, entry.host_view, heads, staged_ids, job.dst_blocks[first_dst:last_dst], t1, t0
+        )

@@ -19,6 +19,7 @@ from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
+from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
@@ -40,7 +41,8 @@ class Sidecar:
         )
         self.metrics = Metrics()
         self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
-        self.engines = EngineRegistry(self.nixl)
+        self.gpu_staging = GpuStaging(self)
+        self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         self.published = PublishedStore(self._on_consumed, self._on_expired)
         self.peers = Peers(self)
         self.puller = Puller(self)
@@ -132,7 +134,8 @@ class Sidecar:
             ev.wait(grace_s + 1)
         self.peers.close()
         self.engines.close()
-        self.nixl.stop()
+        self.nixl.stop()  # deregisters the GPU rings before their memory goes
+        self.gpu_staging.close()
         if self._http is not None:
             self._http.shutdown()
         sock = self.settings.engine_socket

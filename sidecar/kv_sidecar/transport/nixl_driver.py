@@ -42,6 +42,13 @@ class TransferError(RuntimeError):
     pass
 
 
+def _make_current(device: int) -> None:
+    """Give the driver thread a current CUDA context: UCX's CUDA transports query and copy within it."""
+    import torch
+
+    torch.cuda.set_device(device)
+
+
 @dataclass
 class _Inflight:
     handle: Any
@@ -206,6 +213,8 @@ class NixlDriver:
         """Register (address, length, device) regions; returns a key for deregister."""
 
         def reg(a: Any) -> int:
+            if mem_type == "VRAM":
+                _make_current(regions[0][2])
             descs = a.register_memory([(addr, n, dev, "") for addr, n, dev in regions], mem_type)
             key = self._next_reg
             self._next_reg += 1
@@ -282,6 +291,8 @@ class NixlDriver:
         done: Future[None] = Future()
 
         def post(a: Any) -> None:
+            if mem_type == "VRAM":
+                _make_current(int(local[0][2]))
             lo = a.get_xfer_descs(local, mem_type)
             re_ = a.get_xfer_descs(remote, mem_type)
             handle = a.initialize_xfer("READ", lo, re_, remote_agent, notif)

@@ -55,6 +55,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
                 _registered_method=True)
+        self.Gather = channel.stream_stream(
+                '/kvsidecar.v1.PeerService/Gather',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -89,6 +94,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gather(self, request_iterator, context):
+        """GPU memory: gather an opened request's tokens, already in the reader's
+        layout, into this sidecar's send ring, chunk by chunk; the reader READs
+        each ready slot over NIXL and asks for the next chunk into that slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CloseRead,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.SerializeToString,
+            ),
+            'Gather': grpc.stream_stream_rpc_method_handler(
+                    servicer.Gather,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/CloseRead',
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gather(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.PeerService/Gather',
+            kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
             options,
             channel_credentials,
             insecure,
