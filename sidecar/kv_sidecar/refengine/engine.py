@@ -3,6 +3,8 @@
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0}
       -> {"ok": true, "params": {...}}                       (fills blocks, publishes)
+      with "publish": false only fills: the ranks of a multi-node engine that live
+      on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
@@ -29,7 +31,9 @@ from kv_sidecar_client.shm import ShmKVCache
 
 
 class RefEngine:
-    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int], poison: int) -> None:
+    def __init__(
+        self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int], poison: int, leader: str = ""
+    ) -> None:
         self.spec = spec
         self.engine_id = engine_id
         self.client = SidecarClient(socket)
@@ -42,7 +46,7 @@ class RefEngine:
             for t in cache.tensors:
                 t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
             self.caches[r] = cache
-            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles())
+            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles(), leader_address=leader)
             stream = self.client.events(engine_id, r)
             threading.Thread(target=self._follow, args=(r, stream), daemon=True).start()
 
@@ -65,6 +69,8 @@ class RefEngine:
         logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
         for r, cache in self.caches.items():
             fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        if not cmd.get("publish", True):
+            return {"ok": True}
         params = self.client.publish(
             self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
         )
@@ -140,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="engine spec as JSON")
     ap.add_argument("--ranks", default="", help="comma-separated ranks to host (default: all)")
     ap.add_argument("--poison", type=int, default=0xA5)
+    ap.add_argument("--leader", default="", help="peer address of the engine's leader sidecar (multi-node)")
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
-        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison)
+        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, args.leader)
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1

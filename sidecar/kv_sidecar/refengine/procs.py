@@ -118,7 +118,9 @@ class EngineProcess(_Proc):
         spec: EngineSpec,
         ranks: list[int] | None = None,
         start_timeout_s: float = 60,
+        leader: str = "",
     ) -> None:
+        """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars."""
         argv = [
             sys.executable,
             "-m",
@@ -132,6 +134,8 @@ class EngineProcess(_Proc):
         ]
         if ranks:
             argv += ["--ranks", ",".join(map(str, ranks))]
+        if leader:
+            argv += ["--leader", leader]
         super().__init__(argv, f"engine {engine_id}")
         self.spec = spec
         self.engine_id = engine_id
