@@ -131,7 +131,9 @@ def test_split_engines_are_bit_exact(nodes: Nodes, case: str) -> None:
     try:
         for request in range(2):  # the second pull uses the cached handshake and map
             rid = f"r{request}"
-            src = [pspec.num_blocks - 1 - 3 * j - request for j in range(math.ceil(TOKENS / pspec.block_size))]
+            src = [
+                pspec.num_blocks - 1 - 3 * j - request for j in range(math.ceil(TOKENS / pspec.block_size))
+            ]
             dst = [5 * j + 1 + request for j in range(math.ceil(TOKENS / dspec.block_size))]
             seed = 100 * n + request
             fill = {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": TOKENS, "seed": seed}
@@ -232,9 +234,8 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
             lambda: ca.publish(eid, "early", [1], 16),
         )
         # Rank 1 registers fine now: the failed attempts left nothing behind on b.
-        assert cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address).leader_address == (
-            a.peer_address
-        )
+        joined = cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address)
+        assert joined.leader_address == a.peer_address
         _expect(
             "FAILED_PRECONDITION",
             (f"led by the sidecar at {a.peer_address}", "publish there"),
@@ -246,5 +247,7 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
         assert ca.abort(eid, "ok")
         # A member rank that leaves is forgotten by the leader.
         cb.unregister_rank(eid, 1)
-        _expect("FAILED_PRECONDITION", ("registered on no sidecar",), lambda: ca.publish(eid, "late", [1], 16))
+        _expect(
+            "FAILED_PRECONDITION", ("registered on no sidecar",), lambda: ca.publish(eid, "late", [1], 16)
+        )
         ca.unregister_rank(eid, 0)
