@@ -251,3 +251,28 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
             "FAILED_PRECONDITION", ("registered on no sidecar",), lambda: ca.publish(eid, "late", [1], 16)
         )
         ca.unregister_rank(eid, 0)
+
+
+def test_split_engine_leases_and_aborts_reach_every_rank(nodes: Nodes) -> None:
+    """The leader holds the request on its member: expiry is told on both sidecars, an abort releases both."""
+    n = next(_ids)
+    prefill = _engine(nodes, {"a": [0], "b": [1]}, f"lease-p-{n}", SPEC)
+    decode = EngineProcess(nodes["c"].socket, f"lease-d-{n}", SPEC)
+    try:
+        fill = {"cmd": "prefill", "block_ids": [3], "num_tokens": 16, "seed": 1, "lease_ms": 500}
+        for rid in ("aborted", "expiring"):
+            assert prefill["b"].send(fill | {"request_id": rid, "publish": False})["ok"]
+        assert prefill["a"].send(fill | {"request_id": "aborted"})["ok"]
+        assert prefill["a"].send({"cmd": "abort", "request_id": "aborted"})["found"]
+        pub = prefill["a"].send(fill | {"request_id": "expiring"})
+        # Only "expiring" runs out, on both sidecars: the abort released the member's copy too.
+        for node, rank in (("a", 0), ("b", 1)):
+            assert _events(prefill[node], 1) == [("lease_expired", "expiring", rank)]
+            _no_event(prefill[node])
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7], "seed": 1})
+        assert not res["ok"] and res["error_code"] == "FAILED_PRECONDITION", res
+        assert "expired" in res["error"] and res["unfilled_blocks"] == [7], res
+        assert res["verified"], res["errors"]  # the failed pull wrote nothing
+    finally:
+        for p in [*prefill.values(), decode]:
+            p.stop()

@@ -8,6 +8,7 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
+  {"cmd": "abort", "request_id": ..} -> {"ok": true, "found": ..}
   {"cmd": "quit"}
 """
 
@@ -130,6 +131,9 @@ class RefEngine:
         except queue.Empty:
             return {"ok": False, "error": "no event"}
 
+    def abort(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "found": self.client.abort(self.engine_id, cmd["request_id"])}
+
     def close(self) -> None:
         for r in list(self.caches):
             # The sidecar may be gone already.
@@ -156,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1
     print(json.dumps({"ok": True, "ready": True}), flush=True)
-    handlers = {"prefill": engine.prefill, "pull": engine.pull, "next_event": engine.next_event}
+    handlers = {
+        "prefill": engine.prefill,
+        "pull": engine.pull,
+        "next_event": engine.next_event,
+        "abort": engine.abort,
+    }
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
