@@ -10,6 +10,11 @@ Three paths, chosen per request:
   TP, block size): NIXL READs the source blocks into sidecar-owned staging
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
+
+Across sidecars, every OpenRead/CloseRead, READ and completion notification
+goes to the sidecar that holds the source rank (server/routing.py): the one
+peer of a one-node engine, or, for an engine whose ranks span several nodes,
+the holder named in the map its leader returned at handshake (docs/multinode.md).
 """
 
 from __future__ import annotations
