@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +22,7 @@ import torch
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server.membership import REFRESH_S
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
@@ -273,6 +275,33 @@ def test_split_engine_leases_and_aborts_reach_every_rank(nodes: Nodes) -> None:
         assert not res["ok"] and res["error_code"] == "FAILED_PRECONDITION", res
         assert "expired" in res["error"] and res["unfilled_blocks"] == [7], res
         assert res["verified"], res["errors"]  # the failed pull wrote nothing
+    finally:
+        for p in [*prefill.values(), decode]:
+            p.stop()
+
+
+def test_leader_that_lost_its_map_gets_it_back(nodes: Nodes) -> None:
+    """The leader's engine process restarts: the leader forgets the map, the member's next refresh restores it."""
+    n = next(_ids)
+    eid = f"relead-{n}"
+    prefill = _engine(nodes, {"a": [0], "b": [1]}, eid, SPEC)
+    decode = EngineProcess(nodes["c"].socket, f"relead-d-{n}", SPEC)
+    try:
+        prefill["a"].stop()  # rank 0 unregisters: a holds no rank of the engine and drops its map
+        prefill["a"] = EngineProcess(nodes["a"].socket, eid, SPEC, ranks=[0])
+        fill = {"cmd": "prefill", "request_id": "r", "block_ids": [4, 9], "num_tokens": 20, "seed": 5}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        pub = prefill["a"].send(fill)
+        assert not pub["ok"] and "[1]" in pub["error"] and "registered on no sidecar" in pub["error"], pub
+        deadline = time.monotonic() + 10 * REFRESH_S
+        while not pub["ok"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pub = prefill["a"].send(fill)
+        assert pub["ok"], pub
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 5})
+        assert res["ok"] and res["verified"], res
+        for node, rank in (("a", 0), ("b", 1)):
+            assert _events(prefill[node], 1) == [("consumed", "r", rank)]
     finally:
         for p in [*prefill.values(), decode]:
             p.stop()

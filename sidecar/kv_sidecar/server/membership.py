@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 10.0  # a rank registration waits this long for its leader
 FANOUT_TIMEOUT_S = 5.0  # publish/keep-alive/abort forwarded to members
+# Members repeat their report this often: a leader whose engine re-registered (or
+# that restarted) forgot its map and gets it back within this time.
+REFRESH_S = 2.0
 
 
 def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
@@ -58,6 +62,7 @@ class Membership:
         self._members: dict[str, dict[str, peer_pb2.SidecarRanks]] = {}  # engine -> sidecar id -> ranks
         self._leaders: dict[str, str] = {}  # engine -> leader address, for engines this sidecar follows
         self._report_locks: dict[str, threading.Lock] = {}
+        self._refresher: threading.Thread | None = None
 
     # -- queries --------------------------------------------------------------
     def leader_of(self, engine_id: str) -> str | None:
@@ -120,6 +125,7 @@ class Membership:
             sc.engines.unregister(engine_id, rank)
             self._forget_leader_if_idle(engine_id)
             raise
+        self._ensure_refresher()
         return leader_address
 
     def _register_as_leader(
@@ -147,7 +153,32 @@ class Membership:
             if not any(e.engine_id == engine_id for e in self._sc.engines.all()):
                 self._leaders.pop(engine_id, None)
 
-    def report(self, engine_id: str) -> None:
+    def _ensure_refresher(self) -> None:
+        with self._lock:
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh, name="leader-refresh", daemon=True)
+                self._refresher.start()
+
+    def _refresh(self) -> None:
+        """Re-report every followed engine; ends when this sidecar follows none."""
+        failing: set[str] = set()
+        while True:
+            time.sleep(REFRESH_S)
+            with self._lock:
+                engines = list(self._leaders)
+                if not engines:
+                    self._refresher = None
+                    return
+            for eid in engines:
+                try:
+                    self.report(eid, quiet=True)
+                    failing.discard(eid)
+                except SidecarError as e:
+                    if eid not in failing:  # once per outage, not every round
+                        log.warning("cannot refresh engine %s on its leader: %s", eid, e.message)
+                    failing.add(eid)
+
+    def report(self, engine_id: str, quiet: bool = False) -> None:
         """Tell the leader which ranks of `engine_id` this sidecar holds now (none: it left)."""
         sc = self._sc
         with self._lock:
@@ -184,7 +215,7 @@ class Membership:
                 # NOT_FOUND from the leader (it does not know the engine) is a precondition here.
                 code = Code.FAILED_PRECONDITION if err.code is Code.NOT_FOUND else err.code
                 raise SidecarError(code, f"leader sidecar of engine {engine_id!r}: {err.message}") from None
-        log.info(
+        (log.debug if quiet else log.info)(
             "reported ranks %s of engine %s to leader %s",
             _ranks_text([e.rank for e in entries]),
             engine_id,
@@ -272,6 +303,8 @@ class Membership:
                         f"engine {eid!r} rank(s) {_ranks_text(clash)} are already held by sidecar {sid} "
                         f"at {other.peer_address}",
                     )
+            if members.get(m.sidecar_id) == m:
+                return  # a refresh: nothing changed
             members[m.sidecar_id] = peer_pb2.SidecarRanks()
             members[m.sidecar_id].CopyFrom(m)
         log.info("sidecar %s at %s holds ranks %s of engine %s", m.sidecar_id, m.peer_address, ranks, eid)
