@@ -2,14 +2,17 @@
 
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0,
-   "fill": true}
+   "fill": true, "publish": true}
       -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes)
+      with "publish": false only fills: the ranks of a multi-node engine that live
+      on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
   {"cmd": "randomize"} -> {"ok": true}   (every cache byte random: fast set-up for large benchmarks)
   {"cmd": "digest", "block_ids": [..]} -> {"ok": true, "digests": {rank: hex}}
       (sha256 of the blocks in logical token order: equal across layouts for equal block sizes)
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
+  {"cmd": "abort", "request_id": ..} -> {"ok": true, "found": ..}
   {"cmd": "quit"}
 """
 
@@ -49,6 +52,7 @@ class RefEngine:
         ranks: list[int],
         poison: int,
         devices: list[torch.device] | None = None,
+        leader: str = "",
     ) -> None:
         self.spec = spec
         self.engine_id = engine_id
@@ -66,7 +70,7 @@ class RefEngine:
             for t in cache.tensors:
                 t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
             self.caches[r] = cache
-            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles())
+            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles(), leader_address=leader)
             stream = self.client.events(engine_id, r)
             threading.Thread(target=self._follow, args=(r, stream), daemon=True).start()
 
@@ -90,6 +94,8 @@ class RefEngine:
             logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
             for r, cache in self.caches.items():
                 fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        if not cmd.get("publish", True):
+            return {"ok": True}
         params = self.client.publish(
             self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
         )
@@ -170,6 +176,9 @@ class RefEngine:
         except queue.Empty:
             return {"ok": False, "error": "no event"}
 
+    def abort(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "found": self.client.abort(self.engine_id, cmd["request_id"])}
+
     def close(self) -> None:
         for r in list(self.caches):
             # The sidecar may be gone already.
@@ -192,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated CUDA devices (e.g. cuda:0,cuda:1): rank r's cache goes on device r mod n "
         "and is shared over CUDA IPC; default: host shared memory",
     )
+    ap.add_argument("--leader", default="", help="peer address of the engine's leader sidecar (multi-node)")
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
         devices = [torch.device(d) for d in args.devices.split(",") if d]
-        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, devices)
+        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, devices, args.leader)
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1
@@ -208,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "next_event": engine.next_event,
         "randomize": engine.randomize,
         "digest": engine.digest,
+        "abort": engine.abort,
     }
     try:
         for line in sys.stdin:

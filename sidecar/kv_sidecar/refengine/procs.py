@@ -119,7 +119,9 @@ class EngineProcess(_Proc):
         ranks: list[int] | None = None,
         start_timeout_s: float = 60,
         devices: list[str] | None = None,
+        leader: str = "",
     ) -> None:
+        """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars."""
         argv = [
             sys.executable,
             "-m",
@@ -135,6 +137,8 @@ class EngineProcess(_Proc):
             argv += ["--ranks", ",".join(map(str, ranks))]
         if devices:
             argv += ["--devices", ",".join(devices)]
+        if leader:
+            argv += ["--leader", leader]
         super().__init__(argv, f"engine {engine_id}")
         self.spec = spec
         self.engine_id = engine_id

@@ -35,10 +35,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if not request.HasField("spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "spec is required")
         spec = spec_from_proto(request.spec)
-        self._sc.engines.register(request.engine_id, request.rank, spec, list(request.tensors))
+        # A member of a multi-node engine also reports the rank to its leader (docs/multinode.md).
+        leader = self._sc.membership.register_rank(
+            request.engine_id, request.rank, spec, list(request.tensors), request.leader_address
+        )
         self._sc.refresh_gauges()
         return engine_pb2.RegisterRankResponse(
-            sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address
+            sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address, leader_address=leader
         )
 
     @rpc
@@ -51,6 +54,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _unregister(self, engine_id: str, rank: int) -> None:
         sc = self._sc
         sc.engines.unregister(engine_id, rank)
+        sc.membership.after_unregister(engine_id)
         if not any(e.engine_id == engine_id for e in sc.engines.all()):
             dropped = sc.published.drop_engine(engine_id)
             if dropped:
@@ -107,6 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"got {len(request.block_ids)}",
             )
         check_block_ids("prefill", request.block_ids, spec.num_blocks)
+        sc.membership.check_publish(request.engine_id, spec.tp_size)
         lease_ms = request.lease_ms or sc.settings.lease_ms
         item = sc.published.publish(
             request.engine_id,
@@ -114,7 +119,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             list(request.block_ids),
             request.num_tokens,
             lease_ms / 1000,
+            ranks=sc.membership.held_here(request.engine_id),
         )
+        try:  # a multi-node engine: hold it on the member sidecars too
+            sc.membership.publish_on_members(
+                request.engine_id, request.request_id, request.block_ids, request.num_tokens, lease_ms
+            )
+        except BaseException:
+            sc.published.abort(request.engine_id, request.request_id)
+            raise
         sc.refresh_gauges()
         params = common_pb2.TransferParams(
             engine_id=request.engine_id,
@@ -157,7 +170,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         out: list[int] = []
         for p in request.params:
             if p.sidecar_id == sc.sidecar_id:
-                out.append(sc.published.keep_alive(p.engine_id, p.request_id))
+                out.extend(sc.membership.keep_alive(p.engine_id, [p.request_id]))
                 continue
             link = sc.peers.link(p.sidecar_address)
             try:
@@ -177,6 +190,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.AbortResponse:
         sc = self._sc
         found = sc.published.abort(request.engine_id, request.request_id)
+        if found:
+            sc.membership.abort_on_members(request.engine_id, request.request_id)
         with sc.pulls_lock:
             cancel = sc.pulls_in_flight.get((request.engine_id, request.request_id))
         if cancel is not None:

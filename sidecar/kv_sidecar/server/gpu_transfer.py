@@ -30,7 +30,7 @@ from kv_sidecar.execute import gpu
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
+from kv_sidecar.server.peers import RemoteEngine, cached_plan, rpc_error
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 if TYPE_CHECKING:
@@ -90,11 +90,17 @@ def pull_direct(job: PullJob, src_ranks: list[RankEntry]) -> int:
 
 
 # -- across sidecars: the reader -----------------------------------------------------
-def read_staged(
-    puller: Puller, job: PullJob, link: PeerLink, remote: RemoteEngine, entry: RankEntry, src_rank: int
-) -> int:
+def remote_address(job: PullJob) -> str:
+    return job.params.sidecar_address
+
+
+def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankEntry, src_rank: int) -> int:
     """Move one (decode rank, source rank) read through the two sidecars' rings."""
     sc = puller.sidecar
+    # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
+    holder = remote.holders.get(src_rank)
+    link = sc.peers.link(holder.address) if holder is not None else sc.peers.link(remote_address(job))
+    agent = remote.agent_of(src_rank)
     rank = entry.gpu
     if rank is None:
         require_gpu([entry], "decode")
@@ -168,7 +174,7 @@ def read_staged(
                     done.synchronize()  # the previous chunk in this slot has left it
                 local = ring.slot_address(s)
                 fut = sc.nixl.read(
-                    remote.agent_name,
+                    agent,
                     np.array([[local, length, dev]], dtype=np.int64),
                     np.array([[ready.address, length, ready.device_id]], dtype=np.int64),
                     b"",

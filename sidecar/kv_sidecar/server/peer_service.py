@@ -14,6 +14,7 @@ from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
@@ -60,16 +61,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             agent_metadata=sc.nixl.metadata(),
             spec=spec_to_proto(spec),
             plan_hash=plan.hash(),
-            ranks=[
-                peer_pb2.RankMemory(
-                    rank=e.rank,
-                    memory_kind=e.memory_kind,
-                    regions=[
-                        peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in e.regions
-                    ],
-                )
-                for e in ranks
-            ],
+            ranks=[rank_memory(e) for e in ranks],
+            members=sc.membership.members(request.engine_id),
         )
 
     @rpc
@@ -79,6 +72,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         sc = self._sc
         with self._lock:
             plan = self._plans.get(request.plan_hash)
+        if plan is None and request.HasField("reader_spec"):
+            # A member of a multi-node engine: the reader handshook with the leader, not with us.
+            plan = cached_plan(sc.engines.spec(request.engine_id), spec_from_proto(request.reader_spec))
+            if plan.hash() != request.plan_hash:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"plan mismatch: ours {plan.hash()}, the reader's {request.plan_hash} "
+                    f"(different kv-sidecar versions, or engine {request.engine_id!r} changed; handshake again)",
+                )
         if plan is None:
             raise SidecarError(
                 Code.FAILED_PRECONDITION, f"unknown plan {request.plan_hash!r}: handshake before reading"
@@ -106,10 +108,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def KeepAlive(
         self, request: peer_pb2.PeerKeepAliveRequest, context: grpc.ServicerContext
     ) -> peer_pb2.PeerKeepAliveResponse:
+        # On a multi-node engine's leader this extends the lease on its members too.
         return peer_pb2.PeerKeepAliveResponse(
-            lease_deadline_unix_ms=[
-                self._sc.published.keep_alive(request.engine_id, r) for r in request.request_ids
-            ]
+            lease_deadline_unix_ms=self._sc.membership.keep_alive(
+                request.engine_id, list(request.request_ids)
+            )
         )
 
     @rpc
@@ -132,3 +135,25 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request_iterator: Iterator[peer_pb2.GatherRequest], context: grpc.ServicerContext
     ) -> Iterator[peer_pb2.GatherReply]:
         yield from gpu_transfer.serve_gather(self._sc, request_iterator, context)
+
+    @rpc
+    def ReportRanks(
+        self, request: peer_pb2.ReportRanksRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.ReportRanksResponse:
+        self._sc.membership.accept_report(request)
+        return peer_pb2.ReportRanksResponse(leader_id=self._sc.sidecar_id)
+
+    @rpc
+    def Publish(
+        self, request: peer_pb2.PeerPublishRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.PeerPublishResponse:
+        self._sc.membership.accept_publish(request)
+        return peer_pb2.PeerPublishResponse()
+
+    @rpc
+    def Abort(
+        self, request: peer_pb2.PeerAbortRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.PeerAbortResponse:
+        found = self._sc.published.abort(request.engine_id, request.request_id)
+        self._sc.refresh_gauges()
+        return peer_pb2.PeerAbortResponse(found=found)

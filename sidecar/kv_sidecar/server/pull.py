@@ -12,6 +12,11 @@ Three paths, chosen per request:
   them into the destination blocks.
 - gpu-ipc and gpu-nixl-staged: the same two situations in GPU memory
   (`kv_sidecar.server.gpu_transfer`).
+
+Across sidecars, every OpenRead/CloseRead, READ and completion notification
+goes to the sidecar that holds the source rank (server/routing.py): the one
+peer of a one-node engine, or, for an engine whose ranks span several nodes,
+the holder named in the map its leader returned at handshake (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 import torch
 
@@ -38,8 +42,9 @@ from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
-from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan
+from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -195,6 +200,12 @@ class Puller:
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
+        if sc.membership.is_split(p.engine_id):
+            raise SidecarError(
+                Code.UNIMPLEMENTED,
+                f"engine {p.engine_id!r} spans this sidecar and others: pulling from an engine that spans "
+                f"the reading sidecar and others is not supported",
+            )
         src_ranks = sc.engines.engine_ranks(p.engine_id)
         plan = cached_plan(src_ranks[0].spec, local[0].spec)
         if len(src_ranks) != plan.prefill.tp_size:
@@ -249,21 +260,9 @@ class Puller:
             max(0.001, deadline - time.monotonic()),
         )
         ranks = [e.rank for e in local]
-        try:
-            opened = link.stub.OpenRead(
-                peer_pb2.OpenReadRequest(
-                    sidecar_id=sc.sidecar_id,
-                    engine_id=p.engine_id,
-                    request_id=p.request_id,
-                    reader_engine_id=req.engine_id,
-                    reader_ranks=ranks,
-                    plan_hash=remote.plan.hash(),
-                ),
-                timeout=max(0.001, deadline - time.monotonic()),
-                metadata=sc.peer_metadata(),
-            )
-        except grpc.RpcError as e:
-            raise rpc_error(e, link.address, f"to open request {p.request_id!r}") from None
+        # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
+        holders = holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
+        opened = open_reads(sc, remote, list(holders), req, ranks, deadline)
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
         on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
@@ -278,40 +277,22 @@ class Puller:
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
                     if on_gpu:
-                        nbytes += gpu_transfer.read_staged(self, job, link, remote, entry, read.prefill_rank)
+                        nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
                     elif identity:
                         nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
-                done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-                sc.nixl.send_notif(
-                    remote.agent_name,
-                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
-                )
+                for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
+                    sc.nixl.send_notif(
+                        holder.agent_name,
+                        done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
+                    )
         except Exception:
-            self._close_read(link, req, ranks, failed=True)
+            close_reads(sc, list(holders), req, ranks, failed=True)
             raise
         if on_gpu:
             return nbytes, gpu_transfer.PATH_STAGED
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
-
-    def _close_read(
-        self, link: PeerLink, req: engine_pb2.PullRequest, ranks: list[int], failed: bool
-    ) -> None:
-        try:
-            link.stub.CloseRead(
-                peer_pb2.CloseReadRequest(
-                    engine_id=req.params.engine_id,
-                    request_id=req.params.request_id,
-                    reader_engine_id=req.engine_id,
-                    reader_ranks=ranks,
-                    failed=failed,
-                ),
-                timeout=2,
-                metadata=self._sc.peer_metadata(),
-            )
-        except grpc.RpcError:
-            log.warning("could not tell %s that request %s failed", link.address, req.params.request_id)
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
@@ -340,7 +321,7 @@ class Puller:
                         f"peer does not hold rank {rank} of engine {remote.engine_id!r}",
                     )
                 table = descriptor_table(remote.geometry, remote.regions[rank])
-                remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_name, table)
+                remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_of(rank), table)
             return remote.dlists[rank]
 
     def _read_identity(
@@ -433,7 +414,7 @@ class Puller:
         src_ids = np.asarray([job.src_blocks[i] for i in positions], dtype=np.int64)
         local = descriptors(mini_geo, bases, np.arange(k))
         remote_descs = descriptors(geo, remote.regions[src_rank], src_ids)
-        fut = sc.nixl.read(remote.agent_name, local, remote_descs, b"", job.remaining())
+        fut = sc.nixl.read(remote.agent_of(src_rank), local, remote_descs, b"", job.remaining())
         sc.metrics.nixl_descriptors.observe(len(local))
         sc.metrics.inflight.inc()
         try:

@@ -20,6 +20,7 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.gpu_staging import GpuStaging
+from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
@@ -45,6 +46,7 @@ class Sidecar:
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         self.published = PublishedStore(self._on_consumed, self._on_expired)
         self.peers = Peers(self)
+        self.membership = Membership(self)
         self.puller = Puller(self)
         self.pulls_in_flight: dict[tuple[str, str], threading.Event] = {}
         self.pulls_lock = threading.Lock()

@@ -78,7 +78,9 @@ class EngineServiceServicer:
 
     def RegisterRank(self, request, context):
         """Register one rank's KV tensors. A second registration of the same
-        (engine_id, rank) is ALREADY_EXISTS.
+        (engine_id, rank) is ALREADY_EXISTS. A rank of an engine that spans
+        several sidecars names the engine's leader sidecar; this sidecar then
+        reports its ranks to the leader before answering (docs/multinode.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
