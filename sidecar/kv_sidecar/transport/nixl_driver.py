@@ -62,11 +62,17 @@ class NixlDriver:
     """Owns the NIXL agent; all methods are safe to call from any thread."""
 
     def __init__(
-        self, name: str, on_notif: Callable[[str, bytes], None] | None = None, idle_wait_s: float = 0.002
+        self,
+        name: str,
+        on_notif: Callable[[str, bytes], None] | None = None,
+        idle_wait_s: float = 0.002,
+        quiet_wait_s: float = 0.05,
     ) -> None:
         self.name = name
         self._on_notif = on_notif
         self._idle = idle_wait_s
+        self._quiet = quiet_wait_s
+        self._last_activity = 0.0
         self._queue: queue.Queue[tuple[Callable[[Any], Any], Future[Any]] | None] = queue.Queue()
         self._inflight: list[_Inflight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
@@ -95,7 +101,10 @@ class NixlDriver:
         try:
             api = import_nixl()
             self._api = api
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            # No NIXL progress thread: it busy-polls a core even when idle, and this
+            # thread already drives progress (it spins while transfers are in flight).
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self._agent = api.nixl_agent(self.name, config)
             if "UCX" not in self._agent.backends:
                 raise TransferError("NIXL has no UCX backend on this machine")
         except Exception as e:  # surfaced to start()
@@ -109,7 +118,7 @@ class NixlDriver:
 
     def _loop(self) -> None:
         while True:
-            wait = 0.0 if self._inflight else self._idle
+            wait = self._wait_s()
             try:
                 item = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
             except queue.Empty:
@@ -118,6 +127,7 @@ class NixlDriver:
                 return
             if item:
                 fn, fut = item
+                self._last_activity = time.monotonic()
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self._agent))
@@ -127,6 +137,21 @@ class NixlDriver:
                 continue
             self._poll_transfers()
             self._poll_notifs()
+
+    def _wait_s(self) -> float:
+        """How long to sleep before the next poll.
+
+        Transfers in flight: not at all (on shared-memory and CUDA transports
+        the initiator's progress calls move the bytes). Recently busy: a short
+        wait, so notifications ("consumed") arrive promptly. Quiet for a
+        second: a longer one, so an idle sidecar costs ~1 % of a core instead
+        of waking 500 times a second. A READ's target needs no progress, so a
+        quiet source sidecar delays only its completion events, by at most
+        the quiet wait.
+        """
+        if self._inflight:
+            return 0.0
+        return self._idle if time.monotonic() - self._last_activity < 1.0 else self._quiet
 
     def _poll_transfers(self) -> None:
         now = time.monotonic()
@@ -161,6 +186,8 @@ class NixlDriver:
         if self._on_notif is None:
             return
         for agent, msgs in self._agent.get_new_notifs().items():
+            if msgs:
+                self._last_activity = time.monotonic()
             for msg in msgs:
                 try:
                     self._on_notif(agent, msg)
