@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from . import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
+from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -55,6 +56,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Status',
+                request_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -89,6 +95,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Registered engines, peers, transfers in flight, recent throughput (kv-sidecar status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CloseRead,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/CloseRead',
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Status',
+            kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
