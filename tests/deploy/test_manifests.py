@@ -30,7 +30,7 @@ import yaml
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate.utils import all_versions  # noqa: E402
 
-from kv_sidecar.config import Settings  # noqa: E402
+from kv_sidecar.config import Settings, load_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -359,6 +359,13 @@ def test_default_gpu_is_device_plugin_on_engine():
     side = sidecar_of(spec)
     assert "nvidia.com/gpu" not in side["resources"].get("limits", {})
     assert {e["name"]: e.get("value") for e in side["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
+
+
+def test_base_config_is_accepted_by_the_sidecar():
+    settings = load_settings({}, str(K8S / "base" / "config.yaml"), env={})
+    (deploy,) = of_kind(render_overlay("prefill"), "Deployment")
+    # The drain must end before the kubelet's SIGKILL, with time left for the engine's own shutdown.
+    assert settings.drain_timeout_s < pod_spec(deploy)["terminationGracePeriodSeconds"] / 2
 
 
 def test_peer_tls_component(tmp_path_factory):
