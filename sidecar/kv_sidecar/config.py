@@ -44,12 +44,12 @@ class Settings:
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
         "and presented as client certificate to other sidecars",
         "tls_key": "PEM private key for tls_cert",
-        "tls_ca": "PEM CA bundle that peers' certificates must chain to (empty: the system roots); "
+        "tls_ca": "PEM CA bundle that peers' certificates must chain to (empty: gRPC's default roots); "
         "with tls_client_auth=require the peer port demands client certificates (mutual TLS)",
         "token_file": "file holding the shared peer token: sent on every call to other sidecars, "
         "required on every peer call here except grpc.health.v1",

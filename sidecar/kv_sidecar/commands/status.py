@@ -100,7 +100,7 @@ def render(st: status_pb2.StatusResponse) -> str:
     busy_gbps = r.bytes / r.busy_s / 1e9 if r.busy_s else 0.0
     lines.append(
         f"last {r.window_s:.0f} s: {r.pulls} pulls ({r.failed_pulls} failed), {_size(r.bytes)}, "
-        f"{window_gbps:.3f} GB/s over the window, {busy_gbps:.3f} GB/s while pulling; "
+        f"{window_gbps:.3g} GB/s over the window, {busy_gbps:.3g} GB/s while pulling; "
         f"{r.served_reads} reads served"
     )
     return "\n".join(lines)
