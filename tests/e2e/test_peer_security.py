@@ -8,7 +8,11 @@ by IP with --tls-server-name, as the Kubernetes component does.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import re
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -288,3 +292,19 @@ def test_pull_through_a_sidecar_with_a_foreign_ca_fails_clearly(mtls: MtlsGroup,
     assert (res["ok"], res["error_code"]) == (False, "UNAUTHENTICATED"), res
     assert f"TLS handshake with peer sidecar {mtls.prefill.peer_address} failed" in res["error"]
     assert "CERTIFICATE_VERIFY_FAILED" in res["error"]
+
+
+def test_status_command_through_a_secured_peer_port(mtls: MtlsGroup, pki: Pki) -> None:
+    def status(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "kv_sidecar", "status", "--peer", mtls.prefill.peer_address, "--json"]
+        argv += ["--tls-cert", str(pki.shared.cert), "--tls-key", str(pki.shared.key)]
+        argv += ["--tls-ca", str(pki.ca.ca_file), "--tls-server-name", SERVER_NAME, *extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KV_SIDECAR_")}
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+
+    out = status("--token-file", str(pki.token))
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout)
+    assert (st["sidecar_id"], st["peer_security"]) == (mtls.prefill.sidecar_id, "mtls+token")
+    out = status()
+    assert out.returncode == 1 and "UNAUTHENTICATED: peer token missing" in out.stderr, out
