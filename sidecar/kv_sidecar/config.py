@@ -31,6 +31,10 @@ class Settings:
     tls_key: str = ""
     tls_ca: str = ""
     token_file: str = ""
+    tls_client_auth: str = "require"
+    tls_server_name: str = ""
+    drain_timeout_s: float = 25.0
+    log_format: str = "text"
 
     HELP = {
         "engine_socket": "unix socket path of the engine API",
@@ -45,12 +49,26 @@ class Settings:
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
-        "tls_cert": "PEM certificate for the peer API (enables TLS)",
+        "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
+        "and presented as client certificate to other sidecars",
         "tls_key": "PEM private key for tls_cert",
-        "tls_ca": "PEM CA bundle: verify peers (mutual TLS on the server)",
-        "token_file": "file holding the shared peer token",
+        "tls_ca": "PEM CA bundle that peers' certificates must chain to (empty: gRPC's default roots); "
+        "with tls_client_auth=require the peer port demands client certificates (mutual TLS)",
+        "token_file": "file holding the shared peer token: sent on every call to other sidecars, "
+        "required on every peer call here except grpc.health.v1",
+        "tls_client_auth": "require (mutual TLS when tls_ca is set) or none (server-side TLS only)",
+        "tls_server_name": "name expected in peers' certificates (default: the host part of the dialed "
+        "address); set it when every sidecar shares one certificate",
+        "drain_timeout_s": "on SIGTERM, how long in-flight pulls and served reads may finish before exit",
+        "log_format": "text (key=value) or json (one object per line)",
+    }
+
+    CHOICES = {
+        "tls_client_auth": ("require", "none"),
+        "log_format": ("text", "json"),
+        "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     }
 
 
@@ -64,7 +82,16 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
             return int(str(value).replace("_", ""))
         except ValueError:
             raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    return str(value)
+    if kind is float:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    text = str(value)
+    choices = Settings.CHOICES.get(name)
+    if choices and text.upper() not in {c.upper() for c in choices}:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {text!r}")
+    return text
 
 
 def load_settings(

@@ -15,7 +15,14 @@ from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.peers import rpc_error
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
+from kv_sidecar.server.status import build_status
+from kv_sidecar_client._proto.kvsidecar.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    peer_pb2,
+    status_pb2,
+)
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -199,3 +206,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             found = True
         sc.refresh_gauges()
         return engine_pb2.AbortResponse(found=found)
+
+    @rpc
+    def Status(
+        self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> status_pb2.StatusResponse:
+        return build_status(self._sc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,7 +16,8 @@ from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kv_sidecar.server.status import build_status
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -48,6 +49,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         plan = cached_plan(spec, spec_from_proto(request.reader_spec))
         with self._lock:
             self._plans[plan.hash()] = plan
+        sc.transfers.handshake_from(
+            request.sidecar_id, context.peer(), request.engine_id, request.reader_engine_id, plan.hash()
+        )
         log.info(
             "handshake from %s (engine %s reads %s)",
             request.sidecar_id,
@@ -98,6 +102,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             list(request.reader_ranks),
             sc.settings.pull_timeout_ms / 1000,
         )
+        sc.transfers.begin_serve(
+            request.engine_id,
+            request.request_id,
+            request.reader_engine_id,
+            context.peer(),
+            request.reader_ranks,
+            opened_bytes(plan, request.reader_ranks, len(item.block_ids)),
+            "host-nixl" if plan.is_identity() else "host-nixl-staged",
+        )
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,
@@ -122,6 +135,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         if request.failed:
             # Keep the blocks: the reader may retry until the lease runs out.
             self._sc.metrics.failures.labels("remote_read_failed").inc()
+            self._sc.transfers.serve_failed(request.engine_id, request.request_id, request.reader_engine_id)
             log.warning(
                 "reader %s failed to read request %s of engine %s",
                 request.reader_engine_id,
@@ -157,3 +171,16 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         found = self._sc.published.abort(request.engine_id, request.request_id)
         self._sc.refresh_gauges()
         return peer_pb2.PeerAbortResponse(found=found)
+
+    @rpc
+    def Status(
+        self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> status_pb2.StatusResponse:
+        return build_status(self._sc)
+
+
+def opened_bytes(plan: PairPlan, reader_ranks: Sequence[int], num_blocks: int) -> int:
+    """Bytes of the source blocks the reader ranks may read: whole blocks of every prefill rank they read."""
+    block_bytes = plan.prefill.rank_bytes() // plan.prefill.num_blocks
+    reads = sum(len(plan.decode_ranks[r].reads) for r in reader_ranks if 0 <= r < len(plan.decode_ranks))
+    return reads * num_blocks * block_bytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,9 +75,20 @@ class PeerLink:
         self.lock = threading.Lock()
 
 
+# How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
+_TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICATE_VERIFY_FAILED", re.I)
+
+
 def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
     code = e.code() if isinstance(e, grpc.Call) else Code.UNAVAILABLE
     details = e.details() if isinstance(e, grpc.Call) else str(e)
+    if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
+        # A certificate problem does not heal on retry, unlike a peer that is down.
+        return SidecarError(
+            Code.UNAUTHENTICATED,
+            f"TLS handshake with peer sidecar {peer} failed ({what}); check tls_ca, tls_server_name and "
+            f"the certificates: {details}",
+        )
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
         return SidecarError(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
     return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
@@ -177,6 +189,10 @@ class Peers:
             plan.hash(),
         )
         return remote
+
+    def links(self) -> list[PeerLink]:
+        with self._lock:
+            return list(self._links.values())
 
     def forget(self, address: str) -> None:
         """Drop cached handshakes (e.g. after the peer restarted)."""

@@ -130,10 +130,13 @@ class Puller:
         p = req.params
         timeout_s = (req.timeout_ms or sc.settings.pull_timeout_ms) / 1000
         start = time.perf_counter()
-        local = self._local_ranks(req)
         remote_here = p.sidecar_id == sc.sidecar_id
         path = "host-direct" if remote_here else "host-nixl"
+        track = sc.transfers.begin_pull(
+            req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
+        )
         try:
+            local = self._local_ranks(req)
             if remote_here:
                 nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
@@ -143,6 +146,7 @@ class Puller:
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
             sc.metrics.pulls.labels(path, outcome).inc()
             sc.metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
+            sc.transfers.end_pull(track, 0, path, outcome, f"{err.code.name}: {err.message}")
             blocks = ",".join(str(b) for b in req.block_ids)
             raise SidecarError(
                 err.code,
@@ -154,14 +158,7 @@ class Puller:
         sc.metrics.pull_bytes.labels(path).inc(nbytes)
         sc.metrics.pull_duration.labels(path).observe(elapsed)
         sc.metrics.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
-        log.info(
-            "pulled request=%s peer=%s bytes=%d path=%s duration_ms=%.2f",
-            p.request_id,
-            p.sidecar_address or "local",
-            nbytes,
-            path,
-            elapsed * 1000,
-        )
+        sc.transfers.end_pull(track, nbytes, path, "ok")
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
     def _local_ranks(self, req: engine_pb2.PullRequest) -> list[RankEntry]:

@@ -1,4 +1,5 @@
 from . import common_pb2 as _common_pb2
+from . import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

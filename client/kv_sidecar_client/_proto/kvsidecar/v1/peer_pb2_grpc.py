@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from . import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
+from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -75,6 +76,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Status',
+                request_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -142,6 +148,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Registered engines, peers, transfers in flight, recent throughput (kv-sidecar status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +197,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +421,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Abort',
             kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Status',
+            kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
