@@ -16,9 +16,9 @@ table upload (prepare_request + launch + sync, host clock).
 With --sidecars, the same requests also go through the whole stack: real
 `kv-sidecar serve` processes and reference-engine processes whose caches live
 on GPU0 (prefill) and GPU1 (decode):
-  via sidecar, same node   one sidecar holds both engines (path gpu-ipc);
+  via sidecar, same node   one sidecar holds both engines (path gpu-direct);
   via sidecars, staged     two sidecars: gather into the prefill sidecar's
-                           ring, NIXL READ ring to ring, scatter (gpu-nixl-staged).
+                           ring, NIXL READ ring to ring, scatter (gpu-staged).
 Their GB/s is bytes over the decode sidecar's own pull duration (OpenRead,
 validation, every chunk, completion); "e2e" is the decode engine's wall clock
 around the client's pull() call. Bytes are checked by digest: the prefill
@@ -419,16 +419,25 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
     rows: list[dict[str, Any]] = []
     node = SidecarProcess("bench-node")
     pre, dec = SidecarProcess("bench-prefill"), SidecarProcess("bench-decode")
+    # The same staged path with larger rings (2 GiB per GPU: 256 MiB slots): fewer, larger chunks.
+    big = ["--gpu-staging-bytes", str(2 * GIB)]
+    pre_big, dec_big = (
+        SidecarProcess("bench-prefill-2g", extra=big),
+        SidecarProcess("bench-decode-2g", extra=big),
+    )
     try:
         for cfg in cfgs:
             pspec, dspec = EngineSpec.from_dict(cfg.src), EngineSpec.from_dict(cfg.dst)
             n = GIB // (2 * 32 * cfg.segment)
             src, dst = _ids(n, pspec.num_blocks, True, 1), _ids(n, dspec.num_blocks, True, 2)
             tokens = n * pspec.block_size
-            for label, psock, dsock in (
+            variants = [
                 ("via sidecar, same node", node.socket, node.socket),
                 ("via sidecars, staged", pre.socket, dec.socket),
-            ):
+            ]
+            if cfg.segment == 16384:
+                variants.append(("via sidecars, staged, 2 GiB rings", pre_big.socket, dec_big.socket))
+            for label, psock, dsock in variants:
                 tag = f"{cfg.name}-{label}".replace(" ", "_").replace(",", "").replace(">", "")
                 prefill = EngineProcess(psock, f"p-{tag}", pspec, devices=["cuda:0"], start_timeout_s=300)
                 decode = EngineProcess(dsock, f"d-{tag}", dspec, devices=["cuda:1"], start_timeout_s=300)
@@ -476,7 +485,7 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
-        for sc in (node, pre, dec):
+        for sc in (node, pre, dec, pre_big, dec_big):
             sc.stop()
     return rows
 

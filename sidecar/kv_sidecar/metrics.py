@@ -62,6 +62,6 @@ class Metrics:
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",
-            "Transfers refused because UCX would emulate over TCP",
+            "GPU READs that failed in UCX while TCP emulation is disabled (the likely cause: no native VRAM path)",
             registry=r,
         )

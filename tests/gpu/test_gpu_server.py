@@ -103,13 +103,13 @@ def run_case(psock: str, dsock: str, name: str, want_path: str) -> None:
 
 @pytest.mark.parametrize("name", list(CASES | SAME_NODE_ONLY))
 def test_same_node_kernel_path(node: SidecarProcess, name: str) -> None:
-    run_case(node.socket, node.socket, name, "gpu-ipc")
+    run_case(node.socket, node.socket, name, "gpu-direct")
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_cross_sidecar_staged_ring(pair: tuple[SidecarProcess, SidecarProcess], name: str) -> None:
     a, b = pair
-    run_case(a.socket, b.socket, name, "gpu-nixl-staged")
+    run_case(a.socket, b.socket, name, "gpu-staged")
 
 
 def test_bad_block_id_fails_cleanly_and_the_sidecar_keeps_serving(
@@ -130,7 +130,7 @@ def test_bad_block_id_fails_cleanly_and_the_sidecar_keeps_serving(
     finally:
         prefill.stop()
         decode.stop()
-    run_case(a.socket, b.socket, "homogeneous", "gpu-nixl-staged")
+    run_case(a.socket, b.socket, "homogeneous", "gpu-staged")
 
 
 def test_ring_too_small_for_one_block_is_a_clear_error(pair: tuple[SidecarProcess, SidecarProcess]) -> None:

@@ -15,7 +15,9 @@ the chunks of that transfer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,10 @@ class Ring:
     slots: int
     slot_bytes: int
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
 
     def slot_address(self, slot: int) -> int:
         if not 0 <= slot < self.slots:
@@ -69,7 +75,18 @@ class GpuStaging:
             ring = Ring(device, buf, slots, slot_bytes)
             self._rings[(device, role)] = ring
             self._sc.metrics.gpu_memory.set(self.nbytes_locked())
+            self._sc.metrics.staging_capacity.inc(ring.nbytes)
             return ring
+
+    @contextlib.contextmanager
+    def hold(self, ring: Ring) -> Iterator[Ring]:
+        """One transfer at a time per ring; counted in the staging-in-use gauge while held."""
+        with ring.lock:
+            self._sc.metrics.staging_in_use.inc(ring.nbytes)
+            try:
+                yield ring
+            finally:
+                self._sc.metrics.staging_in_use.dec(ring.nbytes)
 
     def nbytes_locked(self) -> int:
         return sum(r.buffer.numel() for r in self._rings.values())

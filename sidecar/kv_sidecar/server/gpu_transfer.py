@@ -1,9 +1,9 @@
 """GPU paths of a pull: one kernel on a node, a staged NIXL ring across sidecars.
 
-- gpu-ipc: both engines are registered here. Each decode rank's reads run as
+- gpu-direct: both engines are registered here. Each decode rank's reads run as
   one Triton launch per (request, source rank) on the decode GPU, reading the
   source over NVLink through mappings opened in that GPU's context.
-- gpu-nixl-staged: the source engine is behind another sidecar. That sidecar
+- gpu-staged: the source engine is behind another sidecar. That sidecar
   gathers the tokens, already in this reader's layout, into its send ring
   (peer RPC Gather, one slot per chunk); this sidecar READs each ready slot
   over NIXL as one descriptor into its receive ring and scatters it into the
@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import queue
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import grpc
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PATH_DIRECT = "gpu-ipc"
-PATH_STAGED = "gpu-nixl-staged"
+PATH_DIRECT = "gpu-direct"
+PATH_STAGED = "gpu-staged"
 
 
 def require_gpu(entries: list[RankEntry], side: str) -> list[RankEntry]:
@@ -124,7 +126,7 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
             )
         )
     )
-    with ring.lock, rank.in_use():
+    with sc.gpu_staging.hold(ring), rank.in_use():
         dst_view = rank.view(dev)
         call = link.stub.Gather(
             iter(requests.get, None), timeout=job.remaining(), metadata=sc.peer_metadata()
@@ -158,8 +160,46 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                 ask(i)
             stream = torch.cuda.Stream(dev)
             scattered: list[torch.cuda.Event | None] = [None] * slots
+            reading: deque[tuple[int, Future[None]]] = deque()  # READs posted, oldest first
             nbytes = 0
+
+            def finish_oldest() -> None:
+                """Wait for the oldest READ, free its source slot, scatter it from our slot."""
+                nonlocal nbytes
+                i, fut = reading.popleft()
+                try:
+                    puller.wait(fut, job)
+                except SidecarError as e:
+                    if e.code is Code.UNAVAILABLE:
+                        # With UCX_PROTO_EMULATION_ENABLE=n a VRAM READ UCX cannot do natively fails
+                        # here instead of crawling over TCP; we cannot tell that from other causes.
+                        sc.metrics.ucx_emulation.inc()
+                        log.error(
+                            "GPU READ from %s failed: if UCX has no native path for VRAM here "
+                            "(cuda_ipc on a node, GPUDirect RDMA across nodes), it refused to emulate "
+                            "over TCP: see docs/operations.md section 5.1",
+                            agent,
+                        )
+                    raise
+                if i + slots < len(chunks):
+                    ask(i + slots)  # the source's slot is free again
+                t0, t1 = chunks[i]
+                k = math.ceil(t1 / bd) - t0 // bd
+                first = (t0 - job.start_token) // bd
+                staged = gpu.staging_view(dst_spec, entry.rank, ring.slot_address(i % slots), k, dev)
+                prepared = gpu.prepare_request(
+                    staged, dst_view, heads, range(k), job.dst_blocks[first : first + k], t1, t0
+                )
+                prepared.launch(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+                scattered[i % slots] = event
+                nbytes += prepared.nbytes
+
             for i, (t0, t1) in enumerate(chunks):
+                # Chunk i was asked for once chunk i - slots was read: make sure that happened.
+                while reading and reading[0][0] <= i - slots:
+                    finish_oldest()
                 ready = next(replies).ready
                 k = math.ceil(t1 / bd) - t0 // bd
                 length = gpu.staging_bytes(dst_spec, k)
@@ -168,11 +208,11 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                         Code.INTERNAL,
                         f"peer sent chunk {ready.index} of {ready.length} bytes, expected chunk {i} of {length}",
                     )
-                s = i % slots
-                done = scattered[s]
+                done = scattered[i % slots]
                 if done is not None:
-                    done.synchronize()  # the previous chunk in this slot has left it
-                local = ring.slot_address(s)
+                    done.synchronize()  # the chunk that last used our slot has been scattered out of it
+                local = ring.slot_address(i % slots)
+                # Several READs in flight at once: the wire overlaps the control round trips.
                 fut = sc.nixl.read(
                     agent,
                     np.array([[local, length, dev]], dtype=np.int64),
@@ -182,19 +222,11 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                     mem_type="VRAM",
                 )
                 sc.metrics.nixl_descriptors.observe(1)
-                puller.wait(fut, job)
-                if i + slots < len(chunks):
-                    ask(i + slots)  # the source's slot s is free again
-                first = (t0 - job.start_token) // bd
-                staged = gpu.staging_view(dst_spec, entry.rank, local, k, dev)
-                prepared = gpu.prepare_request(
-                    staged, dst_view, heads, range(k), job.dst_blocks[first : first + k], t1, t0
-                )
-                prepared.launch(stream)
-                event = torch.cuda.Event()
-                event.record(stream)
-                scattered[s] = event
-                nbytes += prepared.nbytes
+                reading.append((i, fut))
+                while reading and reading[0][1].done():
+                    finish_oldest()
+            while reading:
+                finish_oldest()
             stream.synchronize()
             requests.put(None)
             for _ in replies:  # let the source end the stream (and free its ring) on its own
@@ -243,7 +275,7 @@ def serve_gather(
     dev = src.device
     ring = sc.gpu_staging.ring(dev, "send")
     bd = reader_spec.block_size
-    with ring.lock, src.in_use():
+    with sc.gpu_staging.hold(ring), src.in_use():
         src_view = src.view(dev)
         yield peer_pb2.GatherReply(opened=peer_pb2.GatherOpened(slots=ring.slots, slot_bytes=ring.slot_bytes))
         for req in requests:
@@ -266,7 +298,11 @@ def serve_gather(
                 )
             address = ring.slot_address(c.slot)
             staged = gpu.staging_view(reader_spec, op.reader_rank, address, k, dev)
-            gpu.copy_request(src_view, staged, heads, item.block_ids, range(k), c.end_token, c.start_token)
+            # Only the chunk's own source blocks (the executors' "tail" form): validating and
+            # uploading the whole request's ids for every chunk cost ~1 ms a chunk.
+            bs = src_entry.spec.block_size
+            src_ids = item.block_ids[c.start_token // bs : -(-c.end_token // bs)]
+            gpu.copy_request(src_view, staged, heads, src_ids, range(k), c.end_token, c.start_token)
             yield peer_pb2.GatherReply(
                 ready=peer_pb2.GatherReady(index=c.index, address=address, length=length, device_id=dev)
             )

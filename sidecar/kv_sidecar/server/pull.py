@@ -10,7 +10,7 @@ Three paths, chosen per request:
   TP, block size): NIXL READs the source blocks into sidecar-owned staging
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
-- gpu-ipc and gpu-nixl-staged: the same two situations in GPU memory
+- gpu-direct and gpu-staged: the same two situations in GPU memory
   (`kv_sidecar.server.gpu_transfer`).
 
 Across sidecars, every OpenRead/CloseRead, READ and completion notification
@@ -113,7 +113,7 @@ class Staging:
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8)
             self._sc.nixl.register([(self._buf.data_ptr(), self.nbytes, 0)])
-            self._sc.metrics.staging_capacity.set(self.nbytes)
+            self._sc.metrics.staging_capacity.inc(self.nbytes)  # GPU rings add theirs
         return self._buf
 
 
@@ -374,7 +374,7 @@ class Puller:
         nbytes = 0
         with self._staging.lock:
             buf = self._staging.buffer()
-            sc.metrics.staging_in_use.set(self._staging.nbytes)
+            sc.metrics.staging_in_use.inc(self._staging.nbytes)
             try:
                 t0 = job.start_token
                 while t0 < job.num_tokens:
@@ -382,7 +382,7 @@ class Puller:
                     nbytes += self._staged_round(job, remote, entry, src_rank, heads, buf, t0, t1)
                     t0 = t1
             finally:
-                sc.metrics.staging_in_use.set(0)
+                sc.metrics.staging_in_use.dec(self._staging.nbytes)
         return nbytes
 
     def _staged_round(
