@@ -51,6 +51,13 @@ NOTES = (
     "make_prepped_xfer to DONE. With contiguous ids the per-descriptor cost cannot be paid per "
     "descriptor (15 ns each), so adjacent descriptors are evidently merged; with fragmented ids each "
     "costs ~5 us. docs/gpu.md discusses the profile.",
+    " 'via sidecar(s)' rows go through real `kv-sidecar serve` processes and reference-engine processes "
+    "(caches on GPU0 and GPU1, registered over CUDA IPC): GB/s is the decode sidecar's own pull duration, "
+    "e2e the decode engine's wall clock around pull(); median of the timed pulls; bytes checked by "
+    "digest. Their same-node target compares the whole pull (control plane included) with the ceiling; "
+    "the staged target is the fragmented in-engine NIXL anchor of the same segment size (a conversion "
+    "row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
+    "gpu_staging_bytes 512 MiB (64 MiB slots) unless marked 2 GiB (256 MiB slots).",
 )
 
 
