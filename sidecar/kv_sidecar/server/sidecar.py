@@ -42,6 +42,7 @@ class Sidecar:
         )
         self.metrics = Metrics()
         self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
+        self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         self.published = PublishedStore(self._on_consumed, self._on_expired)
