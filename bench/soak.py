@@ -269,13 +269,16 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="~30 s smoke run; do not write docs/benchmarks.md")
+    ap.add_argument(
+        "--phases", type=int, default=3, help="load phases, with the load drained and sampled between them"
+    )
     ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between resource samples")
     ap.add_argument("--pull-timeout-s", type=float, default=120.0)
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--machine", default="", help="words about the machine for the report")
     args = ap.parse_args()
     if args.quick:
-        args.minutes, args.sample_s = 0.5, 10.0
+        args.minutes, args.sample_s, args.phases = 0.5, 10.0, 2
     started = datetime.datetime.now()
     workers = plan_workers(args.concurrency)
     nblocks: dict[str, int] = defaultdict(int)
@@ -288,7 +291,7 @@ def main() -> int:
     engines: dict[str, Engine] = {}
     failures: list[str] = []
     records: list[Record] = []
-    samples: list[tuple[float, int, list[dict[str, float]]]] = []
+    samples: list[tuple[float, int, list[dict[str, float]], str]] = []
     try:
         for i in range(3):
             for prefix, layout in (("p", "flash_attn_nhd"), ("d", "flash_attn_nhd"), ("h", "flash_attn_hnd")):
@@ -318,18 +321,19 @@ def main() -> int:
         idle = idle_latency(sidecars[one_block.dst], one_block, engines, clients, 200)
         time.sleep(2)
         t_start = time.monotonic()
-        samples.append((0.0, 0, sample(sidecars)))
+        samples.append((0.0, 0, sample(sidecars), "start"))
         print("load starts", flush=True)
 
         stop = threading.Event()
         lock = threading.Lock()
-        deadline = t_start + args.minutes * 60
+        phase_s = args.minutes * 60 / args.phases
+        load_s = 0.0
 
-        def run(w: Worker) -> None:
+        def run(w: Worker, deadline: float, phase: int) -> None:
             i = 0
             while time.monotonic() < deadline and not stop.is_set():
                 try:
-                    r = one_pull(w, f"s{w.k}-{i}", engines, clients, args.pull_timeout_s)
+                    r = one_pull(w, f"s{w.k}-{phase}-{i}", engines, clients, args.pull_timeout_s)
                 except Exception as e:  # the bench itself must not hide a crash as "no pull"
                     r = Record(w.kind, w.blocks, False, False, 0, 0, 0, 0, f"bench {type(e).__name__}: {e}")
                 w.last_ok = r.ok and not r.corrupt
@@ -339,39 +343,48 @@ def main() -> int:
                         failures.append(f"worker {w.k} ({w.kind}, {w.blocks} blocks) {r.error or 'CORRUPT'}")
                 i += 1
 
-        threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in workers]
-        for t in threads:
-            t.start()
-        next_sample = t_start + args.sample_s
-        while any(t.is_alive() for t in threads):
-            time.sleep(0.5)
-            now = time.monotonic()
-            if now >= next_sample and now < deadline:
-                s = sample(sidecars)
-                samples.append((now - t_start, len(records), s))
-                print(
-                    f"t={now - t_start:6.0f}s pulls={len(records)} failed={len(failures)} "
-                    + " | ".join(
-                        f"sc{i} rss {x['rss_mib']:.0f} MiB fds {x['fds']:.0f} thr {x['threads']:.0f}"
-                        for i, x in enumerate(s)
-                    ),
-                    flush=True,
-                )
-                next_sample += args.sample_s
-            if now > deadline + args.pull_timeout_s + 60:
-                failures.append("workers still running long after the deadline: hang")
-                stop.set()
+        def show(tag: str, t: float, s: list[dict[str, float]]) -> None:
+            print(
+                f"{tag:>10} t={t:6.0f}s pulls={len(records)} failed={len(failures)} "
+                + " | ".join(
+                    f"sc{i} rss {x['rss_mib']:.0f} MiB fds {x['fds']:.0f} thr {x['threads']:.0f}"
+                    for i, x in enumerate(s)
+                ),
+                flush=True,
+            )
+
+        for phase in range(args.phases):
+            if stop.is_set():
                 break
-        load_s = time.monotonic() - t_start
-        # Let the last consumed events and notifications land, then sample the idle state.
-        want = sum(1 for r in records if r.ok) + len(seen) + 200
-        for _ in range(40):
-            got = sum(e.events["consumed"] for e in engines.values())
-            if got >= want:
-                break
-            time.sleep(0.5)
-        time.sleep(3)
-        samples.append((time.monotonic() - t_start, len(records), sample(sidecars)))
+            p_start = time.monotonic()
+            deadline = p_start + phase_s
+            threads = [threading.Thread(target=run, args=(w, deadline, phase), daemon=True) for w in workers]
+            for t in threads:
+                t.start()
+            next_sample = p_start + args.sample_s
+            while any(t.is_alive() for t in threads):
+                time.sleep(0.5)
+                now = time.monotonic()
+                if now >= next_sample and now < deadline:
+                    s = sample(sidecars)
+                    samples.append((now - t_start, len(records), s, "load"))
+                    show("load", now - t_start, s)
+                    next_sample += args.sample_s
+                if now > deadline + args.pull_timeout_s + 60:
+                    failures.append("workers still running long after the deadline: hang")
+                    stop.set()
+                    break
+            load_s += time.monotonic() - p_start
+            # Let the last consumed events and notifications land, then sample the idle state.
+            want = sum(1 for r in records if r.ok) + len(seen) + 200
+            for _ in range(40):
+                if sum(e.events["consumed"] for e in engines.values()) >= want:
+                    break
+                time.sleep(0.5)
+            time.sleep(3)
+            s = sample(sidecars)
+            samples.append((time.monotonic() - t_start, len(records), s, f"idle {phase + 1}"))
+            show(f"idle {phase + 1}", time.monotonic() - t_start, s)
         consumed = sum(e.events["consumed"] for e in engines.values())
         expired = sum(e.events["lease_expired"] for e in engines.values())
         stream_errors = {k: v for e in engines.values() for k, v in e.events.items() if "error" in k}
@@ -435,32 +448,32 @@ def main() -> int:
         ("nixl_release_failures", "NIXL handles not releasable", "{:.0f}"),
         ("published_requests", "published requests held", "{:.0f}"),
     ]
+    idles = [x for x in samples if x[3].startswith("idle")]
     first, last = samples[0][2], samples[-1][2]
-    warm = samples[1][2] if len(samples) > 2 else first  # the first sample under load
+    ref = idles[0][2]  # idle after the first phase: warm (pools and arenas filled), nothing in flight
     res_rows = []
     for key, label, fmt in keys:
         cells = []
         for i in range(3):
-            peak = max(s[2][i].get(key, 0) for s in samples)
-            a, w, b = (x[i].get(key, float("nan")) for x in (first, warm, last))
+            peak = max(x[2][i].get(key, 0) for x in samples)
+            a, w, b = (x[i].get(key, float("nan")) for x in (first, ref, last))
             cells.append(
-                f"{fmt.format(a)} / {fmt.format(w)} / {fmt.format(peak)} / {fmt.format(b)} "
-                f"({b - a:+.0f}, {b - w:+.0f})"
+                f"{fmt.format(a)} / {fmt.format(w)} / {fmt.format(peak)} / {fmt.format(b)} ({b - w:+.0f})"
             )
         res_rows.append(f"| {label} | " + " | ".join(cells) + " |")
     resources = (
-        "| start / first sample under load / peak / end (growth since start, since first load sample) "
+        "| start / idle after phase 1 / peak / idle at end (growth since phase 1) "
         "| sidecar 0 | sidecar 1 | sidecar 2 |\n|---|---|---|---|\n" + "\n".join(res_rows)
     )
     timeline = (
-        "| t (s) | pulls done | "
+        "| sample | t (s) | pulls done | "
         + " | ".join(f"sc{i} RSS MiB / fds / threads" for i in range(3))
-        + " |\n|---|---|---|---|---|\n"
+        + " |\n|---|---|---|---|---|---|\n"
         + "\n".join(
-            f"| {t:.0f} | {n} | "
+            f"| {tag} | {t:.0f} | {n} | "
             + " | ".join(f"{x['rss_mib']:.0f} / {x['fds']:.0f} / {x['threads']:.0f}" for x in s)
             + " |"
-            for t, n, s in samples
+            for t, n, s, tag in samples
         )
     )
     hs = [
@@ -470,7 +483,7 @@ def main() -> int:
     ]
     ok = not failures and not corrupt and not stale and guards_ok and sources_ok and not stream_errors
     summary = (
-        f"Load: {load_s:.0f} s at {args.concurrency} concurrent workers; {len(records)} pulls, "
+        f"Load: {load_s:.0f} s in {args.phases} phases at {args.concurrency} concurrent workers; {len(records)} pulls, "
         f"{len(done)} ok, {len(records) - len(done)} failed, {len(corrupt)} corrupt; "
         f"{moved / 2**30:.2f} GiB moved ({len(done) / load_s:.1f} pulls/s, {moved / load_s / 1e6:.1f} MB/s). "
         f"Consumed events {consumed} for {len(done) + len(seen) + 200} successful pulls (incl. warm-up and idle), "
@@ -512,16 +525,23 @@ def main() -> int:
             "each decode cache still hold the poison, and each prefill cache's sha256 is unchanged. Not "
             "checked per pull: the poisoned tail of a partial last block, and bytes of other slots.\n\n"
             "'pull' latency is the host clock around SidecarClient.pull in the worker, so it includes "
-            "queueing behind the other pulls in the sidecar's engine thread pool (32 workers); 'sidecar' is "
+            "any queueing in the sidecar's engine thread pool (engine_workers, default 256); 'sidecar' is "
             "the duration the decode sidecar reports (from the handler's start).\n\n"
             + summary
             + "\n\n"
             + lat
-            + "\n\nResources per sidecar process: start = after registration, warm-up and the idle "
-            "measurement, right before load; peak over the samples; end = after the load drained and 3 s "
-            "of idle. NIXL figures come from the sidecar's kvsidecar_nixl_held gauge. Growth between start and the first "
-            "load sample is warm-up (thread pools fill to their maxima, allocator arenas per thread); a leak shows "
-            "as growth after that.\n\n" + resources + "\n\n" + timeline + "\n\n" + idle_txt + "\n"
+            + "\n\nResources per sidecar process. The load runs in phases; after each, the workers stop, "
+            "in-flight pulls finish, the consumed events arrive, and after 3 s idle every sidecar is sampled "
+            "('idle' rows). start = after registration, warm-up and the idle latency measurement; growth is "
+            "counted from the idle sample after phase 1, when thread pools and per-thread allocator arenas "
+            "have filled: a leak shows as idle-to-idle growth. NIXL figures come from the sidecar's "
+            "kvsidecar_nixl_held gauge; threads from /proc/<pid>/status; fds from /proc/<pid>/fd.\n\n"
+            + resources
+            + "\n\n"
+            + timeline
+            + "\n\n"
+            + idle_txt
+            + "\n"
         )
         write_section(
             Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md",
