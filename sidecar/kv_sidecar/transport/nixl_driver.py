@@ -336,7 +336,11 @@ class NixlDriver:
     def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float) -> None:
         now = time.monotonic()
         self._posted += 1
-        state = a.transfer(handle)
+        try:
+            state = a.transfer(handle)
+        except Exception:
+            self._release(_Inflight(handle, done, now, now))  # do not leak the handle
+            raise
         if state == "ERR":
             self._release(_Inflight(handle, done, now, now))
             done.set_exception(TransferError("NIXL refused to post the transfer (backend error)"))
