@@ -515,9 +515,7 @@ def main() -> int:
         body = (
             f"Command: `{cmd}` · machine: {machine} · date: {started:%Y-%m-%d %H:%M} · "
             f"duration {load_s / 60:.1f} min\n\n"
-            + (__doc__ or "").split("\n\n")[1].replace("\n", " ")
-            + " "
-            + (__doc__ or "").split("\n\n")[2].replace("\n", " ")
+            + re.sub(r"\s+", " ", " ".join((__doc__ or "").split("\n\n")[1:3]))
             + "\n\nChecked for every pull: Publish and Pull succeed; the path is the expected one; every byte "
             "of the request's tokens in the destination equals the source (both gathered in logical token "
             "order; the destination blocks were poisoned just before the pull). After the run: every slot "
@@ -525,7 +523,8 @@ def main() -> int:
             "each decode cache still hold the poison, and each prefill cache's sha256 is unchanged. Not "
             "checked per pull: the poisoned tail of a partial last block, and bytes of other slots.\n\n"
             "'pull' latency is the host clock around SidecarClient.pull in the worker, so it includes "
-            "any queueing in the sidecar's engine thread pool (engine_workers, default 256); 'sidecar' is "
+            "waiting for the CPU in this process and in the sidecar (gRPC dispatch) and any queueing for the "
+            "sidecar's engine threads (engine_workers, default 256); 'sidecar' is "
             "the duration the decode sidecar reports (from the handler's start).\n\n"
             + summary
             + "\n\n"
@@ -536,6 +535,12 @@ def main() -> int:
             "counted from the idle sample after phase 1, when thread pools and per-thread allocator arenas "
             "have filled: a leak shows as idle-to-idle growth. NIXL figures come from the sidecar's "
             "kvsidecar_nixl_held gauge; threads from /proc/<pid>/status; fds from /proc/<pid>/fd.\n\n"
+            "Threads: gRPC's pools start a thread when a call finds none idle and never stop it, up to "
+            "engine_workers (default 256) + 32 peer threads + ~21 of the process, so under this much "
+            "concurrency the count climbs toward that bound over minutes: bounded, not a leak. Latency under "
+            "load: with every worker always busy, one iteration (poison, publish, pull, verify) takes about "
+            "concurrency / throughput (Little's law), and throughput is bound by the CPU; the pull p50 is that "
+            "queueing figure, the sidecar p50 the handler's own time.\n\n"
             + resources
             + "\n\n"
             + timeline
