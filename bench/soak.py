@@ -280,6 +280,7 @@ def main() -> int:
     if args.quick:
         args.minutes, args.sample_s, args.phases = 0.5, 10.0, 2
     started = datetime.datetime.now()
+    load_at_start = os.getloadavg()[0]
     workers = plan_workers(args.concurrency)
     nblocks: dict[str, int] = defaultdict(int)
     for w in workers:
@@ -504,13 +505,15 @@ def main() -> int:
         print("first failures:\n  " + "\n  ".join(failures[:20]))
     if not args.quick and not args.no_write:
         machine = args.machine or (
-            f"{platform.machine()}, {os.cpu_count()} cores (shared with other jobs; load average at start "
-            f"{os.getloadavg()[0]:.1f}), Python {platform.python_version()}, torch {torch.__version__}, no GPU"
+            f"{platform.machine()}, {os.cpu_count()} cores (shared with other jobs; 1-min load average at start "
+            f"{load_at_start:.1f}, at the end {os.getloadavg()[0]:.1f}), Python {platform.python_version()}, torch {torch.__version__}, no GPU"
         )
         cmd = (
             "python bench/soak.py"
             + (f" --minutes {args.minutes:g}" if args.minutes != 5 else "")
             + (f" --concurrency {args.concurrency}" if args.concurrency != 256 else "")
+            + (f" --phases {args.phases}" if args.phases != 3 else "")
+            + (f" --sample-s {args.sample_s:g}" if args.sample_s != 30 else "")
         )
         body = (
             f"Command: `{cmd}` · machine: {machine} · date: {started:%Y-%m-%d %H:%M} · "
