@@ -25,6 +25,7 @@ class Settings:
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
+    engine_workers: int = 256
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
@@ -49,6 +50,9 @@ class Settings:
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
+        "engine_workers": "threads serving the engine API (started on demand). Each open event stream (one "
+        "per registered rank) holds one for its whole life; a quarter (at least 4) is kept for the other "
+        "calls (register, publish, pull), so more streams than that are refused with RESOURCE_EXHAUSTED",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "

@@ -99,6 +99,14 @@ class SidecarProcess(_Proc):
             if m:
                 break
         self.sidecar_id, self.peer_address, self.metrics_port = m.group(1), m.group(2), int(m.group(3))
+        # Keep reading stdout (NIXL/UCX may print there): a full pipe would block the sidecar.
+        self.stdout_tail: deque[str] = deque(maxlen=200)
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+
+    def _drain_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_tail.append(line.rstrip())
 
     def stop(self, timeout_s: float = 30) -> int:
         if self.proc.poll() is None:

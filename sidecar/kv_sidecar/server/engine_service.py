@@ -72,7 +72,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def Events(
         self, request: engine_pb2.EventsRequest, context: grpc.ServicerContext
     ) -> Iterator[engine_pb2.Event]:
-        entry = self._sc.engines.get(request.engine_id, request.rank)
+        sc = self._sc
+        entry = sc.engines.get(request.engine_id, request.rank)
+        with sc.pulls_lock:
+            if sc.event_streams >= sc.event_stream_limit:
+                raise SidecarError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{sc.event_streams} event streams are open, the most this sidecar takes: each holds one "
+                    f"of its {sc.settings.engine_workers} engine_workers threads, and the rest are kept for "
+                    f"register, publish and pull calls; raise engine_workers",
+                )
+            sc.event_streams += 1
         closed = threading.Event()
         context.add_callback(closed.set)
         entry.sessions += 1
@@ -88,6 +98,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield event
         finally:
             entry.sessions -= 1
+            with sc.pulls_lock:
+                sc.event_streams -= 1
             if request.unregister_on_close and closed.is_set():
                 try:
                     if self._sc.engines.get(request.engine_id, request.rank) is entry:

@@ -54,6 +54,7 @@ class Sidecar:
         self.transfers = TransferTracker(stale_s=settings.pull_timeout_ms / 1000)
         self.started_at = time.monotonic()
         self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
+        self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         self.published = PublishedStore(self._on_consumed, self._on_expired)
@@ -62,6 +63,8 @@ class Sidecar:
         self.puller = Puller(self)
         self.pulls_in_flight: dict[tuple[str, str], threading.Event] = {}
         self.pulls_lock = threading.Lock()
+        self.event_streams = 0  # open Events calls, under pulls_lock
+        self.event_stream_limit = settings.engine_workers - max(4, settings.engine_workers // 4)
         self.peer_address = ""
         self.peer_port = 0
         self.metrics_port = 0
@@ -80,14 +83,21 @@ class Sidecar:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
+        if s.engine_workers < 8:
+            raise ValueError(f"engine_workers must be at least 8, got {s.engine_workers}")
+        # A gRPC sync server runs each call, streams included, on one pool thread; when every thread
+        # is taken, new calls wait in a queue. Event streams live as long as their rank, so they may
+        # take at most event_stream_limit threads, and unary calls always find one.
         self._engine_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine"),
+            futures.ThreadPoolExecutor(max_workers=s.engine_workers, thread_name_prefix="engine"),
             options=opts,
             interceptors=[self.drain.gate(DRAIN_REFUSED_ENGINE, DRAIN_WAITED)],
         )
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), self._engine_server)
         self._peer_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer"),
+            # GPU Gather streams hold a thread each (waiting for their ring included): the same
+            # on-demand bound as the engine API keeps them from starving OpenRead and handshakes.
+            futures.ThreadPoolExecutor(max_workers=s.engine_workers, thread_name_prefix="peer"),
             options=opts,
             interceptors=[
                 *self.security.interceptors(self._peer_refused),

@@ -82,6 +82,10 @@ class NixlDriver:
         self._next_reg = 0
         self._remotes: set[str] = set()
         self._dlists: dict[int, Any] = {}
+        # Transfer handles posted, released, and those NIXL refused to release (left to NIXL's exit).
+        self._posted = 0
+        self._released = 0
+        self._release_failures = 0
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -180,7 +184,9 @@ class NixlDriver:
             try:
                 h.release()
             except Exception:  # a failed transfer may not be releasable yet; NIXL frees it at exit
+                self._release_failures += 1
                 log.debug("could not release NIXL handle", exc_info=True)
+        self._released += 1
 
     def _poll_notifs(self) -> None:
         if self._on_notif is None:
@@ -215,6 +221,16 @@ class NixlDriver:
                 log.debug("could not remove remote agent", exc_info=True)
         self._registrations.clear()
         self._agent = None
+
+    def counts(self) -> dict[str, int]:
+        """What the agent holds now (read without the driver thread: plain lengths and counters)."""
+        return {
+            "registrations": len(self._registrations),
+            "dlists": len(self._dlists),
+            "remote_agents": len(self._remotes),
+            "transfers_open": self._posted - self._released,
+            "release_failures": self._release_failures,
+        }
 
     # -- calls from other threads -------------------------------------------
     def call(self, fn: Callable[[Any], T], timeout: float | None = 60) -> T:
@@ -346,9 +362,14 @@ class NixlDriver:
 
     def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float) -> None:
         now = time.monotonic()
-        state = a.transfer(handle)
+        self._posted += 1
+        try:
+            state = a.transfer(handle)
+        except Exception:
+            self._release(_Inflight(handle, done, now, now))  # do not leak the handle
+            raise
         if state == "ERR":
-            handle.release()
+            self._release(_Inflight(handle, done, now, now))
             done.set_exception(TransferError("NIXL refused to post the transfer (backend error)"))
             return
         self._inflight.append(_Inflight(handle, done, now, now + timeout_s))
