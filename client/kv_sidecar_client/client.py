@@ -79,9 +79,10 @@ class PullResult:
 
 @dataclass
 class Event:
-    kind: str  # "ready" | "consumed" | "lease_expired"
+    kind: str  # "ready" | "consumed" | "lease_expired" | "released"
     request_id: str = ""
     block_ids: list[int] = field(default_factory=list)
+    reason: str = ""  # "released": why the reader gave the request up
 
 
 class EventStream:
@@ -98,7 +99,7 @@ class EventStream:
                     yield Event("ready")
                 else:
                     body = getattr(msg, kind)
-                    yield Event(kind, body.request_id, list(body.block_ids))
+                    yield Event(kind, body.request_id, list(body.block_ids), getattr(body, "reason", ""))
         except grpc.RpcError as e:
             if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -211,5 +212,8 @@ class SidecarClient:
         )
 
     # -- either side -----------------------------------------------------------------
-    def abort(self, engine_id: str, request_id: str) -> bool:
-        return self._call("Abort", engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id)).found
+    def abort(self, engine_id: str, request_id: str, params: TransferParams | None = None) -> bool:
+        """Give a request up. Prefill: free its blocks. Decode: stop its pull; with `params`, the
+        prefill side also releases its blocks now (it gets a "released" event)."""
+        req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
+        return self._call("Abort", req).found

@@ -13,6 +13,7 @@ from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.peers import cached_plan
+from kv_sidecar.server.release import release_here
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -114,7 +115,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def CloseRead(
         self, request: peer_pb2.CloseReadRequest, context: grpc.ServicerContext
     ) -> peer_pb2.CloseReadResponse:
-        if request.failed:
+        if request.release:
+            check_id("engine_id", request.engine_id)
+            check_id("request_id", request.request_id)
+            reason = "the reader failed and gave up" if request.failed else "the reader gave it up"
+            release_here(self._sc, request.engine_id, request.request_id, request.reader_engine_id, reason)
+        elif request.failed:
             # Keep the blocks: the reader may retry until the lease runs out.
             self._sc.metrics.failures.labels("remote_read_failed").inc()
             log.warning(

@@ -14,6 +14,7 @@ Three paths, chosen per request:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -36,6 +37,7 @@ from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
+from kv_sidecar.server.release import release_here
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
 SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything printable
 NOTIF_TAG = "kvs1"
 
@@ -81,7 +84,8 @@ class PullJob:
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if self.cancel.is_set():
-            raise SidecarError(Code.CANCELLED, f"pull of request {self.params.request_id!r} was aborted")
+            why = getattr(self.cancel, "reason", "") or "aborted"
+            raise SidecarError(Code.CANCELLED, f"pull of request {self.params.request_id!r} stopped: {why}")
         if left <= 0:
             raise SidecarError(
                 Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out"
@@ -207,6 +211,15 @@ class Puller:
             deadline - time.monotonic(),
         )
         job = self._job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline)
+        try:
+            return self._copy_direct(job, src_ranks)
+        except Exception:
+            if getattr(cancel, "release_source", False):
+                release_here(sc, p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
+            raise
+
+    def _copy_direct(self, job: PullJob, src_ranks: list[RankEntry]) -> int:
+        sc, p = self._sc, job.params
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
@@ -221,7 +234,7 @@ class Puller:
                     job.start_token,
                 )
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-            sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
+            sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
         return nbytes
 
     # -- another sidecar ------------------------------------------------------
@@ -260,6 +273,7 @@ class Puller:
             nbytes = 0
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
+                    job.remaining()  # stopped before touching (possibly unregistered) memory
                     if identity:
                         nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
                     else:
@@ -270,12 +284,17 @@ class Puller:
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
         except Exception:
-            self._close_read(link, req, ranks, failed=True)
+            self._close_read(link, req, ranks, failed=True, release=getattr(cancel, "release_source", False))
             raise
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def _close_read(
-        self, link: PeerLink, req: engine_pb2.PullRequest, ranks: list[int], failed: bool
+        self,
+        link: PeerLink,
+        req: engine_pb2.PullRequest,
+        ranks: list[int],
+        failed: bool,
+        release: bool = False,
     ) -> None:
         try:
             link.stub.CloseRead(
@@ -285,6 +304,7 @@ class Puller:
                     reader_engine_id=req.engine_id,
                     reader_ranks=ranks,
                     failed=failed,
+                    release=release,
                 ),
                 timeout=2,
                 metadata=self._sc.peer_metadata(),
@@ -295,7 +315,16 @@ class Puller:
     def _wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
             try:
-                fut.result(timeout=min(0.05, job.remaining()))
+                left = job.remaining()
+            except SidecarError:
+                # Stopped or timed out: cancel the transfer and let it end, so that no byte
+                # lands in blocks the engine is told were not filled (it may reuse them).
+                self._sc.nixl.cancel(fut)
+                with contextlib.suppress(Exception):
+                    fut.result(timeout=_CANCEL_WAIT_S)
+                raise
+            try:
+                fut.result(timeout=min(0.05, left))
                 return
             except FutureTimeout:
                 continue

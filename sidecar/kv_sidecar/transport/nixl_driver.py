@@ -42,6 +42,16 @@ class TransferError(RuntimeError):
     pass
 
 
+class _Released:
+    """Stands in for a transfer handle NIXL already released."""
+
+    def release(self) -> None:
+        pass
+
+
+_RELEASED = _Released()
+
+
 @dataclass
 class _Inflight:
     handle: Any
@@ -289,6 +299,28 @@ class NixlDriver:
 
         self._submit_async(post, done)
         return done
+
+    def cancel(self, done: Future[None]) -> None:
+        """Stop the transfer behind `done` (NIXL cancels an active transfer when its handle is
+        released). If NIXL cannot cancel it, it stays polled until it ends or hits its deadline."""
+
+        def stop(a: Any) -> None:
+            for x in self._inflight:
+                if x.future is not done:
+                    continue
+                try:
+                    x.handle.release()
+                except Exception:
+                    log.warning("NIXL could not cancel a transfer; waiting for it to end")
+                    return
+                self._inflight.remove(x)
+                x.handle = _RELEASED
+                self._release(x)
+                x.future.set_exception(TransferError("NIXL transfer cancelled"))
+                return
+
+        if self._thread.is_alive():
+            self.call(stop, timeout=10)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self.call(lambda a: a.send_notif(remote_agent, msg))
