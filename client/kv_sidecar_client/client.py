@@ -79,7 +79,8 @@ class PullResult:
 
 @dataclass
 class Event:
-    kind: str  # "ready" | "consumed" | "lease_expired" | "released"
+    # "ready" | "consumed" | "lease_expired" | "released"; EngineSession adds "reconnected"
+    kind: str
     request_id: str = ""
     block_ids: list[int] = field(default_factory=list)
     reason: str = ""  # "released": why the reader gave the request up
@@ -112,12 +113,17 @@ class EventStream:
 class SidecarClient:
     """Synchronous client. `target` is a unix socket path or a gRPC target string."""
 
-    def __init__(self, target: str = DEFAULT_SOCKET, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_SOCKET,
+        timeout_s: float = 30.0,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         if "://" not in target and not target.startswith("unix:") and ":" not in target:
             target = f"unix:{target}"
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._lock = threading.Lock()
 
