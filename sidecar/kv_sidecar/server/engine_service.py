@@ -13,7 +13,7 @@ import grpc
 
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id, rpc, stream_rpc
 from kv_sidecar.server.inflight import PullTicket, stop_engine_pulls, wait_finished
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar.server.release import release_source
@@ -167,6 +167,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.KeepAliveResponse:
         sc = self._sc
         out: list[int] = []
+        for i, p in enumerate(request.params):
+            check_id(f"params[{i}].engine_id", p.engine_id)
+            check_id(f"params[{i}].request_id", p.request_id)
+            if p.sidecar_id != sc.sidecar_id:
+                check_address(f"params[{i}].sidecar_address", p.sidecar_address)
         for p in request.params:
             if p.sidecar_id == sc.sidecar_id:
                 out.append(sc.published.keep_alive(p.engine_id, p.request_id))

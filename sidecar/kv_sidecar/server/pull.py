@@ -35,7 +35,7 @@ from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
-from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
 from kv_sidecar.server.release import release_here
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
@@ -242,8 +242,7 @@ class Puller:
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
-        if not p.sidecar_address:
-            raise SidecarError(Code.INVALID_ARGUMENT, "transfer params carry no sidecar_address")
+        check_address("params.sidecar_address", p.sidecar_address)
         link, remote = sc.peers.remote_engine(
             p.sidecar_address,
             p.engine_id,

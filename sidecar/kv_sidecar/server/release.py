@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kv_sidecar.server.errors import check_address
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
@@ -36,8 +37,7 @@ def release_source(sc: Sidecar, params: common_pb2.TransferParams, reader: str, 
     """The reader `reader` gives up the request of `params`: release it where it was published."""
     if params.sidecar_id == sc.sidecar_id:
         return release_here(sc, params.engine_id, params.request_id, reader, reason)
-    if not params.sidecar_address:
-        return False
+    check_address("params.sidecar_address", params.sidecar_address)
     link = sc.peers.link(params.sidecar_address)
     try:
         link.stub.CloseRead(
