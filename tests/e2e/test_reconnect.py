@@ -75,3 +75,42 @@ def test_engine_registers_again_after_its_sidecar_restarts(
         if second is not None:
             assert second.stop() == 0
         first.kill()
+
+
+def test_pulls_handshake_again_after_the_prefill_sidecar_restarts(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """Same address and sidecar id after the restart: the decode sidecar's cached handshake is stale."""
+    fixed = ["--sidecar-id", "kvs-restarting-prefill"]
+    first = SidecarProcess("restarting-prefill", extra=fixed)
+    port = first.peer_address.rsplit(":", 1)[1]
+    decode = EngineProcess(sidecar_pair[1].socket, "restart2-d", SPEC)
+    second: SidecarProcess | None = None
+    prefill = EngineProcess(first.socket, "restart2-p", SPEC)
+    try:
+        for attempt, sidecar in enumerate(("first", "second")):
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": sidecar,
+                    "block_ids": [2, 3],
+                    "num_tokens": 30,
+                    "seed": attempt,
+                }
+            )
+            res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [4, 5], "seed": attempt})
+            assert res["ok"] and res["verified"], res
+            if sidecar == "first":
+                prefill.kill()
+                first.kill()
+                second = SidecarProcess(
+                    "restarting-prefill", workdir=first.workdir, extra=[*fixed, "--peer-port", port]
+                )
+                assert second.peer_address == first.peer_address
+                prefill = EngineProcess(second.socket, "restart2-p", SPEC)
+    finally:
+        prefill.stop()
+        decode.stop()
+        if second is not None:
+            second.stop()
+        first.kill()

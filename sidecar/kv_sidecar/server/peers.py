@@ -124,7 +124,7 @@ class Peers:
                 f"plan mismatch with peer {link.address}: ours {plan.hash()}, theirs {resp.plan_hash} "
                 f"(different kv-sidecar versions?)",
             )
-        agent = sc.nixl.add_remote(resp.agent_metadata)
+        agent = sc.nixl.add_remote(resp.agent_metadata, resp.agent_name)
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,
             agent_name=agent,
@@ -145,6 +145,14 @@ class Peers:
             plan.hash(),
         )
         return remote
+
+    def forget_engine(self, address: str, engine_id: str, reader_engine: str) -> None:
+        """Drop one cached handshake, so that the next pull handshakes again."""
+        with self._lock:
+            link = self._links.get(address)
+        if link is not None:
+            with link.lock:
+                link.engines.pop((engine_id, reader_engine), None)
 
     def forget(self, address: str) -> None:
         """Drop cached handshakes (e.g. after the peer restarted)."""

@@ -132,7 +132,7 @@ class Puller:
             if remote_here:
                 nbytes = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
-                nbytes, path = self._pull_remote(req, local, cancel, time.monotonic() + timeout_s)
+                nbytes, path = self._pull_remote_fresh(req, local, cancel, time.monotonic() + timeout_s)
         except Exception as e:
             err = as_sidecar_error(e)
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
@@ -238,6 +238,26 @@ class Puller:
         return nbytes
 
     # -- another sidecar ------------------------------------------------------
+    def _pull_remote_fresh(
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+    ) -> tuple[int, str]:
+        """_pull_remote, dropping a cached handshake the peer no longer knows (it restarted).
+
+        A peer that forgot our plan refuses OpenRead before any byte moves: handshake
+        again and retry once. A peer that went away: handshake afresh next time.
+        """
+        p = req.params
+        for attempt in range(2):
+            try:
+                return self._pull_remote(req, local, cancel, deadline)
+            except SidecarError as e:
+                stale = e.code is Code.FAILED_PRECONDITION and "handshake" in e.message
+                if stale or e.code is Code.UNAVAILABLE:
+                    self._sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
+                if not stale or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     def _pull_remote(
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
     ) -> tuple[int, str]:

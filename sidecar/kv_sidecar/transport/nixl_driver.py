@@ -203,9 +203,18 @@ class NixlDriver:
     def metadata(self) -> bytes:
         return self.call(lambda a: a.get_agent_metadata())
 
-    def add_remote(self, metadata: bytes) -> str:
+    def add_remote(self, metadata: bytes, expected_name: str = "") -> str:
         def add(a: Any) -> str:
-            name = a.add_remote_agent(metadata)
+            try:
+                name = a.add_remote_agent(metadata)
+            except Exception:
+                if expected_name not in self._remotes:
+                    raise
+                # The peer restarted under the same name with new metadata: replace the old agent.
+                log.info("replacing NIXL remote agent %s (the peer restarted)", expected_name)
+                a.remove_remote_agent(expected_name)
+                self._remotes.discard(expected_name)
+                name = a.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else name
             self._remotes.add(name)
             return name
