@@ -23,7 +23,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
-from .conftest import spec_dict
+from .conftest import Spawn, spec_dict
 from .events import wait_event
 
 # A long pull: converting NHD -> HND through a staging area of 3 blocks takes one NIXL
@@ -90,43 +90,38 @@ def _wait_transfer_started(decode_sidecar: SidecarProcess, timeout_s: float = 30
 
 
 def test_prefill_sidecar_killed_mid_transfer(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
 ) -> None:
-    doomed = SidecarProcess("doomed-prefill")
-    prefill = EngineProcess(doomed.socket, "kill-p", SRC)
-    other = EngineProcess(sidecar_pair[0].socket, "kill-p-other", SRC)
-    decode = EngineProcess(slow_decode_sidecar.socket, "kill-d", DST)
-    try:
-        timeout_s = 20
-        dst = _start_long_pull(prefill, decode, timeout_s)
-        _wait_transfer_started(slow_decode_sidecar)
-        doomed.proc.send_signal(signal.SIGKILL)
-        res = json.loads(decode.readline(timeout_s + 10))
-        assert not res["ok"] and res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), res["error"]
-        assert res["wall_s"] < timeout_s, "the pull must fail within its timeout"
-        assert res["unfilled_blocks"] == dst
-        assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
-        assert not res["untouched"], "the kill came too late: nothing had been written yet"
-        # The decode sidecar keeps serving: a pull from another prefill sidecar works.
-        assert slow_decode_sidecar.alive and _serving(f"unix:{slow_decode_sidecar.socket}")
-        pub = other.send(
-            {"cmd": "prefill", "request_id": "after", "block_ids": [8, 9], "num_tokens": 30, "seed": 6}
-        )
-        ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1, 2], "seed": 6})
-        assert ok["ok"] and ok["verified"], ok
-    finally:
-        for p in (prefill, other, decode):
-            p.stop()
-        doomed.kill()
+    doomed = spawn(SidecarProcess("doomed-prefill"))
+    prefill = spawn(EngineProcess(doomed.socket, "kill-p", SRC))
+    other = spawn(EngineProcess(sidecar_pair[0].socket, "kill-p-other", SRC))
+    decode = spawn(EngineProcess(slow_decode_sidecar.socket, "kill-d", DST))
+    timeout_s = 20
+    dst = _start_long_pull(prefill, decode, timeout_s)
+    _wait_transfer_started(slow_decode_sidecar)
+    doomed.proc.send_signal(signal.SIGKILL)
+    res = json.loads(decode.readline(timeout_s + 10))
+    assert not res["ok"] and res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), res["error"]
+    assert res["wall_s"] < timeout_s, "the pull must fail within its timeout"
+    assert res["unfilled_blocks"] == dst
+    assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
+    assert not res["untouched"], "the kill came too late: nothing had been written yet"
+    # The decode sidecar keeps serving: a pull from another prefill sidecar works.
+    assert slow_decode_sidecar.alive and _serving(f"unix:{slow_decode_sidecar.socket}")
+    pub = other.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [8, 9], "num_tokens": 30, "seed": 6}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1, 2], "seed": 6})
+    assert ok["ok"] and ok["verified"], ok
 
 
 def test_decode_engine_dies_mid_pull(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
 ) -> None:
     a = sidecar_pair[0]
     sc = slow_decode_sidecar
-    prefill = EngineProcess(a.socket, "die-p", SRC)
-    decode = EngineProcess(sc.socket, "die-d", DST)
+    prefill = spawn(EngineProcess(a.socket, "die-p", SRC))
+    decode = spawn(EngineProcess(sc.socket, "die-d", DST))
     pid = decode.proc.pid
     cancelled = _metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
     try:
@@ -153,7 +148,6 @@ def test_decode_engine_dies_mid_pull(
         assert after == cancelled + 1, "the in-flight pull was not cancelled"
         assert sc.alive and _serving(f"unix:{sc.socket}")
     finally:
-        prefill.stop()
         for path in glob.glob(f"/dev/shm/kvsidecar-{pid}-*"):  # the dead engine could not clean up
             os.unlink(path)
 
@@ -171,7 +165,7 @@ def test_wrong_protocol_version_is_refused_by_name(
 
 
 def test_garbage_on_the_peer_port_leaves_the_sidecar_serving(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
     a, b = sidecar_pair
     host, port = a.peer_address.rsplit(":", 1)

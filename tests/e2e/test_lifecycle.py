@@ -13,7 +13,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 
-from .conftest import spec_dict
+from .conftest import Spawn, spec_dict
 from .events import no_event, wait_event
 
 SPEC = EngineSpec.from_dict(spec_dict())
@@ -24,14 +24,15 @@ _ids = itertools.count()
 def engines(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[dict[str, EngineProcess]]:
     """A prefill engine on sidecar a; decode engines on b (NIXL path) and on a (direct path)."""
     a, b = sidecar_pair
-    procs = {
-        "prefill": EngineProcess(a.socket, "lease-p", SPEC),
-        "nixl": EngineProcess(b.socket, "lease-d-remote", SPEC),
-        "direct": EngineProcess(a.socket, "lease-d-local", SPEC),
-    }
-    yield procs
-    for p in procs.values():
-        p.stop()
+    procs: dict[str, EngineProcess] = {}
+    try:
+        procs["prefill"] = EngineProcess(a.socket, "lease-p", SPEC)
+        procs["nixl"] = EngineProcess(b.socket, "lease-d-remote", SPEC)
+        procs["direct"] = EngineProcess(a.socket, "lease-d-local", SPEC)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
 
 
 def _publish(prefill: EngineProcess, lease_ms: int = 0, blocks: list[int] | None = None) -> dict:
@@ -127,34 +128,30 @@ COMPLETION: dict[str, tuple[dict, dict, list[list[int]]]] = {
 
 @pytest.mark.parametrize("case", list(COMPLETION))
 def test_each_prefill_rank_is_consumed_when_its_decode_ranks_are_done(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], case: str
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], case: str, spawn: Spawn
 ) -> None:
     a, b = sidecar_pair
     p_over, d_over, groups = COMPLETION[case]
     pspec, dspec = EngineSpec.from_dict(spec_dict(**p_over)), EngineSpec.from_dict(spec_dict(**d_over))
     plan = plan_pair(pspec, dspec)
     n = next(_ids)
-    prefill = EngineProcess(a.socket, f"c-p-{case}-{n}", pspec)
-    decode = EngineProcess(b.socket, f"c-d-{case}-{n}", dspec)
-    try:
-        pub = prefill.send(
-            {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": n}
+    prefill = spawn(EngineProcess(a.socket, f"c-p-{case}-{n}", pspec))
+    decode = spawn(EngineProcess(b.socket, f"c-d-{case}-{n}", dspec))
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": n}
+    )
+    done: set[int] = set()
+    told: set[int] = set()
+    for group in groups:
+        res = decode.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": [7, 9], "seed": n, "ranks": group}
         )
-        done: set[int] = set()
-        told: set[int] = set()
-        for group in groups:
-            res = decode.send(
-                {"cmd": "pull", "params": pub["params"], "block_ids": [7, 9], "seed": n, "ranks": group}
-            )
-            assert res["ok"] and res["verified"], res
-            done |= set(group)
-            due = {p for p in range(pspec.tp_size) if plan.consumers_of(p) <= done} - told
-            got = {wait_event(prefill, "consumed", "r")["rank"] for _ in due}
-            assert got == due, f"after decode ranks {sorted(done)}: consumed {got}, expected {due}"
-            told |= got
-            if len(told) < pspec.tp_size:
-                no_event(prefill, "r", wait_s=0.5)  # nobody else is told early
-        assert told == set(range(pspec.tp_size))
-    finally:
-        prefill.stop()
-        decode.stop()
+        assert res["ok"] and res["verified"], res
+        done |= set(group)
+        due = {p for p in range(pspec.tp_size) if plan.consumers_of(p) <= done} - told
+        got = {wait_event(prefill, "consumed", "r")["rank"] for _ in due}
+        assert got == due, f"after decode ranks {sorted(done)}: consumed {got}, expected {due}"
+        told |= got
+        if len(told) < pspec.tp_size:
+            no_event(prefill, "r", wait_s=0.5)  # nobody else is told early
+    assert told == set(range(pspec.tp_size))

@@ -14,7 +14,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import Backoff, EngineSession, Event, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import spec_dict
+from .conftest import Spawn, spec_dict
 
 SPEC = EngineSpec.from_dict(spec_dict())
 
@@ -29,9 +29,8 @@ def test_backoff_grows_exponentially_with_jitter_up_to_its_cap() -> None:
 
 
 def test_engine_registers_again_after_its_sidecar_restarts(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
-    first = SidecarProcess("restarting")
     events: list[tuple[str, int, Event]] = []
     reconnected = threading.Event()
 
@@ -40,18 +39,19 @@ def test_engine_registers_again_after_its_sidecar_restarts(
         if ev.kind == "reconnected":
             reconnected.set()
 
-    cache = ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16)
-    session = EngineSession(first.socket, on_event, Backoff(initial_s=0.05, max_s=0.5))
-    second: SidecarProcess | None = None
-    decode = EngineProcess(sidecar_pair[1].socket, "restart-d", SPEC)
-    try:
+    first = spawn(SidecarProcess("restarting"))
+    decode = spawn(EngineProcess(sidecar_pair[1].socket, "restart-d", SPEC))
+    with (
+        ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache,
+        EngineSession(first.socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
+    ):
         session.register_rank("restart-p", 0, SPEC.to_dict(), cache.handles())
         session.client.publish("restart-p", "before", [1], 16)
         first.kill()  # SIGKILL: no goodbye, a stale socket file stays behind
         time.sleep(1.5)
         assert not reconnected.is_set()
         assert session.failed_attempts >= 2, "it must keep trying while the sidecar is down"
-        second = SidecarProcess("restarting", workdir=first.workdir)  # same socket path
+        second = spawn(SidecarProcess("restarting", workdir=first.workdir))  # the same socket path
         assert second.socket == first.socket
         assert reconnected.wait(20), f"no re-registration; last error {session.last_error}"
         assert session.wait_live(5)
@@ -68,49 +68,31 @@ def test_engine_registers_again_after_its_sidecar_restarts(
         while not any(ev.kind == "consumed" and ev.request_id == "after" for _, _, ev in events):
             assert time.monotonic() < deadline, events
             time.sleep(0.05)
-    finally:
-        session.close()
-        cache.close()
-        decode.stop()
-        if second is not None:
-            assert second.stop() == 0
-        first.kill()
+    assert second.stop() == 0
 
 
 def test_pulls_handshake_again_after_the_prefill_sidecar_restarts(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
     """Same address and sidecar id after the restart: the decode sidecar's cached handshake is stale."""
     fixed = ["--sidecar-id", "kvs-restarting-prefill"]
-    first = SidecarProcess("restarting-prefill", extra=fixed)
+    first = spawn(SidecarProcess("restarting-prefill", extra=fixed))
     port = first.peer_address.rsplit(":", 1)[1]
-    decode = EngineProcess(sidecar_pair[1].socket, "restart2-d", SPEC)
-    second: SidecarProcess | None = None
-    prefill = EngineProcess(first.socket, "restart2-p", SPEC)
-    try:
-        for attempt, sidecar in enumerate(("first", "second")):
-            pub = prefill.send(
-                {
-                    "cmd": "prefill",
-                    "request_id": sidecar,
-                    "block_ids": [2, 3],
-                    "num_tokens": 30,
-                    "seed": attempt,
-                }
-            )
-            res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [4, 5], "seed": attempt})
-            assert res["ok"] and res["verified"], res
-            if sidecar == "first":
-                prefill.kill()
-                first.kill()
-                second = SidecarProcess(
+    decode = spawn(EngineProcess(sidecar_pair[1].socket, "restart2-d", SPEC))
+    prefill = spawn(EngineProcess(first.socket, "restart2-p", SPEC))
+    for attempt, sidecar in enumerate(("first", "second")):
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": sidecar, "block_ids": [2, 3], "num_tokens": 30, "seed": attempt}
+        )
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [4, 5], "seed": attempt})
+        assert res["ok"] and res["verified"], res
+        if sidecar == "first":
+            prefill.kill()
+            first.kill()
+            second = spawn(
+                SidecarProcess(
                     "restarting-prefill", workdir=first.workdir, extra=[*fixed, "--peer-port", port]
                 )
-                assert second.peer_address == first.peer_address
-                prefill = EngineProcess(second.socket, "restart2-p", SPEC)
-    finally:
-        prefill.stop()
-        decode.stop()
-        if second is not None:
-            second.stop()
-        first.kill()
+            )
+            assert second.peer_address == first.peer_address
+            prefill = spawn(EngineProcess(second.socket, "restart2-p", SPEC))
