@@ -109,6 +109,13 @@ class Peers:
         except grpc.RpcError as e:
             sc.metrics.handshakes.labels("error").inc()
             raise rpc_error(e, link.address, "the handshake") from None
+        if resp.sidecar_id == sc.sidecar_id:  # never NIXL-read from our own agent
+            sc.metrics.handshakes.labels("error").inc()
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"{link.address} is this sidecar itself; params of a request published here must carry "
+                f"its sidecar_id {sc.sidecar_id!r}",
+            )
         if resp.protocol_version != PROTOCOL_VERSION:
             sc.metrics.handshakes.labels("error").inc()
             raise SidecarError(
