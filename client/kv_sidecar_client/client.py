@@ -151,10 +151,20 @@ class SidecarClient:
 
     # -- registration -------------------------------------------------------------
     def register_rank(
-        self, engine_id: str, rank: int, spec: Mapping[str, Any] | EngineSpec, tensors: Sequence[TensorHandle]
+        self,
+        engine_id: str,
+        rank: int,
+        spec: Mapping[str, Any] | EngineSpec,
+        tensors: Sequence[TensorHandle],
+        leader_address: str = "",
     ) -> engine_pb2.RegisterRankResponse:
+        """`leader_address`: peer address of the engine's leader sidecar when its ranks span several nodes."""
         req = engine_pb2.RegisterRankRequest(
-            engine_id=engine_id, rank=rank, spec=spec_message(spec), tensors=list(tensors)
+            engine_id=engine_id,
+            rank=rank,
+            spec=spec_message(spec),
+            tensors=list(tensors),
+            leader_address=leader_address,
         )
         return self._call("RegisterRank", req)
 

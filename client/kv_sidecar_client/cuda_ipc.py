@@ -227,3 +227,18 @@ def export_tensor(tensor: Any) -> CudaIpcExport:
             f"tensor of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())} is not contiguous"
         )
     return export_pointer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def tensor_handles(tensors: Any) -> list[Any]:
+    """`kvsidecar.v1.TensorHandle`s for RegisterRank from a rank's contiguous CUDA KV tensors."""
+    from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2
+
+    return [
+        common_pb2.TensorHandle(
+            cuda_ipc=export_tensor(t).to_proto(),
+            shape=list(t.shape),
+            strides=list(t.stride()),
+            dtype=str(t.dtype).removeprefix("torch."),
+        )
+        for t in tensors
+    ]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kv_sidecar import __version__
 
 # Imported lazily so that `kv-sidecar plan --help` does not load NIXL or torch.
-SUBCOMMANDS = ("serve", "plan", "demo")
+SUBCOMMANDS = ("serve", "status", "plan", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,15 +20,22 @@ class Settings:
     metrics_port: int = 9464
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
+    gpu_staging_bytes: int = 512 << 20
+    gpu_staging_slots: int = 4
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
+    engine_workers: int = 256
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
     token_file: str = ""
+    tls_client_auth: str = "require"
+    tls_server_name: str = ""
+    drain_timeout_s: float = 25.0
+    log_format: str = "text"
 
     HELP = {
         "engine_socket": "unix socket path of the engine API",
@@ -36,16 +43,36 @@ class Settings:
         "peer_port": "TCP port of the peer API (0 picks a free port)",
         "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
         "advertise_address": "host or host:port other sidecars use to reach this one (bare host: the peer port is added)",
-        "staging_bytes": "bytes of sidecar-owned staging memory for layout/TP conversions",
+        "staging_bytes": "bytes of sidecar-owned host staging memory for layout/TP conversions",
+        "gpu_staging_bytes": "bytes of GPU staging memory per GPU for cross-sidecar transfers "
+        "(half a send ring, half a receive ring; allocated when the first GPU rank registers)",
+        "gpu_staging_slots": "slots per GPU ring: chunks of one transfer in flight at once (gather, wire, scatter)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
+        "engine_workers": "threads serving the engine API (started on demand). Each open event stream (one "
+        "per registered rank) holds one for its whole life; a quarter (at least 4) is kept for the other "
+        "calls (register, publish, pull), so more streams than that are refused with RESOURCE_EXHAUSTED",
+        "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
-        "tls_cert": "PEM certificate for the peer API (enables TLS)",
+        "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
+        "and presented as client certificate to other sidecars",
         "tls_key": "PEM private key for tls_cert",
-        "tls_ca": "PEM CA bundle: verify peers (mutual TLS on the server)",
-        "token_file": "file holding the shared peer token",
+        "tls_ca": "PEM CA bundle that peers' certificates must chain to (empty: gRPC's default roots); "
+        "with tls_client_auth=require the peer port demands client certificates (mutual TLS)",
+        "token_file": "file holding the shared peer token: sent on every call to other sidecars, "
+        "required on every peer call here except grpc.health.v1",
+        "tls_client_auth": "require (mutual TLS when tls_ca is set) or none (server-side TLS only)",
+        "tls_server_name": "name expected in peers' certificates (default: the host part of the dialed "
+        "address); set it when every sidecar shares one certificate",
+        "drain_timeout_s": "on SIGTERM, how long in-flight pulls and served reads may finish before exit",
+        "log_format": "text (key=value) or json (one object per line)",
+    }
+
+    CHOICES = {
+        "tls_client_auth": ("require", "none"),
+        "log_format": ("text", "json"),
+        "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     }
 
 
@@ -59,7 +86,16 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
             return int(str(value).replace("_", ""))
         except ValueError:
             raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    return str(value)
+    if kind is float:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    text = str(value)
+    choices = Settings.CHOICES.get(name)
+    if choices and text.upper() not in {c.upper() for c in choices}:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {text!r}")
+    return text
 
 
 def load_settings(

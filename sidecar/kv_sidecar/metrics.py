@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PATHS = ("host-direct", "host-nixl", "host-nixl-staged", "gpu-direct", "gpu-staged")
@@ -62,6 +64,24 @@ class Metrics:
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",
-            "Transfers refused because UCX would emulate over TCP",
+            "GPU READs that failed in UCX while TCP emulation is disabled (the likely cause: no native VRAM path)",
             registry=r,
         )
+        # What the NIXL agent holds; bound to the driver by bind_nixl (flat under steady load).
+        self.nixl_held = Gauge(
+            "kvsidecar_nixl_held",
+            "NIXL objects the agent holds now: registrations, prepped dlists, remote agents, "
+            "transfer handles not yet released",
+            ["kind"],
+            registry=r,
+        )
+        self.nixl_release_failures = Gauge(
+            "kvsidecar_nixl_release_failures",
+            "Transfer handles NIXL refused to release (left for NIXL to free at exit)",
+            registry=r,
+        )
+
+    def bind_nixl(self, counts: Callable[[], dict[str, int]]) -> None:
+        for kind in ("registrations", "dlists", "remote_agents", "transfers_open"):
+            self.nixl_held.labels(kind).set_function(lambda k=kind: counts()[k])
+        self.nixl_release_failures.set_function(lambda: counts()["release_failures"])

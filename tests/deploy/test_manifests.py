@@ -15,6 +15,7 @@ without a schema fails the test.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -28,6 +29,8 @@ import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate.utils import all_versions  # noqa: E402
+
+from kv_sidecar.config import Settings, load_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -58,20 +61,8 @@ METRICS_PORT = 9464
 SOCKET_DIR = "/run/kv-sidecar"
 SOCKET_PATH = "/run/kv-sidecar/engine.sock"
 CONFIG_PATH = "/etc/kv-sidecar/config.yaml"
-CONFIG_KEYS = {
-    "engine_socket",
-    "peer_host",
-    "peer_port",
-    "metrics_port",
-    "advertise_address",
-    "staging_bytes",
-    "lease_ms",
-    "log_level",
-    "tls_cert",
-    "tls_key",
-    "tls_ca",
-    "token_file",
-}
+# Every key the sidecar accepts (kv_sidecar.config.Settings): config.yaml and KV_SIDECAR_* env may use no other.
+CONFIG_KEYS = {f.name for f in dataclasses.fields(Settings)}
 
 # Metric names the sidecar exports (kv_sidecar's metrics module); the dashboard may query nothing else.
 COUNTERS = {
@@ -370,6 +361,13 @@ def test_default_gpu_is_device_plugin_on_engine():
     assert {e["name"]: e.get("value") for e in side["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
 
 
+def test_base_config_is_accepted_by_the_sidecar():
+    settings = load_settings({}, str(K8S / "base" / "config.yaml"), env={})
+    (deploy,) = of_kind(render_overlay("prefill"), "Deployment")
+    # The drain must end before the kubelet's SIGKILL, with time left for the engine's own shutdown.
+    assert settings.drain_timeout_s < pod_spec(deploy)["terminationGracePeriodSeconds"] / 2
+
+
 def test_peer_tls_component(tmp_path_factory):
     docs = render_component("peer-tls", tmp_path_factory)
     (deploy,) = of_kind(docs, "Deployment")
@@ -377,6 +375,9 @@ def test_peer_tls_component(tmp_path_factory):
     env = {e["name"]: e.get("value") for e in sidecar_of(pod_spec(deploy))["env"]}
     for key in ("tls_cert", "tls_key", "tls_ca", "token_file"):
         assert env[f"KV_SIDECAR_{key.upper()}"].startswith("/etc/kv-sidecar/secrets/")
+    # One certificate for every pod, dialed by pod IP: peers verify a fixed name instead.
+    assert env["KV_SIDECAR_TLS_SERVER_NAME"] == "kv-sidecar-peer"
+    assert "KV_SIDECAR_TLS_CLIENT_AUTH" not in env  # the default, require: mutual TLS
 
 
 def test_podmonitor(tmp_path_factory):

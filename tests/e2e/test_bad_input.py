@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -175,6 +176,27 @@ def test_malformed_shared_memory_handles(client: SidecarClient, valid_traffic: C
         )
 
 
+def test_gpu_tensors_on_a_sidecar_without_gpu(client: SidecarClient, valid_traffic: Callable) -> None:
+    """CI's sidecar has no GPU: CUDA IPC ranks are refused up front, and kinds cannot be mixed."""
+    with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache:
+        good = cache.handles()
+        gpu = [type(h)() for h in good]
+        for h, g in zip(gpu, good, strict=True):
+            h.CopyFrom(g)
+            h.cuda_ipc.handle = bytes(64)
+            h.cuda_ipc.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+        expect(
+            "FAILED_PRECONDITION",
+            "sees no GPU",
+            lambda: client.register_rank(f"gpu-{next(_ids)}", 0, SPEC.to_dict(), gpu),
+        )
+        expect(
+            "INVALID_ARGUMENT",
+            "one kind of memory",
+            lambda: client.register_rank(f"mixed-{next(_ids)}", 0, SPEC.to_dict(), [good[0], gpu[1]]),
+        )
+
+
 def test_peer_sidecar_not_running(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
     params = client.publish(engine, f"r-{next(_ids)}", [1], 16)
     params.sidecar_id, params.sidecar_address = "elsewhere", "127.0.0.1:9"  # nothing listens on port 9
@@ -203,5 +225,8 @@ def test_incompatible_peer_names_the_field(
 
 
 def test_valid_traffic_kept_flowing(valid_traffic: Callable) -> None:
+    deadline = time.monotonic() + 120  # run alone (-k), the background pulls may not have finished one yet
+    while not valid_traffic() and time.monotonic() < deadline:
+        time.sleep(0.2)
     done = valid_traffic()
     assert done and all(r["ok"] and r["verified"] for r in done)

@@ -1,4 +1,4 @@
-"""Request-level checks: check_pull and needed_src_blocks."""
+"""Request-level checks: check_pull, check_copy, check_block_ids and needed_src_blocks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
+from kv_sidecar.plan.blocks import check_block_ids, check_copy, check_pull, needed_src_blocks
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
@@ -161,3 +163,56 @@ def test_needed_src_blocks() -> None:
     assert needed_src_blocks(pair(16, 8), [5, 6, 7], 24, start_token=8) == [0, 1]
     with pytest.raises(PlanError, match="remote \\(prefill\\) block list has 2 ids but 40 tokens"):
         needed_src_blocks(pair(), [5, 6], 40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.one_of(st.integers(-3, 40), st.booleans(), st.just(2**70)), max_size=30),
+    num_blocks=st.integers(1, 40),
+    unique=st.booleans(),
+    as_array=st.booleans(),
+)
+def test_check_block_ids_fast_path_agrees_with_the_loop(
+    ids: list[Any], num_blocks: int, unique: bool, as_array: bool
+) -> None:
+    """The vectorised accept path must accept exactly what the position-by-position check accepts."""
+
+    def slow_ok() -> bool:
+        seen: set[int] = set()
+        for v in ids:
+            if isinstance(v, bool) or not 0 <= v < num_blocks or (unique and v in seen):
+                return False
+            seen.add(v)
+        return True
+
+    if as_array:
+        if any(isinstance(v, bool) or not -(2**62) < v < 2**62 for v in ids):
+            return
+        arg: Any = np.asarray(ids, dtype=np.int64)
+    else:
+        arg = ids
+    try:
+        check_block_ids("x", arg, num_blocks, unique)
+        ok = True
+    except PlanError:
+        ok = False
+    assert ok == slow_ok()
+
+
+def test_check_copy_forms_and_heads() -> None:
+    p = pair(bp=16, bd=8)
+    src, dst = p.prefill, p.decode
+    # 40 tokens from 16: full form needs 3 source blocks, tail form 2 (blocks 1 and 2); dst needs 3.
+    assert check_copy(src, 0, dst, 0, (0, 2), [5, 6, 7], [1, 2, 3], 40, 16).src_first == 0
+    assert check_copy(src, 0, dst, 0, (0, 2), [6, 7], [1, 2, 3], 40, 16).src_first == 1
+    # Longer than full (a whole request moved in rounds) is the full form; padding may repeat.
+    assert check_copy(src, 0, dst, 0, (1, 2), [5, 6, 7, 7], [1, 2, 3], 40, 16).src_head0 == 1
+    with pytest.raises(PlanError, match="source block list has 1 ids"):
+        check_copy(src, 0, dst, 0, (0, 2), [5], [1, 2, 3], 40, 16)
+    with pytest.raises(PlanError, match="destination block id 2 appears twice"):
+        check_copy(src, 0, dst, 0, (0, 2), [5, 6, 7], [2, 2, 3], 40, 16)
+    with pytest.raises(PlanError, match=r"heads \[1, 3\] are not all held by source rank 0"):
+        check_copy(src, 0, dst, 0, (1, 3), [5, 6, 7], [1, 2, 3], 40, 16)
+    with pytest.raises(PlanError, match="head_dim differs"):
+        other = EngineSpec.from_dict(dst.to_dict() | {"head_dim": 8})
+        check_copy(src, 0, other, 0, (0, 2), [5, 6, 7], [1, 2, 3], 40, 16)

@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import Any
 
 from kv_sidecar.config import ENV_PREFIX, ConfigError, Settings, load_settings
+from kv_sidecar.logs import configure_logging
 
 
 def add_parser(sub: Any) -> None:
@@ -20,29 +21,31 @@ def add_parser(sub: Any) -> None:
         description="Run the sidecar: engine API on a unix socket, peer API on TCP, Prometheus metrics over HTTP. "
         f"Every flag can also be set as {ENV_PREFIX}<FLAG> in the environment or as a key in --config; "
         "precedence: flags > environment > config file > defaults.",
+        epilog="Peer security: --tls-cert/--tls-key turn on TLS on the peer port and for calls to other "
+        "sidecars; adding --tls-ca makes it mutual TLS (client certificates required and verified against "
+        "the CA; --tls-client-auth none keeps server-side TLS only); --token-file requires a shared token on "
+        "every peer call except grpc.health.v1 (Kubernetes gRPC probes cannot send one). Peers without "
+        "the right token get UNAUTHENTICATED; certificate failures end the TLS handshake. "
+        "Shutdown: the first SIGTERM/SIGINT drains (health NOT_SERVING, new RegisterRank/Publish/Pull and "
+        "peer Handshake/OpenRead get UNAVAILABLE, in-flight pulls and served reads finish for up to "
+        "--drain-timeout-s), then the sidecar exits 0 and removes its socket; a second signal skips the "
+        "rest of the drain.",
     )
     p.add_argument(
         "--config", metavar="FILE", help="YAML file of settings (keys as the flags, with underscores)"
     )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
+        choices = Settings.CHOICES.get(f.name)
         p.add_argument(
             flag,
             dest=f.name,
             type=type(f.default),
             default=None,
-            metavar=f.name.upper(),
+            metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
             help=f"{Settings.HELP[f.name]} (default: {f.default!r})",
         )
     p.set_defaults(func=run)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,13 +54,23 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kv-sidecar: {e}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     from kv_sidecar.server.sidecar import Sidecar  # heavy imports (torch, NIXL) only when serving
 
-    sidecar = Sidecar(settings)
+    try:
+        sidecar = Sidecar(settings)
+    except ConfigError as e:
+        print(f"kv-sidecar: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        if stop.is_set():
+            sidecar.drain.cut_short()  # a second signal: do not wait for the drain
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         sidecar.start()
     except Exception as e:
@@ -71,5 +84,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     stop.wait()
-    sidecar.stop()
+    sidecar.drain_in_flight(settings.drain_timeout_s)
+    # The drain already waited for the work that matters; what is left (event streams) gets 1 s.
+    sidecar.stop(grace_s=1.0)
     return 0

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.blocks import blocks_for, check_block_ids, check_tokens, dst_block_count
+from kv_sidecar.plan.blocks import check_copy
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
 # Bytes moved per program: large enough that each program keeps several 16-byte
@@ -111,41 +111,6 @@ def staging_bytes(spec: EngineSpec, num_blocks: int) -> int:
     """Bytes a `staging_view` of `num_blocks` blocks needs."""
     mini = replace(spec, num_blocks=num_blocks)
     return geo.tensor_nbytes(mini) * len(mini.rank_tensor_shapes())
-
-
-def _local_heads(view: GpuRankView, heads: tuple[int, int] | None, side: str) -> tuple[int, int]:
-    """(first local head, count) of global heads `heads` on `view`'s rank (host executor's rules)."""
-    if view.spec.is_mla:
-        if heads is not None:
-            raise PlanError(f"heads must be None for an mla cache, got {heads}")
-        return 0, 1
-    if heads is None:
-        raise PlanError("heads must be a [start, stop) range for a non-mla cache, got None")
-    start, stop = view.spec.rank_heads(view.rank)
-    if not start <= heads[0] < heads[1] <= stop:
-        raise PlanError(
-            f"heads {list(heads)} are not all held by {side} rank {view.rank} (it holds [{start}, {stop}))"
-        )
-    return heads[0] - start, heads[1] - heads[0]
-
-
-def _check_pair(src: EngineSpec, dst: EngineSpec) -> None:
-    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
-        if getattr(src, name) != getattr(dst, name):
-            raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
-
-
-def _ids_array(what: str, ids: Sequence[int], num_blocks: int) -> np.ndarray:
-    """Block ids as int32, validated: an out-of-range id would make the kernel fault the whole context."""
-    arr = np.asarray(ids).reshape(-1)
-    if arr.size == 0:
-        return arr.astype(np.int32)
-    bad = arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= num_blocks
-    # bincount, not np.unique: O(n + num_blocks) and ~50x faster for the few thousand ids of a request.
-    if bad or np.bincount(arr, minlength=num_blocks).max() > 1:
-        check_block_ids(what, ids, num_blocks)  # raises with the host executor's exact message
-        raise PlanError(f"{what} block ids must be integers")
-    return arr.astype(np.int32)
 
 
 class _DeviceState:
@@ -281,26 +246,14 @@ def prepare_request(
         raise PlanError(
             f"both views must be mapped in one device's context (src {src.device}, dst {dst.device})"
         )
-    _check_pair(src.spec, dst.spec)
-    check_tokens(num_tokens, start_token, dst.spec.block_size)
-    bs, bd = src.spec.block_size, dst.spec.block_size
-    full, tail = blocks_for(num_tokens, bs), blocks_for(num_tokens, bs) - start_token // bs
-    if len(src_block_ids) not in (full, tail):
-        raise PlanError(
-            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
-            f"at block_size {bs} need {full} (all) or {tail} (from the start token's block)"
-        )
-    want_dst = dst_block_count(bd, num_tokens, start_token)
-    if len(dst_block_ids) != want_dst:
-        raise PlanError(
-            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
-            f"at block_size {bd} need {want_dst}"
-        )
-    s_ids = _ids_array("source", src_block_ids, src.spec.num_blocks)
-    d_ids = _ids_array("destination", dst_block_ids, dst.spec.num_blocks)
-    s_h0, nh = _local_heads(src, heads, "source")
-    d_h0, _ = _local_heads(dst, heads, "destination")
-    src_first = 0 if len(src_block_ids) == full else start_token // bs
+    # An out-of-range block id would make the kernel fault, and a fault poisons the whole context.
+    shape = check_copy(
+        src.spec, src.rank, dst.spec, dst.rank, heads, src_block_ids, dst_block_ids, num_tokens, start_token
+    )
+    s_ids = np.asarray(src_block_ids, dtype=np.int64).reshape(-1).astype(np.int32)
+    d_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1).astype(np.int32)
+    nh, s_h0, d_h0, src_first = shape.num_heads, shape.src_head0, shape.dst_head0, shape.src_first
+    bd = dst.spec.block_size
     dev = torch.device("cpu") if interpret else torch.device("cuda", dst.device)
     la = plan_launch(src, dst, nh, s_h0, d_h0, num_tokens, start_token, src_first, start_token // bd)
     grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)

@@ -22,13 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_sidecar.plan.blocks import (
-    blocks_for,
-    check_block_ids,
-    check_tokens,
-    dst_block_count,
-    src_block_range,
-)
+from kv_sidecar.plan.blocks import check_copy
 from kv_sidecar.plan.spec import LAYOUT_DIMS, EngineSpec, Layout, PlanError
 
 CANONICAL = "LKNBHD"  # layer, K/V, kernel block, token in kernel block, local head, dim
@@ -133,28 +127,6 @@ def _slots(
     return kernel_block, in_block % spec.physical_block_size
 
 
-def _local_heads(view: RankView, heads: tuple[int, int] | None, side: str) -> slice:
-    """Slice of `view`'s local head dim holding global heads `heads`."""
-    if view.spec.is_mla:
-        if heads is not None:
-            raise PlanError(f"heads must be None for an mla cache, got {heads}")
-        return slice(0, 1)
-    if heads is None:
-        raise PlanError("heads must be a [start, stop) range for a non-mla cache, got None")
-    start, stop = view.spec.rank_heads(view.rank)
-    if not start <= heads[0] < heads[1] <= stop:
-        raise PlanError(
-            f"heads {list(heads)} are not all held by {side} rank {view.rank} (it holds [{start}, {stop}))"
-        )
-    return slice(heads[0] - start, heads[1] - start)
-
-
-def _check_pair(src: EngineSpec, dst: EngineSpec) -> None:
-    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
-        if getattr(src, name) != getattr(dst, name):
-            raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
-
-
 def copy_request(
     src: RankView,
     dst: RankView,
@@ -166,38 +138,17 @@ def copy_request(
 ) -> int:
     """Copy tokens [start_token, num_tokens) of global heads `heads` from src into dst; return bytes written.
 
-    `dst_block_ids` covers exactly tokens [start_token, num_tokens) at dst's
-    block size. `src_block_ids` is, at src's block size, either
-    - the "full" form: at least the blocks of tokens [0, num_tokens) (more is
-      fine, e.g. the whole request when it is moved in rounds of tokens), or
-    - the "tail" form: exactly the blocks from the one holding start_token on
-      (a staging mini-cache holding only the needed blocks).
-    The two forms have different lengths whenever the distinction matters,
-    so the length says which. Source ids may repeat (ids in positions that
-    hold no requested token are never read, so callers may pad with any id).
+    Block id conventions and every check: `kv_sidecar.plan.blocks.check_copy`.
     """
-    _check_pair(src.spec, dst.spec)
-    check_tokens(num_tokens, start_token, dst.spec.block_size)
-    bs, bd = src.spec.block_size, dst.spec.block_size
-    full, tail = blocks_for(num_tokens, bs), len(src_block_range(bs, num_tokens, start_token))
-    if len(src_block_ids) < full and len(src_block_ids) != tail:
-        raise PlanError(
-            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
-            f"at block_size {bs} need {full} (from token 0) or {tail} (from the start token's block)"
-        )
-    want_dst = dst_block_count(bd, num_tokens, start_token)
-    if len(dst_block_ids) != want_dst:
-        raise PlanError(
-            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
-            f"at block_size {bd} need {want_dst}"
-        )
-    check_block_ids("source", src_block_ids, src.spec.num_blocks, unique=False)
-    check_block_ids("destination", dst_block_ids, dst.spec.num_blocks)
-    src_heads, dst_heads = _local_heads(src, heads, "source"), _local_heads(dst, heads, "destination")
+    shape = check_copy(
+        src.spec, src.rank, dst.spec, dst.rank, heads, src_block_ids, dst_block_ids, num_tokens, start_token
+    )
     if start_token == num_tokens:
         return 0
-
-    src_first = 0 if len(src_block_ids) >= full else start_token // bs
+    src_heads = slice(shape.src_head0, shape.src_head0 + shape.num_heads)
+    dst_heads = slice(shape.dst_head0, shape.dst_head0 + shape.num_heads)
+    bd = dst.spec.block_size
+    src_first = shape.src_first
     src_tokens = torch.arange(start_token, num_tokens, device=src.device)
     dst_tokens = torch.arange(start_token, num_tokens, device=dst.device)
     s_block, s_slot = _slots(src_block_ids, src_first, src.spec, src_tokens)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.plan.spec import PlanError
+from kv_sidecar.plan.spec import EngineSpec, PlanError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -36,6 +39,8 @@ def src_block_range(block_size: int, num_tokens: int, start_token: int) -> range
 
 def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool = True) -> None:
     """Every id in [0, num_blocks) and, if `unique`, none repeated (a repeat would be written twice)."""
+    if _ids_ok(ids, num_blocks, unique):
+        return
     seen: dict[int, int] = {}
     for pos, raw in enumerate(ids):
         block = _as_int(raw)
@@ -46,6 +51,26 @@ def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool
         if block in seen:
             raise PlanError(f"{what} block id {block} appears twice (positions {seen[block]} and {pos})")
         seen[block] = pos
+
+
+def _ids_ok(ids: Sequence[int], num_blocks: int, unique: bool) -> bool:
+    """Vectorised fast path: a request has thousands of ids; the loop above only finds the culprit."""
+    if isinstance(ids, np.ndarray):
+        arr = ids.reshape(-1)
+    else:
+        seq = list(ids)
+        if any(isinstance(v, bool) for v in seq):
+            return False
+        try:
+            arr = np.asarray(seq)
+        except (TypeError, ValueError, OverflowError):
+            return False
+    if arr.size == 0:
+        return True
+    if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= num_blocks:
+        return False
+    # bincount, not np.unique: O(n + num_blocks) and far faster for a request's few thousand ids.
+    return not unique or int(np.bincount(arr, minlength=num_blocks).max()) <= 1
 
 
 def _as_int(value: object) -> int | None:
@@ -70,6 +95,86 @@ def check_tokens(num_tokens: int, start_token: int, dst_block_size: int) -> None
             f"start_token {start_token} is not a multiple of the local (decode) block_size {dst_block_size}: "
             "a prefix hit must end on a block boundary"
         )
+
+
+def check_copy_pair(src: EngineSpec, dst: EngineSpec) -> None:
+    """The fields an executor cannot convert between."""
+    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
+        if getattr(src, name) != getattr(dst, name):
+            raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
+
+
+def local_heads(spec: EngineSpec, rank: int, heads: tuple[int, int] | None, side: str) -> tuple[int, int]:
+    """(first local head, count) of global heads `heads` on `rank` of `spec`; MLA has one latent "head"."""
+    if spec.is_mla:
+        if heads is not None:
+            raise PlanError(f"heads must be None for an mla cache, got {heads}")
+        return 0, 1
+    if heads is None:
+        raise PlanError("heads must be a [start, stop) range for a non-mla cache, got None")
+    start, stop = spec.rank_heads(rank)
+    if not start <= heads[0] < heads[1] <= stop:
+        raise PlanError(
+            f"heads {list(heads)} are not all held by {side} rank {rank} (it holds [{start}, {stop}))"
+        )
+    return heads[0] - start, heads[1] - heads[0]
+
+
+@dataclass(frozen=True)
+class CopyShape:
+    """A validated copy request: which source block position `src_block_ids[0]` holds, and the heads."""
+
+    src_first: int
+    src_head0: int
+    dst_head0: int
+    num_heads: int
+
+
+def check_copy(
+    src: EngineSpec,
+    src_rank: int,
+    dst: EngineSpec,
+    dst_rank: int,
+    heads: tuple[int, int] | None,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int,
+    start_token: int = 0,
+) -> CopyShape:
+    """The executors' one contract for a copy of tokens [start_token, num_tokens); raises PlanError.
+
+    `dst_block_ids` covers exactly tokens [start_token, num_tokens) at dst's
+    block size. `src_block_ids` is, at src's block size, either
+    - the "full" form: at least the blocks of tokens [0, num_tokens) (more is
+      fine, e.g. the whole request when it is moved in rounds of tokens), or
+    - the "tail" form: exactly the blocks from the one holding start_token on
+      (a staging mini-cache holding only the needed blocks).
+    The two forms have different lengths whenever the distinction matters, so
+    the length says which. Source ids may repeat (positions that hold no
+    requested token are never read, so callers may pad with any valid id);
+    destination ids may not (a block would be written twice).
+    """
+    check_copy_pair(src, dst)
+    check_tokens(num_tokens, start_token, dst.block_size)
+    bs, bd = src.block_size, dst.block_size
+    full, tail = blocks_for(num_tokens, bs), len(src_block_range(bs, num_tokens, start_token))
+    if len(src_block_ids) < full and len(src_block_ids) != tail:
+        raise PlanError(
+            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
+            f"at block_size {bs} need {full} (from token 0) or {tail} (from the start token's block)"
+        )
+    want_dst = dst_block_count(bd, num_tokens, start_token)
+    if len(dst_block_ids) != want_dst:
+        raise PlanError(
+            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
+            f"at block_size {bd} need {want_dst}"
+        )
+    check_block_ids("source", src_block_ids, src.num_blocks, unique=False)
+    check_block_ids("destination", dst_block_ids, dst.num_blocks)
+    s_h0, nh = local_heads(src, src_rank, heads, "source")
+    d_h0, _ = local_heads(dst, dst_rank, heads, "destination")
+    src_first = 0 if len(src_block_ids) >= full else start_token // bs
+    return CopyShape(src_first, s_h0, d_h0, nh)
 
 
 def check_pull(

@@ -1,11 +1,18 @@
-"""A reference engine process: one engine (all its TP ranks) with KV caches in shared memory.
+"""A reference engine process: one engine (its TP ranks) with KV caches in shared memory or on GPUs.
 
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
-  {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0}
-      -> {"ok": true, "params": {...}}                       (fills blocks, publishes)
+  {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0,
+   "fill": true, "publish": true}
+      -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes)
+      with "publish": false only fills: the ranks of a multi-node engine that live
+      on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
+  {"cmd": "randomize"} -> {"ok": true}   (every cache byte random: fast set-up for large benchmarks)
+  {"cmd": "digest", "block_ids": [..]} -> {"ok": true, "digests": {rank: hex}}
+      (sha256 of the blocks in logical token order: equal across layouts for equal block sizes)
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
+  {"cmd": "abort", "request_id": ..} -> {"ok": true, "found": ..}
   {"cmd": "quit"}
 """
 
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import queue
 import sys
@@ -23,26 +31,46 @@ from typing import Any
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar.refengine.gpu_cache import GpuKVCache
+from kv_sidecar.refengine.layout_io import (
+    changed_outside,
+    check_request,
+    fill_request,
+    gather_blocks,
+    logical_kv,
+)
 from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 
 
 class RefEngine:
-    def __init__(self, socket: str, engine_id: str, spec: EngineSpec, ranks: list[int], poison: int) -> None:
+    def __init__(
+        self,
+        socket: str,
+        engine_id: str,
+        spec: EngineSpec,
+        ranks: list[int],
+        poison: int,
+        devices: list[torch.device] | None = None,
+        leader: str = "",
+    ) -> None:
         self.spec = spec
         self.engine_id = engine_id
         self.client = SidecarClient(socket)
         self.client.wait_ready()
-        self.caches: dict[int, ShmKVCache] = {}
+        self.caches: dict[int, ShmKVCache | GpuKVCache] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         dtype = getattr(torch, spec.dtype)
         for r in ranks:
-            cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
+            cache: ShmKVCache | GpuKVCache
+            if devices:
+                cache = GpuKVCache(spec.rank_tensor_shapes(), dtype, devices[r % len(devices)])
+            else:
+                cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
             for t in cache.tensors:
                 t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
             self.caches[r] = cache
-            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles())
+            self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles(), leader_address=leader)
             stream = self.client.events(engine_id, r)
             threading.Thread(target=self._follow, args=(r, stream), daemon=True).start()
 
@@ -62,9 +90,12 @@ class RefEngine:
             self.events.put({"rank": rank, "kind": "stream_error", "error": str(e)})
 
     def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
-        for r, cache in self.caches.items():
-            fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        if cmd.get("fill", True):  # benchmarks republish blocks filled once; filling 1 GiB costs seconds
+            logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
+            for r, cache in self.caches.items():
+                fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+        if not cmd.get("publish", True):
+            return {"ok": True}
         params = self.client.publish(
             self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
         )
@@ -122,11 +153,35 @@ class RefEngine:
             )
         return out
 
+    def randomize(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        g = torch.Generator(device=next(iter(self.caches.values())).tensors[0].device).manual_seed(
+            cmd.get("seed", 0)
+        )
+        for cache in self.caches.values():
+            for t in cache.tensors:
+                if t.device != g.device:
+                    g = torch.Generator(device=t.device).manual_seed(cmd.get("seed", 0))
+                t.view(torch.uint8).random_(generator=g)
+        return {"ok": True}
+
+    def digest(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, str] = {}
+        for r, cache in self.caches.items():
+            h = hashlib.sha256()
+            for layer in range(self.spec.num_layers):
+                blocks = gather_blocks(self.spec, cache.tensors, layer, cmd["block_ids"])
+                h.update(blocks.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out[str(r)] = h.hexdigest()
+        return {"ok": True, "digests": out}
+
     def next_event(self, cmd: dict[str, Any]) -> dict[str, Any]:
         try:
             return {"ok": True, **self.events.get(timeout=cmd.get("timeout_s", 10))}
         except queue.Empty:
             return {"ok": False, "error": "no event"}
+
+    def abort(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "found": self.client.abort(self.engine_id, cmd["request_id"])}
 
     def close(self) -> None:
         for r in list(self.caches):
@@ -144,16 +199,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="engine spec as JSON")
     ap.add_argument("--ranks", default="", help="comma-separated ranks to host (default: all)")
     ap.add_argument("--poison", type=int, default=0xA5)
+    ap.add_argument(
+        "--devices",
+        default="",
+        help="comma-separated CUDA devices (e.g. cuda:0,cuda:1): rank r's cache goes on device r mod n "
+        "and is shared over CUDA IPC; default: host shared memory",
+    )
+    ap.add_argument("--leader", default="", help="peer address of the engine's leader sidecar (multi-node)")
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
-        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison)
+        devices = [torch.device(d) for d in args.devices.split(",") if d]
+        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, devices, args.leader)
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1
     print(json.dumps({"ok": True, "ready": True}), flush=True)
-    handlers = {"prefill": engine.prefill, "pull": engine.pull, "next_event": engine.next_event}
+    handlers = {
+        "prefill": engine.prefill,
+        "pull": engine.pull,
+        "next_event": engine.next_event,
+        "randomize": engine.randomize,
+        "digest": engine.digest,
+        "abort": engine.abort,
+    }
     try:
         for line in sys.stdin:
             cmd = json.loads(line)

@@ -103,6 +103,7 @@ def gather_blocks(
     """Copy of logical blocks in one layer as [n, kv, block_size, heads_local, dim] (one gather, no loop)."""
     r = spec.kernel_blocks_per_block
     idx = (torch.tensor(block_ids, dtype=torch.int64)[:, None] * r + torch.arange(r)[None, :]).flatten()
+    idx = idx.to(tensors[0].device)
     if spec.cross_layer:
         y = tensors[0][:, layer].index_select(0, idx)
     elif block_dim(spec) == 1:
@@ -131,7 +132,7 @@ def check_request(
     for layer in range(spec.num_layers):
         got = gather_blocks(spec, tensors, layer, block_ids)  # [nb, kv, B, h, d]
         got = got.transpose(0, 1).reshape(got.shape[1], -1, *got.shape[3:])[:, :n]
-        want = logical[layer, :, start_token:, h0:h1]
+        want = logical[layer, :, start_token:, h0:h1].to(got.device)
         if not torch.equal(_bits(got), _bits(want)):
             bad = (_bits(got) != _bits(want)).reshape(got.shape[0], n, -1).any(-1).any(0).nonzero().flatten()
             first = int(bad[0]) // spec.block_size
@@ -163,5 +164,7 @@ def changed_outside(
     return [
         f"tensor {i} changed outside the requested blocks"
         for i, (x, y) in enumerate(zip(before, after, strict=True))
-        if not torch.equal(_bits(x.index_select(dim, idx)), _bits(y.index_select(dim, idx)))
+        if not torch.equal(
+            _bits(x.index_select(dim, idx.to(x.device))), _bits(y.index_select(dim, idx.to(y.device)))
+        )
     ]

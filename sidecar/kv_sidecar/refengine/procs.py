@@ -103,6 +103,14 @@ class SidecarProcess(_Proc):
             self.kill()  # never leave a half-started sidecar behind
             raise
         self.sidecar_id, self.peer_address, self.metrics_port = m.group(1), m.group(2), int(m.group(3))
+        # Keep reading stdout (NIXL/UCX may print there): a full pipe would block the sidecar.
+        self.stdout_tail: deque[str] = deque(maxlen=200)
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+
+    def _drain_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_tail.append(line.rstrip())
 
     def stop(self, timeout_s: float = 30) -> int:
         if self.proc.poll() is None:
@@ -122,7 +130,10 @@ class EngineProcess(_Proc):
         spec: EngineSpec,
         ranks: list[int] | None = None,
         start_timeout_s: float = 60,
+        devices: list[str] | None = None,
+        leader: str = "",
     ) -> None:
+        """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars."""
         argv = [
             sys.executable,
             "-m",
@@ -136,6 +147,10 @@ class EngineProcess(_Proc):
         ]
         if ranks:
             argv += ["--ranks", ",".join(map(str, ranks))]
+        if devices:
+            argv += ["--devices", ",".join(devices)]
+        if leader:
+            argv += ["--leader", leader]
         super().__init__(argv, f"engine {engine_id}")
         self.spec = spec
         self.engine_id = engine_id

@@ -17,7 +17,14 @@ from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id
 from kv_sidecar.server.inflight import PullTicket, stop_engine_pulls, wait_finished
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar.server.release import release_source
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2
+from kv_sidecar.server.status import build_status
+from kv_sidecar_client._proto.kvsidecar.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    peer_pb2,
+    status_pb2,
+)
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -37,10 +44,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if not request.HasField("spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "spec is required")
         spec = spec_from_proto(request.spec)
-        self._sc.engines.register(request.engine_id, request.rank, spec, list(request.tensors))
+        # A member of a multi-node engine also reports the rank to its leader (docs/multinode.md).
+        leader = self._sc.membership.register_rank(
+            request.engine_id, request.rank, spec, list(request.tensors), request.leader_address
+        )
         self._sc.refresh_gauges()
         return engine_pb2.RegisterRankResponse(
-            sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address
+            sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address, leader_address=leader
         )
 
     @rpc
@@ -60,6 +70,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if not wait_finished(stopped, sc.settings.pull_timeout_ms / 1000):
             log.warning("pulls into engine %s did not stop in time; unregistering anyway", engine_id)
         sc.engines.unregister(engine_id, rank)
+        sc.membership.after_unregister(engine_id)
         if not any(e.engine_id == engine_id for e in sc.engines.all()):
             dropped = sc.published.drop_engine(engine_id)
             if dropped:
@@ -70,7 +81,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def Events(
         self, request: engine_pb2.EventsRequest, context: grpc.ServicerContext
     ) -> Iterator[engine_pb2.Event]:
-        entry = self._sc.engines.get(request.engine_id, request.rank)
+        sc = self._sc
+        entry = sc.engines.get(request.engine_id, request.rank)
+        with sc.pulls_lock:
+            if sc.event_streams >= sc.event_stream_limit:
+                raise SidecarError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{sc.event_streams} event streams are open, the most this sidecar takes: each holds one "
+                    f"of its {sc.settings.engine_workers} engine_workers threads, and the rest are kept for "
+                    f"register, publish and pull calls; raise engine_workers",
+                )
+            sc.event_streams += 1
         closed = threading.Event()
         context.add_callback(closed.set)
         entry.sessions += 1
@@ -86,6 +107,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield event
         finally:
             entry.sessions -= 1
+            with sc.pulls_lock:
+                sc.event_streams -= 1
             if request.unregister_on_close and closed.is_set():
                 try:
                     if self._sc.engines.get(request.engine_id, request.rank) is entry:
@@ -116,6 +139,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"got {len(request.block_ids)}",
             )
         check_block_ids("prefill", request.block_ids, spec.num_blocks)
+        sc.membership.check_publish(request.engine_id, spec.tp_size)
         lease_ms = request.lease_ms or sc.settings.lease_ms
         item = sc.published.publish(
             request.engine_id,
@@ -123,7 +147,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             list(request.block_ids),
             request.num_tokens,
             lease_ms / 1000,
+            ranks=sc.membership.held_here(request.engine_id),
         )
+        try:  # a multi-node engine: hold it on the member sidecars too
+            sc.membership.publish_on_members(
+                request.engine_id, request.request_id, request.block_ids, request.num_tokens, lease_ms
+            )
+        except BaseException:
+            sc.published.abort(request.engine_id, request.request_id)
+            raise
         sc.refresh_gauges()
         params = common_pb2.TransferParams(
             engine_id=request.engine_id,
@@ -174,7 +206,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 check_address(f"params[{i}].sidecar_address", p.sidecar_address)
         for p in request.params:
             if p.sidecar_id == sc.sidecar_id:
-                out.append(sc.published.keep_alive(p.engine_id, p.request_id))
+                out.extend(sc.membership.keep_alive(p.engine_id, [p.request_id]))
                 continue
             link = sc.peers.link(p.sidecar_address)
             try:
@@ -194,6 +226,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.AbortResponse:
         sc = self._sc
         found = sc.published.abort(request.engine_id, request.request_id)
+        if found:
+            sc.membership.abort_on_members(request.engine_id, request.request_id)
         with sc.pulls_lock:
             cancel = sc.pulls_in_flight.get((request.engine_id, request.request_id))
         if cancel is not None:
@@ -211,3 +245,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             found = release_source(sc, request.params, request.engine_id, "aborted by the reader") or found
         sc.refresh_gauges()
         return engine_pb2.AbortResponse(found=found)
+
+    @rpc
+    def Status(
+        self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> status_pb2.StatusResponse:
+        return build_status(self._sc)

@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.memory.gpu_rank import GpuRank
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +47,16 @@ def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
 
 @dataclass
 class RankEntry:
+    """A registered rank: host memory (shm `tensors`, `view`) or GPU memory (`gpu`), never both."""
+
     engine_id: str
     rank: int
     spec: EngineSpec
     tensors: list[torch.Tensor]
     shm_names: list[str]
-    view: RankView
+    view: RankView | None
     geometry: ChunkGeometry
+    gpu: GpuRank | None = None
     nixl_key: int | None = None
     local_dlist: int | None = None  # every chunk of this rank, prepared once
     events: queue.Queue[engine_pb2.Event | None] = field(default_factory=queue.Queue)
@@ -64,6 +70,20 @@ class RankEntry:
     def regions(self) -> list[tuple[int, int, int]]:
         return [(t.data_ptr(), t.numel() * t.element_size(), 0) for t in self.tensors]
 
+    @property
+    def memory_kind(self) -> str:
+        """NIXL's name for where the rank lives."""
+        return "VRAM" if self.gpu is not None else "DRAM"
+
+    @property
+    def host_view(self) -> RankView:
+        if self.view is None:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {self.engine_id!r} rank {self.rank} is in GPU memory; this path needs host memory",
+            )
+        return self.view
+
     def emit(self, event: engine_pb2.Event) -> None:
         self.events.put(event)
 
@@ -71,8 +91,9 @@ class RankEntry:
 class EngineRegistry:
     """Thread-safe map of (engine_id, rank) to RankEntry."""
 
-    def __init__(self, nixl: Any | None) -> None:
+    def __init__(self, nixl: Any | None, on_gpu_device: Any = None) -> None:
         self._nixl = nixl
+        self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankEntry] = {}
         self._shm = ShmMapper()
@@ -117,24 +138,43 @@ class EngineRegistry:
                 f"spec needs {len(expected)} tensors ({'one cross-layer' if spec.cross_layer else 'one per layer'}), "
                 f"got {len(handles)}",
             )
+        kinds = {h.WhichOneof("memory") for h in handles}
+        if len(kinds) != 1 or None in kinds:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"every tensor of a rank must be in one kind of memory (shm or cuda_ipc), got {sorted(map(str, kinds))}",
+            )
+        for i, (h, shape) in enumerate(zip(handles, expected, strict=True)):
+            if tuple(h.shape) != shape:
+                raise SidecarError(
+                    Code.INVALID_ARGUMENT,
+                    f"tensor {i}: shape {list(h.shape)} does not match the spec's {list(shape)}",
+                )
+            if h.dtype != spec.dtype:
+                raise SidecarError(
+                    Code.INVALID_ARGUMENT, f"tensor {i}: dtype {h.dtype} but the spec says {spec.dtype}"
+                )
+        if kinds == {"cuda_ipc"}:
+            entry = self._build_gpu(engine_id, rank, spec, handles)
+        else:
+            entry = self._build_host(engine_id, rank, spec, handles)
+        log.info(
+            "registered engine %s rank %d (%s, %s, %d bytes)",
+            engine_id,
+            rank,
+            spec.layout.value,
+            entry.memory_kind,
+            spec.rank_bytes(),
+        )
+        return entry
+
+    def _build_host(
+        self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
+    ) -> RankEntry:
         tensors: list[torch.Tensor] = []
         names: list[str] = []
         try:
-            for i, (h, shape) in enumerate(zip(handles, expected, strict=True)):
-                if h.WhichOneof("memory") != "shm":
-                    raise SidecarError(
-                        Code.UNIMPLEMENTED,
-                        f"tensor {i}: only shared-memory tensors are served by this sidecar build",
-                    )
-                if tuple(h.shape) != shape:
-                    raise SidecarError(
-                        Code.INVALID_ARGUMENT,
-                        f"tensor {i}: shape {list(h.shape)} does not match the spec's {list(shape)}",
-                    )
-                if h.dtype != spec.dtype:
-                    raise SidecarError(
-                        Code.INVALID_ARGUMENT, f"tensor {i}: dtype {h.dtype} but the spec says {spec.dtype}"
-                    )
+            for h in handles:
                 tensors.append(self._shm.map_tensor(h.shm.name, h.shm.offset, h.shape, h.strides, h.dtype))
                 names.append(h.shm.name)
             view = rank_view(spec, rank, tensors)
@@ -145,14 +185,39 @@ class EngineRegistry:
         entry = RankEntry(engine_id, rank, spec, tensors, names, view, chunk_geometry(spec))
         if self._nixl is not None:
             entry.nixl_key = self._nixl.register(entry.regions)
-        log.info(
-            "registered engine %s rank %d (%s, %d bytes)",
-            engine_id,
-            rank,
-            spec.layout.value,
-            spec.rank_bytes(),
-        )
         return entry
+
+    def _build_gpu(
+        self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
+    ) -> RankEntry:
+        # Imported lazily: a CPU-only sidecar never loads the CUDA driver bindings.
+        try:
+            from kv_sidecar.memory.gpu_rank import GpuRank, IpcTensorRef
+            from kv_sidecar_client.cuda_ipc import CudaIpcError
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"this sidecar cannot serve GPU memory: {e}"
+            ) from None
+        if not torch.cuda.is_available():
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                "rank registers CUDA IPC tensors but this sidecar sees no GPU "
+                "(give the sidecar container the engine's GPUs)",
+            )
+        refs = [IpcTensorRef(h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.device_uuid) for h in handles]
+        try:
+            gpu = GpuRank(spec, rank, refs)
+        except CudaIpcError as e:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"cannot map rank {rank}'s GPU memory: {e}"
+            ) from None
+        if self._on_gpu_device is not None:
+            try:
+                self._on_gpu_device(gpu.device)
+            except BaseException:
+                gpu.close()
+                raise
+        return RankEntry(engine_id, rank, spec, [], [], None, chunk_geometry(spec), gpu=gpu)
 
     def unregister(self, engine_id: str, rank: int) -> RankEntry:
         with self._lock:
@@ -166,6 +231,8 @@ class EngineRegistry:
             if entry.nixl_key is not None:
                 self._nixl.deregister(entry.nixl_key)
         entry.tensors.clear()
+        if entry.gpu is not None:
+            entry.gpu.close()  # deferred while a copy still reads or writes the mappings
         for n in entry.shm_names:
             self._shm.release(n)
         entry.emit(None)  # ends any open event stream

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.release import release_here
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kv_sidecar.server.status import build_status
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -46,6 +50,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         plan = cached_plan(spec, spec_from_proto(request.reader_spec))
         with self._lock:
             self._plans[plan.hash()] = plan
+        sc.transfers.handshake_from(
+            request.sidecar_id, context.peer(), request.engine_id, request.reader_engine_id, plan.hash()
+        )
         log.info(
             "handshake from %s (engine %s reads %s)",
             request.sidecar_id,
@@ -59,16 +66,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             agent_metadata=sc.nixl.metadata(),
             spec=spec_to_proto(spec),
             plan_hash=plan.hash(),
-            ranks=[
-                peer_pb2.RankMemory(
-                    rank=e.rank,
-                    memory_kind="DRAM",
-                    regions=[
-                        peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in e.regions
-                    ],
-                )
-                for e in ranks
-            ],
+            ranks=[rank_memory(e) for e in ranks],
+            members=sc.membership.members(request.engine_id),
         )
 
     @rpc
@@ -78,6 +77,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         sc = self._sc
         with self._lock:
             plan = self._plans.get(request.plan_hash)
+        if plan is None and request.HasField("reader_spec"):
+            # A member of a multi-node engine: the reader handshook with the leader, not with us.
+            plan = cached_plan(sc.engines.spec(request.engine_id), spec_from_proto(request.reader_spec))
+            if plan.hash() != request.plan_hash:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"plan mismatch: ours {plan.hash()}, the reader's {request.plan_hash} "
+                    f"(different kv-sidecar versions, or engine {request.engine_id!r} changed; handshake again)",
+                )
         if plan is None:
             raise SidecarError(
                 Code.FAILED_PRECONDITION, f"unknown plan {request.plan_hash!r}: handshake before reading"
@@ -95,6 +103,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             list(request.reader_ranks),
             sc.settings.pull_timeout_ms / 1000,
         )
+        sc.transfers.begin_serve(
+            request.engine_id,
+            request.request_id,
+            request.reader_engine_id,
+            context.peer(),
+            request.reader_ranks,
+            opened_bytes(plan, request.reader_ranks, len(item.block_ids)),
+            "host-nixl" if plan.is_identity() else "host-nixl-staged",
+        )
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,
@@ -105,10 +122,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def KeepAlive(
         self, request: peer_pb2.PeerKeepAliveRequest, context: grpc.ServicerContext
     ) -> peer_pb2.PeerKeepAliveResponse:
+        # On a multi-node engine's leader this extends the lease on its members too.
         return peer_pb2.PeerKeepAliveResponse(
-            lease_deadline_unix_ms=[
-                self._sc.published.keep_alive(request.engine_id, r) for r in request.request_ids
-            ]
+            lease_deadline_unix_ms=self._sc.membership.keep_alive(
+                request.engine_id, list(request.request_ids)
+            )
         )
 
     @rpc
@@ -123,6 +141,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         elif request.failed:
             # Keep the blocks: the reader may retry until the lease runs out.
             self._sc.metrics.failures.labels("remote_read_failed").inc()
+            self._sc.transfers.serve_failed(request.engine_id, request.request_id, request.reader_engine_id)
             log.warning(
                 "reader %s failed to read request %s of engine %s",
                 request.reader_engine_id,
@@ -130,3 +149,44 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 request.engine_id,
             )
         return peer_pb2.CloseReadResponse()
+
+    @stream_rpc
+    def Gather(
+        self, request_iterator: Iterator[peer_pb2.GatherRequest], context: grpc.ServicerContext
+    ) -> Iterator[peer_pb2.GatherReply]:
+        yield from gpu_transfer.serve_gather(self._sc, request_iterator, context)
+
+    @rpc
+    def ReportRanks(
+        self, request: peer_pb2.ReportRanksRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.ReportRanksResponse:
+        self._sc.membership.accept_report(request)
+        return peer_pb2.ReportRanksResponse(leader_id=self._sc.sidecar_id)
+
+    @rpc
+    def Publish(
+        self, request: peer_pb2.PeerPublishRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.PeerPublishResponse:
+        self._sc.membership.accept_publish(request)
+        return peer_pb2.PeerPublishResponse()
+
+    @rpc
+    def Abort(
+        self, request: peer_pb2.PeerAbortRequest, context: grpc.ServicerContext
+    ) -> peer_pb2.PeerAbortResponse:
+        found = self._sc.published.abort(request.engine_id, request.request_id)
+        self._sc.refresh_gauges()
+        return peer_pb2.PeerAbortResponse(found=found)
+
+    @rpc
+    def Status(
+        self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> status_pb2.StatusResponse:
+        return build_status(self._sc)
+
+
+def opened_bytes(plan: PairPlan, reader_ranks: Sequence[int], num_blocks: int) -> int:
+    """Bytes of the source blocks the reader ranks may read: whole blocks of every prefill rank they read."""
+    block_bytes = plan.prefill.rank_bytes() // plan.prefill.num_blocks
+    reads = sum(len(plan.decode_ranks[r].reads) for r in reader_ranks if 0 <= r < len(plan.decode_ranks))
+    return reads * num_blocks * block_bytes

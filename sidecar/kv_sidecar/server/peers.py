@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +32,18 @@ def cached_plan(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
     return plan_pair(prefill, decode)
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The sidecar that holds a source rank: OpenRead/CloseRead go to `address`, READs and notifications to `agent_name`."""
+
+    sidecar_id: str
+    address: str
+    agent_name: str
+
+
 @dataclass
 class RemoteEngine:
-    """What a handshake taught us about one engine behind a peer sidecar."""
+    """What a handshake taught us about one engine behind a peer (leader) sidecar."""
 
     sidecar_id: str
     agent_name: str
@@ -44,6 +54,16 @@ class RemoteEngine:
     regions: dict[int, list[int]]  # prefill rank -> region base addresses
     memory_kind: str
     dlists: dict[int, int] = field(default_factory=dict)  # prefill rank -> prepared NIXL dlist key
+    # prefill rank -> its sidecar; the leader for every rank of a one-node engine
+    holders: dict[int, Holder] = field(default_factory=dict)
+
+    def agent_of(self, rank: int) -> str:
+        holder = self.holders.get(rank)
+        return holder.agent_name if holder is not None else self.agent_name
+
+    def complete(self) -> bool:
+        """Every rank has a known holder (a multi-node engine may still be registering)."""
+        return set(range(self.spec.tp_size)) <= set(self.regions)
 
 
 class PeerLink:
@@ -55,9 +75,20 @@ class PeerLink:
         self.lock = threading.Lock()
 
 
+# How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
+_TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICATE_VERIFY_FAILED", re.I)
+
+
 def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
     code = e.code() if isinstance(e, grpc.Call) else Code.UNAVAILABLE
     details = e.details() if isinstance(e, grpc.Call) else str(e)
+    if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
+        # A certificate problem does not heal on retry, unlike a peer that is down.
+        return SidecarError(
+            Code.UNAUTHENTICATED,
+            f"TLS handshake with peer sidecar {peer} failed ({what}); check tls_ca, tls_server_name and "
+            f"the certificates: {details}",
+        )
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
         return SidecarError(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
     return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
@@ -87,7 +118,8 @@ class Peers:
             if known is not None and known.plan.decode == reader_spec:
                 return link, known
             remote = self._handshake(link, engine_id, reader_engine, reader_spec, timeout_s)
-            link.engines[key] = remote
+            if remote.complete():  # else ask again next time: more ranks may have registered
+                link.engines[key] = remote
             return link, remote
 
     def _handshake(
@@ -142,13 +174,25 @@ class Peers:
             regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
         )
+        leader = Holder(resp.sidecar_id, link.address, agent)
+        remote.holders = {r.rank: leader for r in resp.ranks}
+        for m in resp.members:  # a multi-node engine: the rank->sidecar map (docs/multinode.md)
+            # Our own ranks need no NIXL connection; routing refuses to read them over the wire.
+            member_agent = (
+                m.agent_name if m.sidecar_id == sc.sidecar_id else sc.nixl.add_remote(m.agent_metadata)
+            )
+            holder = Holder(m.sidecar_id, m.peer_address, member_agent)
+            for r in m.ranks:
+                remote.holders[r.rank] = holder
+                remote.regions[r.rank] = [g.address for g in r.regions]
         sc.metrics.handshakes.labels("ok").inc()
         sc.metrics.handshake_duration.observe(time.perf_counter() - start)
         log.info(
-            "handshake with %s for engine %s: %d ranks, plan %s",
+            "handshake with %s for engine %s: %d ranks on %d sidecars, plan %s",
             link.address,
             engine_id,
             len(remote.regions),
+            len({h.sidecar_id for h in remote.holders.values()}),
             plan.hash(),
         )
         return remote
@@ -160,6 +204,10 @@ class Peers:
         if link is not None:
             with link.lock:
                 link.engines.pop((engine_id, reader_engine), None)
+
+    def links(self) -> list[PeerLink]:
+        with self._lock:
+            return list(self._links.values())
 
     def forget(self, address: str) -> None:
         """Drop cached handshakes (e.g. after the peer restarted)."""

@@ -33,6 +33,9 @@ class Published:
     lease_s: float
     deadline: float  # time.monotonic()
     reader: str | None = None  # decode engine id reading it
+    # Prefill ranks this sidecar tracks; None: all of them. An engine spread over
+    # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
+    ranks: list[int] | None = None
     pending: dict[int, set[int]] = field(default_factory=dict)  # prefill rank -> decode ranks not done
 
     def deadline_unix_ms(self) -> int:
@@ -61,7 +64,13 @@ class PublishedStore:
         return len(self._items)
 
     def publish(
-        self, engine_id: str, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        lease_s: float,
+        ranks: list[int] | None = None,
     ) -> Published:
         key = (engine_id, request_id)
         with self._lock:
@@ -71,7 +80,13 @@ class PublishedStore:
                     f"request {request_id!r} of engine {engine_id!r} is already published",
                 )
             item = Published(
-                engine_id, request_id, list(block_ids), num_tokens, lease_s, self._clock() + lease_s
+                engine_id,
+                request_id,
+                list(block_ids),
+                num_tokens,
+                lease_s,
+                self._clock() + lease_s,
+                ranks=ranks,
             )
             self._items[key] = item
             self._ended.pop(key, None)
@@ -118,7 +133,8 @@ class PublishedStore:
             item = self.get_live(engine_id, request_id)
             if item.reader is None:
                 item.reader = reader
-                item.pending = {p: set(plan.consumers_of(p)) for p in range(plan.prefill.tp_size)}
+                held = range(plan.prefill.tp_size) if item.ranks is None else item.ranks
+                item.pending = {p: set(plan.consumers_of(p)) for p in held}
             elif item.reader != reader:
                 raise SidecarError(
                     Code.FAILED_PRECONDITION,

@@ -10,6 +10,13 @@ Three paths, chosen per request:
   TP, block size): NIXL READs the source blocks into sidecar-owned staging
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
+- gpu-direct and gpu-staged: the same two situations in GPU memory
+  (`kv_sidecar.server.gpu_transfer`).
+
+Across sidecars, every OpenRead/CloseRead, READ and completion notification
+goes to the sidecar that holds the source rank (server/routing.py): the one
+peer of a one-node engine, or, for an engine whose ranks span several nodes,
+the holder named in the map its leader returned at handshake (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 import torch
 
@@ -34,11 +40,13 @@ from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
+from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
-from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan, rpc_error
+from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -109,13 +117,14 @@ class Staging:
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8)
             self._sc.nixl.register([(self._buf.data_ptr(), self.nbytes, 0)])
-            self._sc.metrics.staging_capacity.set(self.nbytes)
+            self._sc.metrics.staging_capacity.inc(self.nbytes)  # GPU rings add theirs
         return self._buf
 
 
 class Puller:
     def __init__(self, sidecar: Sidecar) -> None:
         self._sc = sidecar
+        self.sidecar = sidecar
         self._staging = Staging(sidecar, sidecar.settings.staging_bytes)
         self._dlist_lock = threading.Lock()
 
@@ -125,12 +134,15 @@ class Puller:
         p = req.params
         timeout_s = (req.timeout_ms or sc.settings.pull_timeout_ms) / 1000
         start = time.perf_counter()
-        local = self._local_ranks(req)
         remote_here = p.sidecar_id == sc.sidecar_id
         path = "host-direct" if remote_here else "host-nixl"
+        track = sc.transfers.begin_pull(
+            req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
+        )
         try:
+            local = self._local_ranks(req)
             if remote_here:
-                nbytes = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
+                nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
                 nbytes, path = self._pull_remote_fresh(req, local, cancel, time.monotonic() + timeout_s)
         except Exception as e:
@@ -138,6 +150,7 @@ class Puller:
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
             sc.metrics.pulls.labels(path, outcome).inc()
             sc.metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
+            sc.transfers.end_pull(track, 0, path, outcome, f"{err.code.name}: {err.message}")
             blocks = ",".join(str(b) for b in req.block_ids)
             raise SidecarError(
                 err.code,
@@ -149,14 +162,7 @@ class Puller:
         sc.metrics.pull_bytes.labels(path).inc(nbytes)
         sc.metrics.pull_duration.labels(path).observe(elapsed)
         sc.metrics.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
-        log.info(
-            "pulled request=%s peer=%s bytes=%d path=%s duration_ms=%.2f",
-            p.request_id,
-            p.sidecar_address or "local",
-            nbytes,
-            path,
-            elapsed * 1000,
-        )
+        sc.transfers.end_pull(track, nbytes, path, "ok")
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
     def _local_ranks(self, req: engine_pb2.PullRequest) -> list[RankEntry]:
@@ -193,8 +199,14 @@ class Puller:
     # -- same sidecar -------------------------------------------------------
     def _pull_direct(
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
-    ) -> int:
+    ) -> tuple[int, str]:
         sc, p = self._sc, req.params
+        if sc.membership.is_split(p.engine_id):
+            raise SidecarError(
+                Code.UNIMPLEMENTED,
+                f"engine {p.engine_id!r} spans this sidecar and others: pulling from an engine that spans "
+                f"the reading sidecar and others is not supported",
+            )
         src_ranks = sc.engines.engine_ranks(p.engine_id)
         plan = cached_plan(src_ranks[0].spec, local[0].spec)
         if len(src_ranks) != plan.prefill.tp_size:
@@ -218,15 +230,21 @@ class Puller:
                 release_here(sc, p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
             raise
 
-    def _copy_direct(self, job: PullJob, src_ranks: list[RankEntry]) -> int:
+    def _copy_direct(self, job: PullJob, src_ranks: list[RankEntry]) -> tuple[int, str]:
         sc, p = self._sc, job.params
+        if any(e.gpu is not None for e in [*src_ranks, *job.local]):
+            nbytes = gpu_transfer.pull_direct(job, src_ranks)
+            for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+                done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
+                sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
+            return nbytes, gpu_transfer.PATH_DIRECT
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
                 job.remaining()
                 nbytes += copy_request(
-                    src_ranks[read.prefill_rank].view,
-                    entry.view,
+                    src_ranks[read.prefill_rank].host_view,
+                    entry.host_view,
                     read.heads,
                     job.src_blocks,
                     job.dst_blocks,
@@ -235,16 +253,17 @@ class Puller:
                 )
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
             sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
-        return nbytes
+        return nbytes, "host-direct"
 
     # -- another sidecar ------------------------------------------------------
     def _pull_remote_fresh(
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
     ) -> tuple[int, str]:
-        """_pull_remote, dropping a cached handshake the peer no longer knows (it restarted).
+        """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
 
-        A peer that forgot our plan refuses OpenRead before any byte moves: handshake
-        again and retry once. A peer that went away: handshake afresh next time.
+        A peer that forgot our plan, or whose NIXL agent is gone, fails the pull; handshake
+        again and retry once within the same deadline. Rewriting destination blocks that a
+        failed attempt partly wrote is harmless: OpenRead checks the lease again first.
         """
         p = req.params
         for attempt in range(2):
@@ -254,8 +273,9 @@ class Puller:
                 stale = e.code is Code.FAILED_PRECONDITION and "handshake" in e.message
                 if stale or e.code is Code.UNAVAILABLE:
                     self._sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
-                if not stale or attempt:
-                    raise
+                    if not attempt and not cancel.is_set() and time.monotonic() < deadline:
+                        continue
+                raise
         raise AssertionError("unreachable")
 
     def _pull_remote(
@@ -271,67 +291,43 @@ class Puller:
             max(0.001, deadline - time.monotonic()),
         )
         ranks = [e.rank for e in local]
-        try:
-            opened = link.stub.OpenRead(
-                peer_pb2.OpenReadRequest(
-                    sidecar_id=sc.sidecar_id,
-                    engine_id=p.engine_id,
-                    request_id=p.request_id,
-                    reader_engine_id=req.engine_id,
-                    reader_ranks=ranks,
-                    plan_hash=remote.plan.hash(),
-                ),
-                timeout=max(0.001, deadline - time.monotonic()),
-                metadata=sc.peer_metadata(),
-            )
-        except grpc.RpcError as e:
-            raise rpc_error(e, link.address, f"to open request {p.request_id!r}") from None
+        # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
+        holders = holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
+        opened = open_reads(sc, remote, list(holders), req, ranks, deadline)
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
+        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
+        if on_gpu and remote.memory_kind != "VRAM":
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
+                "memory; host<->GPU pulls are not supported",
+            )
         try:
             nbytes = 0
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
-                    if identity:
+                    if on_gpu:
+                        nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
+                    elif identity:
                         nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
-                done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-                sc.nixl.send_notif(
-                    remote.agent_name,
-                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
-                )
+                for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
+                    sc.nixl.send_notif(
+                        holder.agent_name,
+                        done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
+                    )
         except Exception:
-            self._close_read(link, req, ranks, failed=True, release=getattr(cancel, "release_source", False))
+            release = getattr(cancel, "release_source", False)
+            close_reads(sc, list(holders), req, ranks, failed=True, release=release)
             raise
+        if on_gpu:
+            return nbytes, gpu_transfer.PATH_STAGED
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
-    def _close_read(
-        self,
-        link: PeerLink,
-        req: engine_pb2.PullRequest,
-        ranks: list[int],
-        failed: bool,
-        release: bool = False,
-    ) -> None:
-        try:
-            link.stub.CloseRead(
-                peer_pb2.CloseReadRequest(
-                    engine_id=req.params.engine_id,
-                    request_id=req.params.request_id,
-                    reader_engine_id=req.engine_id,
-                    reader_ranks=ranks,
-                    failed=failed,
-                    release=release,
-                ),
-                timeout=2,
-                metadata=self._sc.peer_metadata(),
-            )
-        except grpc.RpcError:
-            log.warning("could not tell %s that request %s failed", link.address, req.params.request_id)
-
-    def _wait(self, fut: Future[None], job: PullJob) -> None:
+    def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
             try:
                 left = job.remaining()
@@ -367,7 +363,7 @@ class Puller:
                         f"peer does not hold rank {rank} of engine {remote.engine_id!r}",
                     )
                 table = descriptor_table(remote.geometry, remote.regions[rank])
-                remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_name, table)
+                remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_of(rank), table)
             return remote.dlists[rank]
 
     def _read_identity(
@@ -389,7 +385,7 @@ class Puller:
         self._sc.metrics.nixl_descriptors.observe(len(local_idx))
         self._sc.metrics.inflight.inc()
         try:
-            self._wait(fut, job)
+            self.wait(fut, job)
         finally:
             self._sc.metrics.inflight.dec()
         return len(local_idx) * entry.geometry.chunk
@@ -423,7 +419,7 @@ class Puller:
         nbytes = 0
         with self._staging.lock:
             buf = self._staging.buffer()
-            sc.metrics.staging_in_use.set(self._staging.nbytes)
+            sc.metrics.staging_in_use.inc(self._staging.nbytes)
             try:
                 t0 = job.start_token
                 while t0 < job.num_tokens:
@@ -431,7 +427,7 @@ class Puller:
                     nbytes += self._staged_round(job, remote, entry, src_rank, heads, buf, t0, t1)
                     t0 = t1
             finally:
-                sc.metrics.staging_in_use.set(0)
+                sc.metrics.staging_in_use.dec(self._staging.nbytes)
         return nbytes
 
     def _staged_round(
@@ -460,11 +456,11 @@ class Puller:
         src_ids = np.asarray([job.src_blocks[i] for i in positions], dtype=np.int64)
         local = descriptors(mini_geo, bases, np.arange(k))
         remote_descs = descriptors(geo, remote.regions[src_rank], src_ids)
-        fut = sc.nixl.read(remote.agent_name, local, remote_descs, b"", job.remaining())
+        fut = sc.nixl.read(remote.agent_of(src_rank), local, remote_descs, b"", job.remaining())
         sc.metrics.nixl_descriptors.observe(len(local))
         sc.metrics.inflight.inc()
         try:
-            self._wait(fut, job)
+            self.wait(fut, job)
         finally:
             sc.metrics.inflight.dec()
         view = rank_view(mini, src_rank, tensors)
@@ -473,4 +469,6 @@ class Puller:
         bd = job.plan.decode.block_size
         first_dst = (t0 - job.start_token) // bd
         last_dst = math.ceil((t1 - job.start_token) / bd)
-        return copy_request(view, entry.view, heads, staged_ids, job.dst_blocks[first_dst:last_dst], t1, t0)
+        return copy_request(
+            view, entry.host_view, heads, staged_ids, job.dst_blocks[first_dst:last_dst], t1, t0
+        )

@@ -30,7 +30,24 @@ def release_here(sc: Sidecar, engine_id: str, request_id: str, reader: str, reas
         if entry.engine_id == engine_id:
             entry.emit(ev)
     sc.refresh_gauges()
+    # A multi-node engine: the members hold the request for their own ranks; they release and tell them.
+    for m in sc.membership.members(engine_id):
+        _close_released(sc, m.peer_address, engine_id, request_id, reader)
     return True
+
+
+def _close_released(sc: Sidecar, address: str, engine_id: str, request_id: str, reader: str) -> None:
+    try:
+        sc.peers.link(address).stub.CloseRead(
+            peer_pb2.CloseReadRequest(
+                engine_id=engine_id, request_id=request_id, reader_engine_id=reader, release=True
+            ),
+            timeout=5,
+            metadata=sc.peer_metadata(),
+        )
+    except grpc.RpcError as e:
+        err = rpc_error(e, address, "the release")
+        log.warning("could not release request %s: %s", request_id, err.message)
 
 
 def release_source(sc: Sidecar, params: common_pb2.TransferParams, reader: str, reason: str) -> bool:
@@ -38,20 +55,5 @@ def release_source(sc: Sidecar, params: common_pb2.TransferParams, reader: str, 
     if params.sidecar_id == sc.sidecar_id:
         return release_here(sc, params.engine_id, params.request_id, reader, reason)
     check_address("params.sidecar_address", params.sidecar_address)
-    link = sc.peers.link(params.sidecar_address)
-    try:
-        link.stub.CloseRead(
-            peer_pb2.CloseReadRequest(
-                engine_id=params.engine_id,
-                request_id=params.request_id,
-                reader_engine_id=reader,
-                release=True,
-            ),
-            timeout=5,
-            metadata=sc.peer_metadata(),
-        )
-    except grpc.RpcError as e:
-        err = rpc_error(e, params.sidecar_address, "the release")
-        log.warning("could not release request %s: %s", params.request_id, err.message)
-        return False
+    _close_released(sc, params.sidecar_address, params.engine_id, params.request_id, reader)
     return True

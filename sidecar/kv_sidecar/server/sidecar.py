@@ -7,6 +7,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -17,12 +18,17 @@ from prometheus_client import start_http_server
 
 from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
+from kv_sidecar.security import PeerSecurity
+from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
+from kv_sidecar.server.gpu_staging import GpuStaging
+from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller, parse_notification
+from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 
@@ -30,6 +36,10 @@ log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+# Refused with UNAVAILABLE while draining; the drain waits for in-flight Pulls.
+DRAIN_REFUSED_ENGINE = tuple(f"/{ENGINE_SERVICE}/{m}" for m in ("RegisterRank", "Publish", "Pull"))
+DRAIN_REFUSED_PEER = tuple(f"/{PEER_SERVICE}/{m}" for m in ("Handshake", "OpenRead"))
+DRAIN_WAITED = (f"/{ENGINE_SERVICE}/Pull",)
 
 
 class Sidecar:
@@ -38,14 +48,23 @@ class Sidecar:
         self.sidecar_id = (
             settings.sidecar_id or f"kvs-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
+        self.security = PeerSecurity.from_settings(settings)  # ConfigError before anything starts
         self.metrics = Metrics()
+        self.drain = Drain()
+        self.transfers = TransferTracker(stale_s=settings.pull_timeout_ms / 1000)
+        self.started_at = time.monotonic()
         self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif)
-        self.engines = EngineRegistry(self.nixl)
+        self.metrics.bind_nixl(self.nixl.counts)
+        self.gpu_staging = GpuStaging(self)
+        self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         self.published = PublishedStore(self._on_consumed, self._on_expired)
         self.peers = Peers(self)
+        self.membership = Membership(self)
         self.puller = Puller(self)
         self.pulls_in_flight: dict[tuple[str, str], threading.Event] = {}
         self.pulls_lock = threading.Lock()
+        self.event_streams = 0  # open Events calls, under pulls_lock
+        self.event_stream_limit = settings.engine_workers - max(4, settings.engine_workers // 4)
         self.peer_address = ""
         self.peer_port = 0
         self.metrics_port = 0
@@ -64,12 +83,26 @@ class Sidecar:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
+        if s.engine_workers < 8:
+            raise ValueError(f"engine_workers must be at least 8, got {s.engine_workers}")
+        # A gRPC sync server runs each call, streams included, on one pool thread; when every thread
+        # is taken, new calls wait in a queue. Event streams live as long as their rank, so they may
+        # take at most event_stream_limit threads, and unary calls always find one.
         self._engine_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine"), options=opts
+            futures.ThreadPoolExecutor(max_workers=s.engine_workers, thread_name_prefix="engine"),
+            options=opts,
+            interceptors=[self.drain.gate(DRAIN_REFUSED_ENGINE, DRAIN_WAITED)],
         )
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), self._engine_server)
         self._peer_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer"), options=opts
+            # GPU Gather streams hold a thread each (waiting for their ring included): the same
+            # on-demand bound as the engine API keeps them from starving OpenRead and handshakes.
+            futures.ThreadPoolExecutor(max_workers=s.engine_workers, thread_name_prefix="peer"),
+            options=opts,
+            interceptors=[
+                *self.security.interceptors(self._peer_refused),
+                self.drain.gate(DRAIN_REFUSED_PEER, ()),
+            ],
         )
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), self._peer_server)
         for server, hs, name in (
@@ -107,21 +140,39 @@ class Sidecar:
             hs.set("", health_pb2.HealthCheckResponse.SERVING)
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "sidecar %s up: engine socket %s, peer %s (advertised %s), metrics :%d",
+            "sidecar %s up: engine socket %s, peer %s (advertised %s, %s), metrics :%d",
             self.sidecar_id,
             sock,
             self.peer_port,
             self.peer_address,
+            self.security.describe(),
             self.metrics_port,
         )
+        if self.security.token and not self.security.tls:
+            log.warning("the peer token is sent in plaintext: set tls_cert/tls_key to encrypt it")
 
     def _add_peer_port(self, server: grpc.Server) -> int:
         s = self.settings
         address = f"{s.peer_host}:{s.peer_port}"
-        port = server.add_insecure_port(address)
+        creds = self.security.server_credentials()
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         return port
+
+    def drain_in_flight(self, timeout_s: float) -> None:
+        """SIGTERM: report NOT_SERVING, refuse new work, let in-flight pulls and served reads finish."""
+        for hs, name in zip(self._health, (ENGINE_SERVICE, PEER_SERVICE), strict=True):
+            hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.drain.begin()
+        busy = self.drain.inflight + self.transfers.serving()
+        log.info("draining: %d transfers in flight, waiting up to %g s", busy, timeout_s)
+        left = self.drain.wait(timeout_s, self.transfers.serving)
+        if left:
+            log.warning("drain deadline passed with %d transfers still in flight: stopping anyway", left)
+        else:
+            log.info("drained")
 
     def stop(self, grace_s: float = 5.0) -> None:
         for hs in self._health:
@@ -132,7 +183,8 @@ class Sidecar:
             ev.wait(grace_s + 1)
         self.peers.close()
         self.engines.close()
-        self.nixl.stop()
+        self.nixl.stop()  # deregisters the GPU rings before their memory goes
+        self.gpu_staging.close()
         if self._http is not None:
             self._http.shutdown()
         sock = self.settings.engine_socket
@@ -150,10 +202,20 @@ class Sidecar:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
-        return grpc.insecure_channel(address, options=opts)
+        return self.security.channel(address, opts)
 
     def peer_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
+        return self.security.call_metadata()
+
+    def _peer_refused(self, method: str, peer: str, reason: str) -> None:
+        self.metrics.failures.labels(f"peer_token_{reason}").inc()
+        log.warning(
+            "refused %s from %s: peer token %s",
+            method,
+            peer,
+            reason,
+            extra={"fields": {"event": "peer_refused", "method": method, "peer": peer, "reason": reason}},
+        )
 
     def refresh_gauges(self) -> None:
         entries = self.engines.all()
@@ -170,6 +232,7 @@ class Sidecar:
             return
         engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
         self.published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
+        self.transfers.serve_rank_done(engine_id, request_id, reader, decode_rank)
 
     def _rank_event(self, engine_id: str, rank: int, event: engine_pb2.Event) -> None:
         try:

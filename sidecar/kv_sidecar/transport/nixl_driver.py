@@ -52,6 +52,13 @@ class _Released:
 _RELEASED = _Released()
 
 
+def _make_current(device: int) -> None:
+    """Give the driver thread a current CUDA context: UCX's CUDA transports query and copy within it."""
+    import torch
+
+    torch.cuda.set_device(device)
+
+
 @dataclass
 class _Inflight:
     handle: Any
@@ -65,11 +72,17 @@ class NixlDriver:
     """Owns the NIXL agent; all methods are safe to call from any thread."""
 
     def __init__(
-        self, name: str, on_notif: Callable[[str, bytes], None] | None = None, idle_wait_s: float = 0.002
+        self,
+        name: str,
+        on_notif: Callable[[str, bytes], None] | None = None,
+        idle_wait_s: float = 0.002,
+        quiet_wait_s: float = 0.05,
     ) -> None:
         self.name = name
         self._on_notif = on_notif
         self._idle = idle_wait_s
+        self._quiet = quiet_wait_s
+        self._last_activity = 0.0
         self._queue: queue.Queue[tuple[Callable[[Any], Any], Future[Any]] | None] = queue.Queue()
         self._inflight: list[_Inflight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
@@ -79,6 +92,10 @@ class NixlDriver:
         self._next_reg = 0
         self._remotes: set[str] = set()
         self._dlists: dict[int, Any] = {}
+        # Transfer handles posted, released, and those NIXL refused to release (left to NIXL's exit).
+        self._posted = 0
+        self._released = 0
+        self._release_failures = 0
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +115,10 @@ class NixlDriver:
         try:
             api = import_nixl()
             self._api = api
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            # No NIXL progress thread: it busy-polls a core even when idle, and this
+            # thread already drives progress (it spins while transfers are in flight).
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self._agent = api.nixl_agent(self.name, config)
             if "UCX" not in self._agent.backends:
                 raise TransferError("NIXL has no UCX backend on this machine")
         except Exception as e:  # surfaced to start()
@@ -112,7 +132,7 @@ class NixlDriver:
 
     def _loop(self) -> None:
         while True:
-            wait = 0.0 if self._inflight else self._idle
+            wait = self._wait_s()
             try:
                 item = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
             except queue.Empty:
@@ -121,6 +141,7 @@ class NixlDriver:
                 return
             if item:
                 fn, fut = item
+                self._last_activity = time.monotonic()
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self._agent))
@@ -130,6 +151,21 @@ class NixlDriver:
                 continue
             self._poll_transfers()
             self._poll_notifs()
+
+    def _wait_s(self) -> float:
+        """How long to sleep before the next poll.
+
+        Transfers in flight: not at all (on shared-memory and CUDA transports
+        the initiator's progress calls move the bytes). Recently busy: a short
+        wait, so notifications ("consumed") arrive promptly. Quiet for a
+        second: a longer one, so an idle sidecar costs ~1 % of a core instead
+        of waking 500 times a second. A READ's target needs no progress, so a
+        quiet source sidecar delays only its completion events, by at most
+        the quiet wait.
+        """
+        if self._inflight:
+            return 0.0
+        return self._idle if time.monotonic() - self._last_activity < 1.0 else self._quiet
 
     def _poll_transfers(self) -> None:
         now = time.monotonic()
@@ -158,12 +194,16 @@ class NixlDriver:
             try:
                 h.release()
             except Exception:  # a failed transfer may not be releasable yet; NIXL frees it at exit
+                self._release_failures += 1
                 log.debug("could not release NIXL handle", exc_info=True)
+        self._released += 1
 
     def _poll_notifs(self) -> None:
         if self._on_notif is None:
             return
         for agent, msgs in self._agent.get_new_notifs().items():
+            if msgs:
+                self._last_activity = time.monotonic()
             for msg in msgs:
                 try:
                     self._on_notif(agent, msg)
@@ -191,6 +231,16 @@ class NixlDriver:
                 log.debug("could not remove remote agent", exc_info=True)
         self._registrations.clear()
         self._agent = None
+
+    def counts(self) -> dict[str, int]:
+        """What the agent holds now (read without the driver thread: plain lengths and counters)."""
+        return {
+            "registrations": len(self._registrations),
+            "dlists": len(self._dlists),
+            "remote_agents": len(self._remotes),
+            "transfers_open": self._posted - self._released,
+            "release_failures": self._release_failures,
+        }
 
     # -- calls from other threads -------------------------------------------
     def call(self, fn: Callable[[Any], T], timeout: float | None = 60) -> T:
@@ -225,6 +275,8 @@ class NixlDriver:
         """Register (address, length, device) regions; returns a key for deregister."""
 
         def reg(a: Any) -> int:
+            if mem_type == "VRAM":
+                _make_current(regions[0][2])
             descs = a.register_memory([(addr, n, dev, "") for addr, n, dev in regions], mem_type)
             key = self._next_reg
             self._next_reg += 1
@@ -301,6 +353,8 @@ class NixlDriver:
         done: Future[None] = Future()
 
         def post(a: Any) -> None:
+            if mem_type == "VRAM":
+                _make_current(int(local[0][2]))
             lo = a.get_xfer_descs(local, mem_type)
             re_ = a.get_xfer_descs(remote, mem_type)
             handle = a.initialize_xfer("READ", lo, re_, remote_agent, notif)
@@ -349,9 +403,14 @@ class NixlDriver:
 
     def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float) -> None:
         now = time.monotonic()
-        state = a.transfer(handle)
+        self._posted += 1
+        try:
+            state = a.transfer(handle)
+        except Exception:
+            self._release(_Inflight(handle, done, now, now))  # do not leak the handle
+            raise
         if state == "ERR":
-            handle.release()
+            self._release(_Inflight(handle, done, now, now))
             done.set_exception(TransferError("NIXL refused to post the transfer (backend error)"))
             return
         self._inflight.append(_Inflight(handle, done, now, now + timeout_s))

@@ -1,4 +1,5 @@
 from . import common_pb2 as _common_pb2
+from . import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,24 +9,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRankRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "spec", "tensors")
+    __slots__ = ("engine_id", "rank", "spec", "tensors", "leader_address")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     spec: _common_pb2.EngineSpec
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorHandle]
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHandle, _Mapping]]] = ...) -> None: ...
+    leader_address: str
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHandle, _Mapping]]] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
-    __slots__ = ("sidecar_id", "peer_address")
+    __slots__ = ("sidecar_id", "peer_address", "leader_address")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     peer_address: str
-    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    leader_address: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class UnregisterRankRequest(_message.Message):
     __slots__ = ("engine_id", "rank")

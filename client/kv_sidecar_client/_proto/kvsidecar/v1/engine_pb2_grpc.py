@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from . import engine_pb2 as kvsidecar_dot_v1_dot_engine__pb2
+from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -70,6 +71,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Status',
+                request_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -78,7 +84,9 @@ class EngineServiceServicer:
 
     def RegisterRank(self, request, context):
         """Register one rank's KV tensors. A second registration of the same
-        (engine_id, rank) is ALREADY_EXISTS.
+        (engine_id, rank) is ALREADY_EXISTS. A rank of an engine that spans
+        several sidecars names the engine's leader sidecar; this sidecar then
+        reports its ranks to the leader before answering (docs/multinode.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +134,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Registered engines, peers, transfers in flight, recent throughput (kv-sidecar status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +178,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +375,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Abort',
             kvsidecar_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Status',
+            kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
 from . import common_pb2 as _common_pb2
+from . import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -47,8 +48,22 @@ class HandshakeRequest(_message.Message):
     plan_hash: str
     def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
 
+class SidecarRanks(_message.Message):
+    __slots__ = ("sidecar_id", "peer_address", "agent_name", "agent_metadata", "ranks")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    peer_address: str
+    agent_name: str
+    agent_metadata: bytes
+    ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
+    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
+
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash")
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +71,7 @@ class HandshakeResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sidecar_id: str
     agent_name: str
@@ -63,23 +79,26 @@ class HandshakeResponse(_message.Message):
     spec: _common_pb2.EngineSpec
     ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
     plan_hash: str
-    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[SidecarRanks]
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
-    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash")
+    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_RANKS_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    READER_SPEC_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     engine_id: str
     request_id: str
     reader_engine_id: str
     reader_ranks: _containers.RepeatedScalarFieldContainer[int]
     plan_hash: str
-    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+    reader_spec: _common_pb2.EngineSpec
+    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
     __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms")
@@ -124,3 +143,121 @@ class CloseReadRequest(_message.Message):
 class CloseReadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GatherOpen(_message.Message):
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_SPEC_FIELD_NUMBER: _ClassVar[int]
+    READER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    reader_engine_id: str
+    reader_spec: _common_pb2.EngineSpec
+    reader_rank: int
+    source_rank: int
+    plan_hash: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+
+class GatherChunk(_message.Message):
+    __slots__ = ("index", "slot", "start_token", "end_token")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    slot: int
+    start_token: int
+    end_token: int
+    def __init__(self, index: _Optional[int] = ..., slot: _Optional[int] = ..., start_token: _Optional[int] = ..., end_token: _Optional[int] = ...) -> None: ...
+
+class GatherRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: GatherOpen
+    chunk: GatherChunk
+    def __init__(self, open: _Optional[_Union[GatherOpen, _Mapping]] = ..., chunk: _Optional[_Union[GatherChunk, _Mapping]] = ...) -> None: ...
+
+class GatherOpened(_message.Message):
+    __slots__ = ("slots", "slot_bytes")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    slot_bytes: int
+    def __init__(self, slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class GatherReady(_message.Message):
+    __slots__ = ("index", "address", "length", "device_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: int
+    length: int
+    device_id: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class GatherReply(_message.Message):
+    __slots__ = ("opened", "ready")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    opened: GatherOpened
+    ready: GatherReady
+    def __init__(self, opened: _Optional[_Union[GatherOpened, _Mapping]] = ..., ready: _Optional[_Union[GatherReady, _Mapping]] = ...) -> None: ...
+
+class ReportRanksRequest(_message.Message):
+    __slots__ = ("protocol_version", "engine_id", "spec", "member")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    engine_id: str
+    spec: _common_pb2.EngineSpec
+    member: SidecarRanks
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., member: _Optional[_Union[SidecarRanks, _Mapping]] = ...) -> None: ...
+
+class ReportRanksResponse(_message.Message):
+    __slots__ = ("leader_id",)
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    leader_id: str
+    def __init__(self, leader_id: _Optional[str] = ...) -> None: ...
+
+class PeerPublishRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms", "leader_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    lease_ms: int
+    leader_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., leader_id: _Optional[str] = ...) -> None: ...
+
+class PeerPublishResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerAbortRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PeerAbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

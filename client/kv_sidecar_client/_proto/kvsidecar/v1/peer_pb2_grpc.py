@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from . import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
+from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -55,6 +56,31 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
                 _registered_method=True)
+        self.Gather = channel.stream_stream(
+                '/kvsidecar.v1.PeerService/Gather',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
+                _registered_method=True)
+        self.ReportRanks = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/ReportRanks',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.ReportRanksRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.ReportRanksResponse.FromString,
+                _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Publish',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerPublishRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerPublishResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Abort',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Status',
+                request_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -89,6 +115,46 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gather(self, request_iterator, context):
+        """GPU memory: gather an opened request's tokens, already in the reader's
+        layout, into this sidecar's send ring, chunk by chunk; the reader READs
+        each ready slot over NIXL and asks for the next chunk into that slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRanks(self, request, context):
+        """Multi-node engines (docs/multinode.md). A member sidecar tells the
+        engine's leader which ranks it holds (all of them, each time; none: it
+        left), with what a reader needs to reach them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Publish(self, request, context):
+        """The leader holds a published request on every member sidecar too, so that
+        each member keeps the lease and tells its own ranks "consumed"/"expired".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """The leader releases a request on its members (the engine aborted it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Registered engines, peers, transfers in flight, recent throughput (kv-sidecar status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +177,31 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CloseRead,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.SerializeToString,
+            ),
+            'Gather': grpc.stream_stream_rpc_method_handler(
+                    servicer.Gather,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.SerializeToString,
+            ),
+            'ReportRanks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRanks,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.ReportRanksRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.ReportRanksResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerPublishRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerPublishResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +313,141 @@ class PeerService:
             '/kvsidecar.v1.PeerService/CloseRead',
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gather(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.PeerService/Gather',
+            kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRanks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/ReportRanks',
+            kvsidecar_dot_v1_dot_peer__pb2.ReportRanksRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.ReportRanksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Publish',
+            kvsidecar_dot_v1_dot_peer__pb2.PeerPublishRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.PeerPublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Abort',
+            kvsidecar_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Status',
+            kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

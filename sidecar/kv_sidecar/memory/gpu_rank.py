@@ -1,0 +1,115 @@
+"""One engine rank's KV tensors in GPU memory, mapped over CUDA IPC into whichever GPU copies.
+
+A rank is imported once into its own GPU's context at registration (a bad
+handle fails RegisterRank, not a later pull), and lazily into the context of
+any other GPU that runs a copy reading or writing it: a same-node kernel runs
+on the destination GPU and reads the source over NVLink. Closing is deferred
+while a copy still uses the mappings, because unmapping memory a kernel is
+reading would fault the sidecar's whole CUDA context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kv_sidecar.execute import gpu_geometry as geo
+from kv_sidecar.execute.gpu import GpuRankView, gpu_rank_view
+from kv_sidecar.memory.cuda_ipc import ImportedTensor, IpcRegistry, default_registry, device_for_uuid
+from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar_client.cuda_ipc import CudaIpcError
+
+
+@dataclass(frozen=True)
+class IpcTensorRef:
+    """What an engine sent for one tensor (the CudaIpcTensor message)."""
+
+    handle: bytes
+    offset: int
+    device_uuid: str
+
+
+class GpuRank:
+    def __init__(
+        self, spec: EngineSpec, rank: int, refs: list[IpcTensorRef], registry: IpcRegistry | None = None
+    ) -> None:
+        uuids = {r.device_uuid for r in refs}
+        if len(uuids) != 1:
+            raise PlanError(f"rank {rank}: its KV tensors must all be on one GPU, got {sorted(uuids)}")
+        self.spec = spec
+        self.rank = rank
+        self.device = device_for_uuid(refs[0].device_uuid)
+        self._refs = refs
+        self._nbytes = geo.tensor_nbytes(spec)
+        self._registry = registry or default_registry()
+        self._lock = threading.Lock()
+        self._views: dict[int, tuple[GpuRankView, list[ImportedTensor]]] = {}
+        self._users = 0
+        self._closed = False
+        self.view(self.device)
+
+    def view(self, device: int) -> GpuRankView:
+        """This rank's tensors as addresses valid in `device`'s primary context."""
+        with self._lock:
+            if self._closed:
+                raise PlanError(f"rank {self.rank} was unregistered")
+            known = self._views.get(device)
+            if known is not None:
+                return known[0]
+            imported: list[ImportedTensor] = []
+            try:
+                for ref in self._refs:
+                    imported.append(
+                        self._registry.open(
+                            ref.handle, ref.offset, self._nbytes, device, getattr(torch, self.spec.dtype)
+                        )
+                    )
+                view = gpu_rank_view(self.spec, self.rank, imported, device)
+            except BaseException:
+                for t in imported:
+                    t.release()
+                raise
+            self._views[device] = (view, imported)
+            return view
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the mappings open for the duration of a copy, even if the rank is unregistered meanwhile."""
+        with self._lock:
+            if self._closed:
+                raise PlanError(f"rank {self.rank} was unregistered")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                release = self._closed and self._users == 0
+            if release:
+                self._release_all()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            release = self._users == 0
+        if release:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        with self._lock:
+            views, self._views = list(self._views.values()), {}
+        for _, imported in views:
+            for t in imported:
+                with contextlib.suppress(CudaIpcError):
+                    t.release()
+
+    @property
+    def devices(self) -> list[int]:
+        with self._lock:
+            return sorted(self._views)

@@ -1,0 +1,414 @@
+"""Engines whose ranks span several sidecars (multi-node TP): leaders and members.
+
+Every engine has one leader sidecar: the one its ranks register on without a
+leader address. Ranks on other nodes register on their own sidecar naming
+the leader; that sidecar (a member) reports the ranks it holds, with its NIXL
+metadata and memory regions, to the leader, which keeps the rank->sidecar
+map and hands it to readers in the handshake. The engine publishes on the
+leader only; the leader holds the request on every member too, so each
+sidecar keeps the lease for, and tells "consumed"/"expired" to, the ranks it
+holds. See docs/multinode.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.plan.blocks import check_block_ids
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
+from kv_sidecar.server.errors import Code, SidecarError, check_id
+from kv_sidecar.server.peers import rpc_error
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, peer_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+REPORT_TIMEOUT_S = 10.0  # a rank registration waits this long for its leader
+FANOUT_TIMEOUT_S = 5.0  # publish/keep-alive/abort forwarded to members
+# Members repeat their report this often: a leader whose engine re-registered (or
+# that restarted) forgot its map and gets it back within this time.
+REFRESH_S = 2.0
+
+
+def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
+    """What a reader needs to READ one registered rank over NIXL."""
+    return peer_pb2.RankMemory(
+        rank=entry.rank,
+        memory_kind=entry.memory_kind,
+        regions=[peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in entry.regions],
+    )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
+
+
+class Membership:
+    """Leader side: engine -> member sidecars. Member side: engine -> leader address."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sc = sidecar
+        self._lock = threading.Lock()
+        self._members: dict[str, dict[str, peer_pb2.SidecarRanks]] = {}  # engine -> sidecar id -> ranks
+        self._leaders: dict[str, str] = {}  # engine -> leader address, for engines this sidecar follows
+        self._report_locks: dict[str, threading.Lock] = {}
+        self._refresher: threading.Thread | None = None
+
+    # -- queries --------------------------------------------------------------
+    def leader_of(self, engine_id: str) -> str | None:
+        """The leader's address if this sidecar is a member for `engine_id`, else None."""
+        return self._leaders.get(engine_id)
+
+    def members(self, engine_id: str) -> list[peer_pb2.SidecarRanks]:
+        with self._lock:
+            return list(self._members.get(engine_id, {}).values())
+
+    def member_ranks(self, engine_id: str) -> dict[int, str]:
+        """Rank -> sidecar id, for the ranks members hold (leader side)."""
+        return {r.rank: m.sidecar_id for m in self.members(engine_id) for r in m.ranks}
+
+    def is_split(self, engine_id: str) -> bool:
+        return engine_id in self._leaders or bool(self.members(engine_id))
+
+    def held_here(self, engine_id: str) -> list[int] | None:
+        """Prefill ranks a published request waits for on this sidecar; None: all (a one-sidecar engine)."""
+        if not self.is_split(engine_id):
+            return None
+        return [e.rank for e in self._sc.engines.all() if e.engine_id == engine_id]
+
+    # -- registration (engine API) ---------------------------------------------------
+    def register_rank(
+        self,
+        engine_id: str,
+        rank: int,
+        spec: EngineSpec,
+        handles: list[common_pb2.TensorHandle],
+        leader_address: str,
+    ) -> str:
+        """Register a rank here; as a member also report to the leader. Returns the leader's address."""
+        sc = self._sc
+        if not leader_address or leader_address == sc.peer_address:
+            return self._register_as_leader(engine_id, rank, spec, handles)
+        with self._lock:
+            followed = self._leaders.get(engine_id)
+            if followed is not None and followed != leader_address:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"engine {engine_id!r} rank {rank} names leader {leader_address}, but its other ranks "
+                    f"on this sidecar follow the leader at {followed}",
+                )
+            if followed is None and any(e.engine_id == engine_id for e in sc.engines.all()):
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"this sidecar leads engine {engine_id!r} (its ranks here name no leader); "
+                    f"rank {rank} names the leader {leader_address}",
+                )
+            self._leaders[engine_id] = leader_address
+        try:
+            sc.engines.register(engine_id, rank, spec, handles)
+        except BaseException:
+            self._forget_leader_if_idle(engine_id)
+            raise
+        try:
+            self.report(engine_id)
+        except BaseException:
+            sc.engines.unregister(engine_id, rank)
+            self._forget_leader_if_idle(engine_id)
+            raise
+        self._ensure_refresher()
+        return leader_address
+
+    def _register_as_leader(
+        self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
+    ) -> str:
+        sc = self._sc
+        followed = self._leaders.get(engine_id)
+        if followed is not None:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {engine_id!r} has ranks on this sidecar that follow the leader at {followed}; "
+                f"rank {rank} names no leader",
+            )
+        holder = self.member_ranks(engine_id).get(rank)
+        if holder is not None:
+            raise SidecarError(
+                Code.ALREADY_EXISTS,
+                f"engine {engine_id!r} rank {rank} is already registered on sidecar {holder}",
+            )
+        sc.engines.register(engine_id, rank, spec, handles)
+        return sc.peer_address
+
+    def _forget_leader_if_idle(self, engine_id: str) -> None:
+        with self._lock:
+            if not any(e.engine_id == engine_id for e in self._sc.engines.all()):
+                self._leaders.pop(engine_id, None)
+
+    def _ensure_refresher(self) -> None:
+        with self._lock:
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh, name="leader-refresh", daemon=True)
+                self._refresher.start()
+
+    def _refresh(self) -> None:
+        """Re-report every followed engine; ends when this sidecar follows none."""
+        failing: set[str] = set()
+        while True:
+            time.sleep(REFRESH_S)
+            with self._lock:
+                engines = list(self._leaders)
+                if not engines:
+                    self._refresher = None
+                    return
+            for eid in engines:
+                try:
+                    self.report(eid, quiet=True)
+                    failing.discard(eid)
+                except SidecarError as e:
+                    if eid not in failing:  # once per outage, not every round
+                        log.warning("cannot refresh engine %s on its leader: %s", eid, e.message)
+                    failing.add(eid)
+
+    def report(self, engine_id: str, quiet: bool = False) -> None:
+        """Tell the leader which ranks of `engine_id` this sidecar holds now (none: it left)."""
+        sc = self._sc
+        with self._lock:
+            lock = self._report_locks.setdefault(engine_id, threading.Lock())
+        # One report at a time per engine, so the leader never sees an older rank set last.
+        with lock:
+            leader = self._leaders.get(engine_id)
+            if leader is None:
+                return
+            entries = sorted((e for e in sc.engines.all() if e.engine_id == engine_id), key=lambda e: e.rank)
+            req = peer_pb2.ReportRanksRequest(
+                protocol_version=PROTOCOL_VERSION,
+                engine_id=engine_id,
+                member=peer_pb2.SidecarRanks(
+                    sidecar_id=sc.sidecar_id,
+                    peer_address=sc.peer_address,
+                    agent_name=sc.sidecar_id,
+                    agent_metadata=sc.nixl.metadata() if entries else b"",
+                    ranks=[rank_memory(e) for e in entries],
+                ),
+            )
+            if entries:
+                req.spec.CopyFrom(spec_to_proto(entries[0].spec))
+            try:
+                sc.peers.link(leader).stub.ReportRanks(
+                    req, timeout=REPORT_TIMEOUT_S, metadata=sc.peer_metadata()
+                )
+            except grpc.RpcError as e:
+                err = rpc_error(e, leader, f"the ranks of engine {engine_id!r}")
+                if err.code is Code.UNAVAILABLE:
+                    raise SidecarError(
+                        Code.UNAVAILABLE, f"leader sidecar of engine {engine_id!r}: {err.message}"
+                    ) from None
+                # NOT_FOUND from the leader (it does not know the engine) is a precondition here.
+                code = Code.FAILED_PRECONDITION if err.code is Code.NOT_FOUND else err.code
+                raise SidecarError(code, f"leader sidecar of engine {engine_id!r}: {err.message}") from None
+        (log.debug if quiet else log.info)(
+            "reported ranks %s of engine %s to leader %s",
+            _ranks_text([e.rank for e in entries]),
+            engine_id,
+            leader,
+        )
+
+    def after_unregister(self, engine_id: str) -> None:
+        """A rank left: a member updates its leader; a leader with no ranks left stops leading."""
+        remaining = any(e.engine_id == engine_id for e in self._sc.engines.all())
+        if engine_id in self._leaders:
+            try:
+                self.report(engine_id)
+            except SidecarError as e:
+                log.warning("could not update the leader of engine %s: %s", engine_id, e.message)
+            if not remaining:
+                self._forget_leader_if_idle(engine_id)
+        elif not remaining:
+            with self._lock:
+                dropped = self._members.pop(engine_id, None)
+            if dropped:
+                log.info("engine %s left this (leader) sidecar; forgot %d members", engine_id, len(dropped))
+
+    # -- leader side (peer API) ------------------------------------------------------
+    def accept_report(self, req: peer_pb2.ReportRanksRequest) -> None:
+        sc = self._sc
+        if req.protocol_version != PROTOCOL_VERSION:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"protocol version {req.protocol_version} is not supported; this sidecar speaks {PROTOCOL_VERSION}",
+            )
+        check_id("engine_id", req.engine_id)
+        m = req.member
+        check_id("member.sidecar_id", m.sidecar_id)
+        eid = req.engine_id
+        followed = self._leaders.get(eid)
+        if followed is not None:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"this sidecar does not lead engine {eid!r}: its ranks here follow the leader at {followed}",
+            )
+        local = [e for e in sc.engines.all() if e.engine_id == eid]
+        if not m.ranks:
+            with self._lock:
+                gone = self._members.get(eid, {}).pop(m.sidecar_id, None)
+            if gone is not None:
+                log.info("sidecar %s holds no rank of engine %s any more", m.sidecar_id, eid)
+            return
+        if not local:
+            raise SidecarError(
+                Code.NOT_FOUND,
+                f"this sidecar does not lead engine {eid!r}: no rank of it is registered here "
+                f"(register the leader's ranks first, naming no leader)",
+            )
+        spec = local[0].spec
+        if not req.HasField("spec") or spec_from_proto(req.spec) != spec:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {eid!r} on sidecar {m.sidecar_id} declares a spec that differs from the leader's",
+            )
+        ranks = [r.rank for r in m.ranks]
+        bad = [r for r in ranks if r >= spec.tp_size]
+        if bad or len(set(ranks)) != len(ranks):
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"ranks {ranks} of engine {eid!r} repeat or fall outside tp_size {spec.tp_size}",
+            )
+        on_leader = sorted(set(ranks) & {e.rank for e in local})
+        if on_leader:
+            raise SidecarError(
+                Code.ALREADY_EXISTS,
+                f"engine {eid!r} rank(s) {_ranks_text(on_leader)} are already registered on the leader",
+            )
+        with self._lock:
+            members = self._members.setdefault(eid, {})
+            for sid, other in list(members.items()):
+                if sid == m.sidecar_id:
+                    continue
+                if other.peer_address == m.peer_address:
+                    del members[sid]  # the same address under a new id: that sidecar restarted
+                    continue
+                clash = sorted(set(ranks) & {r.rank for r in other.ranks})
+                if clash:
+                    raise SidecarError(
+                        Code.ALREADY_EXISTS,
+                        f"engine {eid!r} rank(s) {_ranks_text(clash)} are already held by sidecar {sid} "
+                        f"at {other.peer_address}",
+                    )
+            if members.get(m.sidecar_id) == m:
+                return  # a refresh: nothing changed
+            members[m.sidecar_id] = peer_pb2.SidecarRanks()
+            members[m.sidecar_id].CopyFrom(m)
+        log.info("sidecar %s at %s holds ranks %s of engine %s", m.sidecar_id, m.peer_address, ranks, eid)
+
+    def check_publish(self, engine_id: str, tp_size: int) -> None:
+        """Publish happens on the leader, once every rank is registered somewhere (else no reader could finish)."""
+        leader = self._leaders.get(engine_id)
+        if leader is not None:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {engine_id!r} is led by the sidecar at {leader}: publish there "
+                f"(it holds the request on every sidecar of the engine)",
+            )
+        held = set(self.member_ranks(engine_id)) | {
+            e.rank for e in self._sc.engines.all() if e.engine_id == engine_id
+        }
+        missing = sorted(set(range(tp_size)) - held)
+        if missing:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {engine_id!r} rank(s) {_ranks_text(missing)} are registered on no sidecar; "
+                f"register every rank before publishing",
+            )
+
+    def publish_on_members(
+        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, lease_ms: int
+    ) -> None:
+        """Hold the request on every member; undo everywhere if one refuses."""
+        sc = self._sc
+        req = peer_pb2.PeerPublishRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            lease_ms=lease_ms,
+            leader_id=sc.sidecar_id,
+        )
+        done: list[peer_pb2.SidecarRanks] = []
+        for m in self.members(engine_id):
+            try:
+                sc.peers.link(m.peer_address).stub.Publish(
+                    req, timeout=FANOUT_TIMEOUT_S, metadata=sc.peer_metadata()
+                )
+            except grpc.RpcError as e:
+                for d in done:
+                    self._abort_on(d, engine_id, request_id)
+                err = rpc_error(
+                    e,
+                    m.peer_address,
+                    f"to hold request {request_id!r} for ranks {_ranks_text([r.rank for r in m.ranks])}",
+                )
+                raise err from None
+            done.append(m)
+
+    def abort_on_members(self, engine_id: str, request_id: str) -> None:
+        for m in self.members(engine_id):
+            self._abort_on(m, engine_id, request_id)
+
+    def _abort_on(self, m: peer_pb2.SidecarRanks, engine_id: str, request_id: str) -> None:
+        sc = self._sc
+        try:
+            sc.peers.link(m.peer_address).stub.Abort(
+                peer_pb2.PeerAbortRequest(engine_id=engine_id, request_id=request_id),
+                timeout=FANOUT_TIMEOUT_S,
+                metadata=sc.peer_metadata(),
+            )
+        except grpc.RpcError as e:
+            # Its lease still runs out; the member's ranks then hear "expired".
+            log.warning("could not release request %s on member %s: %s", request_id, m.peer_address, e)
+
+    def keep_alive(self, engine_id: str, request_ids: Sequence[str]) -> list[int]:
+        """Extend leases here and on every member; a request counts as alive only where all hold it."""
+        sc = self._sc
+        out = [sc.published.keep_alive(engine_id, r) for r in request_ids]
+        for m in self.members(engine_id):
+            try:
+                resp = sc.peers.link(m.peer_address).stub.KeepAlive(
+                    peer_pb2.PeerKeepAliveRequest(engine_id=engine_id, request_ids=request_ids),
+                    timeout=FANOUT_TIMEOUT_S,
+                    metadata=sc.peer_metadata(),
+                )
+            except grpc.RpcError as e:
+                raise rpc_error(e, m.peer_address, "keep-alive") from None
+            out = [min(a, b) for a, b in zip(out, resp.lease_deadline_unix_ms, strict=True)]
+        return out
+
+    # -- member side (peer API) ---------------------------------------------------------
+    def accept_publish(self, req: peer_pb2.PeerPublishRequest) -> None:
+        sc = self._sc
+        check_id("engine_id", req.engine_id)
+        check_id("request_id", req.request_id)
+        if req.engine_id not in self._leaders:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"this sidecar holds no rank of engine {req.engine_id!r} for a leader",
+            )
+        spec = sc.engines.spec(req.engine_id)
+        check_block_ids("prefill", req.block_ids, spec.num_blocks)
+        sc.published.publish(
+            req.engine_id,
+            req.request_id,
+            list(req.block_ids),
+            req.num_tokens,
+            (req.lease_ms or sc.settings.lease_ms) / 1000,
+            ranks=self.held_here(req.engine_id),
+        )
+        sc.refresh_gauges()

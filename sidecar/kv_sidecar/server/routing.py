@@ -1,0 +1,137 @@
+"""Reader side of a pull: send each control call and notification to the sidecar that holds the source rank.
+
+A one-node source engine has one holder (its sidecar) for every rank. A
+multi-node engine's handshake with its leader returns the rank->sidecar map
+(`RemoteEngine.holders`); a pull then opens the request on every holder of a
+rank its decode ranks read or notify, READs each rank from its holder's NIXL
+agent, and tells each holder which of *its* ranks a decode rank is done with.
+See docs/multinode.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kv_sidecar.plan.pair import DecodeRankPlan
+from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.peers import Holder, RemoteEngine, rpc_error
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+def depends_on(rank_plan: DecodeRankPlan) -> list[int]:
+    """Prefill ranks one decode rank reads or only notifies, in plan order."""
+    return [r.prefill_rank for r in rank_plan.reads] + list(rank_plan.notify_only)
+
+
+def by_holder(
+    remote: RemoteEngine, prefill_ranks: Iterable[int], own_sidecar_id: str
+) -> dict[Holder, list[int]]:
+    """Group prefill ranks by the sidecar holding them (dict order: first seen)."""
+    out: dict[Holder, list[int]] = {}
+    for p in prefill_ranks:
+        holder = remote.holders.get(p)
+        if holder is None:
+            known = sorted(remote.holders)
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"no sidecar holds rank {p} of engine {remote.engine_id!r} (its leader knows ranks {known}); "
+                f"are all its ranks registered?",
+            )
+        if holder.sidecar_id == own_sidecar_id:
+            raise SidecarError(
+                Code.UNIMPLEMENTED,
+                f"rank {p} of engine {remote.engine_id!r} is registered on this sidecar while others are "
+                f"not: pulling from an engine that spans the reading sidecar and others is not supported",
+            )
+        ranks = out.setdefault(holder, [])
+        if p not in ranks:
+            ranks.append(p)
+    return out
+
+
+def holders_needed(
+    remote: RemoteEngine, rank_plans: Sequence[DecodeRankPlan], own_sidecar_id: str
+) -> dict[Holder, list[int]]:
+    """Every holder the given decode ranks depend on, with the prefill ranks they need there."""
+    return by_holder(remote, (p for rp in rank_plans for p in depends_on(rp)), own_sidecar_id)
+
+
+def open_reads(
+    sc: Sidecar,
+    remote: RemoteEngine,
+    holders: Sequence[Holder],
+    req: engine_pb2.PullRequest,
+    reader_ranks: list[int],
+    deadline: float,
+) -> peer_pb2.OpenReadResponse:
+    """OpenRead on each holder; they must agree on the request. On failure, close what was opened."""
+    p = req.params
+    msg = peer_pb2.OpenReadRequest(
+        sidecar_id=sc.sidecar_id,
+        engine_id=p.engine_id,
+        request_id=p.request_id,
+        reader_engine_id=req.engine_id,
+        reader_ranks=reader_ranks,
+        plan_hash=remote.plan.hash(),
+        reader_spec=spec_to_proto(remote.plan.decode),
+    )
+    first: peer_pb2.OpenReadResponse | None = None
+    opened: list[Holder] = []
+    try:
+        for holder in holders:
+            try:
+                resp = sc.peers.link(holder.address).stub.OpenRead(
+                    msg, timeout=max(0.001, deadline - time.monotonic()), metadata=sc.peer_metadata()
+                )
+            except grpc.RpcError as e:
+                raise rpc_error(e, holder.address, f"to open request {p.request_id!r}") from None
+            opened.append(holder)
+            if first is None:
+                first = resp
+            elif (list(resp.block_ids), resp.num_tokens) != (list(first.block_ids), first.num_tokens):
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"sidecars of engine {p.engine_id!r} disagree on request {p.request_id!r} "
+                    f"({holders[0].address} and {holder.address})",
+                )
+    except Exception:
+        close_reads(sc, opened, req, reader_ranks, failed=True)
+        raise
+    if first is None:
+        raise SidecarError(Code.INTERNAL, f"request {p.request_id!r}: no source sidecar to read from")
+    return first
+
+
+def close_reads(
+    sc: Sidecar,
+    holders: Sequence[Holder],
+    req: engine_pb2.PullRequest,
+    reader_ranks: list[int],
+    failed: bool,
+    release: bool = False,
+) -> None:
+    """release: the reader is gone for good (abort, dead engine); the holders free the blocks now."""
+    msg = peer_pb2.CloseReadRequest(
+        engine_id=req.params.engine_id,
+        request_id=req.params.request_id,
+        reader_engine_id=req.engine_id,
+        reader_ranks=reader_ranks,
+        failed=failed,
+        release=release,
+    )
+    for holder in holders:
+        try:
+            sc.peers.link(holder.address).stub.CloseRead(msg, timeout=2, metadata=sc.peer_metadata())
+        except grpc.RpcError:
+            log.warning("could not tell %s that request %s failed", holder.address, req.params.request_id)

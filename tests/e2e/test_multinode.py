@@ -1,0 +1,307 @@
+"""Engines whose ranks span several sidecars (multi-node TP), through four real sidecar processes.
+
+Sidecars a, b, c, d stand for four nodes. A prefill engine spread over a
+(leader) and b publishes on a; the transfer params carry only the engine id
+and a's address; decode sidecars learn from a which sidecar holds each rank,
+read every rank from its own sidecar, and each prefill rank hears "consumed"
+on the sidecar it is registered on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kv_sidecar.plan.pair import plan_pair
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server.membership import REFRESH_S
+from kv_sidecar_client import KVSidecarError, SidecarClient
+from kv_sidecar_client.shm import ShmKVCache
+
+from .conftest import spec_dict
+
+Nodes = dict[str, SidecarProcess]
+_ids = itertools.count()
+TOKENS = 75  # not a multiple of the block size: the last block is partial
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    names = ("a", "b", "c", "d")
+    with ThreadPoolExecutor(len(names)) as pool:  # NIXL start-up dominates; overlap it
+        procs = dict(zip(names, pool.map(lambda n: SidecarProcess(f"node-{n}"), names), strict=True))
+    yield procs
+    codes = {n: p.stop() for n, p in procs.items()}
+    assert all(c == 0 for c in codes.values()), f"sidecars exited with {codes}:\n" + "\n".join(
+        line for p in procs.values() for line in p.stderr_tail
+    )
+    assert not any(os.path.exists(p.socket) for p in procs.values())
+
+
+def _engine(
+    nodes: Nodes, placement: dict[str, list[int]], engine_id: str, spec: EngineSpec
+) -> dict[str, EngineProcess]:
+    """One engine process per sidecar, holding the given ranks; the first sidecar named is the leader."""
+    leader = next(iter(placement))
+    procs: dict[str, EngineProcess] = {}
+    try:
+        for node, ranks in placement.items():  # the leader's ranks register first
+            procs[node] = EngineProcess(
+                nodes[node].socket,
+                engine_id,
+                spec,
+                ranks=ranks,
+                leader="" if node == leader else nodes[leader].peer_address,
+            )
+    except BaseException:
+        for p in procs.values():
+            p.stop()
+        raise
+    return procs
+
+
+def _events(proc: EngineProcess, count: int, timeout_s: float = 10) -> list[tuple[str, str, int]]:
+    out = []
+    for _ in range(count):
+        ev = proc.send({"cmd": "next_event", "timeout_s": timeout_s})
+        assert ev["ok"], ev
+        out.append((ev["kind"], ev["request_id"], ev["rank"]))
+    return out
+
+
+def _no_event(proc: EngineProcess) -> None:
+    ev = proc.send({"cmd": "next_event", "timeout_s": 0.3})
+    assert not ev["ok"], f"unexpected event {ev}"
+
+
+CASES = {
+    # name: (prefill overrides, prefill placement, decode overrides, decode placement, path)
+    "p4-over-a,b-to-d2-on-c": (
+        {"tp_size": 4},
+        {"a": [0, 1], "b": [2, 3]},
+        {"tp_size": 2, "layout": "flash_attn_hnd"},
+        {"c": [0, 1]},
+        "host-nixl-staged",
+    ),
+    "p2-over-a,b-to-d4-over-c,d": (
+        {"tp_size": 2},
+        {"a": [0], "b": [1]},
+        {"tp_size": 4, "block_size": 32},
+        {"c": [0, 1], "d": [2, 3]},
+        "host-nixl-staged",
+    ),
+    "p2-over-a,b-to-d2-over-c,d-identity": (
+        {"tp_size": 2},
+        {"a": [0], "b": [1]},
+        {"tp_size": 2},
+        {"c": [0], "d": [1]},
+        "host-nixl",
+    ),
+    # Every prefill rank is consumed by decode ranks on both decode sidecars (MLA round robin).
+    "mla-p2-on-a-to-d4-over-c,d": (
+        {"tp_size": 2, "num_kv_heads": 1, "head_dim": 32, "layout": "mla"},
+        {"a": [0, 1]},
+        {"tp_size": 4, "num_kv_heads": 1, "head_dim": 32, "layout": "mla"},
+        {"c": [0, 1], "d": [2, 3]},
+        "host-nixl-staged",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_engines_are_bit_exact(nodes: Nodes, case: str) -> None:
+    p_over, p_place, d_over, d_place, path = CASES[case]
+    pspec, dspec = EngineSpec.from_dict(spec_dict(**p_over)), EngineSpec.from_dict(spec_dict(**d_over))
+    plan = plan_pair(pspec, dspec)
+    n = next(_ids)
+    prefill = _engine(nodes, p_place, f"p-{n}", pspec)
+    try:
+        decode = _engine(nodes, d_place, f"d-{n}", dspec)
+    except BaseException:
+        for p in prefill.values():
+            p.stop()
+        raise
+    procs = [*prefill.values(), *decode.values()]
+    try:
+        for request in range(2):  # the second pull uses the cached handshake and map
+            rid = f"r{request}"
+            src = [
+                pspec.num_blocks - 1 - 3 * j - request for j in range(math.ceil(TOKENS / pspec.block_size))
+            ]
+            dst = [5 * j + 1 + request for j in range(math.ceil(TOKENS / dspec.block_size))]
+            seed = 100 * n + request
+            fill = {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": TOKENS, "seed": seed}
+            leader, *members = prefill
+            for node in members:  # ranks on member sidecars only fill; the leader publishes once
+                assert prefill[node].send(fill | {"publish": False})["ok"]
+            pub = prefill[leader].send(fill)
+            assert pub["ok"], pub
+            params = pub["params"]
+            assert params["sidecar_address"] == nodes[leader].peer_address
+            assert params["engine_id"] == f"p-{n}"
+
+            done_decode: set[int] = set()
+            told: set[int] = set()
+            for node, proc in decode.items():  # each decode sidecar fills the ranks registered on it
+                res = proc.send({"cmd": "pull", "params": params, "block_ids": dst, "seed": seed})
+                assert res["ok"], res
+                assert res["verified"], res["errors"]  # bit-exact, and nothing outside dst changed
+                assert res["path"] == path
+                done_decode |= set(d_place[node])
+                # Exactly the prefill ranks whose every consumer is done hear "consumed", where they live.
+                due = {p for p in range(pspec.tp_size) if plan.consumers_of(p) <= done_decode} - told
+                for pnode, pproc in prefill.items():
+                    mine = sorted(due & set(p_place[pnode]))
+                    got = _events(pproc, len(mine))
+                    assert sorted(got) == [("consumed", rid, r) for r in mine], (case, node, got)
+                    if len(decode) > 1 and node != list(decode)[-1]:
+                        _no_event(pproc)
+                told |= due
+            assert told == set(range(pspec.tp_size))
+    finally:
+        for p in procs:
+            p.stop()
+
+
+SPEC = EngineSpec.from_dict(spec_dict(tp_size=2))
+
+
+@pytest.fixture
+def shm_caches() -> Iterator[list[ShmKVCache]]:
+    caches: list[ShmKVCache] = []
+    yield caches
+    for c in caches:
+        c.close()
+
+
+def _cache(caches: list[ShmKVCache], spec: EngineSpec = SPEC) -> list:
+    cache = ShmKVCache(spec.rank_tensor_shapes(), torch.float16)
+    caches.append(cache)
+    return cache.handles()
+
+
+def _expect(code: str, fragments: tuple[str, ...], fn) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(KVSidecarError) as info:
+        fn()
+    assert info.value.code == code, info.value
+    for f in fragments:
+        assert f in info.value.message, info.value.message
+
+
+def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]) -> None:
+    a, b = nodes["a"], nodes["b"]
+    eid = f"bad-{next(_ids)}"
+    spec = SPEC.to_dict()
+    with SidecarClient(a.socket) as ca, SidecarClient(b.socket) as cb:
+        # A leader nobody listens on: UNAVAILABLE naming it, and the rank is not left registered.
+        _expect(
+            "UNAVAILABLE",
+            ("127.0.0.1:1", "not reachable", repr(eid)),
+            lambda: cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address="127.0.0.1:1"),
+        )
+        # A live leader that does not know the engine (its ranks did not register there first).
+        _expect(
+            "FAILED_PRECONDITION",
+            (a.peer_address, f"does not lead engine {eid!r}"),
+            lambda: cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address),
+        )
+        resp = ca.register_rank(eid, 0, spec, _cache(shm_caches))
+        assert resp.leader_address == a.peer_address
+        # The leader refuses a different spec, and a rank it already holds.
+        other = SPEC.to_dict() | {"num_blocks": 32}
+        _expect(
+            "FAILED_PRECONDITION",
+            ("differs from the leader's",),
+            lambda: cb.register_rank(
+                eid, 1, other, _cache(shm_caches, EngineSpec.from_dict(other)), leader_address=a.peer_address
+            ),
+        )
+        _expect(
+            "ALREADY_EXISTS",
+            ("already registered on the leader",),
+            lambda: cb.register_rank(eid, 0, spec, _cache(shm_caches), leader_address=a.peer_address),
+        )
+        # Until rank 1 registers somewhere, publishing would strand readers: refused.
+        _expect(
+            "FAILED_PRECONDITION",
+            ("[1]", "registered on no sidecar"),
+            lambda: ca.publish(eid, "early", [1], 16),
+        )
+        # Rank 1 registers fine now: the failed attempts left nothing behind on b.
+        joined = cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address)
+        assert joined.leader_address == a.peer_address
+        _expect(
+            "FAILED_PRECONDITION",
+            (f"led by the sidecar at {a.peer_address}", "publish there"),
+            lambda: cb.publish(eid, "on-member", [1], 16),
+        )
+        params = ca.publish(eid, "ok", [1], 16)
+        assert params.sidecar_address == a.peer_address
+        assert ca.keep_alive([params])[0] > 0  # the leader extends it on b too
+        assert ca.abort(eid, "ok")
+        # A member rank that leaves is forgotten by the leader.
+        cb.unregister_rank(eid, 1)
+        _expect(
+            "FAILED_PRECONDITION", ("registered on no sidecar",), lambda: ca.publish(eid, "late", [1], 16)
+        )
+        ca.unregister_rank(eid, 0)
+
+
+def test_split_engine_leases_and_aborts_reach_every_rank(nodes: Nodes) -> None:
+    """The leader holds the request on its member: expiry is told on both sidecars, an abort releases both."""
+    n = next(_ids)
+    prefill = _engine(nodes, {"a": [0], "b": [1]}, f"lease-p-{n}", SPEC)
+    decode = EngineProcess(nodes["c"].socket, f"lease-d-{n}", SPEC)
+    try:
+        fill = {"cmd": "prefill", "block_ids": [3], "num_tokens": 16, "seed": 1, "lease_ms": 500}
+        for rid in ("aborted", "expiring"):
+            assert prefill["b"].send(fill | {"request_id": rid, "publish": False})["ok"]
+        assert prefill["a"].send(fill | {"request_id": "aborted"})["ok"]
+        assert prefill["a"].send({"cmd": "abort", "request_id": "aborted"})["found"]
+        pub = prefill["a"].send(fill | {"request_id": "expiring"})
+        # Only "expiring" runs out, on both sidecars: the abort released the member's copy too.
+        for node, rank in (("a", 0), ("b", 1)):
+            assert _events(prefill[node], 1) == [("lease_expired", "expiring", rank)]
+            _no_event(prefill[node])
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7], "seed": 1})
+        assert not res["ok"] and res["error_code"] == "FAILED_PRECONDITION", res
+        assert "expired" in res["error"] and res["unfilled_blocks"] == [7], res
+        assert res["verified"], res["errors"]  # the failed pull wrote nothing
+    finally:
+        for p in [*prefill.values(), decode]:
+            p.stop()
+
+
+def test_leader_that_lost_its_map_gets_it_back(nodes: Nodes) -> None:
+    """The leader's engine process restarts: the leader forgets the map, the member's next refresh restores it."""
+    n = next(_ids)
+    eid = f"relead-{n}"
+    prefill = _engine(nodes, {"a": [0], "b": [1]}, eid, SPEC)
+    decode = EngineProcess(nodes["c"].socket, f"relead-d-{n}", SPEC)
+    try:
+        prefill["a"].stop()  # rank 0 unregisters: a holds no rank of the engine and drops its map
+        prefill["a"] = EngineProcess(nodes["a"].socket, eid, SPEC, ranks=[0])
+        fill = {"cmd": "prefill", "request_id": "r", "block_ids": [4, 9], "num_tokens": 20, "seed": 5}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        pub = prefill["a"].send(fill)
+        assert not pub["ok"] and "[1]" in pub["error"] and "registered on no sidecar" in pub["error"], pub
+        deadline = time.monotonic() + 10 * REFRESH_S
+        while not pub["ok"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pub = prefill["a"].send(fill)
+        assert pub["ok"], pub
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 5})
+        assert res["ok"] and res["verified"], res
+        for node, rank in (("a", 0), ("b", 1)):
+            assert _events(prefill[node], 1) == [("consumed", "r", rank)]
+    finally:
+        for p in [*prefill.values(), decode]:
+            p.stop()
