@@ -13,9 +13,12 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
+from kv_sidecar_client.session import Backoff, EngineSession
 
 __all__ = [
     "DEFAULT_SOCKET",
+    "Backoff",
+    "EngineSession",
     "EngineSpec",
     "Event",
     "EventStream",

@@ -79,9 +79,11 @@ class PullResult:
 
 @dataclass
 class Event:
-    kind: str  # "ready" | "consumed" | "lease_expired"
+    # "ready" | "consumed" | "lease_expired" | "released"; EngineSession adds "reconnected"
+    kind: str
     request_id: str = ""
     block_ids: list[int] = field(default_factory=list)
+    reason: str = ""  # "released": why the reader gave the request up
 
 
 class EventStream:
@@ -98,7 +100,7 @@ class EventStream:
                     yield Event("ready")
                 else:
                     body = getattr(msg, kind)
-                    yield Event(kind, body.request_id, list(body.block_ids))
+                    yield Event(kind, body.request_id, list(body.block_ids), getattr(body, "reason", ""))
         except grpc.RpcError as e:
             if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -111,12 +113,17 @@ class EventStream:
 class SidecarClient:
     """Synchronous client. `target` is a unix socket path or a gRPC target string."""
 
-    def __init__(self, target: str = DEFAULT_SOCKET, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_SOCKET,
+        timeout_s: float = 30.0,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         if "://" not in target and not target.startswith("unix:") and ":" not in target:
             target = f"unix:{target}"
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._lock = threading.Lock()
 
@@ -221,5 +228,8 @@ class SidecarClient:
         )
 
     # -- either side -----------------------------------------------------------------
-    def abort(self, engine_id: str, request_id: str) -> bool:
-        return self._call("Abort", engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id)).found
+    def abort(self, engine_id: str, request_id: str, params: TransferParams | None = None) -> bool:
+        """Give a request up. Prefill: free its blocks. Decode: stop its pull; with `params`, the
+        prefill side also releases its blocks now (it gets a "released" event)."""
+        req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
+        return self._call("Abort", req).found

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
-from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+
+P = TypeVar("P", EngineProcess, SidecarProcess)
+Spawn = Callable[[P], P]
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +39,20 @@ def spec_dict(**over: object) -> dict[str, object]:
         "layout": "flash_attn_nhd",
     }
     return base | over
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """spawn(EngineProcess(...)) stops the process after the test, even when a later start fails."""
+    procs: list[EngineProcess | SidecarProcess] = []
+
+    def keep(proc: P) -> P:
+        procs.append(proc)
+        return proc
+
+    yield keep
+    for proc in sorted(procs, key=lambda p: isinstance(p, SidecarProcess)):  # engines first
+        if isinstance(proc, EngineProcess):
+            proc.stop()
+        else:
+            proc.stop(10)

@@ -49,6 +49,18 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+# Far above any real engine; they bound the work a spec from a peer can cause
+# (planning is linear in ranks and heads, descriptor tables in blocks and layers).
+LIMITS = {
+    "tp_size": 1024,
+    "num_layers": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 1 << 16,
+    "block_size": 1 << 16,
+    "num_blocks": 1 << 22,
+}
+
+
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
@@ -86,6 +98,8 @@ class EngineSpec:
     def validate(self) -> None:
         for name in ("tp_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             _positive(name, getattr(self, name))
+            if getattr(self, name) > LIMITS[name]:
+                raise PlanError(f"{name} {getattr(self, name)} is above the supported maximum {LIMITS[name]}")
         if self.dtype not in DTYPE_SIZES:
             raise PlanError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_SIZES)}")
         if self.kernel_block_size is not None:

@@ -147,6 +147,10 @@ class RefEngine:
             ]
             out["verified"] = not errors
             out["errors"] = errors[:20]
+            # Whether it wrote nothing at all, not even into the requested blocks.
+            out["untouched"] = not any(
+                changed_outside(self.spec, before[r], self.caches[r].tensors, []) for r in ranks
+            )
         return out
 
     def randomize(self, cmd: dict[str, Any]) -> dict[str, Any]:

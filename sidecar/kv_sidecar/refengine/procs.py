@@ -93,11 +93,15 @@ class SidecarProcess(_Proc):
         ]
         super().__init__(argv, name, env)
         deadline = time.monotonic() + start_timeout_s
-        while True:  # NIXL prints its own log lines to stdout before ours
-            line = self.readline(max(0.1, deadline - time.monotonic()))
-            m = re.search(r"^kv-sidecar ready id=(\S+) .*peer=(\S+) metrics_port=(\d+)", line)
-            if m:
-                break
+        try:
+            while True:  # NIXL prints its own log lines to stdout before ours
+                line = self.readline(max(0.1, deadline - time.monotonic()))
+                m = re.search(r"^kv-sidecar ready id=(\S+) .*peer=(\S+) metrics_port=(\d+)", line)
+                if m:
+                    break
+        except BaseException:
+            self.kill()  # never leave a half-started sidecar behind
+            raise
         self.sidecar_id, self.peer_address, self.metrics_port = m.group(1), m.group(2), int(m.group(3))
         # Keep reading stdout (NIXL/UCX may print there): a full pipe would block the sidecar.
         self.stdout_tail: deque[str] = deque(maxlen=200)
@@ -150,7 +154,11 @@ class EngineProcess(_Proc):
         super().__init__(argv, f"engine {engine_id}")
         self.spec = spec
         self.engine_id = engine_id
-        ready = json.loads(self.readline(start_timeout_s))
+        try:
+            ready = json.loads(self.readline(start_timeout_s))
+        except BaseException:
+            self.kill()  # never leave a half-started engine behind
+            raise
         if not ready.get("ok"):
             self.kill()
             raise ProcessError(f"engine {engine_id} failed to start: {ready}")

@@ -13,8 +13,10 @@ import grpc
 
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id, rpc, stream_rpc
+from kv_sidecar.server.inflight import PullTicket, stop_engine_pulls, wait_finished
 from kv_sidecar.server.peers import rpc_error
+from kv_sidecar.server.release import release_source
 from kv_sidecar.server.status import build_status
 from kv_sidecar_client._proto.kvsidecar.v1 import (
     common_pb2,
@@ -60,6 +62,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _unregister(self, engine_id: str, rank: int) -> None:
         sc = self._sc
+        sc.engines.get(engine_id, rank)  # NOT_FOUND before touching anything
+        # Pulls into this engine stop, and finish, before its memory is unmapped and deregistered.
+        stopped = stop_engine_pulls(
+            sc.pulls_in_flight, sc.pulls_lock, engine_id, f"engine {engine_id!r} rank {rank} was unregistered"
+        )
+        if not wait_finished(stopped, sc.settings.pull_timeout_ms / 1000):
+            log.warning("pulls into engine %s did not stop in time; unregistering anyway", engine_id)
         sc.engines.unregister(engine_id, rank)
         sc.membership.after_unregister(engine_id)
         if not any(e.engine_id == engine_id for e in sc.engines.all()):
@@ -166,7 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         check_id("params.request_id", request.params.request_id)
         check_id("params.engine_id", request.params.engine_id)
         key = (request.engine_id, request.params.request_id)
-        cancel = threading.Event()
+        cancel = PullTicket(*key)
         with sc.pulls_lock:
             if key in sc.pulls_in_flight:
                 raise SidecarError(
@@ -174,12 +183,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     f"a pull of request {key[1]!r} into engine {key[0]!r} is already running",
                 )
             sc.pulls_in_flight[key] = cancel
-        context.add_callback(cancel.set)  # the engine went away: stop waiting
+        # The engine went away (or gave up the call): stop, and let the source free its blocks.
+        context.add_callback(lambda: cancel.stop("the engine's call ended", release_source=True))
         try:
             return sc.puller.pull(request, cancel)
         finally:
             with sc.pulls_lock:
-                sc.pulls_in_flight.pop(key, None)
+                if sc.pulls_in_flight.get(key) is cancel:
+                    del sc.pulls_in_flight[key]
+            cancel.finished.set()
 
     @rpc
     def KeepAlive(
@@ -187,6 +199,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.KeepAliveResponse:
         sc = self._sc
         out: list[int] = []
+        for i, p in enumerate(request.params):
+            check_id(f"params[{i}].engine_id", p.engine_id)
+            check_id(f"params[{i}].request_id", p.request_id)
+            if p.sidecar_id != sc.sidecar_id:
+                check_address(f"params[{i}].sidecar_address", p.sidecar_address)
         for p in request.params:
             if p.sidecar_id == sc.sidecar_id:
                 out.extend(sc.membership.keep_alive(p.engine_id, [p.request_id]))
@@ -214,8 +231,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         with sc.pulls_lock:
             cancel = sc.pulls_in_flight.get((request.engine_id, request.request_id))
         if cancel is not None:
+            # The stopped pull releases the source itself (PullTicket.release_source).
+            if isinstance(cancel, PullTicket):
+                cancel.stop("aborted by the engine", release_source=True)
             cancel.set()
             found = True
+        elif request.HasField("params") and request.params.request_id:
+            if request.params.request_id != request.request_id:
+                raise SidecarError(
+                    Code.INVALID_ARGUMENT,
+                    f"params are for request {request.params.request_id!r}, not {request.request_id!r}",
+                )
+            found = release_source(sc, request.params, request.engine_id, "aborted by the reader") or found
         sc.refresh_gauges()
         return engine_pb2.AbortResponse(found=found)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -82,4 +83,15 @@ def check_id(kind: str, value: str) -> str:
         raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must not be empty")
     if len(value) > _MAX_ID or any(ord(c) < 32 for c in value):
         raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must be at most {_MAX_ID} printable characters")
+    return value
+
+
+# host:port, host a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$")
+
+
+def check_address(kind: str, value: str) -> str:
+    """A peer address gRPC can dial; anything else would fail later, less clearly."""
+    if not _ADDRESS.match(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} {value[:100]!r} is not a host:port address")
     return value

@@ -16,6 +16,7 @@ from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
+from kv_sidecar.server.release import release_here
 from kv_sidecar.server.status import build_status
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
@@ -132,7 +133,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def CloseRead(
         self, request: peer_pb2.CloseReadRequest, context: grpc.ServicerContext
     ) -> peer_pb2.CloseReadResponse:
-        if request.failed:
+        if request.release:
+            check_id("engine_id", request.engine_id)
+            check_id("request_id", request.request_id)
+            reason = "the reader failed and gave up" if request.failed else "the reader gave it up"
+            release_here(self._sc, request.engine_id, request.request_id, request.reader_engine_id, reason)
+        elif request.failed:
             # Keep the blocks: the reader may retry until the lease runs out.
             self._sc.metrics.failures.labels("remote_read_failed").inc()
             self._sc.transfers.serve_failed(request.engine_id, request.request_id, request.reader_engine_id)

@@ -141,6 +141,13 @@ class Peers:
         except grpc.RpcError as e:
             sc.metrics.handshakes.labels("error").inc()
             raise rpc_error(e, link.address, "the handshake") from None
+        if resp.sidecar_id == sc.sidecar_id:  # never NIXL-read from our own agent
+            sc.metrics.handshakes.labels("error").inc()
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"{link.address} is this sidecar itself; params of a request published here must carry "
+                f"its sidecar_id {sc.sidecar_id!r}",
+            )
         if resp.protocol_version != PROTOCOL_VERSION:
             sc.metrics.handshakes.labels("error").inc()
             raise SidecarError(
@@ -156,7 +163,7 @@ class Peers:
                 f"plan mismatch with peer {link.address}: ours {plan.hash()}, theirs {resp.plan_hash} "
                 f"(different kv-sidecar versions?)",
             )
-        agent = sc.nixl.add_remote(resp.agent_metadata)
+        agent = sc.nixl.add_remote(resp.agent_metadata, resp.agent_name)
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,
             agent_name=agent,
@@ -189,6 +196,14 @@ class Peers:
             plan.hash(),
         )
         return remote
+
+    def forget_engine(self, address: str, engine_id: str, reader_engine: str) -> None:
+        """Drop one cached handshake, so that the next pull handshakes again."""
+        with self._lock:
+            link = self._links.get(address)
+        if link is not None:
+            with link.lock:
+                link.engines.pop((engine_id, reader_engine), None)
 
     def links(self) -> list[PeerLink]:
         with self._lock:

@@ -3,7 +3,8 @@
 A prefill engine publishes a request; its blocks stay valid until every decode
 rank that depends on each prefill rank has read (then that rank gets
 "consumed"), the lease runs out (every rank gets "lease expired" and later
-reads fail), or the engine aborts.
+reads fail), the engine aborts, or the reader releases it (decode Abort, or
+the decode engine died).
 """
 
 from __future__ import annotations
@@ -180,6 +181,16 @@ class PublishedStore:
                 return False
             self._end((engine_id, request_id), "aborted")
             return True
+
+    def release(self, engine_id: str, request_id: str, reader: str, why: str) -> Published | None:
+        """The reader gave the request up for good: end it now. None if unknown or read by another."""
+        key = (engine_id, request_id)
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item.reader not in (None, reader):
+                return None
+            self._end(key, f"released ({why})")
+            return item
 
     def drop_engine(self, engine_id: str) -> int:
         with self._lock:

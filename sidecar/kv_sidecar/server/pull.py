@@ -21,6 +21,7 @@ the holder named in the map its leader returned at handshake (docs/multinode.md)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -41,8 +42,9 @@ from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_tab
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
-from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan
+from kv_sidecar.server.release import release_here
 from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
 SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything printable
 NOTIF_TAG = "kvs1"
 
@@ -89,7 +92,8 @@ class PullJob:
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if self.cancel.is_set():
-            raise SidecarError(Code.CANCELLED, f"pull of request {self.params.request_id!r} was aborted")
+            why = getattr(self.cancel, "reason", "") or "aborted"
+            raise SidecarError(Code.CANCELLED, f"pull of request {self.params.request_id!r} stopped: {why}")
         if left <= 0:
             raise SidecarError(
                 Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out"
@@ -140,7 +144,7 @@ class Puller:
             if remote_here:
                 nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
-                nbytes, path = self._pull_remote(req, local, cancel, time.monotonic() + timeout_s)
+                nbytes, path = self._pull_remote_fresh(req, local, cancel, time.monotonic() + timeout_s)
         except Exception as e:
             err = as_sidecar_error(e)
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
@@ -219,11 +223,20 @@ class Puller:
             deadline - time.monotonic(),
         )
         job = self._job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline)
-        if any(e.gpu is not None for e in [*src_ranks, *local]):
+        try:
+            return self._copy_direct(job, src_ranks)
+        except Exception:
+            if getattr(cancel, "release_source", False):
+                release_here(sc, p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
+            raise
+
+    def _copy_direct(self, job: PullJob, src_ranks: list[RankEntry]) -> tuple[int, str]:
+        sc, p = self._sc, job.params
+        if any(e.gpu is not None for e in [*src_ranks, *job.local]):
             nbytes = gpu_transfer.pull_direct(job, src_ranks)
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-                sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
+                sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
             return nbytes, gpu_transfer.PATH_DIRECT
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
@@ -239,16 +252,37 @@ class Puller:
                     job.start_token,
                 )
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
-            sc.published.mark_done(p.engine_id, p.request_id, req.engine_id, entry.rank, done)
+            sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
         return nbytes, "host-direct"
 
     # -- another sidecar ------------------------------------------------------
+    def _pull_remote_fresh(
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+    ) -> tuple[int, str]:
+        """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
+
+        A peer that forgot our plan, or whose NIXL agent is gone, fails the pull; handshake
+        again and retry once within the same deadline. Rewriting destination blocks that a
+        failed attempt partly wrote is harmless: OpenRead checks the lease again first.
+        """
+        p = req.params
+        for attempt in range(2):
+            try:
+                return self._pull_remote(req, local, cancel, deadline)
+            except SidecarError as e:
+                stale = e.code is Code.FAILED_PRECONDITION and "handshake" in e.message
+                if stale or e.code is Code.UNAVAILABLE:
+                    self._sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
+                    if not attempt and not cancel.is_set() and time.monotonic() < deadline:
+                        continue
+                raise
+        raise AssertionError("unreachable")
+
     def _pull_remote(
         self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
-        if not p.sidecar_address:
-            raise SidecarError(Code.INVALID_ARGUMENT, "transfer params carry no sidecar_address")
+        check_address("params.sidecar_address", p.sidecar_address)
         link, remote = sc.peers.remote_engine(
             p.sidecar_address,
             p.engine_id,
@@ -273,6 +307,7 @@ class Puller:
             nbytes = 0
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
+                    job.remaining()  # stopped before touching (possibly unregistered) memory
                     if on_gpu:
                         nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
                     elif identity:
@@ -285,7 +320,8 @@ class Puller:
                         done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                     )
         except Exception:
-            close_reads(sc, list(holders), req, ranks, failed=True)
+            release = getattr(cancel, "release_source", False)
+            close_reads(sc, list(holders), req, ranks, failed=True, release=release)
             raise
         if on_gpu:
             return nbytes, gpu_transfer.PATH_STAGED
@@ -294,7 +330,16 @@ class Puller:
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
             try:
-                fut.result(timeout=min(0.05, job.remaining()))
+                left = job.remaining()
+            except SidecarError:
+                # Stopped or timed out: cancel the transfer and let it end, so that no byte
+                # lands in blocks the engine is told were not filled (it may reuse them).
+                self._sc.nixl.cancel(fut)
+                with contextlib.suppress(Exception):
+                    fut.result(timeout=_CANCEL_WAIT_S)
+                raise
+            try:
+                fut.result(timeout=min(0.05, left))
                 return
             except FutureTimeout:
                 continue

@@ -114,14 +114,21 @@ def open_reads(
 
 
 def close_reads(
-    sc: Sidecar, holders: Sequence[Holder], req: engine_pb2.PullRequest, reader_ranks: list[int], failed: bool
+    sc: Sidecar,
+    holders: Sequence[Holder],
+    req: engine_pb2.PullRequest,
+    reader_ranks: list[int],
+    failed: bool,
+    release: bool = False,
 ) -> None:
+    """release: the reader is gone for good (abort, dead engine); the holders free the blocks now."""
     msg = peer_pb2.CloseReadRequest(
         engine_id=req.params.engine_id,
         request_id=req.params.request_id,
         reader_engine_id=req.engine_id,
         reader_ranks=reader_ranks,
         failed=failed,
+        release=release,
     )
     for holder in holders:
         try:

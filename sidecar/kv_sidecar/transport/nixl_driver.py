@@ -42,6 +42,16 @@ class TransferError(RuntimeError):
     pass
 
 
+class _Released:
+    """Stands in for a transfer handle NIXL already released."""
+
+    def release(self) -> None:
+        pass
+
+
+_RELEASED = _Released()
+
+
 def _make_current(device: int) -> None:
     """Give the driver thread a current CUDA context: UCX's CUDA transports query and copy within it."""
     import torch
@@ -243,9 +253,18 @@ class NixlDriver:
     def metadata(self) -> bytes:
         return self.call(lambda a: a.get_agent_metadata())
 
-    def add_remote(self, metadata: bytes) -> str:
+    def add_remote(self, metadata: bytes, expected_name: str = "") -> str:
         def add(a: Any) -> str:
-            name = a.add_remote_agent(metadata)
+            try:
+                name = a.add_remote_agent(metadata)
+            except Exception:
+                if expected_name not in self._remotes:
+                    raise
+                # The peer restarted under the same name with new metadata: replace the old agent.
+                log.info("replacing NIXL remote agent %s (the peer restarted)", expected_name)
+                a.remove_remote_agent(expected_name)
+                self._remotes.discard(expected_name)
+                name = a.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else name
             self._remotes.add(name)
             return name
@@ -343,6 +362,28 @@ class NixlDriver:
 
         self._submit_async(post, done)
         return done
+
+    def cancel(self, done: Future[None]) -> None:
+        """Stop the transfer behind `done` (NIXL cancels an active transfer when its handle is
+        released). If NIXL cannot cancel it, it stays polled until it ends or hits its deadline."""
+
+        def stop(a: Any) -> None:
+            for x in self._inflight:
+                if x.future is not done:
+                    continue
+                try:
+                    x.handle.release()
+                except Exception:
+                    log.warning("NIXL could not cancel a transfer; waiting for it to end")
+                    return
+                self._inflight.remove(x)
+                x.handle = _RELEASED
+                self._release(x)
+                x.future.set_exception(TransferError("NIXL transfer cancelled"))
+                return
+
+        if self._thread.is_alive():
+            self.call(stop, timeout=10)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self.call(lambda a: a.send_notif(remote_agent, msg))

@@ -70,15 +70,27 @@ class LeaseExpired(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class RequestReleased(_message.Message):
+    __slots__ = ("request_id", "block_ids", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("consumed", "lease_expired", "ready")
+    __slots__ = ("consumed", "lease_expired", "ready", "released")
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     consumed: RequestConsumed
     lease_expired: LeaseExpired
     ready: bool
-    def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    released: RequestReleased
+    def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ..., released: _Optional[_Union[RequestReleased, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms")
@@ -139,12 +151,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_deadline_unix_ms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id")
+    __slots__ = ("engine_id", "request_id", "params")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    params: _common_pb2.TransferParams
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)

@@ -26,7 +26,7 @@ from . import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\\\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\x8d\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\"\xfe\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"\xbe\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\"Y\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"y\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"\xb9\x01\n\nGatherOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\"R\n\x0bGatherChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x11\n\tend_token\x18\x04 \x01(\r\"m\n\rGatherRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvsidecar.v1.GatherOpenH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.kvsidecar.v1.GatherChunkH\x00\x42\x06\n\x04kind\"1\n\x0cGatherOpened\x12\r\n\x05slots\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\"P\n\x0bGatherReady\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"o\n\x0bGatherReply\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.GatherOpenedH\x00\x12*\n\x05ready\x18\x02 \x01(\x0b\x32\x19.kvsidecar.v1.GatherReadyH\x00\x42\x06\n\x04kind\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x87\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xc3\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12\x44\n\x06Gather\x12\x1b.kvsidecar.v1.GatherRequest\x1a\x19.kvsidecar.v1.GatherReply(\x01\x30\x01\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\\\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\x8d\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\"\xfe\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"\xbe\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\"Y\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"\x8a\x01\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\x12\x0f\n\x07release\x18\x06 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"\xb9\x01\n\nGatherOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\"R\n\x0bGatherChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x11\n\tend_token\x18\x04 \x01(\r\"m\n\rGatherRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvsidecar.v1.GatherOpenH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.kvsidecar.v1.GatherChunkH\x00\x42\x06\n\x04kind\"1\n\x0cGatherOpened\x12\r\n\x05slots\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\"P\n\x0bGatherReady\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"o\n\x0bGatherReply\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.GatherOpenedH\x00\x12*\n\x05ready\x18\x02 \x01(\x0b\x32\x19.kvsidecar.v1.GatherReadyH\x00\x42\x06\n\x04kind\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x87\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xc3\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12\x44\n\x06Gather\x12\x1b.kvsidecar.v1.GatherRequest\x1a\x19.kvsidecar.v1.GatherReply(\x01\x30\x01\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,34 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERKEEPALIVEREQUEST']._serialized_end=1226
   _globals['_PEERKEEPALIVERESPONSE']._serialized_start=1228
   _globals['_PEERKEEPALIVERESPONSE']._serialized_end=1283
-  _globals['_CLOSEREADREQUEST']._serialized_start=1285
-  _globals['_CLOSEREADREQUEST']._serialized_end=1406
-  _globals['_CLOSEREADRESPONSE']._serialized_start=1408
-  _globals['_CLOSEREADRESPONSE']._serialized_end=1427
-  _globals['_GATHEROPEN']._serialized_start=1430
-  _globals['_GATHEROPEN']._serialized_end=1615
-  _globals['_GATHERCHUNK']._serialized_start=1617
-  _globals['_GATHERCHUNK']._serialized_end=1699
-  _globals['_GATHERREQUEST']._serialized_start=1701
-  _globals['_GATHERREQUEST']._serialized_end=1810
-  _globals['_GATHEROPENED']._serialized_start=1812
-  _globals['_GATHEROPENED']._serialized_end=1861
-  _globals['_GATHERREADY']._serialized_start=1863
-  _globals['_GATHERREADY']._serialized_end=1943
-  _globals['_GATHERREPLY']._serialized_start=1945
-  _globals['_GATHERREPLY']._serialized_end=2056
-  _globals['_REPORTRANKSREQUEST']._serialized_start=2059
-  _globals['_REPORTRANKSREQUEST']._serialized_end=2208
-  _globals['_REPORTRANKSRESPONSE']._serialized_start=2210
-  _globals['_REPORTRANKSRESPONSE']._serialized_end=2250
-  _globals['_PEERPUBLISHREQUEST']._serialized_start=2253
-  _globals['_PEERPUBLISHREQUEST']._serialized_end=2388
-  _globals['_PEERPUBLISHRESPONSE']._serialized_start=2390
-  _globals['_PEERPUBLISHRESPONSE']._serialized_end=2411
-  _globals['_PEERABORTREQUEST']._serialized_start=2413
-  _globals['_PEERABORTREQUEST']._serialized_end=2470
-  _globals['_PEERABORTRESPONSE']._serialized_start=2472
-  _globals['_PEERABORTRESPONSE']._serialized_end=2506
-  _globals['_PEERSERVICE']._serialized_start=2509
-  _globals['_PEERSERVICE']._serialized_end=3216
+  _globals['_CLOSEREADREQUEST']._serialized_start=1286
+  _globals['_CLOSEREADREQUEST']._serialized_end=1424
+  _globals['_CLOSEREADRESPONSE']._serialized_start=1426
+  _globals['_CLOSEREADRESPONSE']._serialized_end=1445
+  _globals['_GATHEROPEN']._serialized_start=1448
+  _globals['_GATHEROPEN']._serialized_end=1633
+  _globals['_GATHERCHUNK']._serialized_start=1635
+  _globals['_GATHERCHUNK']._serialized_end=1717
+  _globals['_GATHERREQUEST']._serialized_start=1719
+  _globals['_GATHERREQUEST']._serialized_end=1828
+  _globals['_GATHEROPENED']._serialized_start=1830
+  _globals['_GATHEROPENED']._serialized_end=1879
+  _globals['_GATHERREADY']._serialized_start=1881
+  _globals['_GATHERREADY']._serialized_end=1961
+  _globals['_GATHERREPLY']._serialized_start=1963
+  _globals['_GATHERREPLY']._serialized_end=2074
+  _globals['_REPORTRANKSREQUEST']._serialized_start=2077
+  _globals['_REPORTRANKSREQUEST']._serialized_end=2226
+  _globals['_REPORTRANKSRESPONSE']._serialized_start=2228
+  _globals['_REPORTRANKSRESPONSE']._serialized_end=2268
+  _globals['_PEERPUBLISHREQUEST']._serialized_start=2271
+  _globals['_PEERPUBLISHREQUEST']._serialized_end=2406
+  _globals['_PEERPUBLISHRESPONSE']._serialized_start=2408
+  _globals['_PEERPUBLISHRESPONSE']._serialized_end=2429
+  _globals['_PEERABORTREQUEST']._serialized_start=2431
+  _globals['_PEERABORTREQUEST']._serialized_end=2488
+  _globals['_PEERABORTRESPONSE']._serialized_start=2490
+  _globals['_PEERABORTRESPONSE']._serialized_end=2524
+  _globals['_PEERSERVICE']._serialized_start=2527
+  _globals['_PEERSERVICE']._serialized_end=3234
 # @@protoc_insertion_point(module_scope)

@@ -125,18 +125,20 @@ class PeerKeepAliveResponse(_message.Message):
     def __init__(self, lease_deadline_unix_ms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseReadRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_ranks", "failed")
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_ranks", "failed", "release")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_RANKS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
     reader_ranks: _containers.RepeatedScalarFieldContainer[int]
     failed: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., failed: _Optional[bool] = ...) -> None: ...
+    release: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., failed: _Optional[bool] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class CloseReadResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,209 @@
+"""Failures of real processes (issue 5, item 4): a prefill sidecar killed mid-transfer, a decode
+engine that dies mid-pull, and peers that send garbage or speak another protocol version."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar_client import KVSidecarError, SidecarClient
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+
+from .conftest import Spawn, spec_dict
+from .events import wait_event
+
+# A long pull: converting NHD -> HND through a staging area of 3 blocks takes one NIXL
+# read per 2 blocks, so 480 blocks give ~240 rounds, long enough to break it midway.
+BLOCKS = 480
+SRC = EngineSpec.from_dict(spec_dict(num_blocks=512))
+DST = EngineSpec.from_dict(spec_dict(num_blocks=512, layout="flash_attn_hnd"))
+STAGING_BYTES = 3 * SRC.num_layers * 2 * SRC.block_size * SRC.num_kv_heads * SRC.head_dim * 2
+
+
+@pytest.fixture(scope="module")
+def slow_decode_sidecar() -> Iterator[SidecarProcess]:
+    sc = SidecarProcess("slow-decode", extra=["--staging-bytes", str(STAGING_BYTES)])
+    yield sc
+    assert sc.alive, "the decode sidecar must survive every failure in this module"
+    assert sc.stop() == 0
+
+
+def _metric(port: int, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def _serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _mapped(pid: int, fragment: str) -> list[str]:
+    """Lines of /proc/<pid>/maps naming a shared-memory object that contains `fragment`."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return [line for line in fh if fragment in line]
+
+
+def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: float) -> list[int]:
+    """Publish BLOCKS blocks and send the decode engine its pull without waiting for the answer."""
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": "long",
+            "block_ids": list(range(BLOCKS)),
+            "num_tokens": BLOCKS * SRC.block_size,
+            "seed": 5,
+        }
+    )
+    assert pub["ok"], pub
+    dst = list(range(DST.num_blocks - 1, DST.num_blocks - 1 - BLOCKS, -1))
+    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 5, "timeout_s": timeout_s}
+    assert decode.proc.stdin is not None
+    decode.proc.stdin.write(json.dumps(cmd) + "\n")
+    decode.proc.stdin.flush()
+    return dst
+
+
+def _wait_transfer_started(decode_sidecar: SidecarProcess, timeout_s: float = 30) -> None:
+    """Until the staged conversion holds staging memory: bytes are moving."""
+    deadline = time.monotonic() + timeout_s
+    while _metric(decode_sidecar.metrics_port, "kvsidecar_staging_bytes_in_use") == 0:
+        assert time.monotonic() < deadline, "the long pull never started moving bytes"
+        time.sleep(0.02)
+    time.sleep(0.05)
+
+
+def test_prefill_sidecar_killed_mid_transfer(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
+) -> None:
+    doomed = spawn(SidecarProcess("doomed-prefill"))
+    prefill = spawn(EngineProcess(doomed.socket, "kill-p", SRC))
+    other = spawn(EngineProcess(sidecar_pair[0].socket, "kill-p-other", SRC))
+    decode = spawn(EngineProcess(slow_decode_sidecar.socket, "kill-d", DST))
+    timeout_s = 20
+    dst = _start_long_pull(prefill, decode, timeout_s)
+    _wait_transfer_started(slow_decode_sidecar)
+    doomed.proc.send_signal(signal.SIGKILL)
+    res = json.loads(decode.readline(timeout_s + 10))
+    assert not res["ok"], "the pull finished before the kill; make it longer (BLOCKS)"
+    assert res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), res["error"]
+    assert res["wall_s"] < timeout_s, "the pull must fail within its timeout"
+    assert res["unfilled_blocks"] == dst
+    assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
+    assert not res["untouched"], "the kill came too late: nothing had been written yet"
+    # The decode sidecar keeps serving: a pull from another prefill sidecar works.
+    assert slow_decode_sidecar.alive and _serving(f"unix:{slow_decode_sidecar.socket}")
+    pub = other.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [8, 9], "num_tokens": 30, "seed": 6}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1, 2], "seed": 6})
+    assert ok["ok"] and ok["verified"], ok
+
+
+def test_decode_engine_dies_mid_pull(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
+) -> None:
+    a = sidecar_pair[0]
+    sc = slow_decode_sidecar
+    prefill = spawn(EngineProcess(a.socket, "die-p", SRC))
+    decode = spawn(EngineProcess(sc.socket, "die-d", DST))
+    pid = decode.proc.pid
+    cancelled = _metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+    try:
+        _start_long_pull(prefill, decode, timeout_s=60)
+        _wait_transfer_started(sc)
+        assert _mapped(sc.proc.pid, f"kvsidecar-{pid}-")
+        decode.kill()  # SIGKILL: its Events stream and its Pull call break
+        # The prefill side is told at once that its blocks are free (not after the 30 s lease).
+        ev = wait_event(prefill, "released", "long", timeout_s=15)
+        assert ev["block_ids"] == list(range(BLOCKS))
+        # The rank is unregistered and its shared memory unmapped from the sidecar.
+        with SidecarClient(sc.socket) as c:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    c.publish("die-d", "probe", [0], 1)
+                except KVSidecarError as e:
+                    if e.code == "NOT_FOUND":
+                        break
+                assert time.monotonic() < deadline, "the dead engine's rank stayed registered"
+                time.sleep(0.1)
+        assert not _mapped(sc.proc.pid, f"kvsidecar-{pid}-"), "the dead engine's memory is still mapped"
+        after = _metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+        assert after == cancelled + 1, "the in-flight pull was not cancelled"
+        assert sc.alive and _serving(f"unix:{sc.socket}")
+    finally:
+        for path in glob.glob(f"/dev/shm/kvsidecar-{pid}-*"):  # the dead engine could not clean up
+            os.unlink(path)
+
+
+def test_wrong_protocol_version_is_refused_by_name(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    with grpc.insecure_channel(sidecar_pair[0].peer_address) as ch, pytest.raises(grpc.RpcError) as info:
+        peer_pb2_grpc.PeerServiceStub(ch).Handshake(
+            peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION + 41, engine_id="x"), timeout=5
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"protocol version {PROTOCOL_VERSION + 41} is not supported" in info.value.details()
+    assert f"speaks {PROTOCOL_VERSION}" in info.value.details()
+
+
+def test_garbage_on_the_peer_port_leaves_the_sidecar_serving(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    a, b = sidecar_pair
+    host, port = a.peer_address.rsplit(":", 1)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    payloads = [
+        os.urandom(64 << 10),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        preface + os.urandom(4096),
+        preface + b"\x00\x00\x12\x04\x00\x00\x00\x00\x00" + os.urandom(18),  # a lying SETTINGS frame
+    ]
+    idle = socket.create_connection((host, int(port)), timeout=5)  # opens, then says nothing
+    for data in payloads:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(data)
+            s.settimeout(2)
+            try:
+                while s.recv(65536):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+    # A well-formed gRPC frame whose body is not a protobuf message.
+    with grpc.insecure_channel(a.peer_address) as ch:
+        raw = ch.unary_unary("/kvsidecar.v1.PeerService/Handshake")
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\xff\xff\xff\xff garbage", timeout=5)
+        assert info.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+    assert a.alive and _serving(a.peer_address) and _serving(f"unix:{a.socket}")
+    # Real work still flows through it.
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill, decode = EngineProcess(a.socket, "garbage-p", spec), EngineProcess(b.socket, "garbage-d", spec)
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "g", "block_ids": [1], "num_tokens": 9, "seed": 2}
+        )
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [3], "seed": 2})
+        assert res["ok"] and res["verified"], res
+    finally:
+        idle.close()
+        prefill.stop()
+        decode.stop()
