@@ -16,6 +16,7 @@ rings, which the sidecars own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -128,6 +129,8 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
     )
     with sc.gpu_staging.hold(ring), rank.in_use():
         dst_view = rank.view(dev)
+        reading: deque[tuple[int, Future[None]]] = deque()  # READs posted, oldest first
+        stream: torch.cuda.Stream | None = None
         call = link.stub.Gather(
             iter(requests.get, None), timeout=job.remaining(), metadata=sc.peer_metadata()
         )
@@ -160,7 +163,6 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                 ask(i)
             stream = torch.cuda.Stream(dev)
             scattered: list[torch.cuda.Event | None] = [None] * slots
-            reading: deque[tuple[int, Future[None]]] = deque()  # READs posted, oldest first
             nbytes = 0
 
             def finish_oldest() -> None:
@@ -239,6 +241,14 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
         finally:
             requests.put(None)
             call.cancel()
+            # A failed pull may leave READs and scatters in flight; the ring must be quiet before
+            # the next transfer gets it.
+            for _, fut in reading:
+                sc.nixl.cancel(fut)
+                with contextlib.suppress(Exception):
+                    fut.result(timeout=5)
+            if stream is not None:
+                stream.synchronize()
 
 
 # -- across sidecars: the source ---------------------------------------------------------
