@@ -9,6 +9,7 @@ strides agree with the host executor's strided views.
 from __future__ import annotations
 
 import kvcases as kc
+import numpy as np
 import pytest
 
 from kv_sidecar.execute import gpu_geometry as geo
@@ -50,7 +51,9 @@ def test_row_chunks() -> None:
 
 
 @pytest.mark.parametrize("name", [c.name for c in kc.CASES])
-def test_kernel_in_interpreter_matches_host_executor(name: str) -> None:
+@pytest.mark.parametrize("as_arrays", [False, True], ids=["lists", "int64-arrays"])
+def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool) -> None:
+    """The server hands the executors int64 arrays (pull.py `_job`); engines and tests, lists."""
     pytest.importorskip("triton")
     from kv_sidecar.execute import gpu
 
@@ -59,6 +62,8 @@ def test_kernel_in_interpreter_matches_host_executor(name: str) -> None:
     before = kc.random_tensors(c.dst, 7)
     src_ids, dst_ids = kc.block_ids(c, 3)
     want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
+    if as_arrays:
+        src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
     out = [t.clone() for t in before]
     dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)
     written = 0

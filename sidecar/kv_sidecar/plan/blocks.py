@@ -45,7 +45,8 @@ def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool
     for pos, raw in enumerate(ids):
         block = _as_int(raw)
         if block is None or not 0 <= block < num_blocks:
-            raise PlanError(f"{what} block id {raw!r} at position {pos} is out of range [0, {num_blocks})")
+            shown = repr(raw) if block is None else block  # np.int64(7) reads as 7
+            raise PlanError(f"{what} block id {shown} at position {pos} is out of range [0, {num_blocks})")
         if not unique:
             continue
         if block in seen:

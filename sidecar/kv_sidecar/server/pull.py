@@ -82,8 +82,8 @@ class PullJob:
     params: common_pb2.TransferParams
     local: list[RankEntry]
     plan: PairPlan
-    src_blocks: list[int]
-    dst_blocks: list[int]
+    src_blocks: np.ndarray  # int64, validated against the plan
+    dst_blocks: np.ndarray
     num_tokens: int
     start_token: int
     deadline: float
@@ -183,13 +183,18 @@ class Puller:
         cancel: threading.Event,
         deadline: float,
     ) -> PullJob:
-        check_pull(plan, src_blocks, num_tokens, list(req.block_ids), req.start_token)
+        # Block ids arrive as protobuf repeated uint32 (never bools or negatives): as int64 arrays,
+        # every later check (the executors validate again) takes the vectorised path. As Python
+        # lists, validation was a quarter of a 1 GiB same-node GPU pull (py-spy, 2x H200).
+        src = np.fromiter(src_blocks, dtype=np.int64, count=len(src_blocks))
+        dst = np.fromiter(req.block_ids, dtype=np.int64, count=len(req.block_ids))
+        check_pull(plan, src, num_tokens, dst, req.start_token)
         return PullJob(
             req.params,
             local,
             plan,
-            src_blocks,
-            list(req.block_ids),
+            src,
+            dst,
             num_tokens,
             req.start_token,
             deadline,
