@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.execute import gpu
+from kv_sidecar.plan.blocks import dst_block_count, src_block_range
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
@@ -93,16 +93,12 @@ def pull_direct(job: PullJob, src_ranks: list[RankEntry]) -> int:
 
 
 # -- across sidecars: the reader -----------------------------------------------------
-def remote_address(job: PullJob) -> str:
-    return job.params.sidecar_address
-
-
 def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankEntry, src_rank: int) -> int:
     """Move one (decode rank, source rank) read through the two sidecars' rings."""
     sc = puller.sidecar
     # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
     holder = remote.holders.get(src_rank)
-    link = sc.peers.link(holder.address) if holder is not None else sc.peers.link(remote_address(job))
+    link = sc.peers.link(holder.address if holder is not None else job.params.sidecar_address)
     agent = remote.agent_of(src_rank)
     rank = entry.gpu
     if rank is None:
@@ -186,7 +182,7 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                 if i + slots < len(chunks):
                     ask(i + slots)  # the source's slot is free again
                 t0, t1 = chunks[i]
-                k = math.ceil(t1 / bd) - t0 // bd
+                k = dst_block_count(bd, t1, t0)
                 first = (t0 - job.start_token) // bd
                 staged = gpu.staging_view(dst_spec, entry.rank, ring.slot_address(i % slots), k, dev)
                 prepared = gpu.prepare_request(
@@ -203,7 +199,7 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                 while reading and reading[0][0] <= i - slots:
                     finish_oldest()
                 ready = next(replies).ready
-                k = math.ceil(t1 / bd) - t0 // bd
+                k = dst_block_count(bd, t1, t0)
                 length = gpu.staging_bytes(dst_spec, k)
                 if ready.index != i or ready.length != length:
                     raise SidecarError(
@@ -298,7 +294,7 @@ def serve_gather(
                     f"chunk {c.index}: tokens [{c.start_token}, {c.end_token}) are not a block-aligned "
                     f"range of the request's {item.num_tokens} tokens",
                 )
-            k = math.ceil(c.end_token / bd) - c.start_token // bd
+            k = dst_block_count(bd, c.end_token, c.start_token)
             length = gpu.staging_bytes(reader_spec, k)
             if length > ring.slot_bytes or not 0 <= c.slot < ring.slots:
                 raise SidecarError(
@@ -310,8 +306,8 @@ def serve_gather(
             staged = gpu.staging_view(reader_spec, op.reader_rank, address, k, dev)
             # Only the chunk's own source blocks (the executors' "tail" form): validating and
             # uploading the whole request's ids for every chunk cost ~1 ms a chunk.
-            bs = src_entry.spec.block_size
-            src_ids = item.block_ids[c.start_token // bs : -(-c.end_token // bs)]
+            src_pos = src_block_range(src_entry.spec.block_size, c.end_token, c.start_token)
+            src_ids = item.block_ids[src_pos.start : src_pos.stop]
             gpu.copy_request(src_view, staged, heads, src_ids, range(k), c.end_token, c.start_token)
             yield peer_pb2.GatherReply(
                 ready=peer_pb2.GatherReady(index=c.index, address=address, length=length, device_id=dev)
