@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar.plan.spec import MUST_MATCH, EngineSpec, PlanError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -100,7 +100,7 @@ def check_tokens(num_tokens: int, start_token: int, dst_block_size: int) -> None
 
 def check_copy_pair(src: EngineSpec, dst: EngineSpec) -> None:
     """The fields an executor cannot convert between."""
-    for name in ("num_layers", "head_dim", "dtype", "num_kv_heads", "is_mla"):
+    for name in (*MUST_MATCH, "num_kv_heads", "is_mla"):  # the planner's list, so the two cannot drift
         if getattr(src, name) != getattr(dst, name):
             raise PlanError(f"{name} differs: source {getattr(src, name)}, destination {getattr(dst, name)}")
 
