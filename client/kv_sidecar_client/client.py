@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
 
 DEFAULT_SOCKET = "/run/kv-sidecar/engine.sock"
 TransferParams = common_pb2.TransferParams
@@ -233,3 +233,7 @@ class SidecarClient:
         prefill side also releases its blocks now (it gets a "released" event)."""
         req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
         return self._call("Abort", req).found
+
+    def status(self) -> status_pb2.StatusResponse:
+        """What the sidecar is doing: registered ranks, peers, transfers in flight (`kv-sidecar status`)."""
+        return self._call("Status", status_pb2.StatusRequest())
