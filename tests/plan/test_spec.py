@@ -22,6 +22,7 @@ PER_LAYER: dict[Layout, tuple[int, ...]] = {
     Layout.FLASHINFER_NHD: (6, 2, 4, 3, 5),
     Layout.FLASHINFER_HND: (6, 2, 3, 4, 5),
     Layout.PACKED: (6, 3, 4, 10),
+    Layout.PACKED_NHD: (6, 4, 3, 10),
     Layout.MLA: (6, 4, 5),
 }
 CROSS_LAYER: dict[Layout, tuple[int, ...]] = {
@@ -30,6 +31,7 @@ CROSS_LAYER: dict[Layout, tuple[int, ...]] = {
     Layout.FLASHINFER_NHD: (6, 7, 2, 4, 3, 5),
     Layout.FLASHINFER_HND: (6, 7, 2, 3, 4, 5),
     Layout.PACKED: (6, 7, 3, 4, 10),
+    Layout.PACKED_NHD: (6, 7, 4, 3, 10),
     Layout.MLA: (6, 7, 4, 5),
 }
 
@@ -66,6 +68,7 @@ def test_cross_layer_blocks_outermost_when_sizes_coincide() -> None:
 
 
 def test_every_layout_has_a_dim_order() -> None:
+    assert set(PER_LAYER) == set(CROSS_LAYER) == set(Layout), "write the new layout's shapes above"
     for layout in Layout:
         dims = LAYOUT_DIMS[layout]
         assert dims.endswith("D") and "N" in dims and "B" in dims, layout
@@ -73,6 +76,8 @@ def test_every_layout_has_a_dim_order() -> None:
         if kv_in_last_dim(layout):
             assert dims.index("N") < dims.index("K"), "N's position must stay its axis"
     assert tensor_dims(spec(Layout.PACKED, cross_layer=True)) == "NLHBKD"
+    assert tensor_dims(spec(Layout.PACKED_NHD, cross_layer=True)) == "NLBHKD"  # vLLM BLNHC
+    assert [layout for layout in Layout if kv_in_last_dim(layout)] == [Layout.PACKED, Layout.PACKED_NHD]
 
 
 @pytest.mark.parametrize("layout", list(PER_LAYER))

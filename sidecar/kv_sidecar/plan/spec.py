@@ -26,8 +26,8 @@ class Layout(str, Enum):
     """Physical order of the dims of one rank's KV tensor (per layer).
 
     N: blocks, B: tokens in a block, H: KV heads on this rank, D: head_dim,
-    2: K and V, L: MLA latent size. The packed layout is vLLM's
-    `KVCacheLayout` LBHNC, whose last dim holds K then V (docs/pairings.md).
+    2: K and V, L: MLA latent size. `packed` and `packed_nhd` are vLLM's
+    `KVCacheLayout`s LBHNC and LBNHC: K then V in the last dim (docs/pairings.md).
     """
 
     FLASH_ATTN_NHD = "flash_attn_nhd"  # [2, N, B, H, D]
@@ -35,13 +35,14 @@ class Layout(str, Enum):
     FLASHINFER_NHD = "flashinfer_nhd"  # [N, 2, B, H, D]
     FLASHINFER_HND = "flashinfer_hnd"  # [N, 2, H, B, D]
     PACKED = "packed"  # [N, H, B, 2*D]  (vLLM LBHNC)
+    PACKED_NHD = "packed_nhd"  # [N, B, H, 2*D]  (vLLM LBNHC)
     MLA = "mla"  # [N, B, L]
 
 
 # Dim order of one layer's physical tensor, one letter per dim: N blocks (kernel
 # blocks), K the K/V plane, B token in block, H local head, D head_dim (MLA:
-# latent). PACKED stores K and V side by side in its last dim, so
-# its physical tensor has 4 dims and a trailing "KD" names the two halves of
+# latent). The packed layouts store K and V side by side in their last dim, so
+# their physical tensor has 4 dims and a trailing "KD" names the two halves of
 # the last one (K outer). MLA has neither K/V nor heads. Shapes, descriptor
 # geometry and both executors' views are all derived from this table.
 LAYOUT_DIMS: dict[Layout, str] = {
@@ -50,6 +51,7 @@ LAYOUT_DIMS: dict[Layout, str] = {
     Layout.FLASHINFER_NHD: "NKBHD",
     Layout.FLASHINFER_HND: "NKHBD",
     Layout.PACKED: "NHBKD",
+    Layout.PACKED_NHD: "NBHKD",
     Layout.MLA: "NBD",
 }
 
