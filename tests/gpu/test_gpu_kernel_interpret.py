@@ -43,6 +43,26 @@ def test_strides_match_host_views(layout: Layout, cross_layer: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
+def test_vector_hint_holds_for_every_row_start(name: str) -> None:
+    """The kernel promises the compiler every row chunk starts on ALIGN words; the interpreter cannot check it.
+
+    A row starts at layer + kv*s_kv + block*s_n + slot*s_b + head*s_h + chunk*CHUNK words, so
+    each term must be a multiple (packed layouts put V rows head_dim elements into a row).
+    """
+    from kv_sidecar.execute import gpu
+
+    c = kc.case(name)
+    views = [gpu.gpu_rank_view(c.src, r.src_rank, kc.random_tensors(c.src, 1), 0) for r in c.reads]
+    dview = gpu.gpu_rank_view(c.dst, c.dst_rank, kc.random_tensors(c.dst, 2), 0)
+    for sview in views:
+        la = gpu.plan_launch(sview, dview, 1, 0, 0, c.num_tokens, c.start_token, 0, 0)
+        align = la.constexprs["ALIGN"]
+        assert la.constexprs["CHUNK"] % align == 0
+        assert all(stride % align == 0 for stride in la.args[6:14]), la.args[6:14]
+        assert all(p % (align * la.width) == 0 for p in (*sview.layer_ptrs, *dview.layer_ptrs))
+
+
 def test_row_chunks() -> None:
     assert geo.chunk_words(64) == 64
     assert geo.chunk_words(288) == 32  # 576-element bf16 MLA latent: 9 chunks of 32 words

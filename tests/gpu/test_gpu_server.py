@@ -49,6 +49,13 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tp2_to_tp1": ({"tp_size": 2}, {}),
     "nhd_to_hnd": ({}, {"layout": "flash_attn_hnd"}),
     "block16_to_32": ({}, {"block_size": 32}),
+    # vLLM's default GPU layout (LBNHC) and its cross-layer form (BLNHC).
+    "packed_nhd_to_hnd_tp2": ({"layout": "packed_nhd"}, {"layout": "flash_attn_hnd", "tp_size": 2}),
+    "packed_nhd_to_packed_block32": ({"layout": "packed_nhd"}, {"layout": "packed", "block_size": 32}),
+    "packed_nhd_cross_layer_to_packed_nhd": (
+        {"layout": "packed_nhd", "cross_layer": True},
+        {"layout": "packed_nhd"},
+    ),
     # One layer: a 32-token MLA block (37 KiB) fits the small test rings' 64 KiB slots.
     "mla_block16_to_32": (
         MLA | {"num_layers": 1},
