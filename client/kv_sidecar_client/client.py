@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,44 @@ class Event:
     request_id: str = ""
     block_ids: list[int] = field(default_factory=list)
     reason: str = ""  # "released": why the reader gave the request up
+
+
+class PullCall:
+    """A pull in flight (SidecarClient.pull_async)."""
+
+    def __init__(self, future: Any, block_ids: list[int]) -> None:
+        self._future = future
+        self._block_ids = block_ids
+        self.done_at = 0.0  # time.monotonic() when the answer arrived
+        future.add_done_callback(self._stamp)
+
+    def _stamp(self, _: Any) -> None:
+        self.done_at = time.monotonic()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        """Give up waiting; the sidecar stops the pull and releases the source blocks."""
+        self._future.cancel()
+
+    def result(self) -> PullResult:
+        """The outcome (waits if not done). Never raises for a failed transfer: see PullResult."""
+        try:
+            resp = self._future.result()
+        except grpc.FutureCancelledError:
+            return PullResult(
+                False, error_code="CANCELLED", error="cancelled", unfilled_blocks=self._block_ids
+            )
+        except grpc.RpcError as e:
+            err = _error(e)
+            unfilled = list(self._block_ids)
+            with contextlib.suppress(Exception):
+                for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+                    if key == "kvsidecar-unfilled-blocks":
+                        unfilled = [int(b) for b in value.split(",") if b]
+            return PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=unfilled)
+        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
 class EventStream:
@@ -201,6 +240,19 @@ class SidecarClient:
         timeout_s: float | None = None,
     ) -> PullResult:
         """Fill local blocks; never raises for a failed transfer (see PullResult)."""
+        return self.pull_async(params, engine_id, block_ids, ranks, start_token, timeout_s).result()
+
+    def pull_async(
+        self,
+        params: TransferParams,
+        engine_id: str,
+        block_ids: Sequence[int],
+        ranks: Sequence[int] = (),
+        start_token: int = 0,
+        timeout_s: float | None = None,
+    ) -> PullCall:
+        """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
+        so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
         req = engine_pb2.PullRequest(
             params=params,
@@ -210,17 +262,8 @@ class SidecarClient:
             start_token=start_token,
             timeout_ms=int(timeout * 1000),
         )
-        try:
-            resp = self._stub.Pull(req, timeout=timeout + 5)  # the sidecar times out first, with details
-        except grpc.RpcError as e:
-            err = _error(e)
-            unfilled = list(block_ids)
-            with contextlib.suppress(Exception):
-                for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-                    if key == "kvsidecar-unfilled-blocks":
-                        unfilled = [int(b) for b in value.split(",") if b]
-            return PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=unfilled)
-        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+        # The sidecar times out first, with details; the extra seconds only cover a silent sidecar.
+        return PullCall(self._stub.Pull.future(req, timeout=timeout + 5), list(block_ids))
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(

@@ -36,8 +36,6 @@ class ConnectorConfig:
     pull_timeout_s: float = 30.0
     # How long engine start waits for the sidecar's socket before failing.
     connect_timeout_s: float = 10.0
-    # Threads per worker that run pulls (each pull blocks one for its duration).
-    pull_workers: int = 8
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -64,8 +62,6 @@ class ConnectorConfig:
                 raise ConnectorConfigError(f"{CONFIG_KEY}.{name} must be positive, got {getattr(self, name)}")
         if self.lease_ms < 0:
             raise ConnectorConfigError(f"{CONFIG_KEY}.lease_ms must be >= 0, got {self.lease_ms}")
-        if self.pull_workers < 1:
-            raise ConnectorConfigError(f"{CONFIG_KEY}.pull_workers must be >= 1, got {self.pull_workers}")
         if self.lease_ms and self.keepalive_interval_s * 1000 >= self.lease_ms:
             raise ConnectorConfigError(
                 f"{CONFIG_KEY}.keepalive_interval_s ({self.keepalive_interval_s}) must be shorter than "

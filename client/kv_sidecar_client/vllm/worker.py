@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kv_sidecar_client.client import Event, KVSidecarError, PullResult, params_from_json
+from kv_sidecar_client.client import Event, KVSidecarError, PullCall, PullResult, params_from_json
 from kv_sidecar_client.session import EngineSession
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.kv_layout import KVDescription
@@ -31,6 +32,17 @@ log = logging.getLogger(__name__)
 
 # Events after which the sidecar no longer needs a published request's blocks.
 RELEASING_EVENTS = ("consumed", "lease_expired", "released")
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    """One finished pull, with monotonic timestamps (seconds) for the overhead benchmark."""
+
+    request_id: str
+    ordered_at: float  # the step's orders reached this worker
+    started_at: float  # the Pull call went out
+    ended_at: float  # its answer came back
+    result: PullResult
 
 
 def connect_session(config: ConnectorConfig, on_event: Any) -> EngineSession:
@@ -64,9 +76,9 @@ class SidecarWorker:
         self._finished_recving: set[str] = set()
         self._unfilled: dict[str, set[int]] = {}
         self._invalid_blocks: set[int] = set()
-        self._pulls = ThreadPoolExecutor(config.pull_workers, thread_name_prefix=f"kvs-pull-{rank}")
+        self._inflight: dict[str, tuple[PullCall, PullOrder, float, float]] = {}
         self.session = connect_session(config, self._on_event)
-        self.pull_log: list[PullResult] = []  # the last pulls' results, for tests and benchmarks
+        self.pull_log: list[PullRecord] = []  # the last pulls, for tests and benchmarks
         self.pull_count = 0
 
     # -- registration ---------------------------------------------------------------------
@@ -112,14 +124,17 @@ class SidecarWorker:
                     self._finished_sending.add(req_id)
                 else:
                     self._holding.add(req_id)
+        now = time.monotonic()
         for req_id, order in orders.pulls.items():
-            self._pulls.submit(self._pull, req_id, order)
+            self._start_pull(req_id, order, now)
 
-    def _pull(self, req_id: str, order: PullOrder) -> None:
+    def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float) -> None:
+        # Issued from vLLM's own thread and polled in finished(): a pull costs this loop no thread
+        # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
+        started = time.monotonic()
         try:
-            params = params_from_json(order.params)
-            result = self.session.client.pull(
-                params,
+            call = self.session.client.pull_async(
+                params_from_json(order.params),
                 self.engine_id,
                 order.block_ids,
                 ranks=[self.rank],
@@ -127,9 +142,26 @@ class SidecarWorker:
                 timeout_s=self.config.pull_timeout_s,
             )
         except Exception as e:  # never lose a request: report it with every block unfilled
-            result = PullResult(
+            failed = PullResult(
                 False, error_code="INTERNAL", error=str(e), unfilled_blocks=list(order.block_ids)
             )
+            self._record(req_id, order, (ordered_at, started, started), failed)
+            return
+        with self._lock:
+            self._inflight[req_id] = (call, order, ordered_at, started)
+
+    def _collect(self) -> None:
+        with self._lock:
+            done = [(r, v) for r, v in self._inflight.items() if v[0].done()]
+            for req_id, _ in done:
+                del self._inflight[req_id]
+        for req_id, (call, order, ordered_at, started) in done:
+            times = (ordered_at, started, call.done_at or time.monotonic())
+            self._record(req_id, order, times, call.result())
+
+    def _record(
+        self, req_id: str, order: PullOrder, times: tuple[float, float, float], result: PullResult
+    ) -> None:
         if not result.ok:
             log.warning(
                 "KVSidecarConnector: pull of request %s into rank %d failed (%s: %s); "
@@ -146,13 +178,14 @@ class SidecarWorker:
                 # wrong id here would make vLLM recompute someone else's blocks.
                 self._unfilled[req_id] = set(result.unfilled_blocks) & set(order.block_ids)
             self._finished_recving.add(req_id)
-            self.pull_log.append(result)
+            self.pull_log.append(PullRecord(req_id, *times, result))
             self.pull_count += 1
             del self.pull_log[:-64]
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call; failed pulls' blocks move to
         `load_errors()` in the same breath, as vLLM wants them in the same step."""
+        self._collect()
         with self._lock:
             sending, self._finished_sending = self._finished_sending, set()
             recving, self._finished_recving = self._finished_recving, set()
@@ -188,7 +221,10 @@ class SidecarWorker:
                 self._holding = set()
 
     def shutdown(self) -> None:
-        self._pulls.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            calls, self._inflight = list(self._inflight.values()), {}
+        for call, *_ in calls:
+            call.cancel()
         self.session.close()
         if self.pool is not None:
             self.pool.close()
