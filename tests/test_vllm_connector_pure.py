@@ -208,3 +208,23 @@ def test_shm_pool_puts_cpu_allocations_in_shared_memory_and_locates_views() -> N
     finally:
         pool.close()
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_shm_pool_removes_objects_left_by_dead_processes_of_the_same_rank() -> None:
+    import subprocess as sp
+
+    dead = sp.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    orphan = f"/dev/shm/kvsidecar-vllm-orphan_test-r0-{pid}-0"
+    live = f"/dev/shm/kvsidecar-vllm-orphan_test-r0-{os.getppid()}-0"  # a process that runs
+    other = f"/dev/shm/kvsidecar-vllm-other_rank-r0-{pid}-0"
+    for path in (orphan, live, other):
+        open(path, "wb").close()
+    pool = ShmKVPool("orphan_test-r0")
+    try:
+        assert not os.path.exists(orphan)
+        assert os.path.exists(live) and os.path.exists(other)
+    finally:
+        pool.close()
+        for path in (live, other):
+            os.unlink(path)

@@ -39,6 +39,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _log_like_vllm() -> None:
+    """Our modules log under kv_sidecar_client.*; show those lines where and as vLLM shows its own."""
+    ours, vllm_logger = logging.getLogger("kv_sidecar_client"), logging.getLogger("vllm")
+    if not ours.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(vllm_logger.level)
+        ours.propagate = False
+
+
 @dataclass
 class KVSidecarMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
@@ -52,6 +62,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         self.engine_id = self.config.engine_id or str(ktc.engine_id)

@@ -42,6 +42,7 @@ class ShmKVPool:
         self._prefix = f"kvsidecar-vllm-{safe}-{os.getpid()}"
         self._caches: list[ShmKVCache] = []
         self._lock = threading.Lock()
+        remove_orphans(safe)
         atexit.register(self.close)
 
     @contextlib.contextmanager
@@ -77,6 +78,35 @@ class ShmKVPool:
             caches, self._caches = self._caches, []
         for cache in caches:
             cache.close(unlink=True)
+
+
+def remove_orphans(label: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the objects an earlier, killed process of the same engine rank left behind.
+
+    Our names end in the owner's pid; an object of this engine rank whose owner is gone
+    (SIGKILL, OOM) would otherwise hold its RAM until the node reboots.
+    """
+    pattern = re.compile(rf"^kvsidecar-vllm-{re.escape(label)}-(\d+)-\d+$")
+    removed = []
+    for name in os.listdir(shm_dir):
+        m = pattern.match(name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+            log.info("removed /dev/shm/%s, left by a process that no longer runs", name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _span_bytes(tensor: torch.Tensor) -> int:
