@@ -83,6 +83,7 @@ class Engine:
         self.engine = self.llm.llm_engine
         self.core = self.engine.engine_core.engine_core
         self.outputs: dict[str, Any] = {}
+        self.added_at: dict[str, float] = {}  # monotonic time of add_request, for bench/vllm_pd.py
 
     def _scheduler(self) -> Any:
         return self.core.scheduler
@@ -100,6 +101,7 @@ class Engine:
             if cmd.get("kv_transfer_params")
             else None,
         )
+        self.added_at[cmd["id"]] = time.monotonic()
         self.engine.add_request(cmd["id"], TokensPrompt(prompt_token_ids=cmd["prompt"]), sp)
         return {"ok": True}
 
@@ -122,7 +124,8 @@ class Engine:
                     "error": f"requests {[i for i in ids if i not in self.outputs]} did not finish",
                 }
             self._step()
-        return {"ok": True, "outputs": {i: self.outputs.pop(i) for i in ids}}
+        added = {i: self.added_at.pop(i, 0.0) for i in ids}
+        return {"ok": True, "outputs": {i: self.outputs.pop(i) for i in ids}, "added_at": added}
 
     def abort(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self.engine.abort_request(list(cmd["ids"]))
@@ -152,13 +155,18 @@ class Engine:
                 state["pull_count"] = worker.pull_count
                 state["pulls"] = [
                     {
-                        "ok": r.ok,
-                        "bytes": r.bytes,
-                        "path": r.path,
-                        "error": r.error,
-                        "unfilled": r.unfilled_blocks,
+                        "request_id": rec.request_id,
+                        "ok": rec.result.ok,
+                        "bytes": rec.result.bytes,
+                        "path": rec.result.path,
+                        "error": rec.result.error,
+                        "unfilled": rec.result.unfilled_blocks,
+                        "sidecar_s": rec.result.duration_s,
+                        "ordered_at": rec.ordered_at,
+                        "started_at": rec.started_at,
+                        "ended_at": rec.ended_at,
                     }
-                    for r in worker.pull_log
+                    for rec in worker.pull_log
                 ]
         return state
 
