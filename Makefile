@@ -27,8 +27,8 @@ test-vllm: setup-vllm  ## vLLM prefill + decode engines through two sidecars (CP
 	$(VENV)-vllm/bin/python -m pytest -q tests/vllm
 
 lint: setup
-	$(BIN)/ruff check sidecar client tests scripts bench
-	$(BIN)/ruff format --check sidecar client tests scripts bench
+	$(BIN)/ruff check sidecar client tests scripts bench examples
+	$(BIN)/ruff format --check sidecar client tests scripts bench examples
 
 protos: setup  ## regenerate client/kv_sidecar_client/_proto from protos/
 	$(BIN)/python scripts/gen_protos.py

@@ -93,7 +93,11 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    Router.prefill, Router.decode, Router.timeout_s = args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout_s
+    Router.prefill, Router.decode, Router.timeout_s = (
+        args.prefill.rstrip("/"),
+        args.decode.rstrip("/"),
+        args.timeout_s,
+    )
     server = ThreadingHTTPServer((args.host, args.port), Router)
     log.info("routing %s -> prefill %s, decode %s on :%d", ROUTES, args.prefill, args.decode, args.port)
     server.serve_forever()
