@@ -14,7 +14,7 @@ import grpc
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id, rpc, stream_rpc
-from kv_sidecar.server.inflight import PullTicket, stop_engine_pulls, wait_finished
+from kv_sidecar.server.inflight import wait_finished
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar.server.release import release_source
 from kv_sidecar.server.status import build_status
@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, sidecar: Sidecar) -> None:
         self._sc = sidecar
+        # A sync gRPC server runs each Events stream on one engine_workers thread for the rank's life:
+        # at most this many streams, so that register/publish/pull calls always find a thread.
+        workers = sidecar.settings.engine_workers
+        self._stream_limit = workers - max(4, workers // 4)
+        self._streams = 0
+        self._streams_lock = threading.Lock()
 
     @rpc
     def RegisterRank(
@@ -63,12 +69,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _unregister(self, engine_id: str, rank: int) -> None:
         sc = self._sc
         sc.engines.get(engine_id, rank)  # NOT_FOUND before touching anything
-        # Pulls into this engine stop, and finish, before its memory is unmapped and deregistered.
-        stopped = stop_engine_pulls(
-            sc.pulls_in_flight, sc.pulls_lock, engine_id, f"engine {engine_id!r} rank {rank} was unregistered"
-        )
+        # Pulls into this rank stop, and finish, before its memory is unmapped and deregistered.
+        stopped = sc.pulls.stop_rank(engine_id, rank, f"engine {engine_id!r} rank {rank} was unregistered")
         if not wait_finished(stopped, sc.settings.pull_timeout_ms / 1000):
-            log.warning("pulls into engine %s did not stop in time; unregistering anyway", engine_id)
+            log.warning(
+                "pulls into engine %s rank %d did not stop in time; unregistering anyway", engine_id, rank
+            )
         sc.engines.unregister(engine_id, rank)
         sc.membership.after_unregister(engine_id)
         if not any(e.engine_id == engine_id for e in sc.engines.all()):
@@ -83,15 +89,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> Iterator[engine_pb2.Event]:
         sc = self._sc
         entry = sc.engines.get(request.engine_id, request.rank)
-        with sc.pulls_lock:
-            if sc.event_streams >= sc.event_stream_limit:
+        with self._streams_lock:
+            if self._streams >= self._stream_limit:
                 raise SidecarError(
                     Code.RESOURCE_EXHAUSTED,
-                    f"{sc.event_streams} event streams are open, the most this sidecar takes: each holds one "
+                    f"{self._streams} event streams are open, the most this sidecar takes: each holds one "
                     f"of its {sc.settings.engine_workers} engine_workers threads, and the rest are kept for "
                     f"register, publish and pull calls; raise engine_workers",
                 )
-            sc.event_streams += 1
+            self._streams += 1
         closed = threading.Event()
         context.add_callback(closed.set)
         entry.sessions += 1
@@ -107,8 +113,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield event
         finally:
             entry.sessions -= 1
-            with sc.pulls_lock:
-                sc.event_streams -= 1
+            with self._streams_lock:
+                self._streams -= 1
             if request.unregister_on_close and closed.is_set():
                 try:
                     if self._sc.engines.get(request.engine_id, request.rank) is entry:
@@ -174,24 +180,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         check_id("engine_id", request.engine_id)
         check_id("params.request_id", request.params.request_id)
         check_id("params.engine_id", request.params.engine_id)
-        key = (request.engine_id, request.params.request_id)
-        cancel = PullTicket(*key)
-        with sc.pulls_lock:
-            if key in sc.pulls_in_flight:
-                raise SidecarError(
-                    Code.ALREADY_EXISTS,
-                    f"a pull of request {key[1]!r} into engine {key[0]!r} is already running",
-                )
-            sc.pulls_in_flight[key] = cancel
+        # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
+        # their own rank); no ranks means every rank registered now.
+        ranks = list(request.ranks) or sc.engines.ranks_of(request.engine_id)
+        ticket = sc.pulls.begin(request.engine_id, request.params.request_id, ranks)
         # The engine went away (or gave up the call): stop, and let the source free its blocks.
-        context.add_callback(lambda: cancel.stop("the engine's call ended", release_source=True))
+        context.add_callback(lambda: ticket.stop("the engine's call ended", release_source=True))
         try:
-            return sc.puller.pull(request, cancel)
+            return sc.puller.pull(request, ticket)
         finally:
-            with sc.pulls_lock:
-                if sc.pulls_in_flight.get(key) is cancel:
-                    del sc.pulls_in_flight[key]
-            cancel.finished.set()
+            sc.pulls.end(ticket)
 
     @rpc
     def KeepAlive(
@@ -228,13 +226,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         found = sc.published.abort(request.engine_id, request.request_id)
         if found:
             sc.membership.abort_on_members(request.engine_id, request.request_id)
-        with sc.pulls_lock:
-            cancel = sc.pulls_in_flight.get((request.engine_id, request.request_id))
-        if cancel is not None:
-            # The stopped pull releases the source itself (PullTicket.release_source).
-            if isinstance(cancel, PullTicket):
-                cancel.stop("aborted by the engine", release_source=True)
-            cancel.set()
+        # Every pull of the request stops; the last one to end releases the source (PullTicket.release_source).
+        if sc.pulls.stop_request(request.engine_id, request.request_id, "aborted by the engine"):
             found = True
         elif request.HasField("params") and request.params.request_id:
             if request.params.request_id != request.request_id:

@@ -261,6 +261,11 @@ class EngineRegistry:
             )
         return ranks
 
+    def ranks_of(self, engine_id: str) -> list[int]:
+        """The ranks of this engine registered here, in order; empty if none."""
+        with self._lock:
+            return sorted(r for (eid, r), e in self._ranks.items() if eid == engine_id and e is not None)
+
     def spec(self, engine_id: str) -> EngineSpec:
         return self.engine_ranks(engine_id)[0].spec
 

@@ -1,9 +1,23 @@
-"""Stopping pulls in progress: Abort, a dead engine, and why the source may free its blocks."""
+"""Pulls in progress: which local ranks of a request each fills, and stopping them.
+
+A decode engine with TP=N has N worker processes, and each pulls its own rank
+of the same request at the same time (`PullRequest.ranks=[r]`). Pulls of one
+request into one engine may therefore run side by side as long as their rank
+sets are disjoint; a pull whose ranks overlap a running one is refused.
+
+Abort stops every pull of the request; unregistering a rank stops the pulls
+that fill it. A stopped pull may let the source free the blocks early
+(`release_source`), but only when no other pull of the same request is still
+moving bytes: the last one to end decides (`last_to_end`).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
+
+from kv_sidecar.server.errors import Code, SidecarError
 
 
 class PullTicket(threading.Event):
@@ -14,12 +28,14 @@ class PullTicket(threading.Event):
     them for a retry until the lease runs out.
     """
 
-    def __init__(self, engine_id: str, request_id: str) -> None:
+    def __init__(self, engine_id: str, request_id: str, ranks: Iterable[int] = ()) -> None:
         super().__init__()
         self.engine_id = engine_id
         self.request_id = request_id
+        self.ranks = tuple(ranks)  # as the engine asked (validated by the puller)
         self.reason = ""
         self.release_source = False
+        self.ending = False  # failed: moves no byte any more, only reports
         self.finished = threading.Event()
 
     def stop(self, reason: str, release_source: bool) -> None:
@@ -28,15 +44,70 @@ class PullTicket(threading.Event):
         self.set()
 
 
-def stop_engine_pulls(
-    pulls: dict[tuple[str, str], threading.Event], lock: threading.Lock, engine_id: str, reason: str
-) -> list[PullTicket]:
-    """Stop every pull into this engine (it is going away); the sources may free their blocks."""
-    with lock:
-        tickets = [t for (eid, _), t in pulls.items() if eid == engine_id and isinstance(t, PullTicket)]
-    for t in tickets:
-        t.stop(reason, release_source=True)
-    return tickets
+def _ranks_text(ranks: Iterable[int]) -> str:
+    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
+
+
+class InflightPulls:
+    """The pulls running on this sidecar, by (decode engine, request)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pulls: dict[tuple[str, str], list[PullTicket]] = {}
+
+    def begin(self, engine_id: str, request_id: str, ranks: Iterable[int]) -> PullTicket:
+        """Track a new pull of these local ranks; ALREADY_EXISTS if a running one fills any of them."""
+        ticket = PullTicket(engine_id, request_id, ranks)
+        with self._lock:
+            running = self._pulls.setdefault((engine_id, request_id), [])
+            clash = {r for t in running for r in t.ranks} & set(ticket.ranks)
+            if clash:
+                raise SidecarError(
+                    Code.ALREADY_EXISTS,
+                    f"a pull of request {request_id!r} into engine {engine_id!r} is already running for "
+                    f"rank(s) {_ranks_text(clash)}",
+                )
+            running.append(ticket)
+        return ticket
+
+    def end(self, ticket: PullTicket) -> None:
+        with self._lock:
+            key = (ticket.engine_id, ticket.request_id)
+            running = self._pulls.get(key, [])
+            if ticket in running:
+                running.remove(ticket)
+            if not running:
+                self._pulls.pop(key, None)
+        ticket.finished.set()
+
+    def last_to_end(self, ticket: PullTicket) -> bool:
+        """The failed pull `ticket` moves no byte any more: is every other pull of its request
+        done moving bytes too (ended, or failed)? Exactly one of several failing pulls gets True."""
+        with self._lock:
+            ticket.ending = True
+            running = self._pulls.get((ticket.engine_id, ticket.request_id), [])
+            return all(t.ending for t in running)
+
+    def of_request(self, engine_id: str, request_id: str) -> list[PullTicket]:
+        with self._lock:
+            return list(self._pulls.get((engine_id, request_id), []))
+
+    def stop_request(self, engine_id: str, request_id: str, reason: str) -> list[PullTicket]:
+        """Stop every pull of this request (the engine aborted it); the source may free its blocks."""
+        tickets = self.of_request(engine_id, request_id)
+        for t in tickets:
+            t.stop(reason, release_source=True)
+        return tickets
+
+    def stop_rank(self, engine_id: str, rank: int, reason: str) -> list[PullTicket]:
+        """Stop every pull that fills this rank (it is going away); the sources may free their blocks."""
+        with self._lock:
+            tickets = [
+                t for (eid, _), ts in self._pulls.items() if eid == engine_id for t in ts if rank in t.ranks
+            ]
+        for t in tickets:
+            t.stop(reason, release_source=True)
+        return tickets
 
 
 def wait_finished(tickets: list[PullTicket], timeout_s: float) -> bool:

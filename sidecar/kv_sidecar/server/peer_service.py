@@ -141,7 +141,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         elif request.failed:
             # Keep the blocks: the reader may retry until the lease runs out.
             self._sc.metrics.failures.labels("remote_read_failed").inc()
-            self._sc.transfers.serve_failed(request.engine_id, request.request_id, request.reader_engine_id)
+            self._sc.transfers.serve_failed(
+                request.engine_id, request.request_id, request.reader_engine_id, request.reader_ranks
+            )
             log.warning(
                 "reader %s failed to read request %s of engine %s",
                 request.reader_engine_id,

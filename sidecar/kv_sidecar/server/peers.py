@@ -99,6 +99,7 @@ class Peers:
         self._sc = sidecar
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def link(self, address: str) -> PeerLink:
         with self._lock:
@@ -111,6 +112,8 @@ class Peers:
     def remote_engine(
         self, address: str, engine_id: str, reader_engine: str, reader_spec: EngineSpec, timeout_s: float
     ) -> tuple[PeerLink, RemoteEngine]:
+        if self._closed:  # a pull still running at shutdown must not dial anew (and hang the exit)
+            raise SidecarError(Code.UNAVAILABLE, f"this sidecar is shutting down; not calling {address}")
         link = self.link(address)
         key = (engine_id, reader_engine)
         with link.lock:
@@ -218,6 +221,7 @@ class Peers:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.channel.close()

@@ -43,15 +43,21 @@ from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
-from kv_sidecar.server.peers import PeerLink, RemoteEngine, cached_plan
+from kv_sidecar.server.inflight import PullTicket
+from kv_sidecar.server.peers import Holder, PeerLink, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
+
+
+class _Retry(Exception):
+    """The first attempt of a remote pull met a stale handshake; try once more."""
+
 
 _CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
 SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything printable
@@ -129,7 +135,7 @@ class Puller:
         self._dlist_lock = threading.Lock()
 
     # -- entry point ------------------------------------------------------
-    def pull(self, req: engine_pb2.PullRequest, cancel: threading.Event) -> engine_pb2.PullResponse:
+    def pull(self, req: engine_pb2.PullRequest, cancel: PullTicket) -> engine_pb2.PullResponse:
         sc = self._sc
         p = req.params
         timeout_s = (req.timeout_ms or sc.settings.pull_timeout_ms) / 1000
@@ -140,7 +146,7 @@ class Puller:
             req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
         )
         try:
-            local = self._local_ranks(req)
+            local = self._local_ranks(req, cancel.ranks)
             if remote_here:
                 nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s)
             else:
@@ -165,13 +171,21 @@ class Puller:
         sc.transfers.end_pull(track, nbytes, path, "ok")
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
-    def _local_ranks(self, req: engine_pb2.PullRequest) -> list[RankEntry]:
+    def _local_ranks(self, req: engine_pb2.PullRequest, ranks: Sequence[int]) -> list[RankEntry]:
+        """The local ranks to fill: `ranks` as the pull was admitted with (the request's, or every
+        rank registered when it arrived)."""
         reg = self._sc.engines
-        if req.ranks:
-            if len(set(req.ranks)) != len(req.ranks):
-                raise SidecarError(Code.INVALID_ARGUMENT, f"ranks {list(req.ranks)} contain duplicates")
-            return [reg.get(req.engine_id, r) for r in req.ranks]
-        return reg.engine_ranks(req.engine_id)
+        if len(set(ranks)) != len(ranks):
+            raise SidecarError(Code.INVALID_ARGUMENT, f"ranks {list(ranks)} contain duplicates")
+        if not ranks:
+            return reg.engine_ranks(req.engine_id)  # NOT_FOUND: no rank of it registered
+        return [reg.get(req.engine_id, r) for r in ranks]
+
+    def _release_now(self, ticket: PullTicket) -> bool:
+        """A failed pull that moves no byte any more: may the source free the request's blocks now?
+        Only if the reader is gone for good and no other pull of the request still moves bytes."""
+        last = self._sc.pulls.last_to_end(ticket)
+        return ticket.release_source and last
 
     def _job(
         self,
@@ -203,7 +217,7 @@ class Puller:
 
     # -- same sidecar -------------------------------------------------------
     def _pull_direct(
-        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: PullTicket, deadline: float
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
         if sc.membership.is_split(p.engine_id):
@@ -231,7 +245,7 @@ class Puller:
         try:
             return self._copy_direct(job, src_ranks)
         except Exception:
-            if getattr(cancel, "release_source", False):
+            if self._release_now(cancel):
                 release_here(sc, p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
             raise
 
@@ -262,7 +276,7 @@ class Puller:
 
     # -- another sidecar ------------------------------------------------------
     def _pull_remote_fresh(
-        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: PullTicket, deadline: float
     ) -> tuple[int, str]:
         """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
 
@@ -270,35 +284,65 @@ class Puller:
         again and retry once within the same deadline. Rewriting destination blocks that a
         failed attempt partly wrote is harmless: OpenRead checks the lease again first.
         """
-        p = req.params
-        for attempt in range(2):
-            try:
-                return self._pull_remote(req, local, cancel, deadline)
-            except SidecarError as e:
-                stale = e.code is Code.FAILED_PRECONDITION and "handshake" in e.message
-                if stale or e.code is Code.UNAVAILABLE:
-                    self._sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
-                    if not attempt and not cancel.is_set() and time.monotonic() < deadline:
-                        continue
-                raise
-        raise AssertionError("unreachable")
+        try:
+            return self._pull_remote(req, local, cancel, deadline, may_retry=True)
+        except _Retry:
+            return self._pull_remote(req, local, cancel, deadline, may_retry=False)
 
     def _pull_remote(
-        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: threading.Event, deadline: float
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        cancel: PullTicket,
+        deadline: float,
+        may_retry: bool,
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
-        check_address("params.sidecar_address", p.sidecar_address)
-        link, remote = sc.peers.remote_engine(
-            p.sidecar_address,
-            p.engine_id,
-            req.engine_id,
-            local[0].spec,
-            max(0.001, deadline - time.monotonic()),
-        )
         ranks = [e.rank for e in local]
-        # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
-        holders = holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
-        opened = open_reads(sc, remote, list(holders), req, ranks, deadline)
+        opened_on: list[Holder] = []
+        try:
+            check_address("params.sidecar_address", p.sidecar_address)
+            link, remote = sc.peers.remote_engine(
+                p.sidecar_address,
+                p.engine_id,
+                req.engine_id,
+                local[0].spec,
+                max(0.001, deadline - time.monotonic()),
+            )
+            # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
+            holders = list(
+                holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
+            )
+            opened = open_reads(sc, remote, holders, req, ranks, deadline)
+            opened_on = holders
+            return self._read_remote(req, local, link, remote, opened, cancel, deadline)
+        except Exception as e:
+            stale = isinstance(e, SidecarError) and (
+                e.code is Code.UNAVAILABLE
+                or (e.code is Code.FAILED_PRECONDITION and "handshake" in e.message)
+            )
+            if stale:
+                sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
+            retry = stale and may_retry and not cancel.is_set() and time.monotonic() < deadline
+            # A pull about to retry still moves bytes: it neither counts as ended nor releases.
+            release = not retry and self._release_now(cancel)
+            if opened_on:
+                close_reads(sc, opened_on, req, ranks, failed=True, release=release)
+            if retry:
+                raise _Retry() from e
+            raise
+
+    def _read_remote(
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        link: PeerLink,
+        remote: RemoteEngine,
+        opened: peer_pb2.OpenReadResponse,
+        cancel: PullTicket,
+        deadline: float,
+    ) -> tuple[int, str]:
+        sc, p = self._sc, req.params
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
         on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
@@ -308,26 +352,21 @@ class Puller:
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
-        try:
-            nbytes = 0
-            for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
-                for read in rplan.reads:
-                    job.remaining()  # stopped before touching (possibly unregistered) memory
-                    if on_gpu:
-                        nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
-                    elif identity:
-                        nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
-                    else:
-                        nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
-                for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
-                    sc.nixl.send_notif(
-                        holder.agent_name,
-                        done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
-                    )
-        except Exception:
-            release = getattr(cancel, "release_source", False)
-            close_reads(sc, list(holders), req, ranks, failed=True, release=release)
-            raise
+        nbytes = 0
+        for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+            for read in rplan.reads:
+                job.remaining()  # stopped before touching (possibly unregistered) memory
+                if on_gpu:
+                    nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
+                elif identity:
+                    nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
+                else:
+                    nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
+            for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
+                sc.nixl.send_notif(
+                    holder.agent_name,
+                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
+                )
         if on_gpu:
             return nbytes, gpu_transfer.PATH_STAGED
         return nbytes, "host-nixl" if identity else "host-nixl-staged"

@@ -23,6 +23,7 @@ from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.gpu_staging import GpuStaging
+from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
@@ -61,10 +62,7 @@ class Sidecar:
         self.peers = Peers(self)
         self.membership = Membership(self)
         self.puller = Puller(self)
-        self.pulls_in_flight: dict[tuple[str, str], threading.Event] = {}
-        self.pulls_lock = threading.Lock()
-        self.event_streams = 0  # open Events calls, under pulls_lock
-        self.event_stream_limit = settings.engine_workers - max(4, settings.engine_workers // 4)
+        self.pulls = InflightPulls()
         self.peer_address = ""
         self.peer_port = 0
         self.metrics_port = 0

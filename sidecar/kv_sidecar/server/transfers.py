@@ -34,6 +34,7 @@ class Transfer:
     bytes: int = 0
     path: str = ""
     pending: set[int] = field(default_factory=set)  # serve: reader ranks not done yet
+    failed: set[int] = field(default_factory=set)  # serve: reader ranks that reported a failure
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -120,6 +121,7 @@ class TransferTracker:
                     "serve", request_id, engine_id, reader_engine, peer, path=path
                 )
             t.pending.update(ranks)
+            t.failed.difference_update(t.pending)  # a retry
             t.bytes += nbytes
 
     def serve_rank_done(self, engine_id: str, request_id: str, reader_engine: str, decode_rank: int) -> None:
@@ -132,13 +134,29 @@ class TransferTracker:
             if t.pending:
                 return
             del self._serves[key]
-        self._end_serve(t, "ok")
-
-    def serve_failed(self, engine_id: str, request_id: str, reader_engine: str) -> None:
-        with self._lock:
-            t = self._serves.pop((engine_id, request_id, reader_engine), None)
-        if t is not None:
+        if t.failed:
             self._end_serve(t, "error", "the reader reported a failed read")
+        else:
+            self._end_serve(t, "ok")
+
+    def serve_failed(
+        self, engine_id: str, request_id: str, reader_engine: str, reader_ranks: Iterable[int] = ()
+    ) -> None:
+        """The reader's ranks `reader_ranks` (all, if none named) failed. Other ranks of the same
+        reader may still be reading (each TP worker pulls its own rank): the served read ends, as
+        failed, once none is left."""
+        key = (engine_id, request_id, reader_engine)
+        with self._lock:
+            t = self._serves.get(key)
+            if t is None:
+                return
+            ranks = set(reader_ranks) or set(t.pending)
+            t.failed |= ranks
+            t.pending -= ranks
+            if t.pending:
+                return
+            del self._serves[key]
+        self._end_serve(t, "error", "the reader reported a failed read")
 
     def _end_serve(self, t: Transfer, outcome: str, error: str = "") -> None:
         duration = t.elapsed()

@@ -114,7 +114,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Decode: pull a published request's blocks into local blocks.
+        """Decode: pull a published request's blocks into local blocks. Pulls of one
+        request into disjoint sets of ranks run side by side (each worker of a TP
+        engine pulls its own rank); one whose ranks overlap a running pull of the
+        same request is ALREADY_EXISTS, naming the ranks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,7 +131,8 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Either side: give up a request. Prefill: release its blocks now.
+        """Either side: give up a request. Prefill: release its blocks now. Decode:
+        stop every pull of it into this engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
