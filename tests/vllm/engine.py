@@ -54,6 +54,13 @@ def write_model(directory: str, **over: Any) -> str:
 class Engine:
     def __init__(self, opts: dict[str, Any]) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        tp = opts.get("tensor_parallel_size", 1)
+        if tp > 1:
+            # vLLM's CPU workers bind their threads to NUMA nodes, one worker per node by default;
+            # on a one-node machine give each worker one core of its own instead.
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp))
+            )
         from vllm import LLM
 
         kv_cfg = None
@@ -79,6 +86,8 @@ class Engine:
             kv_transfer_config=kv_cfg,
             disable_hybrid_kv_cache_manager=True,
             max_num_seqs=opts.get("max_num_seqs", 16),
+            tensor_parallel_size=opts.get("tensor_parallel_size", 1),
+            distributed_executor_backend="mp" if opts.get("tensor_parallel_size", 1) > 1 else None,
         )
         self.engine = self.llm.llm_engine
         self.core = self.engine.engine_core.engine_core
@@ -176,8 +185,10 @@ class Engine:
 
 def main() -> None:
     opts = json.loads(sys.argv[1])
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM and NIXL print; only our answers go to the real stdout
+    # vLLM, its worker processes and NIXL print to fd 1: give them stderr, keep the pipe for our answers.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
         engine = Engine(opts)
     except Exception as e:
