@@ -183,7 +183,9 @@ class SidecarScheduler:
 
     def _publish(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         status = _status(request)
-        tokens = int(request.num_computed_tokens)
+        # The prompt's KV, even if the request generated more than the router's one token: the decode
+        # request carries the same prompt and computes the rest itself.
+        tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
         if status not in PUBLISHED_STATUSES or tokens <= 0 or not block_ids:
             return False, None
         blocks = list(block_ids[: -(-tokens // self.block_size)])
