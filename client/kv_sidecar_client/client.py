@@ -35,6 +35,23 @@ def _error(e: grpc.RpcError) -> KVSidecarError:
     return KVSidecarError("UNKNOWN", str(e))
 
 
+def target_of(target: str) -> str:
+    """A gRPC target: a bare path is a unix socket."""
+    if "://" not in target and not target.startswith("unix:") and ":" not in target:
+        return f"unix:{target}"
+    return target
+
+
+def pull_failure(code: str, details: str, trailing_metadata: Any, block_ids: list[int]) -> PullResult:
+    """A failed Pull as a PullResult; the sidecar names the blocks it did not fill in the trailers."""
+    unfilled = list(block_ids)
+    with contextlib.suppress(Exception):
+        for key, value in trailing_metadata or ():
+            if key == "kvsidecar-unfilled-blocks":
+                unfilled = [int(b) for b in value.split(",") if b]
+    return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
+
+
 def params_to_json(params: TransferParams) -> str:
     """Transfer params as JSON, to carry through a router (kv_transfer_params)."""
     return json_format.MessageToJson(params, indent=None, preserving_proto_field_name=True)
@@ -116,12 +133,8 @@ class PullCall:
             )
         except grpc.RpcError as e:
             err = _error(e)
-            unfilled = list(self._block_ids)
-            with contextlib.suppress(Exception):
-                for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-                    if key == "kvsidecar-unfilled-blocks":
-                        unfilled = [int(b) for b in value.split(",") if b]
-            return PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=unfilled)
+            trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else ()
+            return pull_failure(err.code, err.message, trailers, self._block_ids)
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
@@ -158,9 +171,7 @@ class SidecarClient:
         timeout_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if "://" not in target and not target.startswith("unix:") and ":" not in target:
-            target = f"unix:{target}"
-        self.target = target
+        self.target = target = target_of(target)
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kv_sidecar_client.client import Event, KVSidecarError, PullCall, PullResult, params_from_json
+from kv_sidecar_client.polled import PolledPull, PolledPulls
 from kv_sidecar_client.session import EngineSession
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.kv_layout import KVDescription
@@ -76,8 +77,14 @@ class SidecarWorker:
         self._finished_recving: set[str] = set()
         self._unfilled: dict[str, set[int]] = {}
         self._invalid_blocks: set[int] = set()
-        self._inflight: dict[str, tuple[PullCall, PullOrder, float, float]] = {}
+        self._inflight: dict[str, tuple[PullCall | PolledPull, PullOrder, float, float]] = {}
         self.session = connect_session(config, self._on_event)
+        # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
+        # the busy engine loop); a thread that already runs an asyncio loop uses the client's futures.
+        try:
+            self._polled: PolledPulls | None = PolledPulls(config.sidecar_socket)
+        except RuntimeError:
+            self._polled = None
         self.pull_log: list[PullRecord] = []  # the last pulls, for tests and benchmarks
         self.pull_count = 0
 
@@ -129,11 +136,12 @@ class SidecarWorker:
             self._start_pull(req_id, order, now)
 
     def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float) -> None:
-        # Issued from vLLM's own thread and polled in finished(): a pull costs this loop no thread
+        # Issued from vLLM's own thread and advanced in finished(): a pull costs this loop no thread
         # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
         started = time.monotonic()
         try:
-            call = self.session.client.pull_async(
+            start = self._polled.start if self._polled is not None else self.session.client.pull_async
+            call = start(
                 params_from_json(order.params),
                 self.engine_id,
                 order.block_ids,
@@ -151,6 +159,8 @@ class SidecarWorker:
             self._inflight[req_id] = (call, order, ordered_at, started)
 
     def _collect(self) -> None:
+        if self._polled is not None and self._inflight:
+            self._polled.poll()
         with self._lock:
             done = [(r, v) for r, v in self._inflight.items() if v[0].done()]
             for req_id, _ in done:
@@ -225,6 +235,8 @@ class SidecarWorker:
             calls, self._inflight = list(self._inflight.values()), {}
         for call, *_ in calls:
             call.cancel()
+        if self._polled is not None:
+            self._polled.close()
         self.session.close()
         if self.pool is not None:
             self.pool.close()
