@@ -76,6 +76,11 @@ def test_engine_start_fails_naming_an_unknown_config_key(pair: Pair) -> None:
         engine.wait_ready()
 
 
+def _registered_ranks(sidecar: SidecarProcess) -> int:
+    with SidecarClient(sidecar.socket) as c:
+        return len(c.status().ranks)
+
+
 def _pulling(sidecar: SidecarProcess) -> bool:
     with SidecarClient(sidecar.socket) as c:
         return len(c.status().inflight) > 0
@@ -121,3 +126,40 @@ def test_prefill_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
     )
     assert pair.D.state()["pulls"][-1]["ok"]
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
+
+
+def test_decode_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
+    p = prompt(500, seed=31)
+    want = pair.R.generate({"r3": p}, 8)["r3"]["tokens"]
+    params = pair.P.generate({"p3": p}, 1, {"p3": {"do_remote_decode": True}})["p3"]["kv_transfer_params"]
+    os.kill(pair.sp.proc.pid, signal.SIGSTOP)  # hold the pull in flight at the prefill side
+
+    def kill_when_pulling() -> None:
+        wait_until(lambda: _pulling(pair.sd), 30, "the decode sidecar to start the pull")
+        pair.sd.kill()
+
+    killer = threading.Thread(target=kill_when_pulling)
+    killer.start()
+    try:
+        out = pair.D.generate({"d3": p}, 8, {"d3": params})["d3"]
+    finally:
+        killer.join()
+        os.kill(pair.sp.proc.pid, signal.SIGCONT)
+    assert out["tokens"] == want, "the decode engine must recompute what the pull did not fill"
+    assert not pair.D.state()["pulls"][-1]["ok"]
+
+    # A new decode sidecar on the same socket: the decode engine registers again and pulls through it.
+    pair.sd = SidecarProcess("decode-node", workdir=pair.sd.workdir)
+    wait_until(
+        lambda: len(SidecarClient(pair.sd.socket).status().ranks) == 1, 30, "the decode engine to re-register"
+    )
+    q = prompt(90, seed=32)
+    params = pair.P.generate({"p4": q}, 1, {"p4": {"do_remote_decode": True}})["p4"]["kv_transfer_params"]
+    assert (
+        pair.D.generate({"d4": q}, 6, {"d4": params})["d4"]["tokens"]
+        == pair.R.generate({"r4": q}, 6)["r4"]["tokens"]
+    )
+    assert pair.D.state()["pulls"][-1]["ok"]
+    # The prefill side's first request was released when its reader went away, the second consumed.
+    settled = pair.P.settle(40)
+    assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
