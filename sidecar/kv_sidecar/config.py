@@ -22,6 +22,7 @@ class Settings:
     staging_bytes: int = 256 << 20
     gpu_staging_bytes: int = 512 << 20
     gpu_staging_slots: int = 4
+    nixl_busy_poll_us: int = 20
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
@@ -47,6 +48,8 @@ class Settings:
         "gpu_staging_bytes": "bytes of GPU staging memory per GPU for cross-sidecar transfers "
         "(half a send ring, half a receive ring; allocated when the first GPU rank registers)",
         "gpu_staging_slots": "slots per GPU ring: chunks of one transfer in flight at once (gather, wire, scatter)",
+        "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
+        "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
