@@ -93,7 +93,7 @@ class NixlDriver:
         self._registrations: dict[int, Any] = {}
         self._next_reg = 0
         self._remotes: set[str] = set()
-        self._remote_md: dict[str, bytes] = {}  # metadata loaded by load_remote, per agent
+        self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
         # The staged protocol (server/gpu_transfer.py): functions run every loop turn on this
         # thread, and notification listeners by message prefix (all of one length).
         self._pollers: list[Callable[[Any], bool]] = []
@@ -471,15 +471,20 @@ class NixlDriver:
 
         Loading an agent again updates what NIXL knows of it (tested with NIXL
         1.5.1): a peer that registered more memory since is reachable there.
+        Partial metadata (one ring each) add up: a peer's rings on several GPUs
+        are loaded once each.
         """
-        if self._remote_md.get(name) == metadata:
+        if metadata in self._remote_md.get(name, ()):
             return
 
         def load(a: Any) -> str:
             got = a.add_remote_agent(metadata)
             got = got.decode() if isinstance(got, bytes) else got
             self._remotes.add(got)
-            self._remote_md[got] = metadata
+            blobs = self._remote_md.setdefault(got, set())
+            if len(blobs) >= 16:  # one per ring of the peer; more means it restarted: forget the old
+                blobs.clear()
+            blobs.add(metadata)
             return str(got)
 
         got = self.call(load)
