@@ -21,12 +21,16 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.server.gpu_transfer import PUSH_ENDED
 from kv_sidecar_client import SidecarClient
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
 from .conftest import Spawn, spec_dict
@@ -286,3 +290,44 @@ def test_split_source_engine_is_pushed_by_the_sidecar_holding_each_rank(
         ev = proc.send({"cmd": "next_event", "timeout_s": 10})
         assert (ev["kind"], ev["request_id"], ev["rank"]) == ("consumed", "split", rank), ev
     rings_idle(a, b, m)
+
+
+def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """The source checks a Push before any byte moves; its refusals carry the trailing metadata that
+    lets the reader reuse its slots at once (no quarantine)."""
+    a, _ = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill = EngineProcess(a.socket, "push-p", spec)
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": 1}
+        )
+        assert pub["ok"], pub
+        base = peer_pb2.PushRequest(
+            engine_id="push-p",
+            request_id="r",
+            reader_engine_id="someone",
+            reader_spec=spec_to_proto(spec),
+            transfer_id="0123456789abcdef",
+            memory_kind="DRAM",
+            slots=[peer_pb2.PushSlot(address=4096, length=SLOT)],
+        )
+        cases = [
+            (base, grpc.StatusCode.FAILED_PRECONDITION, "OpenRead first"),
+            (
+                peer_pb2.PushRequest(engine_id="push-p", request_id="nope"),
+                grpc.StatusCode.NOT_FOUND,
+                "never published",
+            ),
+        ]
+        with grpc.insecure_channel(a.peer_address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            for req, code, text in cases:
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Push(req, timeout=10)
+                assert info.value.code() == code and text in info.value.details(), info.value
+                assert PUSH_ENDED in tuple(info.value.trailing_metadata() or ()), (
+                    info.value.trailing_metadata()
+                )
+    finally:
+        prefill.stop()

@@ -549,7 +549,23 @@ def copies_chunk_bytes(copies: _GpuCopies | _HostCopies, t0: int, t1: int) -> in
 def serve_push(
     sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext
 ) -> peer_pb2.PushResponse:
-    """Send one source rank's share of an opened request into the reader's receive slots."""
+    """Send one source rank's share of an opened request into the reader's receive slots.
+
+    Every answer given while nothing of the transfer is in flight (success, a
+    refusal, a stop after the WRITEs ended) carries PUSH_ENDED, so that the
+    reader may reuse its slots at once.
+    """
+    quiet = [True]
+    try:
+        return _push(sc, req, context, quiet)
+    finally:
+        if quiet[0]:
+            context.set_trailing_metadata((PUSH_ENDED,))
+
+
+def _push(
+    sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext, quiet: list[bool]
+) -> peer_pb2.PushResponse:
     _route(sc)
     item = sc.published.get_live(req.engine_id, req.request_id)
     if item.reader != req.reader_engine_id:
@@ -591,7 +607,6 @@ def serve_push(
         )
     chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, cap // per_block)
     if not chunks:
-        context.set_trailing_metadata((PUSH_ENDED,))
         return peer_pb2.PushResponse()
     sc.nixl.load_remote(req.reader_agent, req.reader_agent_metadata)
     left = req.timeout_ms / 1000 if req.timeout_ms else sc.settings.pull_timeout_ms / 1000
@@ -611,7 +626,6 @@ def serve_push(
     state = sp.SendState(chunks, send_slots, list(range(len(req.slots))))
     copies: _GpuCopies | _HostCopies
     pump: _Pump | None = None
-    quiet = True  # nothing of this transfer is in flight
 
     def on_notif(agent: str, msg: bytes) -> None:  # NIXL driver thread
         parsed = sp.parse_notif(msg)
@@ -652,7 +666,7 @@ def serve_push(
                     src_entry.host_view, reader_spec, req.reader_rank, heads, ids, ring, True
                 )
             pump = _Pump(sc, state, copies, ring, req, deadline)
-            quiet = False
+            quiet[0] = False
             sc.nixl.add_poller(pump.poll)
             try:
                 nbytes = 0
@@ -663,24 +677,23 @@ def serve_push(
                     nbytes += moved
                     state.gathered(index, slot, marker)
                 state.wait_finished(remaining)
-                quiet = True
+                quiet[0] = True
                 return peer_pb2.PushResponse(chunks=len(chunks), bytes=nbytes)
             except sp.Stopped as e:
                 raise SidecarError(
                     Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}"
                 ) from None
             finally:
-                if not quiet:
+                if not quiet[0]:
                     state.fail(sp.Stopped("the push failed"))
                     pump.close()  # no WRITE starts after this
-                    quiet = _quiesce(sc, state)
+                    quiet[0] = _quiesce(sc, state)
                     copies.synchronize()  # our gathers are done before the send slots are reused
     finally:
         if pump is not None:
             pump.close()
         sc.nixl.unlisten(sp.prefix(req.transfer_id))
-        if quiet:
-            context.set_trailing_metadata((PUSH_ENDED,))
+        if quiet[0]:
             ring.pool.release(send_slots)
         else:
             log.warning(
