@@ -324,3 +324,25 @@ def test_source_and_reader_threads_move_every_chunk_exactly_once(seed: int) -> N
     recv_pool.release([recv_slots[s] for s in reader.release_all()])
     send_pool.release(send_slots)
     assert recv_pool.free == 4 and send_pool.free == 3
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"layout": "flash_attn_hnd"},
+        {"layout": "flashinfer_nhd", "kernel_block_size": 8},
+        {"layout": "packed", "tp_size": 2},
+        {"layout": "mla", "num_kv_heads": 1, "head_dim": 576},
+        {"cross_layer": True, "dtype": "float8_e4m3fn"},
+    ],
+)
+def test_staging_bytes_are_linear_in_blocks(over: dict[str, object]) -> None:
+    """Both ends size chunks as blocks x bytes of one block; the staging layout must agree."""
+    from kv_sidecar.execute import gpu
+    from kv_sidecar.plan.spec import EngineSpec
+
+    base = {"tp_size": 1, "num_layers": 3, "num_kv_heads": 4, "head_dim": 64, "dtype": "bfloat16"}
+    spec = EngineSpec.from_dict(base | {"block_size": 16, "num_blocks": 8, "layout": "flash_attn_nhd"} | over)
+    one = gpu.staging_bytes(spec, 1)
+    assert all(gpu.staging_bytes(spec, k) == k * one for k in (2, 3, 17, 1000))

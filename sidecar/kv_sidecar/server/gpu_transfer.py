@@ -286,7 +286,7 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
         job.num_tokens,
         dst_spec.block_size,
         dict.fromkeys(range(len(slots)), ring.slot_bytes),
-        lambda k: gpu.staging_bytes(dst_spec, k),
+        lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
     )
     call: Any = None
     copies: _GpuCopies | _HostCopies | None = None
@@ -467,6 +467,7 @@ class _Pump:
         ring: Ring,
         req: peer_pb2.PushRequest,
         deadline: float,
+        block_bytes: int,
     ) -> None:
         self.sc = sc
         self.state = state
@@ -474,7 +475,8 @@ class _Pump:
         self.ring = ring
         self.req = req
         self.deadline = deadline
-        self.lengths = [copies_chunk_bytes(copies, t0, t1) for t0, t1 in state.chunks]
+        self.block_bytes = block_bytes
+        self.block_size = block_size_of(copies)
         self.lock = threading.Lock()
         self.closed = False
 
@@ -489,7 +491,7 @@ class _Pump:
             try:
                 while (w := st.next_write(self.copies.ready)) is not None:
                     t0, t1 = st.chunks[w.index]
-                    length = self.lengths[w.index]
+                    length = sp.blocks_in(self.block_size, t0, t1) * self.block_bytes
                     local = np.array(
                         [[self.ring.slot_address(w.send_slot), length, self.ring.nixl_device]], dtype=np.int64
                     )
@@ -541,9 +543,9 @@ class _Pump:
             self.closed = True
 
 
-def copies_chunk_bytes(copies: _GpuCopies | _HostCopies, t0: int, t1: int) -> int:
+def block_size_of(copies: _GpuCopies | _HostCopies) -> int:
     spec = copies.staged.staging_spec if isinstance(copies, _GpuCopies) else copies.spec
-    return gpu.staging_bytes(spec, sp.blocks_in(spec.block_size, t0, t1))
+    return spec.block_size
 
 
 def serve_push(
@@ -665,7 +667,7 @@ def _push(
                 copies = _HostCopies(
                     src_entry.host_view, reader_spec, req.reader_rank, heads, ids, ring, True
                 )
-            pump = _Pump(sc, state, copies, ring, req, deadline)
+            pump = _Pump(sc, state, copies, ring, req, deadline, per_block)
             quiet[0] = False
             sc.nixl.add_poller(pump.poll)
             try:
