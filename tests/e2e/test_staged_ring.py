@@ -177,12 +177,12 @@ def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, Sidec
         dst_cache.close()
 
 
-# A long pull: 1200 blocks, one per chunk (one-block slots), converting NHD -> HND on the way. (Not
+# A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way. (Not
 # more: a failed pull names its unfilled blocks in its status message and trailing metadata, which
-# together must stay under gRPC's 16 KiB metadata limit.)
-LONG = 1200
-LONG_SRC = EngineSpec.from_dict(spec_dict(num_blocks=1300))
-LONG_DST = EngineSpec.from_dict(spec_dict(num_blocks=1300, layout="flash_attn_hnd"))
+# together must stay under gRPC's 8 KiB soft metadata limit.)
+LONG = 600
+LONG_SRC = EngineSpec.from_dict(spec_dict(num_blocks=1000))
+LONG_DST = EngineSpec.from_dict(spec_dict(num_blocks=1000, layout="flash_attn_hnd"))
 ONE_BLOCK_RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 8192), "--gpu-staging-slots", "1"]
 
 
@@ -197,7 +197,7 @@ def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: f
         }
     )
     assert pub["ok"], pub
-    dst = list(range(1299, 1299 - LONG, -1))
+    dst = list(range(999, 999 - LONG, -1))
     cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 4, "timeout_s": timeout_s}
     assert decode.proc.stdin is not None
     decode.proc.stdin.write(json.dumps(cmd) + "\n")
