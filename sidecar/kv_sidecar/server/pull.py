@@ -11,7 +11,8 @@ Three paths, chosen per request:
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
 - gpu-direct and gpu-staged: the same two situations in GPU memory
-  (`kv_sidecar.server.gpu_transfer`).
+  (`kv_sidecar.server.gpu_transfer`); host-ring: the staged protocol of
+  gpu-staged between host-memory engines (setting `host_transfer: ring`).
 
 Across sidecars, every OpenRead/CloseRead, READ and completion notification
 goes to the sidecar that holds the source rank (server/routing.py): the one
@@ -352,11 +353,12 @@ class Puller:
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
+        ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (gpu_transfer.py)
         nbytes = 0
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
                 job.remaining()  # stopped before touching (possibly unregistered) memory
-                if on_gpu:
+                if ring:
                     nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
                 elif identity:
                     nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
@@ -367,8 +369,8 @@ class Puller:
                     holder.agent_name,
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
-        if on_gpu:
-            return nbytes, gpu_transfer.PATH_STAGED
+        if ring:
+            return nbytes, gpu_transfer.PATH_STAGED if on_gpu else gpu_transfer.PATH_HOST_RING
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
