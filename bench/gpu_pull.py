@@ -57,7 +57,7 @@ NOTES = (
     "digest. Their same-node target compares the whole pull (control plane included) with the ceiling; "
     "the staged target is the fragmented in-engine NIXL anchor of the same segment size (a conversion "
     "row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
-    "gpu_staging_bytes 512 MiB (64 MiB slots) unless marked 2 GiB (256 MiB slots).",
+    "gpu_staging_bytes 512 MiB (8 slots of 32 MiB per ring) unless marked 2 GiB (128 MiB slots).",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
 
 DEFAULT_SOCKET = "/run/kv-sidecar/engine.sock"
 TransferParams = common_pb2.TransferParams
@@ -32,6 +33,23 @@ def _error(e: grpc.RpcError) -> KVSidecarError:
     if isinstance(e, grpc.Call):
         return KVSidecarError(e.code().name, e.details() or "")
     return KVSidecarError("UNKNOWN", str(e))
+
+
+def target_of(target: str) -> str:
+    """A gRPC target: a bare path is a unix socket."""
+    if "://" not in target and not target.startswith("unix:") and ":" not in target:
+        return f"unix:{target}"
+    return target
+
+
+def pull_failure(code: str, details: str, trailing_metadata: Any, block_ids: list[int]) -> PullResult:
+    """A failed Pull as a PullResult; the sidecar names the blocks it did not fill in the trailers."""
+    unfilled = list(block_ids)
+    with contextlib.suppress(Exception):
+        for key, value in trailing_metadata or ():
+            if key == "kvsidecar-unfilled-blocks":
+                unfilled = [int(b) for b in value.split(",") if b]
+    return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
 
 
 def params_to_json(params: TransferParams) -> str:
@@ -86,6 +104,40 @@ class Event:
     reason: str = ""  # "released": why the reader gave the request up
 
 
+class PullCall:
+    """A pull in flight (SidecarClient.pull_async)."""
+
+    def __init__(self, future: Any, block_ids: list[int]) -> None:
+        self._future = future
+        self._block_ids = block_ids
+        self.done_at = 0.0  # time.monotonic() when the answer arrived
+        future.add_done_callback(self._stamp)
+
+    def _stamp(self, _: Any) -> None:
+        self.done_at = time.monotonic()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        """Give up waiting; the sidecar stops the pull and releases the source blocks."""
+        self._future.cancel()
+
+    def result(self) -> PullResult:
+        """The outcome (waits if not done). Never raises for a failed transfer: see PullResult."""
+        try:
+            resp = self._future.result()
+        except grpc.FutureCancelledError:
+            return PullResult(
+                False, error_code="CANCELLED", error="cancelled", unfilled_blocks=self._block_ids
+            )
+        except grpc.RpcError as e:
+            err = _error(e)
+            trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else ()
+            return pull_failure(err.code, err.message, trailers, self._block_ids)
+        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+
+
 class EventStream:
     """Iterate events of one rank; close() ends the session."""
 
@@ -119,9 +171,7 @@ class SidecarClient:
         timeout_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if "://" not in target and not target.startswith("unix:") and ":" not in target:
-            target = f"unix:{target}"
-        self.target = target
+        self.target = target = target_of(target)
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
@@ -201,6 +251,19 @@ class SidecarClient:
         timeout_s: float | None = None,
     ) -> PullResult:
         """Fill local blocks; never raises for a failed transfer (see PullResult)."""
+        return self.pull_async(params, engine_id, block_ids, ranks, start_token, timeout_s).result()
+
+    def pull_async(
+        self,
+        params: TransferParams,
+        engine_id: str,
+        block_ids: Sequence[int],
+        ranks: Sequence[int] = (),
+        start_token: int = 0,
+        timeout_s: float | None = None,
+    ) -> PullCall:
+        """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
+        so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
         req = engine_pb2.PullRequest(
             params=params,
@@ -210,17 +273,8 @@ class SidecarClient:
             start_token=start_token,
             timeout_ms=int(timeout * 1000),
         )
-        try:
-            resp = self._stub.Pull(req, timeout=timeout + 5)  # the sidecar times out first, with details
-        except grpc.RpcError as e:
-            err = _error(e)
-            unfilled = list(block_ids)
-            with contextlib.suppress(Exception):
-                for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-                    if key == "kvsidecar-unfilled-blocks":
-                        unfilled = [int(b) for b in value.split(",") if b]
-            return PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=unfilled)
-        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+        # The sidecar times out first, with details; the extra seconds only cover a silent sidecar.
+        return PullCall(self._stub.Pull.future(req, timeout=timeout + 5), list(block_ids))
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(
@@ -233,3 +287,7 @@ class SidecarClient:
         prefill side also releases its blocks now (it gets a "released" event)."""
         req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
         return self._call("Abort", req).found
+
+    def status(self) -> status_pb2.StatusResponse:
+        """What the sidecar is doing: registered ranks, peers, transfers in flight (`kv-sidecar status`)."""
+        return self._call("Status", status_pb2.StatusRequest())

@@ -21,7 +21,9 @@ class Settings:
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
     gpu_staging_bytes: int = 512 << 20
-    gpu_staging_slots: int = 4
+    gpu_staging_slots: int = 8
+    host_transfer: str = "read"
+    nixl_busy_poll_us: int = 20
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
@@ -46,7 +48,13 @@ class Settings:
         "staging_bytes": "bytes of sidecar-owned host staging memory for layout/TP conversions",
         "gpu_staging_bytes": "bytes of GPU staging memory per GPU for cross-sidecar transfers "
         "(half a send ring, half a receive ring; allocated when the first GPU rank registers)",
-        "gpu_staging_slots": "slots per GPU ring: chunks of one transfer in flight at once (gather, wire, scatter)",
+        "gpu_staging_slots": "slots per staging ring, shared by every transfer on that GPU; a slot holds one "
+        "chunk (gather, wire and scatter overlap across slots), so slot size = gpu_staging_bytes / 2 / slots",
+        "host_transfer": "host-memory pulls from another sidecar: read (NIXL READs into the engine or into "
+        "host staging, converted here) or ring (the GPU staged protocol through host rings sized like the GPU "
+        "ones; what CI uses to run it without GPUs)",
+        "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
+        "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
@@ -70,6 +78,7 @@ class Settings:
     }
 
     CHOICES = {
+        "host_transfer": ("read", "ring"),
         "tls_client_auth": ("require", "none"),
         "log_format": ("text", "json"),
         "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),

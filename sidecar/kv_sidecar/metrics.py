@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-PATHS = ("host-direct", "host-nixl", "host-nixl-staged", "gpu-direct", "gpu-staged")
+PATHS = ("host-direct", "host-nixl", "host-nixl-staged", "host-ring", "gpu-direct", "gpu-staged")
 OUTCOMES = ("ok", "error", "cancelled", "timeout")
 
 _SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)

@@ -463,3 +463,21 @@ def test_dashboard_panels(dashboard):
         "handshake",
     ):
         assert word in titles, f"no panel about {word!r}"
+
+
+def test_engine_loads_the_vllm_connector_on_the_sidecar_socket():
+    from kv_sidecar_client.vllm.config import ConnectorConfig
+
+    for overlay in ("prefill", "decode"):
+        (deploy,) = of_kind(render_overlay(overlay), "Deployment")
+        eng = engine_of(pod_spec(deploy))
+        (flag,) = [a for a in eng["args"] if a.startswith("--kv-transfer-config=")]
+        kv = json.loads(flag.split("=", 1)[1])
+        assert kv["kv_connector"] == "KVSidecarConnector"
+        assert kv["kv_connector_module_path"] == "kv_sidecar_client.vllm"
+        config = ConnectorConfig.from_extra_config(kv["kv_connector_extra_config"])  # keys and types accepted
+        assert config.sidecar_socket == SOCKET_PATH
+        assert config.engine_id == "$(POD_NAME)"
+        env = {e["name"]: e for e in eng["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert "--disable-hybrid-kv-cache-manager" in eng["args"]

@@ -28,12 +28,44 @@ CASES: dict[str, tuple[dict, dict, int]] = {
     "mla-tp1-to-tp2": (MLA | {"tp_size": 1}, MLA | {"tp_size": 2}, 0),
     "prefix-hit-hnd": ({}, {"layout": "flash_attn_hnd", "block_size": 32}, 32),
     "packed-kernel-blocks": ({"layout": "packed"}, {"kernel_block_size": 8, "tp_size": 2}, 0),
+    # packed_nhd is vLLM's default GPU layout (LBNHC); cross-layer, BLNHC.
+    "packed-nhd-tp1-to-hnd-tp2": ({"layout": "packed_nhd"}, {"layout": "flash_attn_hnd", "tp_size": 2}, 0),
+    "packed-nhd-block16-to-packed-32": ({"layout": "packed_nhd"}, {"layout": "packed", "block_size": 32}, 0),
+    "packed-nhd-cross-layer-to-packed-nhd": (
+        {"layout": "packed_nhd", "cross_layer": True},
+        {"layout": "packed_nhd", "tp_size": 2},
+        0,
+    ),
+    "flashinfer-tp4-to-packed-nhd-prefix-kernel-blocks": (
+        {"layout": "flashinfer_hnd", "tp_size": 4},
+        {"layout": "packed_nhd", "block_size": 32, "kernel_block_size": 8},
+        32,
+    ),
+    # Same geometry on both sides: NIXL reads straight into the decode blocks, no staging.
+    "packed-nhd-identity-tp2": (
+        {"layout": "packed_nhd", "tp_size": 2},
+        {"layout": "packed_nhd", "tp_size": 2},
+        16,
+    ),
+    "packed-nhd-cross-layer-identity": (
+        {"layout": "packed_nhd", "cross_layer": True},
+        {"layout": "packed_nhd", "cross_layer": True},
+        0,
+    ),
 }
+IDENTITY = ("packed-nhd-identity-tp2", "packed-nhd-cross-layer-identity")
 _ids = itertools.count()
 
 
 # The direct path runs the same host executor as the staged path's conversion step; a few cases suffice there.
-DIRECT = ("tp2-to-tp1", "nhd-to-hnd", "block32-to-16", "mla-tp1-to-tp2")
+DIRECT = (
+    "tp2-to-tp1",
+    "nhd-to-hnd",
+    "block32-to-16",
+    "mla-tp1-to-tp2",
+    "packed-nhd-tp1-to-hnd-tp2",
+    "packed-nhd-cross-layer-to-packed-nhd",
+)
 
 
 @pytest.mark.parametrize(("case", "where"), [(c, "nixl") for c in CASES] + [(c, "direct") for c in DIRECT])
@@ -60,7 +92,8 @@ def test_pairing_is_bit_exact(
         )
         assert res["ok"], res
         assert res["verified"], res["errors"]
-        assert res["path"] == ("host-direct" if where == "direct" else "host-nixl-staged")
+        nixl_path = "host-nixl" if case in IDENTITY else "host-nixl-staged"
+        assert res["path"] == ("host-direct" if where == "direct" else nixl_path)
         for _ in range(pspec.tp_size):  # every prefill rank is told, read from or not (MLA)
             ev = prefill.send({"cmd": "next_event", "timeout_s": 10})
             assert (ev["kind"], ev["request_id"]) == ("consumed", "r"), ev

@@ -43,6 +43,26 @@ def test_strides_match_host_views(layout: Layout, cross_layer: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
+def test_vector_hint_holds_for_every_row_start(name: str) -> None:
+    """The kernel promises the compiler every row chunk starts on ALIGN words; the interpreter cannot check it.
+
+    A row starts at layer + kv*s_kv + block*s_n + slot*s_b + head*s_h + chunk*CHUNK words, so
+    each term must be a multiple (packed layouts put V rows head_dim elements into a row).
+    """
+    from kv_sidecar.execute import gpu
+
+    c = kc.case(name)
+    views = [gpu.gpu_rank_view(c.src, r.src_rank, kc.random_tensors(c.src, 1), 0) for r in c.reads]
+    dview = gpu.gpu_rank_view(c.dst, c.dst_rank, kc.random_tensors(c.dst, 2), 0)
+    for sview in views:
+        la = gpu.plan_launch(sview, dview, 1, 0, 0, c.num_tokens, c.start_token, 0, 0)
+        align = la.constexprs["ALIGN"]
+        assert la.constexprs["CHUNK"] % align == 0
+        assert all(stride % align == 0 for stride in la.args[6:14]), la.args[6:14]
+        assert all(p % (align * la.width) == 0 for p in (*sview.layer_ptrs, *dview.layer_ptrs))
+
+
 def test_row_chunks() -> None:
     assert geo.chunk_words(64) == 64
     assert geo.chunk_words(288) == 32  # 576-element bf16 MLA latent: 9 chunks of 32 words
@@ -114,3 +134,80 @@ def test_empty_and_prefix_only_requests_launch_nothing() -> None:
     assert gpu.copy_request(sview, dview, (0, 4), [0, 1], [], 32, 32, interpret=True) == 0
     for a, b in zip(dst, before, strict=True):
         assert kc.bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_staged_chunks_in_interpreter_match_host_executor(name: str, blocks_per_chunk: int) -> None:
+    """The staged path's copies (validated once, one launch per chunk) through a 2-slot ring:
+    gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots."""
+    pytest.importorskip("triton")
+    from kv_sidecar.execute import gpu
+    from kv_sidecar.server.staged_protocol import plan_chunks
+
+    c = kc.case(name)
+    srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}
+    before = kc.random_tensors(c.dst, 7)
+    src_ids, dst_ids = kc.block_ids(c, 3)
+    want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
+    out = [t.clone() for t in before]
+    dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)
+    slot_bytes = gpu.staging_bytes(c.dst, blocks_per_chunk)
+    ring = torch.zeros(2 * slot_bytes + 64, dtype=torch.uint8)
+    base = (ring.data_ptr() + 63) // 64 * 64
+    slots = [base, base + slot_bytes]
+    chunks = plan_chunks(c.start_token, c.num_tokens, c.dst.block_size, blocks_per_chunk)
+    written = 0
+    for r in c.reads:
+        sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
+        gather = gpu.StagedCopies(
+            sview,
+            c.dst,
+            c.dst_rank,
+            r.heads,
+            src_ids,
+            c.num_tokens,
+            c.start_token,
+            into_staging=True,
+            interpret=True,
+        )
+        scatter = gpu.StagedCopies(
+            dview,
+            c.dst,
+            c.dst_rank,
+            r.heads,
+            dst_ids,
+            c.num_tokens,
+            c.start_token,
+            into_staging=False,
+            interpret=True,
+        )
+        for i, (t0, t1) in enumerate(chunks):
+            assert gather.chunk_bytes(t0, t1) <= slot_bytes
+            moved = gather.launch(t0, t1, slots[i % 2])
+            assert scatter.launch(t0, t1, slots[i % 2]) == moved
+            written += moved
+    assert written == want_bytes
+    for g, w in zip(out, want, strict=True):
+        assert kc.bitwise_equal(g, w)
+
+
+def test_staged_copies_refuse_bad_ids_before_any_launch() -> None:
+    pytest.importorskip("triton")
+    from kv_sidecar.execute import gpu
+    from kv_sidecar.plan.spec import PlanError
+
+    c = kc.case("homogeneous")
+    view = gpu.gpu_rank_view(c.dst, 0, kc.random_tensors(c.dst, 1), 0)
+    n = -(-c.num_tokens // c.dst.block_size)
+    with pytest.raises(PlanError, match="out of range"):
+        gpu.StagedCopies(
+            view, c.dst, 0, (0, 4), [*range(n - 1), 999], c.num_tokens, into_staging=False, interpret=True
+        )
+    with pytest.raises(PlanError, match="appears twice"):
+        gpu.StagedCopies(view, c.dst, 0, (0, 4), [0] * n, c.num_tokens, into_staging=False, interpret=True)
+    ok = gpu.StagedCopies(
+        view, c.dst, 0, (0, 4), list(range(n)), c.num_tokens, into_staging=False, interpret=True
+    )
+    with pytest.raises(PlanError, match="block-aligned"):
+        ok.launch(8, 32, 0)

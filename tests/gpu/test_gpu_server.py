@@ -4,15 +4,21 @@ Engine processes keep their KV caches on GPUs and register them with CUDA IPC
 handles; sidecar processes import them. Same node: one sidecar holds both
 engines and runs one kernel per (request, source rank) on the decode GPU.
 Staged: two sidecars; the prefill sidecar gathers chunks into its send ring in
-the decode layout, the decode sidecar READs them over NIXL (UCX cuda_ipc
-between the two processes) into its receive ring and scatters. The rings are
-sized small so that a request takes several chunks and every slot is reused.
+the decode layout and WRITEs each over NIXL (UCX cuda_ipc between the two
+processes) into a slot of the decode sidecar's receive ring, with a NIXL
+notification; the decode sidecar scatters it and gives the slot back by
+notification (docs/gpu.md). The rings are sized small so that a request takes
+several chunks, every slot is reused, and concurrent pulls share the slots.
 The decode engine checks every requested token bit for bit against the
 seeded reference and that no byte outside the requested blocks changed.
 """
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +55,13 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tp2_to_tp1": ({"tp_size": 2}, {}),
     "nhd_to_hnd": ({}, {"layout": "flash_attn_hnd"}),
     "block16_to_32": ({}, {"block_size": 32}),
+    # vLLM's default GPU layout (LBNHC) and its cross-layer form (BLNHC).
+    "packed_nhd_to_hnd_tp2": ({"layout": "packed_nhd"}, {"layout": "flash_attn_hnd", "tp_size": 2}),
+    "packed_nhd_to_packed_block32": ({"layout": "packed_nhd"}, {"layout": "packed", "block_size": 32}),
+    "packed_nhd_cross_layer_to_packed_nhd": (
+        {"layout": "packed_nhd", "cross_layer": True},
+        {"layout": "packed_nhd"},
+    ),
     # One layer: a 32-token MLA block (37 KiB) fits the small test rings' 64 KiB slots.
     "mla_block16_to_32": (
         MLA | {"num_layers": 1},
@@ -150,3 +163,90 @@ def test_ring_too_small_for_one_block_is_a_clear_error(pair: tuple[SidecarProces
     finally:
         prefill.stop()
         decode.stop()
+
+
+def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def _rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
+    """Every ring slot back in its pool and no NIXL transfer open."""
+    deadline = time.monotonic() + timeout_s
+    for sc in sidecars:
+        while True:
+            busy = (
+                _metric(sc, "kvsidecar_staging_bytes_in_use"),
+                _metric(sc, "kvsidecar_nixl_held", '{kind="transfers_open"}'),
+            )
+            if busy == (0, 0):
+                break
+            assert time.monotonic() < deadline, f"staging in use / transfers open: {busy}"
+            time.sleep(0.05)
+
+
+def test_concurrent_staged_pulls_share_the_rings(pair: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """Four engine pairs pull at once through rings of two 64 KiB slots each way (every request takes
+    several chunks): the pulls interleave on the slots, and every one is bit-exact."""
+    a, b = pair
+    _rings_idle(a, b)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        try:
+            for name in ("homogeneous", "nhd_to_hnd", "tp2_to_tp1"):
+                run_case(a.socket, b.socket, name, "gpu-staged")
+        except Exception as e:  # reported below: one thread's failure must not hide the others'
+            errors.append(f"worker {w}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    _rings_idle(a, b)
+
+
+def test_staged_pull_timing_out_mid_transfer_stops_both_ends(
+    pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """A pull whose deadline passes with chunks in flight (600 chunks in 30 ms): it fails cleanly, writes nothing outside its
+    blocks, the source confirms its WRITEs ended (no ring slot is quarantined), the next pull works."""
+    a, b = pair
+    # 64 KiB blocks: one per chunk through the 64 KiB slots. 600 blocks, not more: a failed pull names
+    # its unfilled blocks in its status, which must stay under gRPC's 8 KiB soft metadata limit.
+    spec = EngineSpec.from_dict(BASE | {"num_layers": 4, "num_blocks": 1000})
+    blocks = 600
+    prefill = EngineProcess(a.socket, "p-long", spec, devices=["cuda:0"], start_timeout_s=120)
+    decode = EngineProcess(b.socket, "d-long", spec, devices=["cuda:1"], start_timeout_s=120)
+    try:
+        quarantined = _metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}')
+        assert prefill.send({"cmd": "randomize", "seed": 3}, timeout_s=120)["ok"]
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": "long",
+                "block_ids": list(range(blocks)),
+                "num_tokens": blocks * 16,
+                "seed": 0,
+                "fill": False,
+            }
+        )
+        dst = list(range(999, 999 - blocks, -1))
+        res = decode.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 0, "timeout_s": 0.03},
+            timeout_s=120,
+        )
+        if res["ok"]:
+            pytest.skip(f"the pull finished within its timeout ({res['wall_s']:.3f} s): nothing to stop")
+        assert res["error_code"] in ("DEADLINE_EXCEEDED", "CANCELLED"), res
+        assert res["unfilled_blocks"] == dst
+        assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
+        _rings_idle(a, b, timeout_s=5)
+        assert _metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == quarantined
+    finally:
+        prefill.stop()
+        decode.stop()
+    run_case(a.socket, b.socket, "homogeneous", "gpu-staged")

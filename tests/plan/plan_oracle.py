@@ -95,6 +95,8 @@ def head_vector_index(spec: EngineSpec, layer: int, plane: int, kblock: int, slo
         idx, n_pos = [kblock, plane, head, slot, slice(None)], 0
     elif layout == "packed":  # [N, H, B, 2D], K then V in the last dim
         idx, n_pos = [kblock, head, slot, slice(plane * d, plane * d + d)], 0
+    elif layout == "packed_nhd":  # [N, B, H, 2D], K then V in the last dim
+        idx, n_pos = [kblock, slot, head, slice(plane * d, plane * d + d)], 0
     elif layout == "mla":  # [N, B, L]
         assert plane == 0 and head == 0
         idx, n_pos = [kblock, slot, slice(None)], 0

@@ -11,21 +11,25 @@ from hypothesis import strategies as st
 
 from kv_sidecar.plan.blocks import check_block_ids, check_copy, check_pull, needed_src_blocks
 from kv_sidecar.plan.pair import PairPlan, plan_pair
-from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar.plan.spec import EngineSpec, Layout, PlanError
+
+HEAD_LAYOUTS = [layout.value for layout in Layout if layout is not Layout.MLA]
 
 
-def pair(bp: int = 16, bd: int = 16, np_: int = 10, nd: int = 10) -> PairPlan:
+def pair(
+    bp: int = 16, bd: int = 16, np_: int = 10, nd: int = 10, layouts: tuple[str, str] | None = None
+) -> PairPlan:
     common: dict[str, Any] = {
         "tp_size": 1,
         "num_layers": 1,
         "num_kv_heads": 2,
         "head_dim": 4,
         "dtype": "float16",
-        "layout": "flash_attn_nhd",
     }
+    lp, ld = layouts or ("flash_attn_nhd", "flash_attn_nhd")
     return plan_pair(
-        EngineSpec(block_size=bp, num_blocks=np_, **common),
-        EngineSpec(block_size=bd, num_blocks=nd, **common),
+        EngineSpec(block_size=bp, num_blocks=np_, layout=lp, **common),
+        EngineSpec(block_size=bd, num_blocks=nd, layout=ld, **common),
     )
 
 
@@ -216,3 +220,28 @@ def test_check_copy_forms_and_heads() -> None:
     with pytest.raises(PlanError, match="head_dim differs"):
         other = EngineSpec.from_dict(dst.to_dict() | {"head_dim": 8})
         check_copy(src, 0, other, 0, (0, 2), [5, 6, 7], [1, 2, 3], 40, 16)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    layouts=st.tuples(st.sampled_from(HEAD_LAYOUTS), st.sampled_from(HEAD_LAYOUTS)),
+    bp=st.sampled_from([1, 3, 16, 32]),
+    bd=st.sampled_from([1, 5, 16, 32]),
+    num_tokens=st.integers(1, 60),
+    hit_blocks=st.integers(0, 4),
+)
+def test_request_checks_do_not_depend_on_layout(
+    layouts: tuple[str, str], bp: int, bd: int, num_tokens: int, hit_blocks: int
+) -> None:
+    """Block lists are about tokens and block sizes only: any layout pair accepts exactly the same ids."""
+    plan, plain = pair(bp, bd, 64, 64, layouts), pair(bp, bd, 64, 64)
+    start = min(hit_blocks * bd, num_tokens // bd * bd)
+    src = list(range(-(-num_tokens // bp)))
+    dst = list(range(-(-num_tokens // bd) - start // bd))
+    check_pull(plan, src, num_tokens, dst, start)
+    assert needed_src_blocks(plan, src, num_tokens, start) == needed_src_blocks(plain, src, num_tokens, start)
+    with pytest.raises(PlanError) as one_too_many:
+        check_pull(plan, src, num_tokens, [*dst, 63], start)
+    with pytest.raises(PlanError) as plain_too_many:
+        check_pull(plain, src, num_tokens, [*dst, 63], start)
+    assert str(one_too_many.value) == str(plain_too_many.value)

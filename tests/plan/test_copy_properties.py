@@ -28,13 +28,13 @@ STORAGES = ["separate", "packed", "gapped", "uneven"]
 
 
 @st.composite
-def engine(draw: st.DrawFn, common: dict, heads: int, mla: bool) -> EngineSpec:
+def engine(draw: st.DrawFn, common: dict, heads: int, mla: bool, layouts: list[Layout]) -> EngineSpec:
     if mla:
         tp = draw(st.integers(1, 8))
         layout = Layout.MLA
     else:
         tp = draw(st.sampled_from([t for t in range(1, 9) if heads % t == 0 or t % heads == 0]))
-        layout = draw(st.sampled_from(HEAD_LAYOUTS))
+        layout = draw(st.sampled_from(layouts))
     block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8, 16]))
     kernel = draw(st.sampled_from([None, *[k for k in range(1, block_size + 1) if block_size % k == 0]]))
     return EngineSpec(
@@ -50,16 +50,20 @@ def engine(draw: st.DrawFn, common: dict, heads: int, mla: bool) -> EngineSpec:
 
 
 @st.composite
-def pull_case(draw: st.DrawFn) -> dict:
-    mla = draw(st.integers(0, 5)) == 0
+def pull_case(draw: st.DrawFn, pinned: Layout | None = None) -> dict:
+    """A random valid pull; with `pinned`, one side (either) has that layout and neither is MLA."""
+    mla = pinned is None and draw(st.integers(0, 5)) == 0
     common = {
         "num_layers": draw(st.integers(1, 3)),
         "head_dim": draw(st.integers(2, 8)),
         "dtype": draw(st.sampled_from(["float16", "float32", "bfloat16"])),
     }
     heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
-    prefill = draw(engine(common, heads, mla))
-    decode = draw(engine(common, heads, mla))
+    sides = [HEAD_LAYOUTS, HEAD_LAYOUTS]
+    if pinned is not None:
+        sides[draw(st.integers(0, 1))] = [pinned]
+    prefill = draw(engine(common, heads, mla, sides[0]))
+    decode = draw(engine(common, heads, mla, sides[1]))
     capacity = min(prefill.num_blocks * prefill.block_size, decode.num_blocks * decode.block_size, 48)
     num_tokens = draw(st.integers(1, capacity))
     start_token = decode.block_size * draw(st.integers(0, num_tokens // decode.block_size))
@@ -137,6 +141,18 @@ def rounds(start: int, num_tokens: int, size: int | None) -> list[tuple[int, int
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pull_case())
 def test_pull_matches_logical_kv(case: dict) -> None:
+    check_pull_case(case)
+
+
+# Every layout is in the general test; this keeps the newest (vLLM's default GPU layout, LBNHC)
+# on one side of every example, against every other layout, TP pairing and block geometry.
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pull_case(pinned=Layout.PACKED_NHD))
+def test_packed_nhd_pull_matches_logical_kv(case: dict) -> None:
+    check_pull_case(case)
+
+
+def check_pull_case(case: dict) -> None:
     prefill, decode = case["prefill"], case["decode"]
     n, start = case["num_tokens"], case["start_token"]
     src_ids, dst_ids = case["src_ids"], case["dst_ids"]

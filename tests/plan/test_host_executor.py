@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections import Counter
 from typing import Any
@@ -112,6 +113,33 @@ def test_destination_can_be_a_mini_cache_too() -> None:
     moved = copy_request(rank_view(s, 0, src_t), rank_view(small, 0, dst_t), (0, 4), [4, 0], [1, 0], 8, 4)
     assert moved == 4 * 3 * 2 * 4 * 2 * 2
     assert all(bool((t == 1.0).all()) for t in dst_t)
+
+
+def test_packed_nhd_holds_k_then_v_per_token_and_head() -> None:
+    """vLLM's LBNHC, [N, B, H, 2D] with K in the first D: checked element by element, both ways."""
+    packed, nhd = spec(tp_size=1, layout="packed_nhd"), spec(tp_size=1)  # nhd: [2, N, B, H, D]
+    src_t = [
+        (torch.arange(torch.Size(sh).numel(), dtype=torch.int16) + 400 * i).view(sh).view(torch.float16)
+        for i, sh in enumerate(packed.rank_tensor_shapes())
+    ]
+    mid_t, back_t = tensors(nhd), tensors(packed)
+    src_ids, mid_ids = [3, 1], [0, 4]
+    moved = copy_request(rank_view(packed, 0, src_t), rank_view(nhd, 0, mid_t), (0, 4), src_ids, mid_ids, 6)
+    assert moved == 6 * 3 * 2 * 4 * 2 * 2  # tokens x layers x K/V x heads x dim x bytes
+    for layer, t, head, kv in itertools.product(range(3), range(6), range(4), range(2)):
+        got = mid_t[layer].view(torch.int16)[kv, mid_ids[t // 4], t % 4, head]
+        want = src_t[layer].view(torch.int16)[src_ids[t // 4], t % 4, head, 2 * kv : 2 * kv + 2]
+        assert torch.equal(got, want), (layer, t, head, kv)
+    for layer in range(3):  # everything else untouched: other blocks, slots 2-3 of block 4
+        untouched = mid_t[layer].view(torch.int16).clone()
+        untouched[:, 0] = 0
+        untouched[:, 4, :2] = 0
+        assert not untouched.any()
+    copy_request(rank_view(nhd, 0, mid_t), rank_view(packed, 0, back_t), (0, 4), mid_ids, [2, 0], 6)
+    for layer in range(3):
+        got, want = back_t[layer].view(torch.int16), src_t[layer].view(torch.int16)
+        assert torch.equal(got[2], want[3]) and torch.equal(got[0, :2], want[1, :2])
+        assert not got[0, 2:].any() and not got[[1, 3, 4]].any()
 
 
 class OpCounter(TorchDispatchMode):

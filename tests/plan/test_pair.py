@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan, Read, plan_pair
-from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar.plan.spec import EngineSpec, Layout, PlanError
 
 
 def spec(tp: int, heads: int = 8, **over: Any) -> EngineSpec:
@@ -106,13 +106,16 @@ def test_consumers_of() -> None:
         plan.consumers_of(2)
 
 
-def test_layouts_and_block_sizes_do_not_change_the_mapping() -> None:
+@pytest.mark.parametrize("layout", [layout.value for layout in Layout if layout is not Layout.MLA])
+def test_layouts_and_block_sizes_do_not_change_the_mapping(layout: str) -> None:
     plain = plan_pair(spec(2), spec(4))
     other = plan_pair(
-        spec(2, layout="packed", block_size=16, kernel_block_size=4),
+        spec(2, layout=layout, block_size=16, kernel_block_size=4),
         spec(4, layout="flashinfer_hnd", block_size=48, cross_layer=True),
     )
     assert plain.decode_ranks == other.decode_ranks
+    swapped = plan_pair(spec(2, layout="packed", cross_layer=True), spec(4, layout=layout, block_size=8))
+    assert plain.decode_ranks == swapped.decode_ranks
 
 
 @pytest.mark.parametrize(
@@ -120,6 +123,11 @@ def test_layouts_and_block_sizes_do_not_change_the_mapping() -> None:
     [
         (spec(2, layout="mla"), spec(2), "layout differs: prefill mla, decode flash_attn_nhd"),
         (spec(2), spec(2, layout="mla"), "layout differs: prefill flash_attn_nhd, decode mla"),
+        (
+            spec(2, layout="packed_nhd"),
+            spec(2, layout="mla"),
+            "layout differs: prefill packed_nhd, decode mla",
+        ),
         (spec(2, 8), spec(2, 4), "num_kv_heads differs: prefill 8, decode 4"),
         (spec(2), spec(2, head_dim=8), "head_dim differs: prefill 4, decode 8"),
         (spec(2), spec(2, num_layers=3), "num_layers differs: prefill 2, decode 3"),
@@ -160,6 +168,7 @@ def test_hash_is_stable_and_pinned() -> None:
     [
         {"num_blocks": 11},
         {"layout": "flashinfer_nhd"},
+        {"layout": "packed_nhd"},
         {"block_size": 32},
         {"kernel_block_size": 8},
         {"cross_layer": True},
@@ -190,6 +199,11 @@ def test_is_identity() -> None:
     assert plan_pair(spec(4, 2), spec(4, 2)).is_identity()
     assert not plan_pair(spec(2), spec(2, block_size=32)).is_identity()
     assert not plan_pair(spec(2), spec(2, layout="flash_attn_hnd")).is_identity()
+    assert plan_pair(spec(2, layout="packed_nhd"), spec(2, layout="packed_nhd")).is_identity()
+    assert not plan_pair(spec(2, layout="packed_nhd"), spec(2, layout="packed")).is_identity()
+    packed_nhd_x = spec(2, layout="packed_nhd", cross_layer=True)
+    assert plan_pair(packed_nhd_x, packed_nhd_x).is_identity()
+    assert not plan_pair(packed_nhd_x, spec(2, layout="packed_nhd")).is_identity()
     assert not plan_pair(spec(2), spec(2, kernel_block_size=8)).is_identity()
     assert not plan_pair(spec(2), spec(2, cross_layer=True)).is_identity()
     assert not plan_pair(spec(2), spec(4)).is_identity()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kv_sidecar.commands import plan as plan_command
+from kv_sidecar.commands.plan import IDENTITY_NOTE
 
 PREFILL = {
     "tp_size": 2,
@@ -79,6 +80,23 @@ def test_impossible_pairings_exit_2(decode: dict, message: str, capsys: pytest.C
     captured = capsys.readouterr()
     assert message in captured.err
     assert captured.out == ""
+
+
+def test_packed_nhd_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    packed_nhd = {**PREFILL, "layout": "packed_nhd", "cross_layer": True}
+    assert run("--prefill", json.dumps(packed_nhd), "--decode", json.dumps(DECODE), "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefill"]["layout"] == "packed_nhd" and out["prefill"]["cross_layer"] is True
+    assert out["decode_ranks"][1]["reads"] == [{"prefill_rank": 0, "heads": [2, 4]}]
+    assert out["bytes_per_block"]["prefill_rank"] == 16 * 4 * 4 * 2 * 64 * 2  # tokens x heads x layers x K,V
+    assert run("--prefill", json.dumps(packed_nhd), "--decode", json.dumps(packed_nhd)) == 0
+    assert IDENTITY_NOTE in capsys.readouterr().out
+
+
+def test_unknown_layout_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("--prefill", json.dumps({**PREFILL, "layout": "lbnhc"}), "--decode", json.dumps(DECODE)) == 2
+    err = capsys.readouterr().err
+    assert "unknown layout 'lbnhc'" in err and "'packed', 'packed_nhd', 'mla'" in err
 
 
 def test_unreadable_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.blocks import check_copy
+from kv_sidecar.plan.blocks import check_copy, dst_block_count
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
 # Bytes moved per program: large enough that each program keeps several 16-byte
@@ -333,6 +333,133 @@ def plan_launch(
         "D_KBS": dst.spec.physical_block_size,
     }
     return LaunchArgs(width, align, chunk, rows, n_chunks, planes, args, constexprs, NUM_WARPS)
+
+
+class StagedCopies:
+    """The copies of one staged transfer between an engine rank and staging slots, chunk by chunk.
+
+    `into_staging`: gather (engine -> staging, the source sidecar); otherwise
+    scatter (staging -> engine, the reader). A chunk is tokens [t0, t1) of whole
+    staging blocks; its staging side is a `staging_view` of the chunk's blocks at
+    a slot's address, so the bytes of a chunk are one contiguous descriptor.
+
+    The whole request is validated once here exactly as `prepare_request`
+    validates one copy (a bad id must never reach the kernel), and the engine
+    side's block ids are uploaded once; `launch` then only computes a chunk's
+    launch arguments and enqueues the kernel on the caller's stream: no
+    per-chunk validation, upload or host synchronisation.
+    """
+
+    def __init__(
+        self,
+        engine: GpuRankView,
+        staging_spec: EngineSpec,
+        staging_rank: int,
+        heads: tuple[int, int] | None,
+        engine_block_ids: Sequence[int],
+        num_tokens: int,
+        start_token: int = 0,
+        *,
+        into_staging: bool,
+        interpret: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.staging_spec = staging_spec
+        self.staging_rank = staging_rank
+        self.into_staging = into_staging
+        self.interpret = interpret
+        self.num_tokens = num_tokens
+        self.start_token = start_token
+        bd = staging_spec.block_size
+        total = dst_block_count(bd, num_tokens, start_token)
+        whole = replace(staging_spec, num_blocks=max(1, total))  # the request as one staging mini-cache
+        ids = np.asarray(engine_block_ids, dtype=np.int64).reshape(-1)
+        stage_ids = np.arange(total, dtype=np.int64)
+        if into_staging:
+            shape = check_copy(
+                engine.spec, engine.rank, whole, staging_rank, heads, ids, stage_ids, num_tokens, start_token
+            )
+            self._engine_first = shape.src_first  # block number of ids[0] (0, or the tail form's first)
+        else:
+            # Staging ids in the tail form (from the start token's block on), the engine's covering the request.
+            shape = check_copy(
+                whole, staging_rank, engine.spec, engine.rank, heads, stage_ids, ids, num_tokens, start_token
+            )
+            self._engine_first = start_token // engine.spec.block_size
+        self._shape = shape
+        self.device = torch.device("cpu") if interpret else torch.device("cuda", engine.device)
+        self._ids = torch.from_numpy(ids.astype(np.int32)).to(self.device)
+        self._stage_ids = torch.arange(max(1, total), dtype=torch.int32, device=self.device)
+        self._templates: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._uploaded: torch.cuda.Event | None = None
+        if not interpret:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.device))
+        self._ready_streams: set[Any] = set()
+
+    def chunk_bytes(self, t0: int, t1: int) -> int:
+        """Bytes a chunk of tokens [t0, t1) occupies in a slot."""
+        return staging_bytes(self.staging_spec, dst_block_count(self.staging_spec.block_size, t1, t0))
+
+    def launch(self, t0: int, t1: int, slot_address: int, stream: torch.cuda.Stream | None = None) -> int:
+        """Enqueue the copy of tokens [t0, t1) between the engine and the slot at `slot_address`;
+        returns the bytes it writes. `stream` must be given on a GPU (None only when interpreting)."""
+        from kv_sidecar.execute import gpu_kernels
+
+        bd = self.staging_spec.block_size
+        if not (t0 % bd == 0 and self.start_token <= t0 < t1 <= self.num_tokens):
+            raise PlanError(
+                f"chunk [{t0}, {t1}) is not block-aligned inside [{self.start_token}, {self.num_tokens})"
+            )
+        # Everything but the chunk's first token and block numbers is the same for every chunk of
+        # this size in this slot: computed once (a launch's host time is what paces the pipeline).
+        key = (slot_address, t1 - t0)
+        tpl = self._templates.get(key)
+        fresh = tpl is None
+        if tpl is None:
+            tpl = self._templates[key] = self._template(t0, t1, slot_address)
+        la, tables, ids, anchor, grid, nbytes = tpl
+        firsts = (self._engine_first, t0 // bd) if self.into_staging else (t0 // bd, self._engine_first)
+        args = (la.args[0], t0, *firsts, *la.args[4:])
+        if self.interpret:
+            gpu_kernels.interpreted(gpu_kernels.kv_copy_kernel)[grid](
+                anchor, *tables, *ids, *args, **la.constexprs
+            )
+            return nbytes
+        if stream is None:
+            raise ValueError("a GPU launch needs a stream")
+        with torch.cuda.device(self.device):
+            if stream not in self._ready_streams:
+                assert self._uploaded is not None
+                stream.wait_event(self._uploaded)  # the ids were uploaded on the current stream
+                self._ready_streams.add(stream)
+            if fresh:
+                stream.wait_stream(torch.cuda.current_stream(self.device))  # a layer table just uploaded
+            with torch.cuda.stream(stream):
+                gpu_kernels.kv_copy_kernel[grid](
+                    anchor, *tables, *ids, *args, **la.constexprs, num_warps=la.num_warps
+                )
+        return nbytes
+
+    def _template(self, t0: int, t1: int, slot_address: int) -> tuple[Any, ...]:
+        bd = self.staging_spec.block_size
+        k = dst_block_count(bd, t1, t0)
+        stage = staging_view(self.staging_spec, self.staging_rank, slot_address, k, self.engine.device)
+        sh = self._shape
+        if self.into_staging:
+            src, dst = self.engine, stage
+            firsts = (self._engine_first, t0 // bd)
+            ids = (self._ids, self._stage_ids)
+        else:
+            src, dst = stage, self.engine
+            firsts = (t0 // bd, self._engine_first)
+            ids = (self._stage_ids, self._ids)
+        la = plan_launch(src, dst, sh.num_heads, sh.src_head0, sh.dst_head0, t1, t0, *firsts)
+        tables = tuple(_state.layer_table(self.device, la.width, v.layer_ptrs) for v in (src, dst))
+        anchor = _state.anchor(self.device, la.width)
+        nbytes = (t1 - t0) * sh.num_heads * geo.row_bytes(dst.spec) * la.planes
+        grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)
+        return la, tables, ids, anchor, grid, nbytes
 
 
 def triton_cdiv(a: int, b: int) -> int:

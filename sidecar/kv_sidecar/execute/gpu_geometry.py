@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_sidecar.plan.spec import LAYOUT_DIMS, EngineSpec, PlanError, kv_planes
+from kv_sidecar.plan.spec import EngineSpec, PlanError, tensor_dims
 
 
 @dataclass(frozen=True)
@@ -28,26 +28,9 @@ class Strides:
     layer: int  # cross-layer tensors only (0 for per-layer tensors)
 
 
-def _dim_sizes(spec: EngineSpec) -> dict[str, int]:
-    return {
-        "N": spec.num_blocks * spec.kernel_blocks_per_block,
-        "L": spec.num_layers,
-        "K": kv_planes(spec),
-        "B": spec.physical_block_size,
-        "H": spec.heads_per_rank,
-        "D": spec.head_dim,
-    }
-
-
-def tensor_dims(spec: EngineSpec) -> str:
-    """Dim letters of one registered tensor, outermost first (PACKED's last dim split into K, D)."""
-    dims = LAYOUT_DIMS[spec.layout]
-    return "NL" + dims.replace("N", "") if spec.cross_layer else dims
-
-
 def strides(spec: EngineSpec) -> Strides:
     """Contiguous element strides of the registered tensors, by dim letter."""
-    sizes = _dim_sizes(spec)
+    sizes = spec.dim_sizes()
     found: dict[str, int] = {}
     step = 1
     for letter in reversed(tensor_dims(spec)):

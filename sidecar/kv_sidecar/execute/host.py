@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_sidecar.plan.blocks import check_copy
-from kv_sidecar.plan.spec import LAYOUT_DIMS, EngineSpec, Layout, PlanError
+from kv_sidecar.plan.spec import EngineSpec, PlanError, kv_in_last_dim, tensor_dims
 
 CANONICAL = "LKNBHD"  # layer, K/V, kernel block, token in kernel block, local head, dim
 
@@ -85,12 +85,10 @@ def rank_view(spec: EngineSpec, rank: int, tensors: Sequence[torch.Tensor]) -> R
 
 def _canonical(spec: EngineSpec, tensor: torch.Tensor) -> torch.Tensor:
     """View one registered tensor in canonical dim order (with L only if cross-layer)."""
-    dims = LAYOUT_DIMS[spec.layout]
-    if spec.layout is Layout.PACKED:
+    dims = tensor_dims(spec)
+    if kv_in_last_dim(spec.layout):
         # Last dim is 2*D with K in the first half: split it into (K, D).
         tensor = tensor.unflatten(-1, (2, spec.head_dim))
-    if spec.cross_layer:
-        dims = "NL" + dims.replace("N", "")
     for letter in "KH":  # MLA has no K/V split and no head dim: add them with size 1
         if letter not in dims:
             tensor = tensor.unsqueeze(-1)

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kv_sidecar.plan.spec import EngineSpec, Layout
-
-_KV_FIRST = (Layout.FLASH_ATTN_NHD, Layout.FLASH_ATTN_HND)
+from kv_sidecar.plan.spec import EngineSpec, tensor_dims
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,9 @@ class ChunkGeometry:
 def chunk_geometry(spec: EngineSpec) -> ChunkGeometry:
     shapes = spec.rank_tensor_shapes()
     shape = shapes[0]
-    block_dim = 1 if (spec.layout in _KV_FIRST and not spec.cross_layer) else 0
+    # Only dims after N are ever merged (a packed K/V last dim), so the letter's
+    # position is the axis in the registered shape.
+    block_dim = tensor_dims(spec).index("N")
     per_kernel_block = math.prod(shape[block_dim + 1 :]) * spec.element_size
     return ChunkGeometry(
         regions=len(shapes),

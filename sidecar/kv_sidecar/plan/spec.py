@@ -26,15 +26,39 @@ class Layout(str, Enum):
     """Physical order of the dims of one rank's KV tensor (per layer).
 
     N: blocks, B: tokens in a block, H: KV heads on this rank, D: head_dim,
-    2: K and V, L: MLA latent size.
+    2: K and V, L: MLA latent size. `packed` and `packed_nhd` are vLLM's
+    `KVCacheLayout`s LBHNC and LBNHC: K then V in the last dim (docs/pairings.md).
     """
 
     FLASH_ATTN_NHD = "flash_attn_nhd"  # [2, N, B, H, D]
     FLASH_ATTN_HND = "flash_attn_hnd"  # [2, N, H, B, D]
     FLASHINFER_NHD = "flashinfer_nhd"  # [N, 2, B, H, D]
     FLASHINFER_HND = "flashinfer_hnd"  # [N, 2, H, B, D]
-    PACKED = "packed"  # [N, H, B, 2*D]
+    PACKED = "packed"  # [N, H, B, 2*D]  (vLLM LBHNC)
+    PACKED_NHD = "packed_nhd"  # [N, B, H, 2*D]  (vLLM LBNHC)
     MLA = "mla"  # [N, B, L]
+
+
+# Dim order of one layer's physical tensor, one letter per dim: N blocks (kernel
+# blocks), K the K/V plane, B token in block, H local head, D head_dim (MLA:
+# latent). The packed layouts store K and V side by side in their last dim, so
+# their physical tensor has 4 dims and a trailing "KD" names the two halves of
+# the last one (K outer). MLA has neither K/V nor heads. Shapes, descriptor
+# geometry and both executors' views are all derived from this table.
+LAYOUT_DIMS: dict[Layout, str] = {
+    Layout.FLASH_ATTN_NHD: "KNBHD",
+    Layout.FLASH_ATTN_HND: "KNHBD",
+    Layout.FLASHINFER_NHD: "NKBHD",
+    Layout.FLASHINFER_HND: "NKHBD",
+    Layout.PACKED: "NHBKD",
+    Layout.PACKED_NHD: "NBHKD",
+    Layout.MLA: "NBD",
+}
+
+
+def kv_in_last_dim(layout: Layout) -> bool:
+    """Whether the layout keeps K and V in its last dim (2 * head_dim wide, K first)."""
+    return LAYOUT_DIMS[layout].endswith("KD")
 
 
 # Bytes per element of the dtypes we move. Names follow torch without the prefix.
@@ -157,28 +181,33 @@ class EngineSpec:
         head = rank // (self.tp_size // self.num_kv_heads)
         return (head, head + 1)
 
+    def dim_sizes(self) -> dict[str, int]:
+        """Size of each dim letter of `LAYOUT_DIMS` (plus L, layers) on one rank, N in kernel blocks."""
+        return {
+            "N": self.num_blocks * self.kernel_blocks_per_block,
+            "L": self.num_layers,
+            "K": kv_planes(self),
+            "B": self.physical_block_size,
+            "H": self.heads_per_rank,
+            "D": self.head_dim,
+        }
+
+    def _physical_shape(self, dims: str) -> tuple[int, ...]:
+        sizes = self.dim_sizes()
+        shape = [sizes[letter] for letter in dims]
+        if kv_in_last_dim(self.layout):
+            shape[-2:] = [shape[-2] * shape[-1]]  # K and V are the two halves of one dim
+        return tuple(shape)
+
     def layer_tensor_shape(self) -> tuple[int, ...]:
         """Shape of one layer's tensor on one rank, in physical (kernel) blocks."""
-        n = self.num_blocks * self.kernel_blocks_per_block
-        b, h, d = self.physical_block_size, self.heads_per_rank, self.head_dim
-        return {
-            Layout.FLASH_ATTN_NHD: (2, n, b, h, d),
-            Layout.FLASH_ATTN_HND: (2, n, h, b, d),
-            Layout.FLASHINFER_NHD: (n, 2, b, h, d),
-            Layout.FLASHINFER_HND: (n, 2, h, b, d),
-            Layout.PACKED: (n, h, b, 2 * d),
-            Layout.MLA: (n, b, d),
-        }[self.layout]
+        return self._physical_shape(LAYOUT_DIMS[self.layout])
 
     def rank_tensor_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the tensors one rank registers, in order (per layer, or one)."""
-        shape = self.layer_tensor_shape()
         if self.cross_layer:
-            # Blocks outermost: [N, layers, <rest of the layer shape without N>].
-            n_dim = shape.index(self.num_blocks * self.kernel_blocks_per_block)
-            rest = shape[:n_dim] + shape[n_dim + 1 :]
-            return [(shape[n_dim], self.num_layers, *rest)]
-        return [shape] * self.num_layers
+            return [self._physical_shape(tensor_dims(self))]
+        return [self.layer_tensor_shape()] * self.num_layers
 
     def rank_bytes(self) -> int:
         total = 0
@@ -227,19 +256,14 @@ def parse_layout(name: str) -> Layout:
 MUST_MATCH = ("num_layers", "head_dim", "dtype")
 
 
-# Dim order of one layer's physical tensor, one letter per dim: N blocks (kernel
-# blocks), K the K/V plane, B token in block, H local head, D head_dim (MLA:
-# latent). PACKED stores K and V side by side in its last dim, so its physical
-# tensor has 4 dims and "KD" names the two halves of the last one (K outer).
-# MLA has neither K/V nor heads. Executors build their views from this table.
-LAYOUT_DIMS: dict[Layout, str] = {
-    Layout.FLASH_ATTN_NHD: "KNBHD",
-    Layout.FLASH_ATTN_HND: "KNHBD",
-    Layout.FLASHINFER_NHD: "NKBHD",
-    Layout.FLASHINFER_HND: "NKHBD",
-    Layout.PACKED: "NHBKD",
-    Layout.MLA: "NBD",
-}
+def tensor_dims(spec: EngineSpec) -> str:
+    """Dim letters of one registered tensor, outermost first (a packed last dim split into K, D).
+
+    Cross-layer tensors put blocks outermost, then layers: `[N, L, <layer dims without N>]`,
+    so one block of every layer is one contiguous run.
+    """
+    dims = LAYOUT_DIMS[spec.layout]
+    return "NL" + dims.replace("N", "") if spec.cross_layer else dims
 
 
 def kv_planes(spec: EngineSpec) -> int:

@@ -52,7 +52,11 @@ def _to_physical(spec: EngineSpec, x: torch.Tensor) -> torch.Tensor:
         return x.permute(0, 1, 3, 2, 4)
     if lay is Layout.PACKED:
         return torch.cat([x[:, 0], x[:, 1]], dim=-1).permute(0, 2, 1, 3)  # [r, h, kb, 2d]
-    return x[:, 0, :, 0, :]  # MLA: [r, kb, latent]
+    if lay is Layout.PACKED_NHD:
+        return torch.cat([x[:, 0], x[:, 1]], dim=-1)  # [r, kb, h, 2d]
+    if lay is Layout.MLA:
+        return x[:, 0, :, 0, :]  # [r, kb, latent]
+    raise AssertionError(f"no reference writer for layout {lay.value}")
 
 
 def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
@@ -66,8 +70,13 @@ def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
         d = y.shape[-1] // 2
         z = y.permute(0, 2, 1, 3)  # [r, kb, h, 2d]
         x = torch.stack([z[..., :d], z[..., d:]], dim=1)
-    else:
+    elif lay is Layout.PACKED_NHD:
+        d = y.shape[-1] // 2  # y: [r, kb, h, 2d], K in the first half
+        x = torch.stack([y[..., :d], y[..., d:]], dim=1)
+    elif lay is Layout.MLA:
         x = y[:, None, :, None, :]
+    else:
+        raise AssertionError(f"no reference reader for layout {lay.value}")
     kv, h, d = x.shape[1], x.shape[3], x.shape[4]
     return x.permute(1, 0, 2, 3, 4).reshape(kv, -1, h, d)  # [kv, kernel blocks * kb, h, d]
 

@@ -1,45 +1,63 @@
-"""Sidecar-owned GPU staging rings for cross-sidecar transfers, registered with NIXL once.
+"""Sidecar-owned staging rings for the staged protocol, registered with NIXL once.
 
 DESIGN.md section 1: NIXL moves memory the sidecar owns ~400x faster than
 memory it imported over CUDA IPC, so engine memory is never registered.
 The source sidecar gathers a request's tokens, already in the reader's
-layout, into its send ring; the reader READs whole slots over NIXL (one
-descriptor per chunk) into its receive ring and scatters from there.
+layout, into slots of its send ring and WRITEs each chunk over NIXL (one
+descriptor) into a slot of the reader's receive ring, which scatters from
+there (server/gpu_transfer.py, server/staged_protocol.py).
 
-Each GPU has two rings, send and receive, each split into equal slots. Two
-sidecars pulling from each other at once would deadlock on one shared ring;
-with separate rings a sidecar's receive side never waits for its own send
-side. A ring serves one transfer at a time (its lock); the slots pipeline
-the chunks of that transfer.
+Each GPU has two rings, send and receive, each split into equal slots
+(`gpu_staging_bytes` / 2 / `gpu_staging_slots` bytes). Every transfer on that
+GPU takes the slots it needs from the ring's `SlotPool` and gives them back
+one by one as its last chunks need fewer, so concurrent transfers share a
+ring. Separate send and receive rings mean two sidecars pulling from each
+other cannot deadlock: a transfer holds receive slots on one sidecar and send
+slots on the other, never waits for the same pool twice, and slots only wait
+on local scatters and on the wire.
+
+With `host_transfer: ring`, host-memory pulls run the same protocol through
+one pair of host rings of the same size (device `HOST`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kv_sidecar.server.staged_protocol import SlotPool
+
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
 
 ALIGN = 4096  # slot starts aligned for the copy kernel's vector accesses and for RDMA
+HOST = -1  # the device key of the host-memory rings
 
 
 @dataclass
 class Ring:
-    device: int
+    device: int  # CUDA ordinal, or HOST
     buffer: torch.Tensor
     slots: int
     slot_bytes: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    pool: SlotPool
+    nixl_key: int
+    metadata: bytes = field(default=b"", repr=False)  # NIXL partial metadata: what a peer needs to WRITE here
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    @property
+    def mem_type(self) -> str:
+        return "DRAM" if self.device == HOST else "VRAM"
+
+    @property
+    def nixl_device(self) -> int:
+        return 0 if self.device == HOST else self.device
 
     def slot_address(self, slot: int) -> int:
         if not 0 <= slot < self.slots:
@@ -70,26 +88,22 @@ class GpuStaging:
             slot_bytes = (s.gpu_staging_bytes // 2 // slots) // ALIGN * ALIGN
             if slot_bytes <= 0:
                 raise ValueError(f"gpu_staging_bytes {s.gpu_staging_bytes} is too small for {slots} slots")
-            buf = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=torch.device("cuda", device))
-            self._sc.nixl.register([(buf.data_ptr(), buf.numel(), device)], mem_type="VRAM")
-            ring = Ring(device, buf, slots, slot_bytes)
+            where = torch.device("cpu") if device == HOST else torch.device("cuda", device)
+            buf = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=where)
+            mem = "DRAM" if device == HOST else "VRAM"
+            key = self._sc.nixl.register([(buf.data_ptr(), buf.numel(), max(device, 0))], mem_type=mem)
+            in_use = self._sc.metrics.staging_in_use
+            pool = SlotPool(slots, on_change=lambda n, b=slot_bytes: in_use.inc(n * b))
+            ring = Ring(device, buf, slots, slot_bytes, pool, key)
+            if role == "recv":
+                ring.metadata = self._sc.nixl.partial_metadata(key)
             self._rings[(device, role)] = ring
-            self._sc.metrics.gpu_memory.set(self.nbytes_locked())
+            self._sc.metrics.gpu_memory.set(self.gpu_bytes_locked())
             self._sc.metrics.staging_capacity.inc(ring.nbytes)
             return ring
 
-    @contextlib.contextmanager
-    def hold(self, ring: Ring) -> Iterator[Ring]:
-        """One transfer at a time per ring; counted in the staging-in-use gauge while held."""
-        with ring.lock:
-            self._sc.metrics.staging_in_use.inc(ring.nbytes)
-            try:
-                yield ring
-            finally:
-                self._sc.metrics.staging_in_use.dec(ring.nbytes)
-
-    def nbytes_locked(self) -> int:
-        return sum(r.buffer.numel() for r in self._rings.values())
+    def gpu_bytes_locked(self) -> int:
+        return sum(r.buffer.numel() for (dev, _), r in self._rings.items() if dev != HOST)
 
     def close(self) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -13,7 +13,7 @@ from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc, stream_rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.release import release_here
@@ -153,11 +153,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             )
         return peer_pb2.CloseReadResponse()
 
-    @stream_rpc
-    def Gather(
-        self, request_iterator: Iterator[peer_pb2.GatherRequest], context: grpc.ServicerContext
-    ) -> Iterator[peer_pb2.GatherReply]:
-        yield from gpu_transfer.serve_gather(self._sc, request_iterator, context)
+    @rpc
+    def Push(self, request: peer_pb2.PushRequest, context: grpc.ServicerContext) -> peer_pb2.PushResponse:
+        return gpu_transfer.serve_push(self._sc, request, context)
 
     @rpc
     def ReportRanks(

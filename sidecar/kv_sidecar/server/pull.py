@@ -11,7 +11,8 @@ Three paths, chosen per request:
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
 - gpu-direct and gpu-staged: the same two situations in GPU memory
-  (`kv_sidecar.server.gpu_transfer`).
+  (`kv_sidecar.server.gpu_transfer`); host-ring: the staged protocol of
+  gpu-staged between host-memory engines (setting `host_transfer: ring`).
 
 Across sidecars, every OpenRead/CloseRead, READ and completion notification
 goes to the sidecar that holds the source rank (server/routing.py): the one
@@ -401,10 +402,12 @@ class Puller:
         deadline: float,
     ) -> PullJob | None:
         """The job to READ before OpenRead answers, from the params' blocks; None where it must wait:
-        not the host identity path, or the request not surely held by its source (its lease close
+        not the host identity READ path, or the request not surely held by its source (its lease close
         to running out, or released by this sidecar)."""
         p = req.params
         if not remote.plan.is_identity() or remote.memory_kind != "DRAM" or any(e.gpu for e in local):
+            return None
+        if self._sc.settings.host_transfer.lower() == "ring":
             return None
         if not self._sc.lease_view.surely_held(
             p.sidecar_id, p.engine_id, p.request_id, p.lease_deadline_unix_ms
@@ -424,7 +427,7 @@ class Puller:
         cancel: PullTicket,
         deadline: float,
     ) -> tuple[int, str]:
-        p = req.params
+        sc, p = self._sc, req.params
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
         on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
@@ -434,20 +437,21 @@ class Puller:
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
+        ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (gpu_transfer.py)
         nbytes = 0
-        if identity and not on_gpu:
+        if identity and not ring:
             nbytes = self._finish(job, self._post_identity(job, remote))
         else:
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
-                    if on_gpu:
+                    if ring:
                         nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
         self._notify_done(req, remote, job)
-        if on_gpu:
-            return nbytes, gpu_transfer.PATH_STAGED
+        if ring:
+            return nbytes, gpu_transfer.PATH_STAGED if on_gpu else gpu_transfer.PATH_HOST_RING
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:

@@ -55,7 +55,12 @@ class Sidecar:
         self.drain = Drain()
         self.transfers = TransferTracker(stale_s=settings.pull_timeout_ms / 1000)
         self.started_at = time.monotonic()
-        self.nixl = NixlDriver(self.sidecar_id, on_notif=self._on_notif, serving=self.transfers.any_serving)
+        self.nixl = NixlDriver(
+            self.sidecar_id,
+            on_notif=self._on_notif,
+            busy_wait_s=settings.nixl_busy_poll_us / 1e6,
+            serving=self.transfers.any_serving,
+        )
         self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)

@@ -78,6 +78,7 @@ class NixlDriver:
         on_notif: Callable[[str, bytes], None] | None = None,
         idle_wait_s: float = 0.002,
         quiet_wait_s: float = 0.05,
+        busy_wait_s: float = 20e-6,
         serving: Callable[[], bool] | None = None,
         serving_wait_s: float = 0.0001,
     ) -> None:
@@ -85,6 +86,7 @@ class NixlDriver:
         self._on_notif = on_notif
         self._idle = idle_wait_s
         self._quiet = quiet_wait_s
+        self._busy = busy_wait_s
         self._serving = serving or (lambda: False)
         self._serving_wait = serving_wait_s
         self._last_activity = 0.0
@@ -96,6 +98,14 @@ class NixlDriver:
         self._registrations: dict[int, Any] = {}
         self._next_reg = 0
         self._remotes: set[str] = set()
+        self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
+        # The staged protocol (server/gpu_transfer.py): functions run every loop turn on this
+        # thread, and notification listeners by message prefix (all of one length).
+        self._pollers: list[Callable[[Any], bool]] = []
+        self._listeners: dict[bytes, Callable[[str, bytes], None]] = {}
+        self._listen_len = 0
+        self._routed: tuple[bytes, ...] = ()  # prefixes of messages that only listeners take
+        self.stray_notifs = 0  # routed messages no listener wanted (late ones of a finished transfer)
         self._dlists: dict[int, Any] = {}
         # Transfer handles posted, released, and those NIXL refused to release (left to NIXL's exit).
         self._posted = 0
@@ -158,26 +168,31 @@ class NixlDriver:
                 continue
             self._poll_transfers()
             self._poll_notifs()
-            if self._inflight:
-                os.sched_yield()  # spinning: let the threads of a small machine run
+            if self._pollers:
+                self._run_pollers()
 
     def _wait_s(self) -> float:
         """How long to sleep before the next poll.
 
-        Transfers in flight: not at all (on shared-memory and CUDA transports
-        the initiator's progress calls move the bytes). Serving reads to other
-        sidecars: a very short wait. A READ's data needs no progress from its
-        target, but its completion does: NIXL ends every transfer with a flush
-        of the endpoint, and once the endpoint's TCP lane has carried an
-        active message (any NIXL notification), that flush waits for the
-        target's worker to answer, i.e. for this loop's next poll
-        (docs/benchmarks.md, "Where a pull's time goes"). Recently busy: a
-        short wait, so notifications ("consumed") arrive promptly. Quiet for
-        a second: a longer one, so an idle sidecar costs ~1 % of a core
-        instead of waking 500 times a second.
+        Transfers in flight (or pollers registered): `busy_wait_s`, tens of
+        microseconds (on shared-memory and CUDA transports the initiator's
+        progress calls move the bytes). Not a pure spin: a thread looping in
+        Python holds the GIL between its C calls, so the sidecar's other
+        threads (gRPC handlers, kernel launches, the host executor) wait for
+        it, and a staged transfer runs its gathers and scatters beside this
+        loop. A timed wait releases the GIL and still wakes at once when work
+        is queued. Serving reads to other sidecars: `serving_wait_s`. A READ's
+        data needs no progress from its target, but its completion does: NIXL
+        ends every transfer with a flush of the endpoint, and once the
+        endpoint's TCP lane has carried an active message (any NIXL
+        notification), that flush waits for the target's worker to answer,
+        i.e. for this loop's next poll (docs/benchmarks.md, "Where a pull's
+        time goes"). Recently busy: a short wait, so notifications
+        ("consumed") arrive promptly. Quiet for a second: a longer one, so an
+        idle sidecar costs ~1 % of a core instead of waking 500 times a second.
         """
-        if self._inflight:
-            return 0.0
+        if self._inflight or self._pollers:
+            return self._busy
         if self._serving():
             return self._serving_wait
         return self._idle if time.monotonic() - self._last_activity < 1.0 else self._quiet
@@ -219,18 +234,49 @@ class NixlDriver:
         self._released += 1
 
     def _poll_notifs(self) -> None:
-        if self._on_notif is None:
+        if self._on_notif is None and not self._routed:
             return
         for agent, msgs in self._agent.get_new_notifs().items():
             if msgs:
                 self._last_activity = time.monotonic()
             for msg in msgs:
+                if self._routed and msg.startswith(self._routed):
+                    listener = self._listeners.get(msg[: self._listen_len])
+                    if listener is None:
+                        self.stray_notifs += 1
+                        log.debug("no listener for notification %r from %s", msg[:64], agent)
+                        continue
+                    try:
+                        listener(agent, msg)
+                    except Exception:
+                        log.exception("notification listener failed for %r", msg[:64])
+                    continue
+                if self._on_notif is None:
+                    continue
                 try:
                     self._on_notif(agent, msg)
                 except Exception:
                     log.exception("notification handler failed for %r", msg)
 
+    def _run_pollers(self) -> None:
+        keep = []
+        for fn in self._pollers:
+            try:
+                finished = fn(self._agent)
+            except Exception:
+                log.exception("NIXL poller failed; dropping it")
+                finished = True
+            if not finished:
+                keep.append(fn)
+        self._pollers = keep
+
     def _shutdown(self) -> None:
+        for fn in self._pollers:
+            try:
+                fn(None)  # None: the agent is going away; pollers fail their transfer
+            except Exception:
+                log.debug("poller failed at shutdown", exc_info=True)
+        self._pollers.clear()
         for x in self._inflight:
             x.future.set_exception(TransferError("sidecar is shutting down"))
         self._inflight.clear()
@@ -422,6 +468,86 @@ class NixlDriver:
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
         self._queue.put((send, Future()))
+
+    # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
+    def add_poller(self, fn: Callable[[Any], bool]) -> None:
+        """Run `fn(agent)` on the driver thread every loop turn until it returns True.
+
+        While any poller is registered the loop does not idle-wait, so a poller
+        sees CUDA events, completions and notifications within microseconds.
+        `fn(None)` means the driver is shutting down. A poller must be quick: it
+        shares the thread with every transfer of the sidecar.
+        """
+        if not self._thread.is_alive():
+            raise TransferError("NIXL driver is not running")
+        self._queue.put((lambda a: self._pollers.append(fn), Future()))
+
+    def route(self, tag: bytes) -> None:
+        """Messages starting with `tag` go to listeners only (never to on_notif); unclaimed ones are dropped."""
+        if tag not in self._routed:
+            self._routed = (*self._routed, tag)
+
+    def listen(self, prefix: bytes, fn: Callable[[str, bytes], None]) -> None:
+        """Deliver notifications starting with `prefix` (a routed tag, fixed length) to `fn(agent, msg)`
+        on the driver thread, until `unlisten(prefix)`."""
+        if not prefix.startswith(self._routed) or (self._listen_len and len(prefix) != self._listen_len):
+            raise ValueError(f"listener prefix {prefix!r} is not a routed prefix of the common length")
+        self._listen_len = len(prefix)
+        self._listeners[prefix] = fn
+
+    def unlisten(self, prefix: bytes) -> None:
+        self._listeners.pop(prefix, None)
+
+    def load_remote(self, name: str, metadata: bytes) -> None:
+        """Load (or update) agent `name` from `metadata` unless exactly that was loaded already.
+
+        Loading an agent again updates what NIXL knows of it (tested with NIXL
+        1.5.1): a peer that registered more memory since is reachable there.
+        Partial metadata (one ring each) add up: a peer's rings on several GPUs
+        are loaded once each.
+        """
+        if metadata in self._remote_md.get(name, ()):
+            return
+
+        def load(a: Any) -> str:
+            got = a.add_remote_agent(metadata)
+            got = got.decode() if isinstance(got, bytes) else got
+            self._remotes.add(got)
+            blobs = self._remote_md.setdefault(got, set())
+            if len(blobs) >= 16:  # one per ring of the peer; more means it restarted: forget the old
+                blobs.clear()
+            blobs.add(metadata)
+            return str(got)
+
+        got = self.call(load)
+        if got != name:
+            raise TransferError(f"the metadata sent as agent {name!r} describes agent {got!r}")
+
+    def partial_metadata(self, key: int) -> bytes:
+        """Connection info plus the one registration `key` (what a peer needs to WRITE into it)."""
+        return self.call(lambda a: a.get_partial_agent_metadata(self._registrations[key], True))
+
+    def write_now(
+        self,
+        a: Any,
+        remote_agent: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+        timeout_s: float,
+        mem_type: str,
+    ) -> Future[None]:
+        """Post a WRITE from the driver thread itself (a poller): no queue hand-off."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("write_now runs on the driver thread (from a poller)")
+        done: Future[None] = Future()
+        if mem_type == "VRAM":
+            _make_current(int(local[0][2]))
+        lo = a.get_xfer_descs(local, mem_type)
+        re_ = a.get_xfer_descs(remote, mem_type)
+        handle = a.initialize_xfer("WRITE", lo, re_, remote_agent, notif)
+        self._post(a, handle, done, timeout_s)
+        return done
 
     def _submit_async(self, fn: Callable[[Any], None], done: Future[None]) -> None:
         if not self._thread.is_alive():

@@ -144,8 +144,16 @@ class CloseReadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GatherOpen(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash")
+class PushSlot(_message.Message):
+    __slots__ = ("address", "length")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    length: int
+    def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +161,14 @@ class GatherOpen(_message.Message):
     READER_RANK_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    READER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
@@ -160,55 +176,23 @@ class GatherOpen(_message.Message):
     reader_rank: int
     source_rank: int
     plan_hash: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ...) -> None: ...
-
-class GatherChunk(_message.Message):
-    __slots__ = ("index", "slot", "start_token", "end_token")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    slot: int
     start_token: int
-    end_token: int
-    def __init__(self, index: _Optional[int] = ..., slot: _Optional[int] = ..., start_token: _Optional[int] = ..., end_token: _Optional[int] = ...) -> None: ...
-
-class GatherRequest(_message.Message):
-    __slots__ = ("open", "chunk")
-    OPEN_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    open: GatherOpen
-    chunk: GatherChunk
-    def __init__(self, open: _Optional[_Union[GatherOpen, _Mapping]] = ..., chunk: _Optional[_Union[GatherChunk, _Mapping]] = ...) -> None: ...
-
-class GatherOpened(_message.Message):
-    __slots__ = ("slots", "slot_bytes")
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    slots: int
-    slot_bytes: int
-    def __init__(self, slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
-
-class GatherReady(_message.Message):
-    __slots__ = ("index", "address", "length", "device_id")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    address: int
-    length: int
+    transfer_id: str
+    reader_agent: str
+    reader_agent_metadata: bytes
+    memory_kind: str
     device_id: int
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+    slots: _containers.RepeatedCompositeFieldContainer[PushSlot]
+    timeout_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
-class GatherReply(_message.Message):
-    __slots__ = ("opened", "ready")
-    OPENED_FIELD_NUMBER: _ClassVar[int]
-    READY_FIELD_NUMBER: _ClassVar[int]
-    opened: GatherOpened
-    ready: GatherReady
-    def __init__(self, opened: _Optional[_Union[GatherOpened, _Mapping]] = ..., ready: _Optional[_Union[GatherReady, _Mapping]] = ...) -> None: ...
+class PushResponse(_message.Message):
+    __slots__ = ("chunks", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ReportRanksRequest(_message.Message):
     __slots__ = ("protocol_version", "engine_id", "spec", "member")

@@ -56,10 +56,10 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.FromString,
                 _registered_method=True)
-        self.Gather = channel.stream_stream(
-                '/kvsidecar.v1.PeerService/Gather',
-                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
-                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
+        self.Push = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Push',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.ReportRanks = channel.unary_unary(
                 '/kvsidecar.v1.PeerService/ReportRanks',
@@ -115,10 +115,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Gather(self, request_iterator, context):
-        """GPU memory: gather an opened request's tokens, already in the reader's
-        layout, into this sidecar's send ring, chunk by chunk; the reader READs
-        each ready slot over NIXL and asks for the next chunk into that slot.
+    def Push(self, request, context):
+        """The staged protocol (GPU memory; host memory with host_transfer=ring):
+        send one source rank's share of an opened request into receive slots the
+        reader granted. This sidecar gathers chunk after chunk, already in the
+        reader's layout, into its send ring and WRITEs each over NIXL into a
+        granted slot, with a NIXL notification naming the chunk; the reader
+        scatters it and gives the slot back by NIXL notification. No message per
+        chunk goes over gRPC: the answer comes once every chunk is written, or
+        once the transfer stopped and nothing of it is in flight any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,10 +183,10 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.CloseReadResponse.SerializeToString,
             ),
-            'Gather': grpc.stream_stream_rpc_method_handler(
-                    servicer.Gather,
-                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.FromString,
-                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GatherReply.SerializeToString,
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PushRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PushResponse.SerializeToString,
             ),
             'ReportRanks': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportRanks,
@@ -324,7 +329,7 @@ class PeerService:
             _registered_method=True)
 
     @staticmethod
-    def Gather(request_iterator,
+    def Push(request,
             target,
             options=(),
             channel_credentials=None,
@@ -334,12 +339,12 @@ class PeerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/kvsidecar.v1.PeerService/Gather',
-            kvsidecar_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
-            kvsidecar_dot_v1_dot_peer__pb2.GatherReply.FromString,
+            '/kvsidecar.v1.PeerService/Push',
+            kvsidecar_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,84 @@
+"""The connector's settings: `kv_connector_extra_config` of vLLM's `--kv-transfer-config`.
+
+Parsed once at engine start, in every process that builds a connector, so that
+a typo or a wrong type stops the engine with a message naming the key instead
+of surfacing as a failed transfer later. No vLLM import: testable anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kv_sidecar_client.client import DEFAULT_SOCKET
+
+CONFIG_KEY = "kv_connector_extra_config"
+
+
+class ConnectorConfigError(ValueError):
+    """A key of kv_connector_extra_config is unknown, missing or malformed."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    # The sidecar's engine socket on this node (a unix socket path or a gRPC target).
+    sidecar_socket: str = DEFAULT_SOCKET
+    # The id this engine registers under; empty: vLLM's kv_transfer_config.engine_id.
+    engine_id: str = ""
+    # Peer address (host:port) of the engine's leader sidecar when its TP ranks span nodes.
+    leader_address: str = ""
+    # How long published blocks are held for a reader (0: the sidecar's default lease).
+    lease_ms: int = 0
+    # Decode: how often a request waiting in the queue renews the prefill side's lease.
+    keepalive_interval_s: float = 5.0
+    # Decode: a pull that has not finished by then fails, and vLLM recomputes its blocks.
+    pull_timeout_s: float = 30.0
+    # How long engine start waits for the sidecar's socket before failing.
+    connect_timeout_s: float = 10.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}: unknown key(s) {unknown} for KVSidecarConnector; known keys are {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = getattr(cls, name)
+            values[name] = _coerce(name, value, type(default))
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not self.sidecar_socket:
+            raise ConnectorConfigError(f"{CONFIG_KEY}.sidecar_socket must not be empty")
+        for name in ("keepalive_interval_s", "pull_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConnectorConfigError(f"{CONFIG_KEY}.{name} must be positive, got {getattr(self, name)}")
+        if self.lease_ms < 0:
+            raise ConnectorConfigError(f"{CONFIG_KEY}.lease_ms must be >= 0, got {self.lease_ms}")
+        if self.lease_ms and self.keepalive_interval_s * 1000 >= self.lease_ms:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.keepalive_interval_s ({self.keepalive_interval_s}) must be shorter than "
+                f"lease_ms ({self.lease_ms} ms), or waiting requests lose their blocks"
+            )
+        if self.leader_address and ":" not in self.leader_address:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.leader_address must be host:port, got {self.leader_address!r}"
+            )
+
+
+def _coerce(name: str, value: Any, want: type) -> Any:
+    """JSON gives ints for floats and nothing else; anything further off is a mistake worth naming."""
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, want) and not (want is int and isinstance(value, bool)):
+        return value
+    raise ConnectorConfigError(
+        f"{CONFIG_KEY}.{name} must be a {want.__name__}, got {type(value).__name__} {value!r}"
+    )

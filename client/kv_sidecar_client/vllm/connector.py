@@ -1,0 +1,223 @@
+"""KVSidecarConnector: vLLM's KV connector API on top of the kv-sidecar client.
+
+The glue only: it translates vLLM's objects into the plain values that
+scheduler.py (one per engine) and worker.py (one per TP rank) work with.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.kv_layout import VllmKVInfo, describe
+from kv_sidecar_client.vllm.metadata import StepOrders
+from kv_sidecar_client.vllm.scheduler import SidecarScheduler
+from kv_sidecar_client.vllm.worker import SidecarWorker
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """Our modules log under kv_sidecar_client.*; show those lines where and as vLLM shows its own."""
+    ours, vllm_logger = logging.getLogger("kv_sidecar_client"), logging.getLogger("vllm")
+    if not ours.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(vllm_logger.level)
+        ours.propagate = False
+
+
+@dataclass
+class KVSidecarMetadata(KVConnectorMetadata):
+    orders: StepOrders = field(default_factory=StepOrders)
+
+
+class KVSidecarConnector(KVConnectorBase_V1):
+    """Load with `--kv-transfer-config '{"kv_connector": "KVSidecarConnector",
+    "kv_connector_module_path": "kv_sidecar_client.vllm", "kv_role": "kv_both", ...}'` (docs/vllm.md)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
+        ktc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self.engine_id = self.config.engine_id or str(ktc.engine_id)
+        _check_parallelism(vllm_config)
+        self._scheduler: SidecarScheduler | None = None
+        self._worker: SidecarWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SidecarScheduler(
+                self.config, self.engine_id, vllm_config.cache_config.block_size
+            )
+        else:
+            on_cpu = vllm_config.device_config.device.type == "cpu"
+            self._worker = SidecarWorker(
+                self.config, self.engine_id, get_tensor_model_parallel_rank(), on_cpu
+            )
+
+    # -- worker side -------------------------------------------------------------------------
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        # CPU engines: the KV cache goes into /dev/shm so the sidecar maps the very same pages.
+        # GPU engines keep the default caching allocator (cudaMalloc memory is IPC-exportable).
+        if self._worker is not None and self._worker.pool is not None:
+            return self._worker.pool.allocation()
+        return None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(describe(_ordered_layers(kv_caches), self._kv_info()))
+
+    def _kv_info(self) -> VllmKVInfo:
+        cfg = self._vllm_config
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
+        if len(groups) != 1:
+            raise ValueError(
+                f"KVSidecarConnector supports models with one KV cache group; this one has {len(groups)} "
+                "(a hybrid model: sliding-window or Mamba layers next to full attention)"
+            )
+        spec = groups[0].kv_cache_spec
+        for needed in ("num_kv_heads", "head_size", "dtype"):
+            if not hasattr(spec, needed):
+                raise ValueError(f"KVSidecarConnector cannot move a {type(spec).__name__} KV cache")
+        return VllmKVInfo(
+            backend=_backend_name(cfg),
+            layout=str(
+                cfg.cache_config.kv_cache_layout or getattr(self._kv_cache_config, "kv_cache_layout", "?")
+            ),
+            block_size=spec.block_size,
+            num_kv_heads=cfg.model_config.get_total_num_kv_heads(),
+            head_size=spec.head_size,
+            head_size_v=getattr(spec, "head_size_v", spec.head_size) or 0,
+            tp_size=cfg.parallel_config.tensor_parallel_size,
+            use_mla=bool(cfg.model_config.use_mla),
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSidecarMetadata)
+        self._worker.take_orders(meta.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous: vLLM waits for them between steps
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # prefill blocks are read in place by the sidecar; nothing to save
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        (group,) = blocks.blocks
+        cached = 0
+        for block in group:  # the local prefix-cache hit: leading blocks that already carry a hash
+            if block.block_hash is None:
+                break
+            cached += 1
+        self._scheduler.after_alloc(request, [b.block_id for b in group], cached, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KVSidecarMetadata(self._scheduler.take_orders())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.finished_loading(list(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return (0,)  # the request's own blocks, one group
+
+
+def _ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per distinct layer cache, in model layer order (both engines then agree on it)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = []
+    for name in sorted(kv_caches, key=extract_layer_index):
+        t = kv_caches[name]
+        key = (t.data_ptr(), tuple(t.stride()))
+        if key in seen:  # a layer that shares another layer's cache (KV sharing)
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+def _backend_name(vllm_config: VllmConfig) -> str:
+    try:
+        from vllm.config.vllm import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+        names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+        return "/".join(sorted(names)) or "?"
+    except Exception:  # only for messages
+        return "?"
+
+
+def _check_parallelism(vllm_config: VllmConfig) -> None:
+    pc = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(pc, name, 1) or 1
+        if size > 1:
+            raise ValueError(f"KVSidecarConnector supports tensor parallelism only; {name} is {size}")

@@ -1,0 +1,23 @@
+"""What the scheduler-side connector tells the workers each step (pickled to worker processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PullOrder:
+    """Decode: fill local blocks from a published prefill request."""
+
+    params: dict[str, Any]  # the prefill's TransferParams as JSON (kv_transfer_params["kv_sidecar"])
+    block_ids: list[int]  # local blocks for tokens [start_token, params.num_tokens)
+    start_token: int  # tokens the local prefix cache already holds (a multiple of the block size)
+
+
+@dataclass
+class StepOrders:
+    """One step's work for the workers: pulls to start, published requests to hold until released."""
+
+    pulls: dict[str, PullOrder] = field(default_factory=dict)  # by local request id
+    published: list[str] = field(default_factory=list)  # request ids whose blocks wait for the sidecar

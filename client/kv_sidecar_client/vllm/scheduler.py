@@ -1,0 +1,256 @@
+"""The scheduler side of the connector: one per engine, in vLLM's scheduler loop.
+
+Prefill (the request's kv_transfer_params say `do_remote_decode`): when the
+request finishes, publish its blocks through the sidecar, hold them (vLLM
+frees them only when every worker reports the sidecar released them) and
+return the sidecar's transfer params for the router to hand to the decode
+engine unchanged: `{"do_remote_prefill": true, "kv_sidecar": {...}}`.
+
+Decode (`do_remote_prefill` with `kv_sidecar` params): report the prompt
+tokens the prefill holds beyond the local prefix cache as loadable
+asynchronously; once vLLM has allocated blocks, order the workers to pull
+exactly the missing tail. While a request waits in the queue its lease is
+renewed (KeepAlive); if it is aborted before its pull finishes, the prefill
+side is told to free its blocks now (Abort).
+
+Malformed params on a decode request: the request is computed locally (a
+warning names the request and what was wrong); the prefill's blocks are then
+freed by their lease.
+
+No vLLM import; requests and block lists are duck-typed (request_id,
+kv_transfer_params, prompt_token_ids, num_computed_tokens, status name).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kv_sidecar_client.client import (
+    KVSidecarError,
+    SidecarClient,
+    TransferParams,
+    params_from_json,
+    params_to_json,
+)
+from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "kv_sidecar"  # our TransferParams inside vLLM's kv_transfer_params
+PUBLISHED_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class BadParams(ValueError):
+    pass
+
+
+def remote_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams | None:
+    """The prefill's TransferParams of a decode request, None if it is not one; BadParams if malformed."""
+    if not kv_transfer_params or not kv_transfer_params.get("do_remote_prefill"):
+        return None
+    raw = kv_transfer_params.get(PARAMS_KEY)
+    if raw is None:
+        raise BadParams(f"do_remote_prefill is set but {PARAMS_KEY!r} is missing")
+    try:
+        params = params_from_json(raw if isinstance(raw, (str, dict)) else json.dumps(raw))
+    except Exception as e:
+        raise BadParams(f"{PARAMS_KEY!r} is not kv-sidecar transfer params: {e}") from None
+    missing = [f for f in ("engine_id", "sidecar_address", "request_id") if not getattr(params, f)]
+    if missing or params.num_tokens <= 0 or not params.block_ids:
+        raise BadParams(f"{PARAMS_KEY!r} lacks {missing or 'tokens or blocks'}")
+    return params
+
+
+class SidecarScheduler:
+    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
+        try:
+            self.client.wait_ready(config.connect_timeout_s)
+        except KVSidecarError:
+            self.client.close()
+            raise RuntimeError(
+                f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
+                f"(waited {config.connect_timeout_s:g} s); start the sidecar on this node first"
+            ) from None
+        self._lock = threading.Lock()
+        self._orders = StepOrders()
+        self._handled: set[str] = set()  # decode requests whose pull (or release) is decided
+        self._bad: set[str] = set()  # decode requests computed locally for malformed params
+        self._waiting: dict[str, TransferParams] = {}  # queued decode requests: kept alive
+        self._loading: dict[str, TransferParams] = {}  # pulls ordered, not yet finished
+        self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvs-sched")
+        self._stop = threading.Event()
+        self._keepalive = threading.Thread(target=self._keep_alive_loop, name="kvs-keepalive", daemon=True)
+        self._keepalive.start()
+
+    # -- decode ------------------------------------------------------------------------
+    def _params(self, request: Any) -> TransferParams | None:
+        req_id = request.request_id
+        if req_id in self._handled or req_id in self._bad:
+            return None
+        try:
+            params = remote_params(request.kv_transfer_params)
+        except BadParams as e:
+            self._bad.add(req_id)
+            log.warning("KVSidecarConnector: request %s is computed locally: %s", req_id, e)
+            return None
+        if params is not None and params.num_tokens > len(request.prompt_token_ids or ()):
+            self._bad.add(req_id)
+            log.warning(
+                "KVSidecarConnector: request %s is computed locally: the prefill holds %d tokens but the "
+                "prompt has %d (params of another request?)",
+                req_id,
+                params.num_tokens,
+                len(request.prompt_token_ids or ()),
+            )
+            return None
+        return params
+
+    def on_new_request(self, request: Any) -> None:
+        params = self._params(request)
+        if params is not None:
+            with self._lock:
+                self._waiting[request.request_id] = params
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._params(request)
+        if params is None:
+            return 0, False
+        count = params.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_cached_blocks: int, num_external: int
+    ) -> None:
+        """`block_ids`: every block of the request; the first `num_cached_blocks` hold the local prefix hit."""
+        params = self._params(request)
+        if params is None:
+            return
+        req_id = request.request_id
+        self._handled.add(req_id)
+        with self._lock:
+            self._waiting.pop(req_id, None)
+        if num_external <= 0:
+            # The local prefix cache holds it all: nothing to pull, let the prefill free its blocks.
+            self._release(params, "served from the decode prefix cache")
+            return
+        start = num_cached_blocks * self.block_size
+        need = -(-params.num_tokens // self.block_size) - num_cached_blocks
+        order = PullOrder(
+            json.loads(params_to_json(params)),
+            list(block_ids[num_cached_blocks : num_cached_blocks + need]),
+            start,
+        )
+        with self._lock:
+            self._loading[req_id] = params
+            self._orders.pulls[req_id] = order
+
+    def finished_loading(self, req_ids: Sequence[str]) -> None:
+        with self._lock:
+            for req_id in req_ids:
+                self._loading.pop(req_id, None)
+
+    # -- either side ---------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        kvp = request.kv_transfer_params or {}
+        self._bad.discard(req_id)
+        if kvp.get("do_remote_decode"):
+            return self._publish(request, block_ids)
+        handled = req_id in self._handled
+        self._handled.discard(req_id)
+        with self._lock:
+            params = self._waiting.pop(req_id, None) or self._loading.pop(req_id, None)
+        if params is None and not handled and kvp.get("do_remote_prefill"):
+            try:  # aborted before vLLM ever asked about its tokens
+                params = remote_params(kvp)
+            except BadParams:
+                params = None
+        if params is not None:
+            # Given up before its pull finished: stop the pull and let the prefill free its blocks now.
+            self._release(params, "aborted")
+        return False, None
+
+    def _publish(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        status = _status(request)
+        # The prompt's KV, even if the request generated more than the router's one token: the decode
+        # request carries the same prompt and computes the rest itself.
+        tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+        if status not in PUBLISHED_STATUSES or tokens <= 0 or not block_ids:
+            return False, None
+        blocks = list(block_ids[: -(-tokens // self.block_size)])
+        try:
+            params = self.client.publish(
+                self.engine_id, request.request_id, blocks, tokens, self.config.lease_ms
+            )
+        except KVSidecarError as e:
+            log.error(
+                "KVSidecarConnector: cannot publish request %s to kv-sidecar (%s); its blocks are freed and "
+                "the decode engine must compute it",
+                request.request_id,
+                e,
+            )
+            return False, None
+        with self._lock:
+            self._orders.published.append(request.request_id)
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAMS_KEY: json.loads(params_to_json(params)),
+        }
+        return True, out
+
+    def _release(self, params: TransferParams, why: str) -> None:
+        def call() -> None:
+            try:
+                self.client.abort(self.engine_id, params.request_id, params)
+            except KVSidecarError as e:  # the lease frees them anyway
+                log.warning(
+                    "KVSidecarConnector: could not release request %s (%s): %s", params.request_id, why, e
+                )
+
+        self._calls.submit(call)
+
+    # -- each step -------------------------------------------------------------------------
+    def take_orders(self) -> StepOrders:
+        with self._lock:
+            orders, self._orders = self._orders, StepOrders()
+        return orders
+
+    def _keep_alive_loop(self) -> None:
+        while not self._stop.wait(self.config.keepalive_interval_s):
+            with self._lock:
+                alive = list(self._waiting.values()) + list(self._loading.values())
+            by_peer: dict[str, list[TransferParams]] = defaultdict(list)
+            for p in alive:
+                by_peer[p.sidecar_address].append(p)
+            for address, batch in by_peer.items():  # one dead prefill sidecar must not stall the others
+                try:
+                    self.client.keep_alive(batch)
+                except KVSidecarError as e:
+                    log.warning(
+                        "KVSidecarConnector: keep-alive of %d request(s) at %s failed: %s",
+                        len(batch),
+                        address,
+                        e,
+                    )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._calls.shutdown(wait=True)
+        self.client.close()
+
+
+def _status(request: Any) -> str:
+    status = getattr(request, "status", "")
+    return getattr(status, "name", str(status))

@@ -1,0 +1,242 @@
+"""The worker side of the connector: one per TP rank, in the process that owns the rank's KV cache.
+
+It registers the rank's KV tensors with the node's sidecar (and keeps them
+registered across sidecar restarts), pulls the blocks of remote-prefilled
+requests on threads so the model keeps running, and turns the sidecar's
+per-rank events into vLLM's "finished sending": a prefill block is freed only
+when the sidecar says it was consumed, its lease expired, or its reader gave
+it up. vLLM frees a request's blocks once every worker has reported it.
+
+No vLLM import: the glue in connector.py feeds it plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_sidecar_client.client import Event, KVSidecarError, PullCall, PullResult, params_from_json
+from kv_sidecar_client.polled import PolledPull, PolledPulls
+from kv_sidecar_client.session import EngineSession
+from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.kv_layout import KVDescription
+from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
+from kv_sidecar_client.vllm.shm_pool import ShmKVPool
+
+log = logging.getLogger(__name__)
+
+# Events after which the sidecar no longer needs a published request's blocks.
+RELEASING_EVENTS = ("consumed", "lease_expired", "released")
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    """One finished pull, with monotonic timestamps (seconds) for the overhead benchmark."""
+
+    request_id: str
+    ordered_at: float  # the step's orders reached this worker
+    started_at: float  # the Pull call went out
+    ended_at: float  # its answer came back
+    result: PullResult
+
+
+def connect_session(config: ConnectorConfig, on_event: Any) -> EngineSession:
+    """An EngineSession on the sidecar's socket, or an error naming the socket (engine start fails)."""
+    session = EngineSession(config.sidecar_socket, on_event, timeout_s=config.pull_timeout_s)
+    try:
+        session.client.wait_ready(config.connect_timeout_s)
+    except KVSidecarError:
+        session.client.close()
+        raise RuntimeError(
+            f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
+            f"(waited {config.connect_timeout_s:g} s). Start `kv-sidecar serve --engine-socket "
+            f"{config.sidecar_socket}` on this node first, or set kv_connector_extra_config.sidecar_socket."
+        ) from None
+    return session
+
+
+class SidecarWorker:
+    def __init__(self, config: ConnectorConfig, engine_id: str, rank: int, on_cpu: bool) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.rank = rank
+        self.pool = ShmKVPool(f"{engine_id}-r{rank}") if on_cpu else None
+        self._lock = threading.Lock()
+        # Prefill side: published requests not yet released, and releases that came before
+        # the step's orders told us the request was published (the sidecar can be that fast).
+        self._holding: set[str] = set()
+        self._released_early: set[str] = set()
+        self._finished_sending: set[str] = set()
+        # Decode side: finished pulls, and the local blocks that failed ones left unfilled.
+        self._finished_recving: set[str] = set()
+        self._unfilled: dict[str, set[int]] = {}
+        self._invalid_blocks: set[int] = set()
+        self._inflight: dict[str, tuple[PullCall | PolledPull, PullOrder, float, float]] = {}
+        self.session = connect_session(config, self._on_event)
+        # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
+        # the busy engine loop); a thread that already runs an asyncio loop uses the client's futures.
+        try:
+            self._polled: PolledPulls | None = PolledPulls(config.sidecar_socket)
+        except RuntimeError:
+            self._polled = None
+        self.pull_log: list[PullRecord] = []  # the last pulls, for tests and benchmarks
+        self.pull_count = 0
+
+    # -- registration ---------------------------------------------------------------------
+    def register(self, desc: KVDescription) -> None:
+        if self.pool is not None:
+            handles = self._shm_handles(desc.regions)
+        else:
+            from kv_sidecar_client.cuda_ipc import tensor_handles
+
+            handles = tensor_handles(desc.regions)
+        self.session.register_rank(self.engine_id, self.rank, desc.spec, handles)
+        log.info(
+            "KVSidecarConnector: engine %s rank %d registered with kv-sidecar at %s: %s",
+            self.engine_id,
+            self.rank,
+            self.config.sidecar_socket,
+            desc.spec,
+        )
+
+    def _shm_handles(self, regions: Sequence[torch.Tensor]) -> list[Any]:
+        from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2
+
+        assert self.pool is not None
+        out = []
+        for t in regions:
+            name, offset = self.pool.locate(t)
+            out.append(
+                common_pb2.TensorHandle(
+                    shm=common_pb2.ShmTensor(name=name, offset=offset),
+                    shape=list(t.shape),
+                    strides=list(t.stride()),
+                    dtype=str(t.dtype).removeprefix("torch."),
+                )
+            )
+        return out
+
+    # -- each step ------------------------------------------------------------------------
+    def take_orders(self, orders: StepOrders) -> None:
+        with self._lock:
+            for req_id in orders.published:
+                if req_id in self._released_early:
+                    self._released_early.discard(req_id)
+                    self._finished_sending.add(req_id)
+                else:
+                    self._holding.add(req_id)
+        now = time.monotonic()
+        for req_id, order in orders.pulls.items():
+            self._start_pull(req_id, order, now)
+
+    def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float) -> None:
+        # Issued from vLLM's own thread and advanced in finished(): a pull costs this loop no thread
+        # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
+        started = time.monotonic()
+        try:
+            start = self._polled.start if self._polled is not None else self.session.client.pull_async
+            call = start(
+                params_from_json(order.params),
+                self.engine_id,
+                order.block_ids,
+                ranks=[self.rank],
+                start_token=order.start_token,
+                timeout_s=self.config.pull_timeout_s,
+            )
+        except Exception as e:  # never lose a request: report it with every block unfilled
+            failed = PullResult(
+                False, error_code="INTERNAL", error=str(e), unfilled_blocks=list(order.block_ids)
+            )
+            self._record(req_id, order, (ordered_at, started, started), failed)
+            return
+        with self._lock:
+            self._inflight[req_id] = (call, order, ordered_at, started)
+
+    def _collect(self) -> None:
+        if self._polled is not None and self._inflight:
+            self._polled.poll()
+        with self._lock:
+            done = [(r, v) for r, v in self._inflight.items() if v[0].done()]
+            for req_id, _ in done:
+                del self._inflight[req_id]
+        for req_id, (call, order, ordered_at, started) in done:
+            times = (ordered_at, started, call.done_at or time.monotonic())
+            self._record(req_id, order, times, call.result())
+
+    def _record(
+        self, req_id: str, order: PullOrder, times: tuple[float, float, float], result: PullResult
+    ) -> None:
+        if not result.ok:
+            log.warning(
+                "KVSidecarConnector: pull of request %s into rank %d failed (%s: %s); "
+                "vLLM recomputes %d block(s)",
+                req_id,
+                self.rank,
+                result.error_code,
+                result.error,
+                len(result.unfilled_blocks),
+            )
+        with self._lock:
+            if not result.ok:
+                # Only blocks of this request: the sidecar's list never names others, but a
+                # wrong id here would make vLLM recompute someone else's blocks.
+                self._unfilled[req_id] = set(result.unfilled_blocks) & set(order.block_ids)
+            self._finished_recving.add(req_id)
+            self.pull_log.append(PullRecord(req_id, *times, result))
+            self.pull_count += 1
+            del self.pull_log[:-64]
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) since the last call; failed pulls' blocks move to
+        `load_errors()` in the same breath, as vLLM wants them in the same step."""
+        self._collect()
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+            for req_id in recving:
+                self._invalid_blocks |= self._unfilled.pop(req_id, set())
+        return sending, recving
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
+
+    # -- sidecar events (EngineSession's thread) -------------------------------------------
+    def _on_event(self, engine_id: str, rank: int, ev: Event) -> None:
+        with self._lock:
+            if ev.kind in RELEASING_EVENTS:
+                if ev.request_id in self._holding:
+                    self._holding.discard(ev.request_id)
+                    self._finished_sending.add(ev.request_id)
+                else:
+                    self._released_early.add(ev.request_id)
+                if ev.kind != "consumed":
+                    log.info("KVSidecarConnector: request %s %s (%s)", ev.request_id, ev.kind, ev.reason)
+            elif ev.kind == "reconnected":
+                # A restarted sidecar knows none of the requests we published: free them all
+                # (their readers get NOT_FOUND and recompute).
+                if self._holding:
+                    log.warning(
+                        "KVSidecarConnector: kv-sidecar restarted; freeing %d published request(s)",
+                        len(self._holding),
+                    )
+                self._finished_sending |= self._holding
+                self._holding = set()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            calls, self._inflight = list(self._inflight.values()), {}
+        for call, *_ in calls:
+            call.cancel()
+        if self._polled is not None:
+            self._polled.close()
+        self.session.close()
+        if self.pool is not None:
+            self.pool.close()

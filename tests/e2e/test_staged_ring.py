@@ -1,0 +1,335 @@
+"""The staged protocol of `gpu-staged`, run on host memory (`host_transfer: ring`, path `host-ring`).
+
+The GPU path's protocol, state machines, slot pools and failure handling are
+the same code; only the copies differ (the host executor instead of Triton
+launches on CUDA streams). Real sidecar processes, real NIXL over shared
+memory: the source gathers each chunk into its send ring in the reader's
+layout and WRITEs it into a receive slot the reader granted, with a NIXL
+notification; the reader scatters it and returns the slot by notification.
+The rings are tiny (2 slots of 16 KiB), so every request takes several chunks
+and reuses slots, and concurrent pulls share them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.server.gpu_transfer import PUSH_ENDED
+from kv_sidecar_client import SidecarClient
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kv_sidecar_client.shm import ShmKVCache
+
+from .conftest import Spawn, spec_dict
+from .test_hetero_matrix import CASES as MATRIX
+
+SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
+RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(4 * SLOT), "--gpu-staging-slots", "2"]
+# The host executor's copies are tiny here; on 2 shared cores torch's thread pool only adds waiting.
+ENV = {"OMP_NUM_THREADS": "1"}
+TOKENS = 75  # 5 blocks of 16: 3 chunks of at most 2 blocks; the last block is partial
+
+
+def metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
+    """Every slot back in its pool and no NIXL transfer open, on every sidecar."""
+    deadline = time.monotonic() + timeout_s
+    for sc in sidecars:
+        while True:
+            busy = (
+                metric(sc, "kvsidecar_staging_bytes_in_use"),
+                metric(sc, "kvsidecar_nixl_held", '{kind="transfers_open"}'),
+            )
+            if busy == (0, 0):
+                break
+            assert time.monotonic() < deadline, f"{sc.name}: staging in use / transfers open: {busy}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
+    a = SidecarProcess("ring-prefill", extra=RING, env=ENV)
+    b = SidecarProcess("ring-decode", extra=RING, env=ENV)
+    yield a, b
+    assert (a.stop(), b.stop()) == (0, 0), "\n".join([*a.stderr_tail, *b.stderr_tail])
+
+
+_ids = iter(range(10**6))
+# The matrix's cases that differ for the ring: reads per decode rank, head split, layout, block size
+# both ways, MLA, a prefix start, kernel blocks (the others convert the same way as one of these).
+RING_CASES = (
+    "tp1-to-tp2",
+    "tp2-to-tp1",
+    "nhd-to-hnd",
+    "block32-to-16",
+    "mla-tp2-to-tp1",
+    "prefix-hit-hnd",
+    "packed-kernel-blocks",
+)
+CASES = {"homogeneous": ({}, {}, 0)} | {c: MATRIX[c] for c in RING_CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pairings_through_the_ring_are_bit_exact(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], case: str
+) -> None:
+    a, b = ring_pair
+    p_over, d_over, start = CASES[case]
+    pspec = EngineSpec.from_dict(spec_dict(**p_over))
+    dspec = EngineSpec.from_dict(spec_dict(**d_over))
+    n = next(_ids)
+    prefill = EngineProcess(a.socket, f"rp-{case}-{n}", pspec)
+    decode = EngineProcess(b.socket, f"rd-{case}-{n}", dspec)
+    try:
+        for request in range(2):  # the second one reuses the handshake, the rings and the loaded agent
+            src = [
+                pspec.num_blocks - 1 - 3 * j - request for j in range(math.ceil(TOKENS / pspec.block_size))
+            ]
+            blocks = math.ceil(TOKENS / dspec.block_size) - start // dspec.block_size
+            dst = [5 * j + 1 + request for j in range(blocks)]
+            seed = 10 * n + request
+            rid = f"r{request}"
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": src, "num_tokens": TOKENS, "seed": seed}
+            )
+            assert pub["ok"], pub
+            res = decode.send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed, "start_token": start}
+            )
+            assert res["ok"], res
+            assert res["path"] == "host-ring", res
+            assert res["verified"], res["errors"]  # bit-exact, and nothing outside dst changed
+            events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(pspec.tp_size)]
+            assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
+                ("consumed", rid, r) for r in range(pspec.tp_size)
+            ], events
+            assert not prefill.send({"cmd": "next_event", "timeout_s": 0.2})["ok"]  # exactly once
+    finally:
+        prefill.stop()
+        decode.stop()
+    rings_idle(a, b)
+
+
+def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """Six threads pull at once through rings of two slots each way: every pull takes three chunks,
+    so they interleave on the slots; every byte is checked, and the rings end idle."""
+    a, b = ring_pair
+    spec = EngineSpec.from_dict(spec_dict(num_blocks=64))
+    pc, dc = SidecarClient(a.socket), SidecarClient(b.socket)
+    src_cache = ShmKVCache(spec.rank_tensor_shapes(), torch.float16)
+    dst_cache = ShmKVCache(spec.rank_tensor_shapes(), torch.float16)
+    n = next(_ids)
+    try:
+        for t in src_cache.tensors:
+            t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15 - 1, t.shape, dtype=torch.int16))
+        pc.register_rank(f"cp-{n}", 0, spec.to_dict(), src_cache.handles())
+        dc.register_rank(f"cd-{n}", 0, spec.to_dict(), dst_cache.handles())
+        errors: list[str] = []
+        workers, rounds, blocks = 6, 6, 5
+
+        def work(w: int) -> None:
+            src = [w * blocks + j for j in range(blocks)]
+            dst = [63 - (w * blocks + j) for j in range(blocks)]
+            for r in range(rounds):
+                for t in dst_cache.tensors:
+                    t[:, dst] = r + 1  # poison: a stale or missing chunk shows
+                params = pc.publish(f"cp-{n}", f"w{w}-r{r}", src, blocks * 16)
+                res = dc.pull(params, f"cd-{n}", dst, timeout_s=60)
+                if not res.ok or res.path != "host-ring":
+                    errors.append(f"worker {w} round {r}: {res}")
+                    return
+                for layer, (s, d) in enumerate(zip(src_cache.tensors, dst_cache.tensors, strict=True)):
+                    if not torch.equal(s.view(torch.int16)[:, src], d.view(torch.int16)[:, dst]):  # bitwise
+                        errors.append(f"worker {w} round {r}: layer {layer} differs")
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        rings_idle(a, b)
+    finally:
+        for c, e in ((pc, f"cp-{n}"), (dc, f"cd-{n}")):
+            try:
+                c.unregister_rank(e, 0)
+            finally:
+                c.close()
+        src_cache.close()
+        dst_cache.close()
+
+
+# A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way. (Not
+# more: a failed pull names its unfilled blocks in its status message and trailing metadata, which
+# together must stay under gRPC's 8 KiB soft metadata limit.)
+LONG = 600
+LONG_SRC = EngineSpec.from_dict(spec_dict(num_blocks=1000))
+LONG_DST = EngineSpec.from_dict(spec_dict(num_blocks=1000, layout="flash_attn_hnd"))
+ONE_BLOCK_RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 8192), "--gpu-staging-slots", "1"]
+
+
+def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: float) -> list[int]:
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": "long",
+            "block_ids": list(range(LONG)),
+            "num_tokens": LONG * 16,
+            "seed": 4,
+        }
+    )
+    assert pub["ok"], pub
+    dst = list(range(999, 999 - LONG, -1))
+    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 4, "timeout_s": timeout_s}
+    assert decode.proc.stdin is not None
+    decode.proc.stdin.write(json.dumps(cmd) + "\n")
+    decode.proc.stdin.flush()
+    return dst
+
+
+def _wait_moving(sc: SidecarProcess) -> None:
+    deadline = time.monotonic() + 30
+    while metric(sc, "kvsidecar_staging_bytes_in_use") == 0:
+        assert time.monotonic() < deadline, "the long pull never started moving bytes"
+        time.sleep(0.02)
+    time.sleep(0.2)
+
+
+def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn) -> None:
+    """The reader's deadline passes with chunks in flight: it stops the source, which answers once
+    none of its WRITEs is in flight; the reader's scatters end before it answers; nothing outside the
+    request changes; both rings are free at once (no quarantine) and the next pull works."""
+    a = spawn(SidecarProcess("ring-long-p", extra=ONE_BLOCK_RING, env=ENV))
+    b = spawn(SidecarProcess("ring-long-d", extra=ONE_BLOCK_RING, env=ENV))
+    prefill = spawn(EngineProcess(a.socket, "lp", LONG_SRC))
+    decode = spawn(EngineProcess(b.socket, "ld", LONG_DST))
+    dst = _start_long_pull(prefill, decode, timeout_s=0.3)
+    res = json.loads(decode.readline(30))
+    assert not res["ok"], "the pull finished within its timeout; make it longer (LONG)"
+    assert res["error_code"] in ("DEADLINE_EXCEEDED", "CANCELLED"), res["error"]
+    assert res["unfilled_blocks"] == dst
+    assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
+    assert not res["untouched"], "nothing was written before the deadline: the test proves little"
+    rings_idle(a, b, timeout_s=3)
+    assert metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == 0
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
+    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+
+
+def test_source_sidecar_killed_mid_transfer(spawn: Spawn) -> None:
+    """The source dies with chunks in flight: the pull fails cleanly and in time, the reader keeps its
+    slots out of the ring until a live source would have stopped, then the ring serves again."""
+    doomed = spawn(SidecarProcess("ring-doomed", extra=ONE_BLOCK_RING, env=ENV))
+    other = spawn(SidecarProcess("ring-other", extra=ONE_BLOCK_RING, env=ENV))
+    b = spawn(SidecarProcess("ring-survivor", extra=ONE_BLOCK_RING, env=ENV))
+    prefill = spawn(EngineProcess(doomed.socket, "kp", LONG_SRC))
+    decode = spawn(EngineProcess(b.socket, "kd", LONG_DST))
+    timeout_s = 20
+    dst = _start_long_pull(prefill, decode, timeout_s)
+    _wait_moving(b)
+    doomed.proc.send_signal(signal.SIGKILL)
+    res = json.loads(decode.readline(timeout_s + 15))
+    assert not res["ok"], "the pull finished before the kill; make it longer (LONG)"
+    assert res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), res
+    assert res["wall_s"] < timeout_s
+    assert res["unfilled_blocks"] == dst and res["verified"], res
+    # A pull from another source works once the slots are back (at most the quarantine later).
+    other_p = spawn(EngineProcess(other.socket, "kp2", LONG_SRC))
+    pub = other_p.send(
+        {"cmd": "prefill", "request_id": "x", "block_ids": [3, 4], "num_tokens": 20, "seed": 8}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1, 2], "seed": 8}, timeout_s=60)
+    assert ok["ok"] and ok["verified"], ok
+    rings_idle(b, other, timeout_s=15)
+
+
+def test_split_source_engine_is_pushed_by_the_sidecar_holding_each_rank(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A prefill engine over two sidecars (leader a, member m): each rank's Push goes to its holder,
+    whose agent WRITEs and notifies; each rank hears "consumed" where it lives."""
+    a, b = ring_pair
+    m = spawn(SidecarProcess("ring-member", extra=RING, env=ENV))
+    pspec = EngineSpec.from_dict(spec_dict(tp_size=2))
+    dspec = EngineSpec.from_dict(spec_dict(layout="flash_attn_hnd"))
+    lead = spawn(EngineProcess(a.socket, "sp", pspec, ranks=[0]))
+    member = spawn(EngineProcess(m.socket, "sp", pspec, ranks=[1], leader=a.peer_address))
+    decode = spawn(EngineProcess(b.socket, "sd", dspec))
+    src, dst = [9, 3, 7, 1, 5], [2, 4, 6, 8, 10]
+    fill = {"cmd": "prefill", "request_id": "split", "block_ids": src, "num_tokens": TOKENS, "seed": 3}
+    deadline = time.monotonic() + 30
+    while True:  # the member reports its rank to the leader in the background
+        assert member.send(fill | {"publish": False})["ok"]
+        pub = lead.send(fill)
+        if pub["ok"]:
+            break
+        assert time.monotonic() < deadline, pub
+        time.sleep(0.2)
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 3})
+    assert res["ok"] and res["path"] == "host-ring" and res["verified"], res
+    for proc, rank in ((lead, 0), (member, 1)):
+        ev = proc.send({"cmd": "next_event", "timeout_s": 10})
+        assert (ev["kind"], ev["request_id"], ev["rank"]) == ("consumed", "split", rank), ev
+    rings_idle(a, b, m)
+
+
+def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """The source checks a Push before any byte moves; its refusals carry the trailing metadata that
+    lets the reader reuse its slots at once (no quarantine)."""
+    a, _ = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill = EngineProcess(a.socket, "push-p", spec)
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": 1}
+        )
+        assert pub["ok"], pub
+        base = peer_pb2.PushRequest(
+            engine_id="push-p",
+            request_id="r",
+            reader_engine_id="someone",
+            reader_spec=spec_to_proto(spec),
+            transfer_id="0123456789abcdef",
+            memory_kind="DRAM",
+            slots=[peer_pb2.PushSlot(address=4096, length=SLOT)],
+        )
+        cases = [
+            (base, grpc.StatusCode.FAILED_PRECONDITION, "OpenRead first"),
+            (
+                peer_pb2.PushRequest(engine_id="push-p", request_id="nope"),
+                grpc.StatusCode.NOT_FOUND,
+                "never published",
+            ),
+        ]
+        with grpc.insecure_channel(a.peer_address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            for req, code, text in cases:
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Push(req, timeout=10)
+                assert info.value.code() == code and text in info.value.details(), info.value
+                assert PUSH_ENDED in tuple(info.value.trailing_metadata() or ()), (
+                    info.value.trailing_metadata()
+                )
+    finally:
+        prefill.stop()

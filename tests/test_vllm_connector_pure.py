@@ -1,0 +1,230 @@
+"""The vLLM connector's parts that need no vLLM: config, version gate, layout mapping, shm pool.
+
+(Real vLLM engines through the connector: tests/vllm, `make test-vllm`.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from kv_sidecar.execute.host import rank_view
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar_client.vllm import UnsupportedVllmVersion, check_vllm_version
+from kv_sidecar_client.vllm.config import ConnectorConfig, ConnectorConfigError
+from kv_sidecar_client.vllm.kv_layout import UnsupportedKVCache, VllmKVInfo, describe
+from kv_sidecar_client.vllm.scheduler import BadParams, remote_params
+from kv_sidecar_client.vllm.shm_pool import ShmKVPool
+
+
+# -- configuration ------------------------------------------------------------------------
+def test_config_defaults_and_int_for_float() -> None:
+    cfg = ConnectorConfig.from_extra_config({"pull_timeout_s": 5, "lease_ms": 9000, "engine_id": "p"})
+    assert cfg.pull_timeout_s == 5.0 and isinstance(cfg.pull_timeout_s, float)
+    assert cfg.sidecar_socket == "/run/kv-sidecar/engine.sock" and cfg.engine_id == "p"
+    assert ConnectorConfig.from_extra_config(None) == ConnectorConfig()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"pull_timeout": 5}, r"unknown key\(s\) \['pull_timeout'\]"),
+        ({"pull_timeout_s": "5"}, r"pull_timeout_s must be a float, got str '5'"),
+        ({"lease_ms": True}, r"lease_ms must be a int, got bool"),
+        ({"pull_timeout_s": 0}, r"pull_timeout_s must be positive"),
+        ({"sidecar_socket": ""}, r"sidecar_socket must not be empty"),
+        (
+            {"lease_ms": 2000, "keepalive_interval_s": 3.0},
+            r"keepalive_interval_s \(3.0\) must be shorter than lease_ms",
+        ),
+        ({"leader_address": "nohost"}, r"leader_address must be host:port"),
+    ],
+)
+def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+# -- vLLM version gate -----------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1rc1.dev3+gabc"])
+def test_supported_vllm_versions(version: str) -> None:
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+def test_unsupported_vllm_versions_name_the_range(version: str) -> None:
+    with pytest.raises(UnsupportedVllmVersion, match=rf"supports vLLM >=0.32,<0.33; this is vLLM {version}"):
+        check_vllm_version(version)
+
+
+def test_connector_package_imports_without_vllm() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kv_sidecar_client.vllm as v\n"
+        "from kv_sidecar_client.vllm import config, kv_layout, scheduler, worker\n"
+        "try:\n    v.KVSidecarConnector\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('imported')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# -- transfer params on a decode request -------------------------------------------------------
+def test_remote_params_roundtrip_and_refusals() -> None:
+    good = {
+        "engine_id": "p",
+        "sidecar_address": "h:1",
+        "request_id": "r",
+        "block_ids": [3, 4],
+        "num_tokens": 40,
+    }
+    assert remote_params({"do_remote_decode": True}) is None
+    assert remote_params(None) is None
+    p = remote_params({"do_remote_prefill": True, "kv_sidecar": good})
+    assert p is not None and list(p.block_ids) == [3, 4] and p.num_tokens == 40
+    for bad in (
+        {},
+        {"kv_sidecar": "{not json"},
+        {"kv_sidecar": {"engine_id": "p"}},
+        {"kv_sidecar": {"x": 1}},
+    ):
+        with pytest.raises(BadParams):
+            remote_params({"do_remote_prefill": True, **bad})
+
+
+# -- layout mapping on hand-made vLLM-style views ----------------------------------------------
+def _info(**over: Any) -> VllmKVInfo:
+    base: dict[str, Any] = dict(
+        backend="TEST",
+        layout="LBHNC",
+        block_size=16,
+        num_kv_heads=4,
+        head_size=8,
+        head_size_v=8,
+        tp_size=2,
+        use_mla=False,
+    )
+    return VllmKVInfo(**(base | over))
+
+
+def _layer_compact_hnc(num_layers: int = 3, blocks: int = 5) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    # vLLM LBHNC: [L, B, H, N, C] contiguous; per layer [B, H, N, C]; 2 heads per rank of 4 over TP 2.
+    raw = torch.arange(num_layers * blocks * 2 * 16 * 16, dtype=torch.int16).view(torch.bfloat16)
+    full = raw.view(num_layers, blocks, 2, 16, 16)
+    return raw, [full[i] for i in range(num_layers)]
+
+
+def test_head_major_layer_compact_is_packed() -> None:
+    _, layers = _layer_compact_hnc()
+    desc = describe(layers, _info())
+    assert desc.spec == {
+        "tp_size": 2,
+        "num_layers": 3,
+        "num_kv_heads": 4,
+        "head_dim": 8,
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "num_blocks": 5,
+        "layout": "packed",
+        "kernel_block_size": None,
+        "cross_layer": False,
+    }
+    assert [r.data_ptr() for r in desc.regions] == [t.data_ptr() for t in layers]
+    # The sidecar's own view reads the same values as vLLM's: layer 1, block 2, head 1, token 7, V element 3.
+    canon = rank_view(EngineSpec.from_dict(desc.spec), 0, desc.regions).layers[0]  # [L, K, N, B, H, D]
+    assert canon[1, 1, 2, 7, 1, 3] == layers[1][2, 1, 7, 8 + 3].view(torch.int16)
+
+
+def test_block_outermost_layers_are_one_cross_layer_region() -> None:
+    raw = torch.zeros(5 * 3 * 2 * 16 * 16, dtype=torch.bfloat16)
+    full = raw.view(5, 3, 2, 16, 16)  # vLLM BLHNC: [B, L, H, N, C]
+    desc = describe([full[:, i] for i in range(3)], _info(layout="BLHNC"))
+    assert desc.spec["cross_layer"] and desc.spec["layout"] == "packed"
+    assert len(desc.regions) == 1 and tuple(desc.regions[0].shape) == (5, 3, 2, 16, 16)
+
+
+def test_kernel_blocks_are_reported_as_kernel_block_size() -> None:
+    raw = torch.zeros(3 * 10 * 2 * 8 * 16, dtype=torch.bfloat16)
+    full = raw.view(3, 10, 2, 8, 16)  # 5 blocks of 16 tokens as 10 kernel blocks of 8
+    desc = describe([full[i] for i in range(3)], _info())
+    assert desc.spec["num_blocks"] == 5 and desc.spec["kernel_block_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("make", "info", "message"),
+    [
+        (
+            lambda raw: [raw.view(2, 2, 5, 16, 16)[i].transpose(0, 1) for i in range(2)],
+            {},
+            "not one dense",
+        ),
+        (lambda raw: [raw.view(2, 5, 2, 16, 16)[i][..., :12] for i in range(2)], {}, "content"),
+        (
+            lambda raw: [raw.view(2, 5, 2, 16, 16)[i] for i in range(2)],
+            {"head_size_v": 4},
+            "K and V heads differ",
+        ),
+        (
+            lambda raw: [raw.view(2, 5, 2, 16, 16)[i] for i in range(2)],
+            {"tp_size": 1},
+            "2 head slots per rank",
+        ),
+        (lambda raw: [raw.view(2, 5, 2, 16, 16)], {}, "4-D"),
+    ],
+    ids=["heads-outermost", "scales-in-page", "diff-kv", "wrong-heads", "not-4d"],
+)
+def test_unsupported_caches_are_refused_with_backend_layout_and_shape(
+    make: Any, info: dict[str, Any], message: str
+) -> None:
+    raw = torch.zeros(2 * 5 * 2 * 16 * 16, dtype=torch.bfloat16)
+    with pytest.raises(
+        UnsupportedKVCache,
+        match=rf"backend TEST \(vLLM KV cache layout LBHNC\): layer tensor shape .*{message}",
+    ):
+        describe(make(raw), _info(**info))
+
+
+# -- shared memory for CPU engines -----------------------------------------------------------------
+def test_shm_pool_puts_cpu_allocations_in_shared_memory_and_locates_views() -> None:
+    pool = ShmKVPool("engine/with:odd chars")
+    try:
+        with pool.allocation():
+            raw = torch.zeros(1 << 16, dtype=torch.int8)
+            other = torch.ones(4)  # not a zeros/empty call: stays private
+        view = raw.view(torch.bfloat16)[1024:2048]
+        name, offset = pool.locate(view)
+        assert offset == 2048 and os.path.exists(f"/dev/shm/{name}")
+        assert "/" not in name and ":" not in name and " " not in name
+        with open(f"/dev/shm/{name}", "r+b") as f:  # the same pages: a write through the file shows up
+            f.seek(2048)
+            f.write(b"\x07")
+        assert int(raw[2048]) == 7
+        with pytest.raises(ValueError, match="not in the shared memory this connector allocated"):
+            pool.locate(other)
+    finally:
+        pool.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_shm_pool_removes_objects_left_by_dead_processes_of_the_same_rank() -> None:
+    import subprocess as sp
+
+    dead = sp.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    orphan = f"/dev/shm/kvsidecar-vllm-orphan_test-r0-{pid}-0"
+    live = f"/dev/shm/kvsidecar-vllm-orphan_test-r0-{os.getppid()}-0"  # a process that runs
+    other = f"/dev/shm/kvsidecar-vllm-other_rank-r0-{pid}-0"
+    for path in (orphan, live, other):
+        open(path, "wb").close()
+    pool = ShmKVPool("orphan_test-r0")
+    try:
+        assert not os.path.exists(orphan)
+        assert os.path.exists(live) and os.path.exists(other)
+    finally:
+        pool.close()
+        for path in (live, other):
+            os.unlink(path)

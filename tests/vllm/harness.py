@@ -1,0 +1,110 @@
+"""Real vLLM engine processes (tests/vllm/engine.py) and the sidecars they talk to."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kv_sidecar.refengine.procs import ProcessError, _Proc
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 600  # several engines start at once on 2 cores
+
+
+class VllmEngine(_Proc):
+    """tests/vllm/engine.py in its own process. Start several with `start_all` (they boot in parallel)."""
+
+    def __init__(self, name: str, opts: dict[str, Any]) -> None:
+        super().__init__(
+            [sys.executable, "-m", "tests.vllm.engine", json.dumps(opts)],
+            name,
+            env={"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        )
+        self.opts = opts
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> VllmEngine:
+        try:
+            self.ready = json.loads(self.readline(timeout_s))
+        except BaseException:
+            self.kill()
+            raise
+        if not self.ready.get("ok"):
+            self.kill()
+            raise ProcessError(f"{self.name} failed to start: {self.ready.get('error')}")
+        return self
+
+    def send(self, cmd: dict[str, Any], timeout_s: float = 300) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.readline(timeout_s))
+
+    def call(self, cmd: dict[str, Any], timeout_s: float = 300) -> dict[str, Any]:
+        """send(), failing the test with the engine's answer if it is not ok."""
+        answer = self.send(cmd, timeout_s)
+        assert answer.get("ok"), f"{self.name}: {cmd['cmd']} failed: {answer}"
+        return answer
+
+    def generate(
+        self, prompts: dict[str, list[int]], max_tokens: int, params: dict[str, Any] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Add every prompt (with kv_transfer_params params[id], if given) and run them to completion."""
+        for rid, prompt in prompts.items():
+            kvp = (params or {}).get(rid)
+            self.call(
+                {
+                    "cmd": "add",
+                    "id": rid,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "kv_transfer_params": kvp,
+                }
+            )
+        return self.call({"cmd": "run", "ids": list(prompts)})["outputs"]
+
+    def state(self) -> dict[str, Any]:
+        return self.call({"cmd": "state"})
+
+    def settle(self, timeout_s: float = 60) -> dict[str, Any]:
+        return self.send({"cmd": "settle", "timeout_s": timeout_s}, timeout_s + 30)
+
+    def stop(self) -> None:
+        if self.alive:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except Exception:
+                self.kill()
+
+
+def start_all(*engines: VllmEngine) -> None:
+    """Wait for engines that were started together; stop them all if one fails."""
+    try:
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.kill()
+        raise
+
+
+def metric(port: int, name: str) -> float:
+    """Sum of a Prometheus metric over its label sets, read from a sidecar's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def wait_until(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,165 @@
+"""Failures around real vLLM engines: no sidecar at start, a prefill sidecar killed mid-pull and restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kv_sidecar.refengine.procs import ProcessError, SidecarProcess
+from kv_sidecar_client import SidecarClient
+
+from .engine import write_model
+from .harness import VllmEngine, start_all, wait_until
+from .test_pd import BLOCK, prompt
+
+PULL_TIMEOUT_S = 8.0
+
+
+class Pair:
+    def __init__(self, tmp: str) -> None:
+        self.model = write_model(f"{tmp}/model")
+        self.sp, self.sd = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
+        conn = {"keepalive_interval_s": 1.0, "pull_timeout_s": PULL_TIMEOUT_S, "lease_ms": 30000}
+        self.P = VllmEngine(
+            "prefill",
+            {
+                "model": self.model,
+                "block_size": BLOCK,
+                "connector": conn | {"sidecar_socket": self.sp.socket, "engine_id": "prefill"},
+            },
+        )
+        self.D = VllmEngine(
+            "decode",
+            {
+                "model": self.model,
+                "block_size": BLOCK,
+                "connector": conn | {"sidecar_socket": self.sd.socket, "engine_id": "decode"},
+            },
+        )
+        self.R = VllmEngine("reference", {"model": self.model, "block_size": BLOCK})
+        start_all(self.P, self.D, self.R)
+        self.p_free = self.P.ready["free_blocks"]
+
+    def close(self) -> None:
+        for e in (self.P, self.D, self.R):
+            e.stop()
+        self.sp.stop()
+        self.sd.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    fixture = Pair(str(tmp_path_factory.mktemp("vllm-fail")))
+    yield fixture
+    fixture.close()
+
+
+def test_engine_start_fails_naming_the_socket_when_no_sidecar_listens(pair: Pair, tmp_path: object) -> None:
+    missing = f"{tmp_path}/nobody.sock"
+    engine = VllmEngine(
+        "orphan", {"model": pair.model, "connector": {"sidecar_socket": missing, "connect_timeout_s": 1.0}}
+    )
+    with pytest.raises(ProcessError, match=f"no kv-sidecar answers on '{missing}'"):
+        engine.wait_ready()
+
+
+def test_engine_start_fails_naming_an_unknown_config_key(pair: Pair) -> None:
+    engine = VllmEngine(
+        "typo", {"model": pair.model, "connector": {"sidecar_socket": pair.sd.socket, "pull_timeout": 5}}
+    )
+    with pytest.raises(ProcessError, match=r"unknown key\(s\) \['pull_timeout'\]"):
+        engine.wait_ready()
+
+
+def _registered_ranks(sidecar: SidecarProcess) -> int:
+    with SidecarClient(sidecar.socket) as c:
+        return len(c.status().ranks)
+
+
+def _pulling(sidecar: SidecarProcess) -> bool:
+    with SidecarClient(sidecar.socket) as c:
+        return len(c.status().inflight) > 0
+
+
+def test_prefill_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
+    p = prompt(600, seed=21)
+    want = pair.R.generate({"r1": p}, 8)["r1"]["tokens"]
+    params = pair.P.generate({"p1": p}, 1, {"p1": {"do_remote_decode": True}})["p1"]["kv_transfer_params"]
+    held = pair.P.state()["free_blocks"]
+    assert held < pair.p_free
+
+    # Freeze the prefill sidecar so the pull is surely in flight, then kill it.
+    os.kill(pair.sp.proc.pid, signal.SIGSTOP)
+
+    def kill_when_pulling() -> None:
+        wait_until(lambda: _pulling(pair.sd), 30, "the decode sidecar to start the pull")
+        pair.sp.kill()
+
+    killer = threading.Thread(target=kill_when_pulling)
+    killer.start()
+    t0 = time.monotonic()
+    out = pair.D.generate({"d1": p}, 8, {"d1": params})["d1"]
+    killer.join()
+    assert out["tokens"] == want, "the decode engine must recompute what the pull did not fill"
+    assert time.monotonic() - t0 < PULL_TIMEOUT_S + 30, "the request must not hang"
+    (pull,) = pair.D.state()["pulls"][-1:]
+    assert not pull["ok"] and pull["unfilled"], pull
+
+    # The prefill engine still holds the published blocks; its sidecar comes back on the same socket.
+    assert pair.P.state()["free_blocks"] == held
+    pair.sp = SidecarProcess("prefill-node", workdir=pair.sp.workdir)
+    settled = pair.P.settle(30)  # re-registered; the new sidecar knows no request: held blocks are freed
+    assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
+
+    # And the pair works again through the new sidecar.
+    q = prompt(140, seed=22)
+    params = pair.P.generate({"p2": q}, 1, {"p2": {"do_remote_decode": True}})["p2"]["kv_transfer_params"]
+    assert params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address
+    assert (
+        pair.D.generate({"d2": q}, 6, {"d2": params})["d2"]["tokens"]
+        == pair.R.generate({"r2": q}, 6)["r2"]["tokens"]
+    )
+    assert pair.D.state()["pulls"][-1]["ok"]
+    assert pair.P.settle(30)["free_blocks"] == pair.p_free
+
+
+def test_decode_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
+    p = prompt(500, seed=31)
+    want = pair.R.generate({"r3": p}, 8)["r3"]["tokens"]
+    params = pair.P.generate({"p3": p}, 1, {"p3": {"do_remote_decode": True}})["p3"]["kv_transfer_params"]
+    os.kill(pair.sp.proc.pid, signal.SIGSTOP)  # hold the pull in flight at the prefill side
+
+    def kill_when_pulling() -> None:
+        wait_until(lambda: _pulling(pair.sd), 30, "the decode sidecar to start the pull")
+        pair.sd.kill()
+
+    killer = threading.Thread(target=kill_when_pulling)
+    killer.start()
+    try:
+        out = pair.D.generate({"d3": p}, 8, {"d3": params})["d3"]
+    finally:
+        killer.join()
+        os.kill(pair.sp.proc.pid, signal.SIGCONT)
+    assert out["tokens"] == want, "the decode engine must recompute what the pull did not fill"
+    assert not pair.D.state()["pulls"][-1]["ok"]
+
+    # A new decode sidecar on the same socket: the decode engine registers again and pulls through it.
+    pair.sd = SidecarProcess("decode-node", workdir=pair.sd.workdir)
+    wait_until(
+        lambda: len(SidecarClient(pair.sd.socket).status().ranks) == 1, 30, "the decode engine to re-register"
+    )
+    q = prompt(90, seed=32)
+    params = pair.P.generate({"p4": q}, 1, {"p4": {"do_remote_decode": True}})["p4"]["kv_transfer_params"]
+    assert (
+        pair.D.generate({"d4": q}, 6, {"d4": params})["d4"]["tokens"]
+        == pair.R.generate({"r4": q}, 6)["r4"]["tokens"]
+    )
+    assert pair.D.state()["pulls"][-1]["ok"]
+    # The prefill side's first request was released when its reader went away, the second consumed.
+    settled = pair.P.settle(40)
+    assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
