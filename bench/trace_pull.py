@@ -63,6 +63,8 @@ STAGED = {
         "kv_sidecar.server.gpu_transfer:spec_to_proto",
         "kv_sidecar.plan.pair:PairPlan.hash",
         "grpc._channel:_UnaryUnaryMultiCallable.future",
+        "grpc._channel:_UnaryUnaryMultiCallable.__call__",
+        "kv_sidecar.server.gpu_staging:GpuStaging.call",
         "threading:Thread.start",
         "kv_sidecar.server.gpu_transfer:_stop_source",
         "kv_sidecar.server.gpu_transfer:_HostCopies.launch",
