@@ -6,8 +6,12 @@ print them (json as top-level keys, text as key=value after the message).
 
 from __future__ import annotations
 
+import atexit
+import copy
 import json
 import logging
+import logging.handlers
+import queue
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -54,9 +58,40 @@ class TextFormatter(logging.Formatter):
         return f"{line} {extra}" if extra else line
 
 
+class _Deferred(logging.handlers.QueueHandler):
+    """Hands records to a writer thread: formatting and writing leave the caller's critical path
+    (a pull's "pull finished" record cost ~0.3 ms of its answer on a busy 2-core machine).
+
+    The queue stays in this process, so the record keeps its fields and its exc_info, and the
+    writer's formatter prints exactly what it printed when it ran on the caller's thread.
+    """
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record = copy.copy(record)
+        record.msg, record.args = record.getMessage(), None
+        return record
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
+def _stop_writer() -> None:
+    """Write what is queued and stop the writer thread (at exit, or before reconfiguring)."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+        _listener = None
+
+
 def configure_logging(level: str, fmt: str = "text") -> None:
+    global _listener
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
+    _stop_writer()
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    _listener = logging.handlers.QueueListener(records, handler)
+    _listener.start()
+    atexit.register(_stop_writer)  # once per call; a stopped writer is not stopped again
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_Deferred(records)]
     root.setLevel(level.upper())

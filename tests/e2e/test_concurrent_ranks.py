@@ -139,8 +139,9 @@ def test_concurrent_pulls_of_disjoint_ranks_are_bit_exact(
     # TP2 -> TP2 over NIXL READs whole blocks into place; TP1 -> TP2 splits heads through staging.
     path = {"same": "host-direct", "other": "host-nixl" if p_tp == 2 else "host-nixl-staged"}[where]
     # Each worker receives its own half of the heads (2 of 4), 2 layers, K and V, 16 dims, fp16:
-    # whole blocks (3 x 16 tokens) when NIXL reads blocks in place, else the request's 40 tokens.
-    tokens = 48 if path == "host-nixl" else 40
+    # whole blocks (3 x 16 tokens) when the plan is the identity (TP2 -> TP2: blocks are copied
+    # or READ in place), else the request's 40 tokens (a head split converts token by token).
+    tokens = 48 if p_tp == 2 else 40
     for round_ in range(2):  # the first round includes the handshake
         seed = 100 + round_
         params = _publish(prefill, seed)

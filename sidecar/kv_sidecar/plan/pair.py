@@ -57,6 +57,10 @@ class PairPlan:
         return [rank_plan.to_json() for rank_plan in self.decode_ranks]
 
     def hash(self) -> str:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> str:  # a plan is immutable: hashed once (every OpenRead names it)
         # Canonical JSON (sorted keys, no whitespace) so both sidecars, whatever
         # their Python version, hash the same bytes for the same plan.
         body = {
@@ -104,6 +108,10 @@ class PairPlan:
         return self._consumers[prefill_rank]
 
     def is_identity(self) -> bool:
+        return self._identity
+
+    @cached_property
+    def _identity(self) -> bool:
         same_geometry = _without_num_blocks(self.prefill) == _without_num_blocks(self.decode)
         return same_geometry and all(
             rank_plan.notify_only == ()

@@ -215,6 +215,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 )
             except grpc.RpcError as e:
                 raise rpc_error(e, p.sidecar_address, "keep-alive") from None
+            for deadline in resp.lease_deadline_unix_ms:
+                sc.lease_view.extended(p.sidecar_id, p.engine_id, p.request_id, deadline)
             out.extend(resp.lease_deadline_unix_ms)
         return engine_pb2.KeepAliveResponse(lease_deadline_unix_ms=out)
 

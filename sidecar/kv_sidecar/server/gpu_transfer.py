@@ -65,7 +65,8 @@ PATH_HOST_RING = "host-ring"
 
 _CANCEL_WAIT_S = 5.0  # how long a stopped transfer waits for the other side to have nothing in flight
 # Slots a peer may still write into (it never confirmed the end of its transfer) rejoin their pool
-# after this: a source whose Push call went away stops and cancels its WRITEs within _CANCEL_WAIT_S.
+# this long after the Push call ended: a source whose call went away stops and cancels its WRITEs
+# within _CANCEL_WAIT_S.
 _QUARANTINE_S = 2 * _CANCEL_WAIT_S
 _MAX_SLOTS = 4096
 # Trailing metadata of every Push answer the source gives itself: nothing of it is in flight any more.
@@ -296,7 +297,8 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
     try:
         with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
             try:
-                call = link.stub.Push.future(
+                call = sc.gpu_staging.call(
+                    link.stub.Push,
                     peer_pb2.PushRequest(
                         engine_id=job.params.engine_id,
                         request_id=job.params.request_id,
@@ -369,13 +371,16 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
         else:
             sc.metrics.failures.labels("staging_quarantined").inc()
             log.warning(
-                "peer %s did not confirm that transfer %s ended: %d receive slots rejoin the ring in %g s",
+                "peer %s did not confirm that transfer %s ended: %d receive slots rejoin the ring %g s "
+                "after its Push call ended",
                 address,
                 tid,
                 len(held),
                 _QUARANTINE_S,
             )
-            ring.pool.release_later(held, _QUARANTINE_S)
+            # The Push call is a blocking call on a caller thread, which nothing can cancel: it ends at
+            # its deadline at the latest, and a source whose call ended stops within its cancel wait.
+            ring.pool.release_later(held, _QUARANTINE_S, lambda go: call.add_done_callback(lambda _: go()))
 
 
 def _receive(
@@ -445,7 +450,6 @@ def _stop_source(sc: Sidecar, call: Any, agent: str, transfer_id: str) -> bool:
     try:
         call.result(timeout=_CANCEL_WAIT_S)
     except FutureTimeout:
-        call.cancel()
         return False
     except grpc.RpcError as e:
         return isinstance(e, grpc.Call) and PUSH_ENDED in tuple(e.trailing_metadata() or ())

@@ -112,6 +112,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             opened_bytes(plan, request.reader_ranks, len(item.block_ids)),
             "host-nixl" if plan.is_identity() else "host-nixl-staged",
         )
+        sc.nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,

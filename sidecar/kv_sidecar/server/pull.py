@@ -23,6 +23,7 @@ the holder named in the map its leader returned at handshake (docs/multinode.md)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import math
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,11 +42,12 @@ from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
+from kv_sidecar.plan.spec import PlanError
 from kv_sidecar.server import gpu_transfer
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.inflight import PullTicket
-from kv_sidecar.server.peers import Holder, PeerLink, RemoteEngine, cached_plan
+from kv_sidecar.server.peers import Holder, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
@@ -58,6 +60,20 @@ log = logging.getLogger(__name__)
 
 class _Retry(Exception):
     """The first attempt of a remote pull met a stale handshake; try once more."""
+
+
+@dataclass
+class _Read:
+    """A posted NIXL READ: its completion, the bytes it moves, and whether the in-flight gauge still counts it."""
+
+    future: Future[None]
+    nbytes: int
+    counted: bool = True
+
+    def settle(self, metrics: Any) -> None:
+        if self.counted:
+            self.counted = False
+            metrics.inflight.dec()
 
 
 _CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
@@ -80,6 +96,31 @@ def parse_notification(msg: bytes) -> tuple[str, str, str, int, list[int]] | Non
         return parts[1], parts[2], parts[3], int(parts[4]), [int(p) for p in parts[5].split(",") if p]
     except ValueError:
         return None
+
+
+def copy_blocks(src: RankEntry, dst: RankEntry, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """Copy whole blocks between two host ranks of the same geometry (an identity plan): one
+    memmove per chunk, the runs NIXL's descriptor tables describe. Returns bytes copied.
+
+    The ids were validated against both specs (check_pull); they are checked again here because
+    memmove is not. Holding the tensors keeps their mappings alive should a rank unregister
+    meanwhile (ShmMapper unmaps a segment only once no view of it is left).
+    """
+    src_t, dst_t = list(src.tensors), list(dst.tensors)
+    sg, dg = src.geometry, dst.geometry
+    if len(src_t) != sg.regions or len(dst_t) != dg.regions:
+        raise SidecarError(Code.FAILED_PRECONDITION, "a rank of the pull was unregistered during it")
+    if (sg.outer, sg.chunk, sg.regions) != (dg.outer, dg.chunk, dg.regions) or len(src_ids) != len(dst_ids):
+        raise SidecarError(Code.INTERNAL, "block copy between ranks of different geometry")
+    for ids, geo in ((src_ids, sg), (dst_ids, dg)):
+        if len(ids) and not (int(np.min(ids)) >= 0 and int(np.max(ids)) < geo.num_blocks):
+            raise SidecarError(Code.INTERNAL, f"block id out of range [0, {geo.num_blocks})")
+    s_addr = descriptors(sg, [t.data_ptr() for t in src_t], src_ids)[:, 0].tolist()
+    d_addr = descriptors(dg, [t.data_ptr() for t in dst_t], dst_ids)[:, 0].tolist()
+    n = dg.chunk
+    for d, s_ in zip(d_addr, s_addr, strict=True):
+        ctypes.memmove(d, s_, n)
+    return len(d_addr) * n
 
 
 @dataclass
@@ -259,9 +300,15 @@ class Puller:
                 sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
             return nbytes, gpu_transfer.PATH_DIRECT
         nbytes = 0
+        identity = job.plan.is_identity()
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for read in rplan.reads:
                 job.remaining()
+                if identity:  # whole blocks, as host-nixl moves them: no per-token indexing
+                    first = job.start_token // job.plan.prefill.block_size
+                    src_ids = job.src_blocks[first : first + len(job.dst_blocks)]
+                    nbytes += copy_blocks(src_ranks[read.prefill_rank], entry, src_ids, job.dst_blocks)
+                    continue
                 nbytes += copy_request(
                     src_ranks[read.prefill_rank].host_view,
                     entry.host_view,
@@ -301,9 +348,10 @@ class Puller:
         sc, p = self._sc, req.params
         ranks = [e.rank for e in local]
         opened_on: list[Holder] = []
+        early: list[_Read] = []
         try:
             check_address("params.sidecar_address", p.sidecar_address)
-            link, remote = sc.peers.remote_engine(
+            _, remote = sc.peers.remote_engine(
                 p.sidecar_address,
                 p.engine_id,
                 req.engine_id,
@@ -314,10 +362,22 @@ class Puller:
             holders = list(
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
             )
+            # The READ runs while OpenRead is on its way when that is safe (server/lease_view.py).
+            early_job = self._early_job(req, local, remote, cancel, deadline)
+            if early_job is not None:
+                early = self._post_identity(early_job, remote)
             opened = open_reads(sc, remote, holders, req, ranks, deadline)
             opened_on = holders
-            return self._read_remote(req, local, link, remote, opened, cancel, deadline)
+            if early_job is not None:
+                if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
+                    nbytes = self._finish(early_job, early)
+                    self._notify_done(req, remote, early_job)
+                    return nbytes, "host-nixl"
+                self._abandon(early)  # the source holds other blocks than the params say: read those
+            early = []
+            return self._read_remote(req, local, remote, opened, cancel, deadline)
         except Exception as e:
+            self._abandon(early)  # no byte moves once the engine has its answer
             stale = isinstance(e, SidecarError) and (
                 e.code is Code.UNAVAILABLE
                 or (e.code is Code.FAILED_PRECONDITION and "handshake" in e.message)
@@ -333,11 +393,35 @@ class Puller:
                 raise _Retry() from e
             raise
 
+    def _early_job(
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        remote: RemoteEngine,
+        cancel: PullTicket,
+        deadline: float,
+    ) -> PullJob | None:
+        """The job to READ before OpenRead answers, from the params' blocks; None where it must wait:
+        not the host identity READ path, or the request not surely held by its source (its lease close
+        to running out, or released by this sidecar)."""
+        p = req.params
+        if not remote.plan.is_identity() or remote.memory_kind != "DRAM" or any(e.gpu for e in local):
+            return None
+        if self._sc.settings.host_transfer.lower() == "ring":
+            return None
+        if not self._sc.lease_view.surely_held(
+            p.sidecar_id, p.engine_id, p.request_id, p.lease_deadline_unix_ms
+        ):
+            return None
+        try:
+            return self._job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+        except (SidecarError, PlanError):
+            return None  # the usual path reports it, after OpenRead
+
     def _read_remote(
         self,
         req: engine_pb2.PullRequest,
         local: list[RankEntry],
-        link: PeerLink,
         remote: RemoteEngine,
         opened: peer_pb2.OpenReadResponse,
         cancel: PullTicket,
@@ -355,23 +439,31 @@ class Puller:
             )
         ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (gpu_transfer.py)
         nbytes = 0
-        for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
-            for read in rplan.reads:
-                job.remaining()  # stopped before touching (possibly unregistered) memory
-                if ring:
-                    nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
-                elif identity:
-                    nbytes += self._read_identity(job, link, remote, entry, read.prefill_rank)
-                else:
-                    nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
-            for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
-                sc.nixl.send_notif(
-                    holder.agent_name,
-                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
-                )
+        if identity and not ring:
+            nbytes = self._finish(job, self._post_identity(job, remote))
+        else:
+            for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+                for read in rplan.reads:
+                    job.remaining()  # stopped before touching (possibly unregistered) memory
+                    if ring:
+                        nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
+                    else:
+                        nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
+        self._notify_done(req, remote, job)
         if ring:
             return nbytes, gpu_transfer.PATH_STAGED if on_gpu else gpu_transfer.PATH_HOST_RING
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
+
+    def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:
+        """Tell each source sidecar which of its ranks each local rank is done with. The answer does
+        not wait for the driver thread to send them (NixlDriver.notify)."""
+        sc, p = self._sc, req.params
+        for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+            for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
+                sc.nixl.notify(
+                    holder.agent_name,
+                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
+                )
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:
@@ -412,29 +504,55 @@ class Puller:
                 remote.dlists[rank] = self._sc.nixl.prep_dlist(remote.agent_of(rank), table)
             return remote.dlists[rank]
 
-    def _read_identity(
-        self, job: PullJob, link: PeerLink, remote: RemoteEngine, entry: RankEntry, src_rank: int
-    ) -> int:
-        """Same geometry both sides: READ each source chunk into the matching destination chunk."""
+    def _post_identity(self, job: PullJob, remote: RemoteEngine) -> list[_Read]:
+        """Same geometry both sides: one READ per local rank, each source chunk into the matching
+        destination chunk, from descriptor lists prepared once. Posted, not waited for."""
         first = job.start_token // job.plan.prefill.block_size
-        src = np.asarray(job.src_blocks[first : first + len(job.dst_blocks)], dtype=np.int64)
-        local_idx = chunk_indices(entry.geometry, np.asarray(job.dst_blocks))
-        remote_idx = chunk_indices(remote.geometry, src)
-        fut = self._sc.nixl.read_prepped(
-            self._local_dlist(entry),
-            local_idx,
-            self._remote_dlist(remote, src_rank),
-            remote_idx,
-            b"",
-            job.remaining(),
-        )
-        self._sc.metrics.nixl_descriptors.observe(len(local_idx))
-        self._sc.metrics.inflight.inc()
+        src = job.src_blocks[first : first + len(job.dst_blocks)]
+        reads: list[_Read] = []
         try:
-            self.wait(fut, job)
+            for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+                (read,) = rplan.reads  # identity: rank r reads all of rank r
+                job.remaining()  # stopped before touching (possibly unregistered) memory
+                local_idx = chunk_indices(entry.geometry, job.dst_blocks)
+                remote_idx = chunk_indices(remote.geometry, src)
+                fut = self._sc.nixl.read_prepped(
+                    self._local_dlist(entry),
+                    local_idx,
+                    self._remote_dlist(remote, read.prefill_rank),
+                    remote_idx,
+                    b"",
+                    job.remaining(),
+                )
+                self._sc.metrics.nixl_descriptors.observe(len(local_idx))
+                self._sc.metrics.inflight.inc()
+                reads.append(_Read(fut, len(local_idx) * entry.geometry.chunk))
+        except BaseException:
+            self._abandon(reads)
+            raise
+        return reads
+
+    def _finish(self, job: PullJob, reads: list[_Read]) -> int:
+        """Wait for posted READs; on a failure or a stop, cancel the others and let them end."""
+        try:
+            for r in reads:
+                self.wait(r.future, job)
+        except BaseException:
+            self._abandon(reads)
+            raise
         finally:
-            self._sc.metrics.inflight.dec()
-        return len(local_idx) * entry.geometry.chunk
+            for r in reads:
+                r.settle(self._sc.metrics)
+        return sum(r.nbytes for r in reads)
+
+    def _abandon(self, reads: list[_Read]) -> None:
+        """Cancel READs still in flight and wait for them to end (no byte may land after the answer)."""
+        for r in reads:
+            if not r.future.done():
+                self._sc.nixl.cancel(r.future)
+            with contextlib.suppress(Exception):
+                r.future.result(timeout=_CANCEL_WAIT_S)
+            r.settle(self._sc.metrics)
 
     def _read_staged(
         self,

@@ -55,5 +55,6 @@ def release_source(sc: Sidecar, params: common_pb2.TransferParams, reader: str, 
     if params.sidecar_id == sc.sidecar_id:
         return release_here(sc, params.engine_id, params.request_id, reader, reason)
     check_address("params.sidecar_address", params.sidecar_address)
+    sc.lease_view.released(params.sidecar_id, params.engine_id, params.request_id)
     _close_released(sc, params.sidecar_address, params.engine_id, params.request_id, reader)
     return True

@@ -24,6 +24,7 @@ from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.inflight import InflightPulls
+from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
@@ -55,7 +56,10 @@ class Sidecar:
         self.transfers = TransferTracker(stale_s=settings.pull_timeout_ms / 1000)
         self.started_at = time.monotonic()
         self.nixl = NixlDriver(
-            self.sidecar_id, on_notif=self._on_notif, busy_wait_s=settings.nixl_busy_poll_us / 1e6
+            self.sidecar_id,
+            on_notif=self._on_notif,
+            busy_wait_s=settings.nixl_busy_poll_us / 1e6,
+            serving=self.transfers.any_serving,
         )
         self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
@@ -65,6 +69,7 @@ class Sidecar:
         self.membership = Membership(self)
         self.puller = Puller(self)
         self.pulls = InflightPulls()
+        self.lease_view = LeaseView()
         self.peer_address = ""
         self.peer_port = 0
         self.metrics_port = 0
@@ -266,5 +271,6 @@ class Sidecar:
         while not self._stop.wait(0.05):
             try:
                 self.published.expire()
+                self.transfers.expire_stale()  # a reader that never reported keeps none open
             except Exception:
                 log.exception("lease reaper failed")

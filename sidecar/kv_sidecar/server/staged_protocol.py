@@ -172,8 +172,15 @@ class SlotPool:
         if self._on_change is not None:
             self._on_change(-len(slots))
 
-    def release_later(self, slots: Iterable[int], delay_s: float) -> None:
-        """Give slots back after `delay_s`: a peer may still be writing into them (it did not confirm)."""
+    def release_later(
+        self,
+        slots: Iterable[int],
+        delay_s: float,
+        after: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
+        """Give slots back `delay_s` after now, or after `after` calls the function it is given (e.g.
+        once a call that may still make a peer write has ended): a peer may still be writing into them
+        (it did not confirm). The slots count as quarantined from now on."""
         slots = list(slots)
         if not slots:
             return
@@ -185,9 +192,15 @@ class SlotPool:
                 self.quarantined -= len(slots)
             self.release(slots)
 
-        timer = threading.Timer(delay_s, back)
-        timer.daemon = True
-        timer.start()
+        def start() -> None:
+            timer = threading.Timer(delay_s, back)
+            timer.daemon = True
+            timer.start()
+
+        if after is None:
+            start()
+        else:
+            after(start)
 
 
 # -- the source's end ----------------------------------------------------------------------

@@ -188,6 +188,13 @@ class TransferTracker:
         self._expire_serves()
         return len(self._serves)
 
+    def any_serving(self) -> bool:
+        """Cheap (no lock, no expiry): for the NIXL driver's poll loop."""
+        return bool(self._serves)
+
+    def expire_stale(self) -> None:
+        self._expire_serves()
+
     # -- handshakes other sidecars made with us --------------------------------
     def handshake_from(
         self, sidecar_id: str, peer: str, engine_id: str, reader_engine: str, plan: str

@@ -50,6 +50,7 @@ class _Released:
 
 
 _RELEASED = _Released()
+_WAKE: Any = ("wake",)  # a queue item that only makes the driver thread poll
 
 
 def _make_current(device: int) -> None:
@@ -78,14 +79,18 @@ class NixlDriver:
         idle_wait_s: float = 0.002,
         quiet_wait_s: float = 0.05,
         busy_wait_s: float = 20e-6,
+        serving: Callable[[], bool] | None = None,
+        serving_wait_s: float = 0.0001,
     ) -> None:
         self.name = name
         self._on_notif = on_notif
         self._idle = idle_wait_s
         self._quiet = quiet_wait_s
         self._busy = busy_wait_s
+        self._serving = serving or (lambda: False)
+        self._serving_wait = serving_wait_s
         self._last_activity = 0.0
-        self._queue: queue.Queue[tuple[Callable[[Any], Any], Future[Any]] | None] = queue.Queue()
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._inflight: list[_Inflight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._ready: Future[None] = Future()
@@ -149,7 +154,9 @@ class NixlDriver:
                 item = ()  # type: ignore[assignment]
             if item is None:
                 return
-            if item:
+            if item is _WAKE:
+                self._last_activity = time.monotonic()
+            elif item:
                 fn, fut = item
                 self._last_activity = time.monotonic()
                 if fut.set_running_or_notify_cancel():
@@ -174,16 +181,26 @@ class NixlDriver:
         threads (gRPC handlers, kernel launches, the host executor) wait for
         it, and a staged transfer runs its gathers and scatters beside this
         loop. A timed wait releases the GIL and still wakes at once when work
-        is queued. Recently busy: a short
-        wait, so notifications ("consumed") arrive promptly. Quiet for a
-        second: a longer one, so an idle sidecar costs ~1 % of a core instead
-        of waking 500 times a second. A READ's target needs no progress, so a
-        quiet source sidecar delays only its completion events, by at most
-        the quiet wait.
+        is queued. Serving reads to other sidecars: `serving_wait_s`. A READ's
+        data needs no progress from its target, but its completion does: NIXL
+        ends every transfer with a flush of the endpoint, and once the
+        endpoint's TCP lane has carried an active message (any NIXL
+        notification), that flush waits for the target's worker to answer,
+        i.e. for this loop's next poll (docs/benchmarks.md, "Where a pull's
+        time goes"). Recently busy: a short wait, so notifications
+        ("consumed") arrive promptly. Quiet for a second: a longer one, so an
+        idle sidecar costs ~1 % of a core instead of waking 500 times a second.
         """
         if self._inflight or self._pollers:
             return self._busy
+        if self._serving():
+            return self._serving_wait
         return self._idle if time.monotonic() - self._last_activity < 1.0 else self._quiet
+
+    def wake(self) -> None:
+        """Poll now (e.g. a reader is about to READ): its transfers' completion waits for our progress."""
+        if self._thread.is_alive():
+            self._queue.put(_WAKE)
 
     def _poll_transfers(self) -> None:
         now = time.monotonic()
@@ -437,6 +454,21 @@ class NixlDriver:
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self.call(lambda a: a.send_notif(remote_agent, msg))
 
+    def notify(self, remote_agent: str, msg: bytes) -> None:
+        """send_notif without waiting for it: the caller's answer does not wait for the driver
+        thread. A notification that cannot be sent is logged (the peer then times out or expires
+        the lease, as if it never came)."""
+
+        def send(a: Any) -> None:
+            try:
+                a.send_notif(remote_agent, msg)
+            except Exception as e:
+                log.warning("could not send a NIXL notification to %s: %s", remote_agent, e)
+
+        if not self._thread.is_alive():
+            raise TransferError("NIXL driver is not running")
+        self._queue.put((send, Future()))
+
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
     def add_poller(self, fn: Callable[[Any], bool]) -> None:
         """Run `fn(agent)` on the driver thread every loop turn until it returns True.
@@ -541,5 +573,9 @@ class NixlDriver:
         if state == "ERR":
             self._release(_Inflight(handle, done, now, now))
             done.set_exception(TransferError("NIXL refused to post the transfer (backend error)"))
+            return
+        if state == "DONE":  # host memory over shared memory: UCX copied it within the call
+            self._release(_Inflight(handle, done, now, now))
+            done.set_result(None)
             return
         self._inflight.append(_Inflight(handle, done, now, now + timeout_s))

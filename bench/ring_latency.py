@@ -1,0 +1,156 @@
+"""Staged pulls (host-ring) of this tree next to another revision's, interleaved, in one run.
+
+The staged protocol (docs/gpu.md) runs on host memory with `host_transfer: ring`;
+there its fixed cost per pull is control flow (Push, notifications, credits,
+thread hand-offs), which is what a GPU pull pays besides its kernels. Two
+sidecar pairs, one per revision (bench/baseline.py), serve the same engines'
+caches (this process plays both engines); every round pulls once through each
+pair, alternating which goes first, so that the noise of a shared machine falls
+on both alike.
+
+    python bench/ring_latency.py --baseline HEAD~3            # 1, 16, 256 blocks of 32 KiB
+    python bench/ring_latency.py --baseline main --blocks 1 --iters 300 --ring-bytes 8388608
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar_client import SidecarClient
+
+# bench/gpu_latency.py --host's block: 4 layers, 2 heads, head_dim 64, bf16, 16 tokens = 32 KiB.
+SPEC = EngineSpec.from_dict(
+    {
+        "tp_size": 1,
+        "num_layers": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "num_blocks": 640,
+        "layout": "flash_attn_nhd",
+    }
+)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def main() -> int:
+    import numpy as np
+    import torch
+
+    from kv_sidecar_client.shm import ShmKVCache
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", metavar="GIT_REF", help="revision to compare with (omit: this tree only)")
+    ap.add_argument("--blocks", default="1,16,256", help="blocks per pull, comma-separated")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--ring-bytes", type=int, default=8 << 20, help="gpu_staging_bytes (host rings)")
+    ap.add_argument("--slots", type=int, default=0, help="gpu_staging_slots (0: default)")
+    ap.add_argument("--old-args", default="", help="extra `serve` flags for the old tree's sidecars")
+    ap.add_argument("--new-args", default="", help="extra `serve` flags for this tree's sidecars")
+    args = ap.parse_args()
+    extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)]
+    extra += ["--gpu-staging-slots", str(args.slots)] if args.slots else []
+    trees: dict[str, str | None] = {"new": None}
+    if args.baseline:
+        trees = {"old": baseline.export(args.baseline), "new": None}
+    elif args.old_args:
+        trees = {"old": None, "new": None}  # this tree twice, with different flags
+    env_of = {k: (baseline.env(t) if t else {}) | {"OMP_NUM_THREADS": "1"} for k, t in trees.items()}
+    jobs = [(k, role) for k in trees for role in ("p", "d")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        procs = dict(
+            zip(
+                jobs,
+                pool.map(
+                    lambda j: SidecarProcess(
+                        f"ring-{j[0]}-{j[1]}",
+                        extra=extra + getattr(args, f"{j[0]}_args").split(),
+                        env=env_of[j[0]],
+                        start_timeout_s=180,
+                    ),
+                    jobs,
+                ),
+                strict=True,
+            )
+        )
+    shapes = SPEC.rank_tensor_shapes()
+    pcache, dcache = ShmKVCache(shapes, torch.bfloat16), ShmKVCache(shapes, torch.bfloat16)
+    for t in pcache.tensors:
+        t.view(torch.uint8).random_()
+    clients = {j: SidecarClient(sc.socket) for j, sc in procs.items()}
+    rng = np.random.default_rng(3)
+    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    try:
+        for k in trees:
+            clients[(k, "p")].register_rank(f"{k}-p", 0, SPEC.to_dict(), pcache.handles())
+            clients[(k, "d")].register_rank(f"{k}-d", 0, SPEC.to_dict(), dcache.handles())
+        seq = iter(range(10**9))
+        for n in (int(x) for x in args.blocks.split(",")):
+            for k in trees:
+                results[(k, n)] = {"wall": [], "side": []}
+            for i in range(args.warmup + args.iters):
+                src = rng.permutation(SPEC.num_blocks)[:n].tolist()
+                dst = rng.permutation(SPEC.num_blocks)[:n].tolist()
+                order = list(trees) if i % 2 else list(reversed(list(trees)))
+                for k in order:
+                    params = clients[(k, "p")].publish(f"{k}-p", f"r{next(seq)}", src, n * SPEC.block_size)
+                    t0 = time.perf_counter()
+                    res = clients[(k, "d")].pull(params, f"{k}-d", dst, timeout_s=60)
+                    wall = time.perf_counter() - t0
+                    if not res.ok:
+                        raise RuntimeError(f"{k}: pull of {n} blocks failed: {res.error_code}: {res.error}")
+                    if res.path != "host-ring":
+                        raise RuntimeError(f"{k}: path {res.path}, not host-ring")
+                    if i >= args.warmup:
+                        results[(k, n)]["wall"].append(wall)
+                        results[(k, n)]["side"].append(res.duration_s)
+                    time.sleep(0.001)
+            same = all(
+                torch.equal(p[:, src].view(torch.int16), d[:, dst].view(torch.int16))
+                for p, d in zip(pcache.tensors, dcache.tensors, strict=True)
+            )
+            if not same:
+                raise RuntimeError(f"{n} blocks: bytes differ")
+    finally:
+        for c in clients.values():
+            c.close()
+        for sc in procs.values():
+            sc.stop()
+        pcache.close()
+        dcache.close()
+    ref = baseline.describe(args.baseline) if args.baseline else ""
+    print(
+        f"host-ring, {SPEC.rank_bytes() // SPEC.num_blocks // 1024} KiB blocks, rings {args.ring_bytes} B"
+        f"{f' / {args.slots} slots' if args.slots else ''}, {args.iters} pulls per row, "
+        f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
+    )
+    print("| blocks | tree | engine wall p50 ms | p90 ms | sidecar p50 ms | sidecar p90 ms |")
+    print("|---|---|---|---|---|---|")
+    for (k, n), r in results.items():
+        w, s = r["wall"], r["side"]
+        print(
+            f"| {n} | {k} | {statistics.median(w) * 1e3:.3f} | {pct(w, 0.9) * 1e3:.3f} | "
+            f"{statistics.median(s) * 1e3:.3f} | {pct(s, 0.9) * 1e3:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Where a one-block pull's time goes: spans inside both sidecars, lined up with the engine's call.
+
+Two real sidecars on loopback with bench/pulltrace/sitecustomize.py loaded: it wraps
+the functions named below and records when each call starts and ends. This process
+plays both engines through the thin client (as bench/latency.py) and pulls one block
+at a time; each span is placed on the pull whose engine call it falls in (the clock,
+CLOCK_MONOTONIC, is common to the processes), and the table gives per span the
+median start and end relative to the engine's call and the median duration.
+
+    python bench/trace_pull.py                  # other sidecar (host-nixl)
+    python bench/trace_pull.py --local          # same sidecar (host-direct)
+    python bench/trace_pull.py --ring [--blocks 16]   # other sidecar, the staged protocol (host-ring)
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import baseline  # noqa: E402
+from latency import SPEC  # noqa: E402
+
+from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
+from kv_sidecar.refengine.procs import SidecarProcess  # noqa: E402
+from kv_sidecar_client import SidecarClient  # noqa: E402
+from kv_sidecar_client.shm import ShmKVCache  # noqa: E402
+
+# --small: 32 KiB blocks (2 heads, head_dim 64), so that the host copies, which a GPU does in a
+# kernel, do not hide the control flow of a staged pull.
+SMALL = dataclasses.replace(SPEC, num_kv_heads=2, head_dim=64)
+
+
+def register(client: SidecarClient, engine_id: str, spec: EngineSpec) -> ShmKVCache:
+    import torch
+
+    cache = ShmKVCache(spec.rank_tensor_shapes(), torch.bfloat16)
+    client.register_rank(engine_id, 0, spec.to_dict(), cache.handles())
+    return cache
+
+
+NIXL = [
+    "nixl_cu13._api:nixl_agent.transfer",
+    "nixl_cu13._api:nixl_agent.check_xfer_state",
+    "nixl_cu13._api:nixl_agent.get_new_notifs",
+]
+GRPC = ["grpc._server:_unary_response_in_pool", "grpc._server:_call_behavior"]
+# The staged protocol (server/gpu_transfer.py) on host memory: host_transfer ring.
+STAGED = {
+    "decode": [
+        "kv_sidecar.server.gpu_transfer:read_staged",
+        "kv_sidecar.server.gpu_transfer:_receive",
+        "kv_sidecar.server.gpu_transfer:spec_to_proto",
+        "kv_sidecar.plan.pair:PairPlan.hash",
+        "grpc._channel:_UnaryUnaryMultiCallable.future",
+        "grpc._channel:_UnaryUnaryMultiCallable.__call__",
+        "kv_sidecar.server.gpu_staging:GpuStaging.call",
+        "threading:Thread.start",
+        "kv_sidecar.server.gpu_transfer:_stop_source",
+        "kv_sidecar.server.gpu_transfer:_HostCopies.launch",
+        "kv_sidecar.server.gpu_transfer:_Credits.poll",
+        "kv_sidecar.server.staged_protocol:SlotPool.acquire",
+        "kv_sidecar.server.staged_protocol:RecvState.arrive",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.add_poller",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._poll_notifs",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.send_notif",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.load_remote",
+        "nixl_cu13._api:nixl_agent.send_notif",
+    ],
+    "prefill": [
+        "kv_sidecar.server.gpu_transfer:serve_push",
+        "kv_sidecar.server.gpu_transfer:cached_plan",
+        "kv_sidecar.server.gpu_transfer:_HostCopies.launch",
+        "kv_sidecar.server.gpu_transfer:_Pump.poll",
+        "kv_sidecar.server.published:PublishedStore.get_live",
+        "kv_sidecar.server.staged_protocol:SlotPool.acquire",
+        "kv_sidecar.server.staged_protocol:SendState.next_gather",
+        "kv_sidecar.server.staged_protocol:SendState.wait_finished",
+        "kv_sidecar.server.staged_protocol:SendState.write_done",
+        "kv_sidecar.server.staged_protocol:SendState.credit",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.add_poller",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.write_now",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.load_remote",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._poll_notifs",
+        "nixl_cu13._api:nixl_agent.initialize_xfer",
+    ],
+}
+SPANS = {
+    "decode": [
+        *GRPC,
+        "kv_sidecar.server.pull:Puller.pull",
+        "kv_sidecar.server.pull:Puller._pull_direct",
+        "kv_sidecar.server.pull:Puller._copy_direct",
+        "kv_sidecar.server.pull:copy_request",
+        "kv_sidecar.server.peers:Peers.remote_engine",
+        "kv_sidecar.server.pull:open_reads",
+        "kv_sidecar.server.pull:Puller._job",
+        "kv_sidecar.server.pull:Puller._read_identity",
+        "kv_sidecar.server.pull:Puller._post_identity",
+        "kv_sidecar.server.pull:copy_blocks",
+        "kv_sidecar.server.pull:Puller._finish",
+        "kv_sidecar.server.pull:Puller._notify_done",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.read_prepped",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._post",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._release",
+        "kv_sidecar.server.pull:Puller.wait",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.send_notif",
+        "kv_sidecar.server.published:PublishedStore.open_read",
+        "kv_sidecar.server.published:PublishedStore.mark_done",
+        "kv_sidecar.server.transfers:TransferTracker.begin_pull",
+        "kv_sidecar.server.transfers:TransferTracker.end_pull",
+        *NIXL,
+    ],
+    "prefill": [
+        *GRPC,
+        "kv_sidecar.server.published:PublishedStore.open_read",
+        "kv_sidecar.server.transfers:TransferTracker.begin_serve",
+        "kv_sidecar.server.published:PublishedStore.mark_done",
+        "kv_sidecar.server.transfers:TransferTracker.serve_rank_done",
+        *NIXL,
+    ],
+}
+
+
+def start(
+    name: str, spans: list[str], out: str, tree: str | None, extra: list[str] | None = None
+) -> SidecarProcess:
+    path = [str(HERE / "pulltrace")] + (baseline.env(tree)["PYTHONPATH"].split(os.pathsep) if tree else [])
+    env = {
+        "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
+        "KV_SIDECAR_TRACE": out,
+        "KV_SIDECAR_TRACE_SPANS": ",".join(spans),
+    }
+    return SidecarProcess(name, extra=extra, env=env, start_timeout_s=120)
+
+
+def collect(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]]:
+    os.kill(sc.proc.pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--local", action="store_true", help="same sidecar (host-direct)")
+    ap.add_argument("--baseline", metavar="GIT_REF", help="trace the sidecar of this revision instead")
+    ap.add_argument("--ring", action="store_true", help="the staged protocol on host memory (host-ring)")
+    ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (256 KiB each)")
+    ap.add_argument("--small", action="store_true", help="32 KiB blocks instead of 256 KiB")
+    ap.add_argument("--ring-bytes", type=int, default=64 << 20, help="--ring: gpu_staging_bytes (host rings)")
+    args = ap.parse_args()
+    extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
+    spans_of = {k: v + (STAGED[k] if args.ring else []) for k, v in SPANS.items()}
+    tree = baseline.export(args.baseline) if args.baseline else None
+    tmp = tempfile.mkdtemp(prefix="pulltrace-")
+    files = {"prefill": f"{tmp}/prefill.jsonl", "decode": f"{tmp}/decode.jsonl"}
+    a = start(
+        "trace-prefill",
+        spans_of["prefill"] + (spans_of["decode"] if args.local else []),
+        files["prefill"],
+        tree,
+        extra,
+    )
+    b = start("trace-decode", spans_of["decode"], files["decode"], tree, extra)
+    caches = []
+    calls: list[tuple[float, float]] = []
+    try:
+        time.sleep(1.5)  # the tracer patches once the server modules are in
+        ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+        dec = ca if args.local else cb
+        spec = SMALL if args.small else SPEC
+        caches += [register(ca, "tr-p", spec), register(dec, "tr-d", spec)]
+        for i in range(args.iters + 20):
+            n = args.blocks
+            params = ca.publish("tr-p", f"t{i}", list(range(n)), n * spec.block_size)
+            t0 = time.perf_counter()
+            res = dec.pull(params, "tr-d", list(range(spec.num_blocks - n, spec.num_blocks)))
+            t1 = time.perf_counter()
+            assert res.ok, res
+            if i >= 20:
+                calls.append((t0, t1))
+            time.sleep(0.002)  # keep pulls apart, so late spans (notifications) stay on their pull
+        spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
+    finally:
+        for c in caches:
+            c.close()
+        a.stop()
+        b.stop()
+    print(
+        f"{'local' if args.local else 'ring' if args.ring else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
+        f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms (load {os.getloadavg()[0]:.1f})"
+    )
+    print(
+        "| side | span | thread | n/pull | start ms | end ms | duration ms | busy ms |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for side, recs in spans.items():
+        recs.sort(key=lambda r: r[2])
+        starts = [r[2] for r in recs]
+        per: dict[tuple[str, str], list[tuple[float, float, int, float]]] = {}
+        for t0, t1 in calls:
+            hits: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for thread, name, s, e in recs[
+                bisect.bisect_left(starts, t0) : bisect.bisect_right(starts, t1 + 0.002)
+            ]:
+                kind = "nixl" if thread.startswith("nixl") else thread.rstrip("0123456789_")
+                hits.setdefault((name, kind), []).append((s - t0, e - t0))
+            for key, h in hits.items():
+                first = min(x[0] for x in h)
+                last = max(x[1] for x in h)
+                per.setdefault(key, []).append((first, last, len(h), sum(x[1] - x[0] for x in h)))
+        rows = sorted(per.items(), key=lambda kv: statistics.median(x[0] for x in kv[1]))
+        for (name, thread), xs in rows:
+            if len(xs) < len(calls) // 2:
+                continue
+            st = statistics.median(x[0] for x in xs) * 1e3
+            en = statistics.median(x[1] for x in xs) * 1e3
+            n = statistics.median(x[2] for x in xs)
+            du = statistics.median(x[1] - x[0] for x in xs) * 1e3
+            busy = statistics.median(x[3] for x in xs) * 1e3
+            print(f"| {side} | {name} | {thread} | {n:g} | {st:.3f} | {en:.3f} | {du:.3f} | {busy:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
