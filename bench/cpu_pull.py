@@ -29,6 +29,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline
 from report import write_section
 
 MiB = 1 << 20
@@ -66,14 +67,15 @@ def memcpy_gbps(nbytes: int, iters: int) -> float:
 
 
 def run_case(
-    sidecars: tuple[SidecarProcess, SidecarProcess],
+    pairs: list[tuple[SidecarProcess, SidecarProcess]],
     label: str,
     pover: dict[str, Any],
     dover: dict[str, Any],
     request_bytes: int,
     segment: int,
     iters: int,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """One row per pair of sidecars; their pulls alternate, so all see the same machine."""
     block = (
         segment // TOKEN_BYTES
     )  # tokens per block so that one (layer, K/V, block) chunk is `segment` bytes
@@ -81,56 +83,68 @@ def run_case(
     nblocks = math.ceil(tokens / block)
     pspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | pover)
     dspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | dover)
-    prefill = EngineProcess(sidecars[0].socket, f"bench-p-{label}-{request_bytes}-{segment}", pspec)
-    decode = EngineProcess(sidecars[1].socket, f"bench-d-{label}-{request_bytes}-{segment}", dspec)
-    server, wall, verified, path = [], [], True, ""
+    engines: list[tuple[EngineProcess, EngineProcess]] = []
+    out = [{"server": [], "wall": [], "verified": True, "path": "", "bytes": 0} for _ in pairs]
     try:
+        for k, (ps, ds) in enumerate(pairs):
+            name = f"{label}-{request_bytes}-{segment}-{k}"
+            engines.append(
+                (
+                    EngineProcess(ps.socket, f"bench-p-{name}", pspec),
+                    EngineProcess(ds.socket, f"bench-d-{name}", dspec),
+                )
+            )
         for i in range(iters + 1):
-            # Fragmented ids: every other block, in reverse on the decode side.
-            src = list(range(0, 2 * math.ceil(tokens / pspec.block_size), 2))
-            dst = list(range(2 * math.ceil(tokens / dspec.block_size) - 1, 0, -2))
-            rid = f"r{i}"
-            # Fill once; later iterations republish the same blocks. The first pull is the one
-            # verified: its destination blocks still hold the engine's poison pattern.
-            pub = prefill.send(
-                {
-                    "cmd": "prefill",
-                    "request_id": rid,
-                    "block_ids": src,
-                    "num_tokens": tokens,
-                    "seed": 0,
-                    "fill": i == 0,
-                },
-                timeout_s=600,
-            )
-            res = decode.send(
-                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 0, "verify": i == 0},
-                timeout_s=600,
-            )
-            if not res["ok"]:
-                raise RuntimeError(f"{label}: {res['error_code']}: {res['error']}")
-            prefill.send({"cmd": "next_event", "timeout_s": 30})
-            if i == 0:
-                verified = res["verified"]
-            if i:  # the first pull pays for the handshake and connection set-up
-                server.append(res["duration_s"])
-                wall.append(res["wall_s"])
-            path = res["path"]
-            nbytes = res["bytes"]
+            for (prefill, decode), r in zip(engines, out, strict=True):
+                # Fragmented ids: every other block, in reverse on the decode side.
+                src = list(range(0, 2 * math.ceil(tokens / pspec.block_size), 2))
+                dst = list(range(2 * math.ceil(tokens / dspec.block_size) - 1, 0, -2))
+                rid = f"r{i}"
+                # Fill once; later iterations republish the same blocks. The first pull is the one
+                # verified: its destination blocks still hold the engine's poison pattern.
+                pub = prefill.send(
+                    {
+                        "cmd": "prefill",
+                        "request_id": rid,
+                        "block_ids": src,
+                        "num_tokens": tokens,
+                        "seed": 0,
+                        "fill": i == 0,
+                    },
+                    timeout_s=600,
+                )
+                res = decode.send(
+                    {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 0, "verify": i == 0},
+                    timeout_s=600,
+                )
+                if not res["ok"]:
+                    raise RuntimeError(f"{label}: {res['error_code']}: {res['error']}")
+                for _ in range(pspec.tp_size):
+                    prefill.send({"cmd": "next_event", "timeout_s": 30})
+                if i == 0:
+                    r["verified"] = res["verified"]
+                if i:  # the first pull pays for the handshake and connection set-up
+                    r["server"].append(res["duration_s"])
+                    r["wall"].append(res["wall_s"])
+                r["path"], r["bytes"] = res["path"], res["bytes"]
     finally:
-        prefill.stop()
-        decode.stop()
-    return {
-        "label": label,
-        "request": request_bytes,
-        "segment": segment,
-        "path": path,
-        "bytes": nbytes,
-        "server_gbps": nbytes / statistics.median(server) / 1e9,
-        "wall_gbps": nbytes / statistics.median(wall) / 1e9,
-        "p50_ms": statistics.median(wall) * 1e3,
-        "verified": verified,
-    }
+        for prefill, decode in engines:
+            prefill.stop()
+            decode.stop()
+    return [
+        {
+            "label": label,
+            "request": request_bytes,
+            "segment": segment,
+            "path": r["path"],
+            "bytes": r["bytes"],
+            "server_gbps": r["bytes"] / statistics.median(r["server"]) / 1e9,
+            "wall_gbps": r["bytes"] / statistics.median(r["wall"]) / 1e9,
+            "p50_ms": statistics.median(r["wall"]) * 1e3,
+            "verified": r["verified"],
+        }
+        for r in out
+    ]
 
 
 def main() -> int:
@@ -138,44 +152,68 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 and 16 MiB only; do not write docs/benchmarks.md")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run the sidecar of this revision (git archive of it), pulls alternating with this tree's",
+    )
+    ap.add_argument(
+        "--only", help="run only the rows whose request size in MiB is this (e.g. 16), for a quick check"
+    )
+    ap.add_argument(
         "--max-mib", type=int, default=1024, help="largest request to run (and the hetero rows' size)"
     )
     args = ap.parse_args()
     sizes = [MiB, 16 * MiB] if args.quick else [MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
     sizes = [s for s in sizes if s <= args.max_mib * MiB]
-    hetero_size = min(sizes[-1], 256 * MiB)
+    if args.only:
+        sizes = [s for s in sizes if s == int(args.only) * MiB]
+    hetero_size = min(sizes[-1], 256 * MiB) if sizes else 0
     cases: list[tuple[str, dict, dict, int, int]] = [
         ("homogeneous", {}, {}, size, seg) for seg in (16 * 1024, 64 * 1024) for size in sizes
     ]
-    cases += [
-        ("TP1->TP2 head split", {}, {"tp_size": 2}, hetero_size, 64 * 1024),
-        ("TP2->TP1 gather", {"tp_size": 2}, {}, hetero_size, 64 * 1024),
-        ("NHD->HND", {}, {"layout": "flash_attn_hnd"}, hetero_size, 64 * 1024),
-    ]
-    sidecars = (
-        SidecarProcess("bench-prefill", extra=["--staging-bytes", str(512 * MiB)]),
-        SidecarProcess("bench-decode", extra=["--staging-bytes", str(512 * MiB)]),
+    cases += (
+        []
+        if args.only
+        else [
+            ("TP1->TP2 head split", {}, {"tp_size": 2}, hetero_size, 64 * 1024),
+            ("TP2->TP1 gather", {"tp_size": 2}, {}, hetero_size, 64 * 1024),
+            ("NHD->HND", {}, {"layout": "flash_attn_hnd"}, hetero_size, 64 * 1024),
+        ]
     )
+    trees = [("this tree", None)]
+    if args.baseline:
+        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline))))
+    staging = ["--staging-bytes", str(512 * MiB)]
+    pairs = [
+        (
+            SidecarProcess(f"bench-prefill-{k}", extra=staging, env=env),
+            SidecarProcess(f"bench-decode-{k}", extra=staging, env=env),
+        )
+        for k, (_, env) in enumerate(trees)
+    ]
     rows = []
     try:
         for label, pover, dover, size, seg in cases:
-            row = run_case(sidecars, label, pover, dover, size, seg, args.iters)
-            row["memcpy_gbps"] = memcpy_gbps(row["bytes"], max(args.iters, 20))
-            rows.append(row)
-            print(
-                f"{label:>20} {size / MiB:7.0f} MiB seg {seg // 1024:3d} KiB {row['path']:>17} "
-                f"{row['wall_gbps']:6.2f} GB/s (memcpy {row['memcpy_gbps']:6.2f})",
-                flush=True,
-            )
+            got = run_case(pairs, label, pover, dover, size, seg, args.iters)
+            memcpy = memcpy_gbps(got[0]["bytes"], max(args.iters, 20))
+            for (tree, _), row in zip(trees, got, strict=True):
+                row["tree"], row["memcpy_gbps"] = tree, memcpy
+                rows.append(row)
+                print(
+                    f"{label:>20} {size / MiB:7.0f} MiB seg {seg // 1024:3d} KiB {row['path']:>17} "
+                    f"{row['wall_gbps']:6.2f} GB/s (memcpy {memcpy:6.2f}) {tree}",
+                    flush=True,
+                )
     finally:
-        for s in sidecars:
-            s.stop()
+        for a, b in pairs:
+            a.stop()
+            b.stop()
     header = (
-        "| pairing | request | segment | path | pull GB/s (engine wall) | pull GB/s (sidecar) | p50 ms "
-        "| memcpy GB/s | pull / memcpy | verified |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| pairing | request | segment | sidecar | path | pull GB/s (engine wall) | pull GB/s (sidecar) | p50 ms "
+        "| memcpy GB/s | pull / memcpy | verified |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     table = header + "".join(
-        f"| {r['label']} | {r['request'] // MiB} MiB | {r['segment'] // 1024} KiB | {r['path']} | "
+        f"| {r['label']} | {r['request'] // MiB} MiB | {r['segment'] // 1024} KiB | {r['tree']} | {r['path']} | "
         f"{r['wall_gbps']:.2f} | {r['server_gbps']:.2f} | {r['p50_ms']:.1f} | {r['memcpy_gbps']:.2f} | "
         f"{r['wall_gbps'] / r['memcpy_gbps']:.0%} | {'yes' if r['verified'] else 'NO'} |\n"
         for r in rows
@@ -187,7 +225,7 @@ def main() -> int:
             f"Python {platform.python_version()}"
         )
         body = (
-            f"Command: `python bench/cpu_pull.py` · machine: {machine} (no GPU) · "
+            f"Command: `python bench/cpu_pull.py{' --baseline ' + args.baseline if args.baseline else ''}` · machine: {machine} (no GPU) · "
             f"date: {datetime.date.today()} · median of {args.iters} pulls after one warm-up pull\n\n"
             "Request bytes are what the decode engine receives (all layers, K and V, all its ranks). "
             "Segment = one (layer, K/V, block) chunk. Block ids are fragmented (every other block on the "

@@ -11,6 +11,7 @@ rows use a fresh decode engine id per sample, so each pays for a handshake.
 
     python bench/latency.py                 # writes a section of docs/benchmarks.md
     python bench/latency.py --iters 200 --no-write
+    python bench/latency.py --baseline main # also main's sidecar, side by side in the same run
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline
 from report import write_section
 
 # One block = 16 tokens x 8 heads x 128 dims x bf16 = 32 KiB per (layer, K/V); 4 layers: 256 KiB.
@@ -103,22 +105,77 @@ def handshake_seconds(metrics_port: int) -> tuple[float, float]:
     return total, count
 
 
+class Pair:
+    """Two sidecars (prefill node, decode node) of one source tree, and the engines on them."""
+
+    def __init__(self, tag: str, env: dict[str, str] | None = None) -> None:
+        self.tag = tag
+        self.caches: list[ShmKVCache] = []
+        self.sidecars = [
+            SidecarProcess(f"lat-{tag}-prefill", env=env, start_timeout_s=120),
+            SidecarProcess(f"lat-{tag}-decode", env=env, start_timeout_s=120),
+        ]
+        a, b = self.sidecars
+        self.ca, self.cb = SidecarClient(a.socket), SidecarClient(b.socket)
+        self.caches += [
+            register(self.ca, "lat-p"),
+            register(self.cb, "lat-d"),
+            register(self.ca, "lat-d-local"),
+        ]
+
+    def remote(self) -> float:
+        return pull_once(self.ca, "lat-p", self.cb, "lat-d")
+
+    def local(self) -> float:
+        return pull_once(self.ca, "lat-p", self.ca, "lat-d-local")
+
+    def first_contact(self, i: int) -> float:
+        did = f"lat-fresh-{i}"
+        self.caches.append(register(self.cb, did))
+        t = pull_once(self.ca, "lat-p", self.cb, did)
+        self.cb.unregister_rank(did, 0)
+        return t
+
+    def close(self) -> None:
+        for c in self.caches:
+            c.close()
+        for sc in self.sidecars:
+            sc.stop()
+
+
+def interleaved(
+    pairs: list[Pair], fn: Callable[[Pair], float], iters: int, warmup: int = 5
+) -> list[list[float]]:
+    """Samples of fn for each pair, taken in turn: the machine's noise falls on all of them alike."""
+    out: list[list[float]] = [[] for _ in pairs]
+    for i in range(warmup + iters):
+        for k, pair in enumerate(pairs):
+            t = fn(pair)
+            if i >= warmup:
+                out[k].append(t)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=300, help="samples per steady-state row")
     ap.add_argument("--first-contact", type=int, default=20, help="fresh decode engines (handshakes)")
+    ap.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run the sidecar of this revision (git archive of it), samples interleaved with this tree's",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
-    sidecars: list[SidecarProcess] = []
-    caches: list[ShmKVCache] = []
+    pairs: list[Pair] = []
     rows: list[tuple[str, dict[str, float]]] = []
     try:
-        sidecars.append(SidecarProcess("lat-prefill", start_timeout_s=120))
-        sidecars.append(SidecarProcess("lat-decode", start_timeout_s=120))
-        a, b = sidecars
-        ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
-        caches += [register(ca, "lat-p"), register(cb, "lat-d"), register(ca, "lat-d-local")]
+        pairs.append(Pair("new"))
+        if args.baseline:
+            pairs.append(Pair("old", env=baseline.env(baseline.export(args.baseline))))
+        names = ["this tree"] + ([baseline.describe(args.baseline)] if args.baseline else [])
+        _, b = pairs[0].sidecars
         rows.append(
             (
                 "gRPC health Check, unix socket (bare round trip)",
@@ -131,37 +188,40 @@ def main() -> int:
                 percentiles(timed(health_check(b.peer_address), args.iters)),
             )
         )
-        rows.append(
-            (
-                "Publish, 1 block",
-                percentiles(timed(lambda: ca.publish("lat-p", f"p{next(_ids)}", [3], 16), args.iters)),
+        for name, xs in zip(
+            names,
+            interleaved(
+                pairs,
+                lambda p: timed_call(lambda: p.ca.publish("lat-p", f"p{next(_ids)}", [3], 16)),
+                args.iters,
+            ),
+            strict=True,
+        ):
+            rows.append((f"Publish, 1 block — {name}", percentiles(xs)))
+        for name, xs in zip(names, interleaved(pairs, Pair.remote, args.iters), strict=True):
+            rows.append((f"Pull 1 block (256 KiB), other sidecar (host-nixl) — {name}", percentiles(xs)))
+        for name, xs in zip(names, interleaved(pairs, Pair.local, args.iters), strict=True):
+            rows.append((f"Pull 1 block (256 KiB), same sidecar (host-direct) — {name}", percentiles(xs)))
+        hs0 = [handshake_seconds(p.sidecars[1].metrics_port) for p in pairs]
+        fresh = itertools.count()
+        first = interleaved(pairs, lambda p: p.first_contact(next(fresh)), args.first_contact, warmup=0)
+        for name, xs, p, (s0, n0) in zip(names, first, pairs, hs0, strict=True):
+            rows.append((f"First pull of a new engine pair (incl. handshake) — {name}", percentiles(xs)))
+            hs_sum, hs_n = handshake_seconds(p.sidecars[1].metrics_port)
+            rows.append(
+                (
+                    f"Handshake alone (decode sidecar's histogram, mean) — {name}",
+                    {
+                        "n": hs_n - n0,
+                        "p50": float("nan"),
+                        "p99": float("nan"),
+                        "mean": (hs_sum - s0) / max(1.0, hs_n - n0),
+                    },
+                )
             )
-        )
-        remote = [pull_once(ca, "lat-p", cb, "lat-d") for _ in range(args.iters + 5)][5:]
-        rows.append(("Pull 1 block (256 KiB), other sidecar (host-nixl)", percentiles(remote)))
-        local = [pull_once(ca, "lat-p", ca, "lat-d-local") for _ in range(args.iters + 5)][5:]
-        rows.append(("Pull 1 block (256 KiB), same sidecar (host-direct)", percentiles(local)))
-        hs_sum0, hs_n0 = handshake_seconds(b.metrics_port)
-        first = []
-        for i in range(args.first_contact):
-            did = f"lat-fresh-{i}"
-            caches.append(register(cb, did))
-            first.append(pull_once(ca, "lat-p", cb, did))
-            cb.unregister_rank(did, 0)
-        hs_sum, hs_n = handshake_seconds(b.metrics_port)
-        rows.append(("First pull of a new engine pair (incl. handshake)", percentiles(first)))
-        mean_hs = (hs_sum - hs_sum0) / max(1.0, hs_n - hs_n0)
-        rows.append(
-            (
-                "Handshake alone (decode sidecar's histogram, mean)",
-                {"n": hs_n - hs_n0, "p50": float("nan"), "p99": float("nan"), "mean": mean_hs},
-            )
-        )
     finally:
-        for c in caches:
-            c.close()
-        for sc in sidecars:
-            sc.stop()
+        for p in pairs:
+            p.close()
 
     def ms(x: float) -> str:
         return "-" if x != x else f"{x * 1e3:.3f}"
@@ -173,23 +233,27 @@ def main() -> int:
     print(table)
     if not args.no_write:
         machine = f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, no GPU"
+        cmd = f"python bench/latency.py --iters {args.iters} --first-contact {args.first_contact}"
+        cmd += f" --baseline {args.baseline}" if args.baseline else ""
         body = (
-            f"Command: `python bench/latency.py --iters {args.iters} --first-contact {args.first_contact}` · "
-            f"machine: {machine} · date: {datetime.date.today()}\n\n"
+            f"Command: `{cmd}` · machine: {machine} · date: {datetime.date.today()}\n\n"
             "Wall time seen by the engine (the thin client) for one call, both sidecars on this machine over "
             "loopback. Pull rows exclude the Publish that precedes each pull. The bare rows are "
-            "grpc.health.v1 Check on the same sockets in the same run; a pull costs several of them "
-            "(engine call, OpenRead, NIXL READ and its completion, notification). First-contact rows use a "
-            "new decode engine id per sample, so the pull includes the handshake (NIXL metadata exchange, "
-            "plan) and the first READ's descriptor-list preparation.\n\n"
+            "grpc.health.v1 Check on the same sockets in the same run: the floor of one unary call. "
+            "First-contact rows use a new decode engine id per sample, so the pull includes the handshake "
+            "(NIXL metadata exchange, plan) and the first READ's descriptor-list preparation. "
+            + (
+                f"Rows marked {names[1]} run that revision's sidecar (exported with git archive) on a second "
+                "pair of sidecars in the same run, its samples interleaved with this tree's, so both see "
+                "the same machine. "
+                if args.baseline
+                else ""
+            )
+            + "Where the time goes: the next section.\n\n"
             + table
-            + f"\n**Caveat.** This machine has {os.cpu_count()} cores shared with other work running at the "
-            f"same time (1-minute load average {load_before:.0f} before the run, {os.getloadavg()[0]:.0f} "
-            "after); p99 reflects that scheduling noise as much as the sidecar. Re-run on an idle machine "
-            "before quoting tail latency. Open question: on this machine steady-state pulls over NIXL came "
-            "out no faster than first-contact pulls (which add a handshake), so the per-pull cost is not in "
-            "the handshake; it has not been profiled yet (suspects: the NIXL driver thread's polling and "
-            "idle wait competing with gRPC threads on 2 cores, see the CPU pull caveat above).\n"
+            + f"\nThis machine has {os.cpu_count()} cores shared with other work (1-minute load average "
+            f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after); compare rows of one run, "
+            "not numbers across runs.\n"
         )
         write_section(
             Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md",
@@ -197,6 +261,12 @@ def main() -> int:
             body,
         )
     return 0
+
+
+def timed_call(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":
