@@ -43,11 +43,12 @@ def target_of(target: str) -> str:
 
 
 def pull_failure(code: str, details: str, trailing_metadata: Any, block_ids: list[int]) -> PullResult:
-    """A failed Pull as a PullResult; the sidecar names the blocks it did not fill in the trailers."""
+    """A failed Pull as a PullResult; the sidecar names the blocks it did not fill in the trailers
+    (a comma list, or "all" of the requested ones when the list would not fit gRPC's header limit)."""
     unfilled = list(block_ids)
     with contextlib.suppress(Exception):
         for key, value in trailing_metadata or ():
-            if key == "kvsidecar-unfilled-blocks":
+            if key == "kvsidecar-unfilled-blocks" and value != "all":
                 unfilled = [int(b) for b in value.split(",") if b]
     return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
 

@@ -119,6 +119,19 @@ def test_block_lists_of_different_lengths(
     assert res.unfilled_blocks == [10, 11]
 
 
+def test_failed_pull_of_thousands_of_blocks_keeps_its_status(
+    client: SidecarClient, engine: str, valid_traffic: Callable
+) -> None:
+    # The unfilled blocks travel in gRPC headers, capped at 8 KiB: 3000 ids named one by one would
+    # turn the answer into RESOURCE_EXHAUSTED and hide the real error.
+    params = client.publish(engine, f"r-{next(_ids)}", [3, 4, 5], 40)
+    dst = list(range(3000))
+    res = client.pull(params, engine, dst)
+    assert res.error_code == "INVALID_ARGUMENT", res.error
+    assert "all 3000 requested (first 0, last 2999)" in res.error and len(res.error) < 1024, res.error
+    assert res.unfilled_blocks == dst
+
+
 def test_second_registration_of_a_rank(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:
     with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16) as cache:
         expect(

@@ -177,9 +177,7 @@ def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, Sidec
         dst_cache.close()
 
 
-# A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way. (Not
-# more: a failed pull names its unfilled blocks in its status message and trailing metadata, which
-# together must stay under gRPC's 8 KiB soft metadata limit.)
+# A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way.
 LONG = 600
 LONG_SRC = EngineSpec.from_dict(spec_dict(num_blocks=1000))
 LONG_DST = EngineSpec.from_dict(spec_dict(num_blocks=1000, layout="flash_attn_hnd"))

@@ -215,8 +215,7 @@ def test_staged_pull_timing_out_mid_transfer_stops_both_ends(
     """A pull whose deadline passes with chunks in flight (600 chunks in 30 ms): it fails cleanly, writes nothing outside its
     blocks, the source confirms its WRITEs ended (no ring slot is quarantined), the next pull works."""
     a, b = pair
-    # 64 KiB blocks: one per chunk through the 64 KiB slots. 600 blocks, not more: a failed pull names
-    # its unfilled blocks in its status, which must stay under gRPC's 8 KiB soft metadata limit.
+    # 64 KiB blocks: one per chunk through the 64 KiB slots.
     spec = EngineSpec.from_dict(BASE | {"num_layers": 4, "num_blocks": 1000})
     blocks = 600
     prefill = EngineProcess(a.socket, "p-long", spec, devices=["cuda:0"], start_timeout_s=120)

@@ -81,6 +81,25 @@ SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything 
 NOTIF_TAG = "kvs1"
 
 
+# A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel
+# as gRPC headers, which gRPC caps at 8 KiB by default (a longer one turns the answer into
+# RESOURCE_EXHAUSTED): long lists are named by count, and the trailer says "all" of the request's.
+_NAMED_BLOCKS = 32
+_TRAILER_CHARS = 2048
+UNFILLED_ALL = "all"
+
+
+def unfilled_blocks(block_ids: Sequence[int]) -> tuple[str, str]:
+    """(the failed pull's message fragment, its kvsidecar-unfilled-blocks trailer), both short.
+
+    A pull fails whole, so every requested block is unfilled."""
+    listed = ",".join(str(b) for b in block_ids)
+    trailer = listed if len(listed) <= _TRAILER_CHARS else UNFILLED_ALL
+    if len(block_ids) <= _NAMED_BLOCKS:
+        return f"[{listed}]", trailer
+    return f"all {len(block_ids)} requested (first {block_ids[0]}, last {block_ids[-1]})", trailer
+
+
 def done_notification(
     engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: Sequence[int]
 ) -> bytes:
@@ -199,11 +218,11 @@ class Puller:
             sc.metrics.pulls.labels(path, outcome).inc()
             sc.metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
             sc.transfers.end_pull(track, 0, path, outcome, f"{err.code.name}: {err.message}")
-            blocks = ",".join(str(b) for b in req.block_ids)
+            named, trailer = unfilled_blocks(req.block_ids)
             raise SidecarError(
                 err.code,
-                f"{err.message}; local blocks not filled: [{blocks}]",
-                (("kvsidecar-unfilled-blocks", blocks),),
+                f"{err.message}; local blocks not filled: {named}",
+                (("kvsidecar-unfilled-blocks", trailer),),
             ) from None
         elapsed = time.perf_counter() - start
         sc.metrics.pulls.labels(path, "ok").inc()
