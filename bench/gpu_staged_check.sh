@@ -2,13 +2,14 @@
 # The staged GPU path (issue 11) on a machine with 2 GPUs, from the repository root; writes under $OUT.
 #
 #   bash bench/gpu_staged_check.sh tests       # every GPU test (tests/gpu: server, copy, IPC, interpreter) ~6 min
+#   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings (gpu_pull.py)    ~3 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
 #
 # Each part prints its results and a summary; logs, JSON and the docs sections land in $OUT:
-#   gpu_tests.log, gpu_tests.xml, gpu_latency.log, gpu_latency.json, gpu_latency_section.md,
+#   gpu_tests.log, gpu_tests.xml, cpu_tests.log, gpu_latency.log, gpu_latency.json, gpu_latency_section.md,
 #   throughput/gpu_pull.json, throughput/gpu_pull_section.md, throughput.log
 # Then, in the checkout: python bench/gpu_latency.py --splice $OUT/gpu_latency_section.md
 #                        python bench/gpu_pull.py --splice $OUT/throughput/gpu_pull_section.md
@@ -31,6 +32,16 @@ if [[ $part == tests || $part == all ]]; then
   rc=$?
   tail -n 40 "$OUT/gpu_tests.log"
   echo "GPU tests exit code: $rc"
+  ((rc == 0)) || status=1
+fi
+
+if [[ $part == cpu ]]; then
+  say "CPU suite"
+  $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/gpu --ignore=tests/vllm \
+    --durations=10 >"$OUT/cpu_tests.log" 2>&1
+  rc=$?
+  tail -n 40 "$OUT/cpu_tests.log"
+  echo "CPU tests exit code: $rc"
   ((rc == 0)) || status=1
 fi
 
@@ -59,6 +70,7 @@ if [[ $part == throughput || $part == bench || $part == all ]]; then
 fi
 
 say "summary"
+[[ -f $OUT/cpu_tests.log ]] && grep -E "passed|failed|error" "$OUT/cpu_tests.log" | tail -n 1
 [[ -f $OUT/gpu_tests.log ]] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1
 [[ -f $OUT/gpu_latency_section.md ]] && grep -E "^\|" "$OUT/gpu_latency_section.md"
 exit $status
