@@ -225,7 +225,7 @@ def main() -> int:
             f"Python {platform.python_version()}"
         )
         body = (
-            f"Command: `python bench/cpu_pull.py{' --baseline ' + args.baseline if args.baseline else ''}` · machine: {machine} (no GPU) · "
+            f"Command: `python {' '.join(sys.argv)}` · machine: {machine} (no GPU) · "
             f"date: {datetime.date.today()} · median of {args.iters} pulls after one warm-up pull\n\n"
             "Request bytes are what the decode engine receives (all layers, K and V, all its ranks). "
             "Segment = one (layer, K/V, block) chunk. Block ids are fragmented (every other block on the "
