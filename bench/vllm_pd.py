@@ -5,8 +5,11 @@ For each decode request: the time from its arrival at the decode engine
 answered), split into
   scheduling   arrival -> the step's connector orders reach the worker (vLLM
                schedules the request, allocates its blocks, builds the orders);
-  hand-off     orders -> the pull thread sends the Pull call;
-  Pull call    the engine's wall clock around the thin client's pull();
+  hand-off     orders -> the worker starts the Pull call;
+  Pull call    the Pull call going out -> its answer seen by the worker (the
+               worker reads answers when vLLM asks it for finished
+               transfers, once per engine step, so this holds part of a
+               step: the model's forward on 2 CPU cores);
   sidecar      the decode sidecar's own duration of that pull (PullResponse);
 next to a bare gRPC round trip (grpc.health.v1 Check on the same socket).
 The connector's own overhead is hand-off + (Pull call - sidecar); scheduling
