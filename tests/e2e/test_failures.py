@@ -27,10 +27,11 @@ from .conftest import Spawn, spec_dict
 from .events import wait_event
 
 # A long pull: converting NHD -> HND through a staging area of 3 blocks takes one NIXL
-# read per 2 blocks, so 480 blocks give ~240 rounds, long enough to break it midway.
-BLOCKS = 480
-SRC = EngineSpec.from_dict(spec_dict(num_blocks=512))
-DST = EngineSpec.from_dict(spec_dict(num_blocks=512, layout="flash_attn_hnd"))
+# read per 2 blocks, so 1920 blocks give ~960 rounds, long enough to break it midway (480 blocks
+# were not, once the per-pull work got faster).
+BLOCKS = 1920
+SRC = EngineSpec.from_dict(spec_dict(num_blocks=2048))
+DST = EngineSpec.from_dict(spec_dict(num_blocks=2048, layout="flash_attn_hnd"))
 STAGING_BYTES = 3 * SRC.num_layers * 2 * SRC.block_size * SRC.num_kv_heads * SRC.head_dim * 2
 
 
