@@ -53,6 +53,30 @@ def pull_failure(code: str, details: str, trailing_metadata: Any, block_ids: lis
     return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
 
 
+# The sidecar times out a pull first, with details; the client's own deadline is this much later and
+# only covers a sidecar that went silent.
+PULL_GRACE_S = 5.0
+
+
+def pull_request(
+    params: TransferParams,
+    engine_id: str,
+    block_ids: Sequence[int],
+    ranks: Sequence[int],
+    start_token: int,
+    timeout_s: float,
+) -> engine_pb2.PullRequest:
+    """The Pull call's request (the sync, future and polled clients send the same one)."""
+    return engine_pb2.PullRequest(
+        params=params,
+        engine_id=engine_id,
+        ranks=list(ranks),
+        block_ids=list(block_ids),
+        start_token=start_token,
+        timeout_ms=int(timeout_s * 1000),
+    )
+
+
 def params_to_json(params: TransferParams) -> str:
     """Transfer params as JSON, to carry through a router (kv_transfer_params)."""
     return json_format.MessageToJson(params, indent=None, preserving_proto_field_name=True)
@@ -266,16 +290,8 @@ class SidecarClient:
         """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
         so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
-        req = engine_pb2.PullRequest(
-            params=params,
-            engine_id=engine_id,
-            ranks=list(ranks),
-            block_ids=list(block_ids),
-            start_token=start_token,
-            timeout_ms=int(timeout * 1000),
-        )
-        # The sidecar times out first, with details; the extra seconds only cover a silent sidecar.
-        return PullCall(self._stub.Pull.future(req, timeout=timeout + 5), list(block_ids))
+        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout)
+        return PullCall(self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids))
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(

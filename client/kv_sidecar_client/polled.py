@@ -19,8 +19,15 @@ from typing import Any
 
 import grpc
 
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc
-from kv_sidecar_client.client import PullResult, TransferParams, pull_failure, target_of
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc
+from kv_sidecar_client.client import (
+    PULL_GRACE_S,
+    PullResult,
+    TransferParams,
+    pull_failure,
+    pull_request,
+    target_of,
+)
 
 _local = threading.local()
 
@@ -101,18 +108,10 @@ class PolledPulls:
         start_token: int = 0,
         timeout_s: float = 30.0,
     ) -> PolledPull:
-        req = engine_pb2.PullRequest(
-            params=params,
-            engine_id=engine_id,
-            ranks=list(ranks),
-            block_ids=list(block_ids),
-            start_token=start_token,
-            timeout_ms=int(timeout_s * 1000),
-        )
+        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout_s)
 
         async def call() -> Any:
-            # The sidecar times out first, with details; the extra seconds only cover a silent sidecar.
-            return await self._stub.Pull(req, timeout=timeout_s + 5)
+            return await self._stub.Pull(req, timeout=timeout_s + PULL_GRACE_S)
 
         task = self._loop.create_task(call())
         self._tasks.add(task)
