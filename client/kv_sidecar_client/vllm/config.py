@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kv_sidecar_client.client import DEFAULT_SOCKET
+from kv_sidecar_client.client import DEFAULT_SOCKET, KVSidecarError, SidecarClient
 
 CONFIG_KEY = "kv_connector_extra_config"
 
@@ -82,3 +82,17 @@ def _coerce(name: str, value: Any, want: type) -> Any:
     raise ConnectorConfigError(
         f"{CONFIG_KEY}.{name} must be a {want.__name__}, got {type(value).__name__} {value!r}"
     )
+
+
+def wait_for_sidecar(client: SidecarClient, config: ConnectorConfig) -> None:
+    """Return once the sidecar answers on `client`; otherwise close it and fail the engine's start with
+    a message naming the socket (the scheduler's and each worker's connection)."""
+    try:
+        client.wait_ready(config.connect_timeout_s)
+    except KVSidecarError:
+        client.close()
+        raise RuntimeError(
+            f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
+            f"(waited {config.connect_timeout_s:g} s). Start `kv-sidecar serve --engine-socket "
+            f"{config.sidecar_socket}` on this node first, or set kv_connector_extra_config.sidecar_socket."
+        ) from None

@@ -38,7 +38,7 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
-from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,7 @@ class SidecarScheduler:
         self.engine_id = engine_id
         self.block_size = block_size
         self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
-        try:
-            self.client.wait_ready(config.connect_timeout_s)
-        except KVSidecarError:
-            self.client.close()
-            raise RuntimeError(
-                f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
-                f"(waited {config.connect_timeout_s:g} s); start the sidecar on this node first"
-            ) from None
+        wait_for_sidecar(self.client, config)
         self._lock = threading.Lock()
         self._orders = StepOrders()
         self._handled: set[str] = set()  # decode requests whose pull (or release) is decided

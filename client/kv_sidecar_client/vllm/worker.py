@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from kv_sidecar_client.client import Event, KVSidecarError, PullCall, PullResult, params_from_json
+from kv_sidecar_client.client import Event, PullCall, PullResult, params_from_json
 from kv_sidecar_client.polled import PolledPull, PolledPulls
 from kv_sidecar_client.session import EngineSession
-from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
 from kv_sidecar_client.vllm.kv_layout import KVDescription
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 from kv_sidecar_client.vllm.shm_pool import ShmKVPool
@@ -49,15 +49,7 @@ class PullRecord:
 def connect_session(config: ConnectorConfig, on_event: Any) -> EngineSession:
     """An EngineSession on the sidecar's socket, or an error naming the socket (engine start fails)."""
     session = EngineSession(config.sidecar_socket, on_event, timeout_s=config.pull_timeout_s)
-    try:
-        session.client.wait_ready(config.connect_timeout_s)
-    except KVSidecarError:
-        session.client.close()
-        raise RuntimeError(
-            f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
-            f"(waited {config.connect_timeout_s:g} s). Start `kv-sidecar serve --engine-socket "
-            f"{config.sidecar_socket}` on this node first, or set kv_connector_extra_config.sidecar_socket."
-        ) from None
+    wait_for_sidecar(session.client, config)
     return session
 
 
