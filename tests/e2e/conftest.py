@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import pytest
 
@@ -56,3 +59,27 @@ def spawn() -> Iterator[Spawn]:
             proc.stop()
         else:
             proc.stop(10)
+
+
+@contextmanager
+def frozen(sidecar: SidecarProcess) -> Iterator[None]:
+    """The sidecar process stopped (SIGSTOP) for the block: alive, but answering nothing."""
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+
+
+def in_background(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """Run `fn` on a thread; the returned function waits for its answer (at most 120 s)."""
+    box: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+
+    def result() -> dict[str, Any]:
+        t.join(120)
+        assert box, "the background call never answered"
+        return box[0]
+
+    return result

@@ -14,12 +14,9 @@ To hold pulls in flight honestly, the prefill sidecar is frozen with SIGSTOP
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -31,7 +28,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc, status_pb2
 
-from .conftest import Spawn, spec_dict
+from .conftest import Spawn, frozen, in_background, spec_dict
 from .events import no_event, wait_event
 
 _ids = itertools.count()
@@ -44,28 +41,6 @@ def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = SidecarProcess("ranks-prefill"), SidecarProcess("ranks-decode")
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
-
-
-@contextmanager
-def frozen(sidecar: SidecarProcess) -> Iterator[None]:
-    os.kill(sidecar.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(sidecar.proc.pid, signal.SIGCONT)
-
-
-def _in_background(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    box: list[dict[str, Any]] = []
-    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
-    t.start()
-
-    def result() -> dict[str, Any]:
-        t.join(120)
-        assert box, "the background call never answered"
-        return box[0]
-
-    return result
 
 
 def _pulls_in_flight(socket: str, request_id: str) -> int:
@@ -147,7 +122,7 @@ def test_concurrent_pulls_of_disjoint_ranks_are_bit_exact(
         params = _publish(prefill, seed)
         start = threading.Barrier(2)
         results = [
-            _in_background(lambda r=r, p=params, s=seed, go=start: _go(go, workers[r], p, r, s))
+            in_background(lambda r=r, p=params, s=seed, go=start: _go(go, workers[r], p, r, s))
             for r in (0, 1)
         ]
         for rank, res in enumerate(r() for r in results):
@@ -166,14 +141,14 @@ def test_overlapping_ranks_are_refused_while_disjoint_ones_run(
     params = _publish(prefill, 2)
     rid = params["request_id"]
     with frozen(a):
-        first = _in_background(lambda: _pull(workers[0], params, 0, 2))
+        first = in_background(lambda: _pull(workers[0], params, 0, 2))
         _wait_for("the rank-0 pull to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 1)
         with SidecarClient(b.socket) as client:
             for ranks in ([0], [1, 0]):
                 res = client.pull(params_from_json(params), workers[0].engine_id, [7, 50, 1], ranks=ranks)
                 assert (res.ok, res.error_code) == (False, "ALREADY_EXISTS"), res
                 assert f"request {rid!r}" in res.error and "rank(s) [0]" in res.error, res.error
-        second = _in_background(lambda: _pull(workers[1], params, 1, 2))
+        second = in_background(lambda: _pull(workers[1], params, 1, 2))
         _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
     for res in (first(), second()):
         assert res["ok"] and res["verified"], res
@@ -189,7 +164,7 @@ def test_abort_stops_every_pull_of_the_request(
     params = _publish(prefill, 3)
     rid = params["request_id"]
     with frozen(a):
-        results = [_in_background(lambda r=r: _pull(workers[r], params, r, 3)) for r in (0, 1)]
+        results = [in_background(lambda r=r: _pull(workers[r], params, r, 3)) for r in (0, 1)]
         _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
         with SidecarClient(b.socket) as client:
             assert client.abort(workers[0].engine_id, rid)
@@ -211,7 +186,7 @@ def test_unregistering_a_rank_stops_only_its_pull(
     params = _publish(prefill, 4)
     rid = params["request_id"]
     with frozen(a):
-        results = [_in_background(lambda r=r: _pull(workers[r], params, r, 4)) for r in (0, 1)]
+        results = [in_background(lambda r=r: _pull(workers[r], params, r, 4)) for r in (0, 1)]
         _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
 
         def unregister() -> dict[str, Any]:
@@ -219,7 +194,7 @@ def test_unregistering_a_rank_stops_only_its_pull(
                 client.unregister_rank(workers[1].engine_id, 1)  # returns once rank 1's pull has stopped
             return {"ok": True}
 
-        unregistered = _in_background(unregister)
+        unregistered = in_background(unregister)
         time.sleep(0.3)
     assert unregistered()["ok"]
     kept, stopped = (r() for r in results)

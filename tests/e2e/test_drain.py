@@ -10,10 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -32,7 +30,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import (
     status_pb2,
 )
 
-from .conftest import spec_dict
+from .conftest import frozen, in_background, spec_dict
 
 SPEC = EngineSpec.from_dict(spec_dict())
 _ids = itertools.count()
@@ -47,15 +45,6 @@ def prefill_side() -> Iterator[tuple[SidecarProcess, EngineProcess]]:
     assert a.stop() == 0
 
 
-@contextmanager
-def frozen(sidecar: SidecarProcess) -> Iterator[None]:
-    os.kill(sidecar.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(sidecar.proc.pid, signal.SIGCONT)
-
-
 def _publish(engine: EngineProcess, blocks: list[int], tokens: int) -> dict[str, Any]:
     pub = engine.send(
         {
@@ -68,19 +57,6 @@ def _publish(engine: EngineProcess, blocks: list[int], tokens: int) -> dict[str,
     )
     assert pub["ok"], pub
     return pub["params"]
-
-
-def _in_background(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    box: list[dict[str, Any]] = []
-    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
-    t.start()
-
-    def result() -> dict[str, Any]:
-        t.join(120)
-        assert box, "the background pull never answered"
-        return box[0]
-
-    return result
 
 
 def _status(socket: str) -> status_pb2.StatusResponse:
@@ -116,7 +92,7 @@ def test_sigterm_drains_in_flight_pull_and_refuses_new_work(
         held = _publish(prefill, [4, 5, 6], 48)
         spare = _publish(prefill, [7], 16)
         with frozen(a):
-            result = _in_background(
+            result = in_background(
                 lambda: decode.send(
                     {"cmd": "pull", "params": held, "block_ids": [30, 31, 32], "seed": 9, "timeout_s": 120}
                 )
@@ -168,7 +144,7 @@ def test_drain_deadline_bounds_the_wait(prefill_side: tuple[SidecarProcess, Engi
     try:
         held = _publish(prefill, [10, 11], 32)
         with frozen(a):
-            result = _in_background(
+            result = in_background(
                 lambda: decode.send(
                     {"cmd": "pull", "params": held, "block_ids": [12, 13], "seed": 9, "timeout_s": 120}
                 )
