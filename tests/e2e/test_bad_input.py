@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -130,6 +131,70 @@ def test_failed_pull_of_thousands_of_blocks_keeps_its_status(
     assert res.error_code == "INVALID_ARGUMENT", res.error
     assert "all 3000 requested (first 0, last 2999)" in res.error and len(res.error) < 1024, res.error
     assert res.unfilled_blocks == dst
+
+
+def _register_at_once(socket: str, eid: str, regs: list[tuple[int, EngineSpec, ShmKVCache]]) -> list[str]:
+    """Register every (rank, spec, cache) of engine `eid` from its own thread, all released at once;
+    the outcome of each as "ok RANK BLOCK_SIZE" or "CODE RANK: message"."""
+    barrier = threading.Barrier(len(regs))
+    outcomes: list[str] = []
+
+    def register(rank: int, spec: EngineSpec, cache: ShmKVCache) -> None:
+        with SidecarClient(socket) as c:
+            barrier.wait()
+            try:
+                c.register_rank(eid, rank, spec.to_dict(), cache.handles())
+                outcomes.append(f"ok {rank} {spec.block_size}")
+            except KVSidecarError as e:
+                outcomes.append(f"{e.code} {rank}: {e.message}")
+
+    threads = [threading.Thread(target=register, args=reg) for reg in regs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcomes
+
+
+def test_ranks_of_one_engine_register_concurrently(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], valid_traffic: Callable
+) -> None:
+    # TP workers register their ranks at the same moment: a rank still being mapped must not break
+    # another's registration (it once did, with INTERNAL), and a differing spec is still refused.
+    socket = sidecar_pair[0].socket
+    spec = EngineSpec.from_dict(spec_dict(tp_size=4))
+    other = EngineSpec.from_dict(spec_dict(tp_size=4, block_size=32))
+    for round_ in range(5):
+        eid = f"tp4-{next(_ids)}"
+        caches = [ShmKVCache(spec.rank_tensor_shapes(), torch.float16) for _ in range(4)]
+        odd = ShmKVCache(other.rank_tensor_shapes(), torch.float16)
+        try:
+            # Ranks 0-3 with one spec, and rank 3 once more with another block size.
+            outcomes = _register_at_once(
+                socket, eid, [(r, spec, caches[r]) for r in range(4)] + [(3, other, odd)]
+            )
+            assert len(outcomes) == 5 and not [o for o in outcomes if o.startswith("INTERNAL")], (
+                round_,
+                outcomes,
+            )
+            # Whichever spec registered first is the engine's: every rank that registered has it, and
+            # every other call was refused by name (a differing spec, or rank 3 taken).
+            ok = [o.split() for o in outcomes if o.startswith("ok ")]
+            assert ok and len({block for _, _, block in ok}) == 1, (round_, outcomes)
+            refused = [o for o in outcomes if not o.startswith("ok ")]
+            assert all(
+                "declares a spec that differs from rank" in o or o.startswith("ALREADY_EXISTS 3")
+                for o in refused
+            ), (round_, outcomes)
+            if ok[0][2] == str(spec.block_size):
+                assert sorted(int(r) for _, r, _ in ok) == [0, 1, 2, 3], (round_, outcomes)
+        finally:
+            with SidecarClient(socket) as c:
+                for r in range(4):
+                    with contextlib.suppress(KVSidecarError):
+                        c.unregister_rank(eid, r)
+            for cache in [*caches, odd]:
+                cache.close()
 
 
 def test_second_registration_of_a_rank(client: SidecarClient, engine: str, valid_traffic: Callable) -> None:

@@ -96,6 +96,9 @@ class EngineRegistry:
         self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankEntry] = {}
+        # Ranks being mapped (register() outside the lock), with their specs: a concurrent duplicate or
+        # a differing spec of the same engine fails fast, and readers of _ranks see only built entries.
+        self._pending: dict[tuple[str, int], EngineSpec] = {}
         self._shm = ShmMapper()
 
     def register(
@@ -105,27 +108,29 @@ class EngineRegistry:
             raise SidecarError(
                 Code.INVALID_ARGUMENT, f"rank {rank} is out of range for tp_size {spec.tp_size}"
             )
+        key = (engine_id, rank)
         with self._lock:
-            if (engine_id, rank) in self._ranks:
+            if key in self._ranks or key in self._pending:
                 raise SidecarError(
                     Code.ALREADY_EXISTS, f"engine {engine_id!r} rank {rank} is already registered"
                 )
-            for (eid, _), other in self._ranks.items():
-                if eid == engine_id and other.spec != spec:
+            specs = [((eid, r), e.spec) for (eid, r), e in self._ranks.items()] + list(self._pending.items())
+            for (eid, other_rank), other_spec in specs:
+                if eid == engine_id and other_spec != spec:
                     raise SidecarError(
                         Code.FAILED_PRECONDITION,
-                        f"engine {engine_id!r} rank {rank} declares a spec that differs from rank {other.rank}'s",
+                        f"engine {engine_id!r} rank {rank} declares a spec that differs from rank {other_rank}'s",
                     )
-            # Reserve the key so a concurrent duplicate fails fast while we map memory.
-            self._ranks[(engine_id, rank)] = None  # type: ignore[assignment]
+            self._pending[key] = spec
         try:
             entry = self._build(engine_id, rank, spec, handles)
         except BaseException:
             with self._lock:
-                del self._ranks[(engine_id, rank)]
+                del self._pending[key]
             raise
         with self._lock:
-            self._ranks[(engine_id, rank)] = entry
+            del self._pending[key]
+            self._ranks[key] = entry
         return entry
 
     def _build(
@@ -242,7 +247,9 @@ class EngineRegistry:
     def get(self, engine_id: str, rank: int) -> RankEntry:
         entry = self._ranks.get((engine_id, rank))
         if entry is None:
-            if any(eid == engine_id for eid, _ in self._ranks):
+            with self._lock:
+                known = any(eid == engine_id for eid, _ in [*self._ranks, *self._pending])
+            if known:
                 raise SidecarError(Code.NOT_FOUND, f"engine {engine_id!r} has no rank {rank} registered here")
             raise SidecarError(
                 Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here"
@@ -252,7 +259,7 @@ class EngineRegistry:
     def engine_ranks(self, engine_id: str) -> list[RankEntry]:
         with self._lock:
             ranks = sorted(
-                (e for (eid, _), e in self._ranks.items() if eid == engine_id and e is not None),
+                (e for (eid, _), e in self._ranks.items() if eid == engine_id),
                 key=lambda e: e.rank,
             )
         if not ranks:
@@ -264,14 +271,14 @@ class EngineRegistry:
     def ranks_of(self, engine_id: str) -> list[int]:
         """The ranks of this engine registered here, in order; empty if none."""
         with self._lock:
-            return sorted(r for (eid, r), e in self._ranks.items() if eid == engine_id and e is not None)
+            return sorted(r for eid, r in self._ranks if eid == engine_id)
 
     def spec(self, engine_id: str) -> EngineSpec:
         return self.engine_ranks(engine_id)[0].spec
 
     def all(self) -> list[RankEntry]:
         with self._lock:
-            return [e for e in self._ranks.values() if e is not None]
+            return list(self._ranks.values())
 
     def close(self) -> None:
         for e in self.all():
