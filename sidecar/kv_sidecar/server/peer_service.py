@@ -103,15 +103,17 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             list(request.reader_ranks),
             sc.settings.pull_timeout_ms / 1000,
         )
-        sc.transfers.begin_serve(
-            request.engine_id,
-            request.request_id,
-            request.reader_engine_id,
-            context.peer(),
-            request.reader_ranks,
-            opened_bytes(plan, request.reader_ranks, len(item.block_ids)),
-            "host-nixl" if plan.is_identity() else "host-nixl-staged",
-        )
+        served = item.readers_here(plan, list(request.reader_ranks))
+        if served:
+            sc.transfers.begin_serve(
+                request.engine_id,
+                request.request_id,
+                request.reader_engine_id,
+                context.peer(),
+                served,
+                opened_bytes(plan, served, len(item.block_ids)),
+                "host-nixl" if plan.is_identity() else "host-nixl-staged",
+            )
         sc.nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,

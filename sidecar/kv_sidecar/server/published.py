@@ -41,6 +41,14 @@ class Published:
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
 
+    def readers_here(self, plan: PairPlan, reader_ranks: list[int]) -> list[int]:
+        """The reader ranks that read or notify a prefill rank tracked here: only they will send this
+        sidecar a completion notification. A multi-node engine's holders are each opened with all of
+        the reader's ranks, and a served read waiting for the others would never end."""
+        held = range(plan.prefill.tp_size) if self.ranks is None else self.ranks
+        consumers = {d for p in held for d in plan.consumers_of(p)}
+        return [r for r in reader_ranks if r in consumers]
+
 
 # Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
 EventSink = Callable[[str, int, "Published"], None]
