@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_staged_check.sh tests       # every GPU test (tests/gpu: server, copy, IPC, interpreter) ~6 min
 #   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine
+#   bash bench/gpu_staged_check.sh startup     # what a process's start-up costs here (bench/startup_cost.py)
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings (gpu_pull.py)    ~3 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
@@ -35,10 +36,40 @@ if [[ $part == tests || $part == all ]]; then
   ((rc == 0)) || status=1
 fi
 
+# Where a process spends its start-up on this machine: imports, CUDA, the NIXL agent, a whole sidecar.
+if [[ $part == startup ]]; then
+  say "start-up costs"
+  $PY bench/startup_cost.py 2>&1 | grep -v "NIXL INFO" | tee "$OUT/startup.log"
+fi
+
+# CPU_TESTS picks the tests (default: all but gpu/ and vllm/); PYTEST_ARGS adds options (-x, -k ...).
+# A watchdog py-spy dumps every python process when the log has not grown for STALL_S seconds.
 if [[ $part == cpu ]]; then
   say "CPU suite"
-  $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/gpu --ignore=tests/vllm \
-    --durations=10 >"$OUT/cpu_tests.log" 2>&1
+  # shellcheck disable=SC2086
+  $PY -m pytest -q -rs -p no:cacheprovider ${CPU_TESTS:-tests --ignore=tests/gpu --ignore=tests/vllm} \
+    -o timeout_method=thread --durations=10 ${PYTEST_ARGS:-} >"$OUT/cpu_tests.log" 2>&1 &
+  pytest_pid=$!
+  last=0 stalls=0
+  while kill -0 $pytest_pid 2>/dev/null; do
+    sleep 10
+    size=$(stat -c %s "$OUT/cpu_tests.log")
+    if ((size == last)); then
+      stalls=$((stalls + 10))
+      if ((stalls >= ${STALL_S:-60})) && command -v py-spy >/dev/null; then
+        for pid in $(pgrep -f python); do
+          { echo "=== $pid: $(tr '\0' ' ' </proc/$pid/cmdline | cut -c1-200)"; py-spy dump --pid "$pid" 2>&1; } \
+            >>"$OUT/stalled_stacks.txt"
+        done
+        echo "stalled ${stalls}s at $(tail -c 300 "$OUT/cpu_tests.log" | tr '\n' ' ')" >>"$OUT/stalled_stacks.txt"
+        stalls=0
+      fi
+    else
+      stalls=0
+    fi
+    last=$size
+  done
+  wait $pytest_pid
   rc=$?
   tail -n 40 "$OUT/cpu_tests.log"
   echo "CPU tests exit code: $rc"
