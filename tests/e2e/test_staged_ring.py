@@ -20,11 +20,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
+from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.server.engines import spec_to_proto
@@ -312,12 +314,43 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
             memory_kind="DRAM",
             slots=[peer_pb2.PushSlot(address=4096, length=SLOT)],
         )
+        # A Push that carries the open: checked like an OpenRead, and against the tokens it planned for.
+        plan_hash = plan_pair(spec, spec).hash()
+        opens = peer_pb2.PushRequest(
+            plan_hash=plan_hash,
+            open=peer_pb2.OpenReadRequest(
+                engine_id="push-p",
+                request_id="r",
+                reader_engine_id="someone",
+                reader_ranks=[0],
+                plan_hash=plan_hash,
+            ),
+            open_num_tokens=20,
+        )
+        wrong_request = peer_pb2.OpenReadRequest(
+            engine_id="push-p", request_id="other", reader_engine_id="someone"
+        )
         cases = [
             (base, grpc.StatusCode.FAILED_PRECONDITION, "OpenRead first"),
             (
                 peer_pb2.PushRequest(engine_id="push-p", request_id="nope"),
                 grpc.StatusCode.NOT_FOUND,
                 "never published",
+            ),
+            (
+                _merged(base, opens, open=wrong_request),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "must name the Push's engine, request, reader engine, plan and reader rank",
+            ),
+            (
+                _merged(base, opens, open_num_tokens=32),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "holds 20 tokens here, the reader planned 32: its transfer params are out of date",
+            ),
+            (  # the request is not open for "someone" afterwards: nothing was opened by the refusals
+                base,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "OpenRead first",
             ),
         ]
         with grpc.insecure_channel(a.peer_address) as ch:
@@ -331,3 +364,10 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
                 )
     finally:
         prefill.stop()
+
+
+def _merged(base: peer_pb2.PushRequest, *more: peer_pb2.PushRequest, **fields: Any) -> peer_pb2.PushRequest:
+    out = peer_pb2.PushRequest()
+    for part in (base, *more, peer_pb2.PushRequest(**fields)):
+        out.MergeFrom(part)
+    return out

@@ -51,6 +51,8 @@ from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import HOST, Ring
 from kv_sidecar.server.peers import RemoteEngine, cached_plan, rpc_error
+from kv_sidecar.server.published import Published
+from kv_sidecar.server.reads import open_for_reader
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 if TYPE_CHECKING:
@@ -253,8 +255,19 @@ class _Credits:
             self.closed = True
 
 
-def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankEntry, src_rank: int) -> int:
-    """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written."""
+def read_staged(
+    puller: Puller,
+    job: PullJob,
+    remote: RemoteEngine,
+    entry: RankEntry,
+    src_rank: int,
+    open_msg: peer_pb2.OpenReadRequest | None = None,
+) -> int:
+    """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
+
+    `open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned from
+    the params, and the source refuses before any WRITE if its record holds another token count.
+    """
     sc = puller.sidecar
     # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
     holder = remote.holders.get(src_rank)
@@ -318,6 +331,8 @@ def read_staged(puller: Puller, job: PullJob, remote: RemoteEngine, entry: RankE
                             for s in slots
                         ],
                         timeout_ms=max(1, int(job.remaining() * 1000)),
+                        open=open_msg,
+                        open_num_tokens=job.num_tokens if open_msg is not None else 0,
                     ),
                     # Longer than the pull: the source stops at timeout_ms, and its answer says
                     # when nothing is in flight any more, which a timed-out reader still needs.
@@ -573,8 +588,8 @@ def _push(
     sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext, quiet: list[bool]
 ) -> peer_pb2.PushResponse:
     _route(sc)
-    item = sc.published.get_live(req.engine_id, req.request_id)
-    if item.reader != req.reader_engine_id:
+    item = None if req.HasField("open") else sc.published.get_live(req.engine_id, req.request_id)
+    if item is not None and item.reader != req.reader_engine_id:
         raise SidecarError(
             Code.FAILED_PRECONDITION,
             f"request {req.request_id!r} is not open for engine {req.reader_engine_id!r}: OpenRead first",
@@ -588,6 +603,8 @@ def _push(
         raise SidecarError(
             Code.FAILED_PRECONDITION, f"plan mismatch: ours {plan.hash()}, the reader's {req.plan_hash}"
         )
+    if item is None:  # the open it carries, checked like an OpenRead, once the plan is known to match
+        item = _open_from_push(sc, req, plan, context.peer(), src_entry.gpu is not None)
     if not 0 <= req.reader_rank < reader_spec.tp_size:
         raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {req.reader_rank} out of range")
     heads = read_heads(plan, req.reader_rank, req.source_rank)  # from our plan, not the reader's word
@@ -708,6 +725,32 @@ def _push(
                 _QUARANTINE_S,
             )
             ring.pool.release_later(send_slots, _QUARANTINE_S)
+
+
+def _open_from_push(
+    sc: Sidecar, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
+) -> Published:
+    """The open a Push carries: it must name this Push's request, reader and plan, and the token count
+    the reader planned its slots for; then it opens the request exactly as OpenRead does."""
+    o = req.open
+    if (o.engine_id, o.request_id, o.reader_engine_id, o.plan_hash) != (
+        req.engine_id,
+        req.request_id,
+        req.reader_engine_id,
+        req.plan_hash,
+    ) or req.reader_rank not in o.reader_ranks:
+        raise SidecarError(
+            Code.INVALID_ARGUMENT,
+            "the open a Push carries must name the Push's engine, request, reader engine, plan and reader rank",
+        )
+    num_tokens = sc.published.get_live(req.engine_id, req.request_id).num_tokens
+    if num_tokens != req.open_num_tokens:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION,
+            f"request {req.request_id!r} holds {num_tokens} tokens here, the reader planned "
+            f"{req.open_num_tokens}: its transfer params are out of date",
+        )
+    return open_for_reader(sc, o, plan, peer, PATH_STAGED if on_gpu else PATH_HOST_RING)
 
 
 def _quiesce(sc: Sidecar, state: sp.SendState) -> bool:

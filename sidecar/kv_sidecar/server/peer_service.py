@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,6 +15,7 @@ from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
+from kv_sidecar.server.reads import open_for_reader
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.status import build_status
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
@@ -90,31 +90,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             raise SidecarError(
                 Code.FAILED_PRECONDITION, f"unknown plan {request.plan_hash!r}: handshake before reading"
             )
-        if sc.engines.spec(request.engine_id) != plan.prefill:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION,
-                f"engine {request.engine_id!r} changed since the handshake; handshake again",
-            )
-        item = sc.published.open_read(
-            request.engine_id,
-            request.request_id,
-            request.reader_engine_id,
-            plan,
-            list(request.reader_ranks),
-            sc.settings.pull_timeout_ms / 1000,
-        )
-        served = item.readers_here(plan, list(request.reader_ranks))
-        if served:
-            sc.transfers.begin_serve(
-                request.engine_id,
-                request.request_id,
-                request.reader_engine_id,
-                context.peer(),
-                served,
-                opened_bytes(plan, served, len(item.block_ids)),
-                "host-nixl" if plan.is_identity() else "host-nixl-staged",
-            )
-        sc.nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
+        path = "host-nixl" if plan.is_identity() else "host-nixl-staged"
+        item = open_for_reader(sc, request, plan, context.peer(), path)
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,
@@ -186,10 +163,3 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
     ) -> status_pb2.StatusResponse:
         return build_status(self._sc)
-
-
-def opened_bytes(plan: PairPlan, reader_ranks: Sequence[int], num_blocks: int) -> int:
-    """Bytes of the source blocks the reader ranks may read: whole blocks of every prefill rank they read."""
-    block_bytes = plan.prefill.rank_bytes() // plan.prefill.num_blocks
-    reads = sum(len(plan.decode_ranks[r].reads) for r in reader_ranks if 0 <= r < len(plan.decode_ranks))
-    return reads * num_blocks * block_bytes

@@ -49,7 +49,14 @@ from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check
 from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.peers import Holder, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
-from kv_sidecar.server.routing import by_holder, close_reads, depends_on, holders_needed, open_reads
+from kv_sidecar.server.routing import (
+    by_holder,
+    close_reads,
+    depends_on,
+    holders_needed,
+    open_read_request,
+    open_reads,
+)
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -87,6 +94,13 @@ NOTIF_TAG = "kvs1"
 _NAMED_BLOCKS = 32
 _TRAILER_CHARS = 2048
 UNFILLED_ALL = "all"
+
+
+def _ring_path(job: PullJob) -> str:
+    """The staged protocol's path label: through GPU rings, or host rings (`host_transfer: ring`)."""
+    return (
+        gpu_transfer.PATH_STAGED if any(e.gpu is not None for e in job.local) else gpu_transfer.PATH_HOST_RING
+    )
 
 
 def unfilled_blocks(block_ids: Sequence[int]) -> tuple[str, str]:
@@ -381,6 +395,20 @@ class Puller:
             holders = list(
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
             )
+            pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
+            if pushed is not None:
+                opened_on = holders  # a failure closes the read that the Push opened
+                (rplan,) = pushed.rank_plans()
+                nbytes = gpu_transfer.read_staged(
+                    self,
+                    pushed,
+                    remote,
+                    pushed.local[0],
+                    rplan.reads[0].prefill_rank,
+                    open_msg=open_read_request(sc, remote, req, ranks),
+                )
+                self._notify_done(req, remote, pushed)
+                return nbytes, _ring_path(pushed)
             # The READ runs while OpenRead is on its way when that is safe (server/lease_view.py).
             early_job = self._early_job(req, local, remote, cancel, deadline)
             if early_job is not None:
@@ -437,6 +465,32 @@ class Puller:
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
 
+    def _push_with_open(
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        remote: RemoteEngine,
+        holders: list[Holder],
+        cancel: PullTicket,
+        deadline: float,
+    ) -> PullJob | None:
+        """The job of a staged pull whose one Push carries the open, planned from the params; None where
+        the usual OpenRead-then-Push applies: not the ring path, or more than one read (TP gather,
+        several local ranks, several holders). Unlike an early READ this needs no lease check: the
+        source opens and checks the request before it WRITEs anything."""
+        sc, p = self._sc, req.params
+        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
+        if not on_gpu and sc.settings.host_transfer.lower() != "ring":
+            return None
+        if on_gpu and (remote.memory_kind != "VRAM" or any(e.gpu is None for e in local)):
+            return None  # the usual path says what is wrong
+        if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
+            return None
+        try:
+            return self._job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+        except (SidecarError, PlanError):
+            return None  # the usual path reports it, after OpenRead
+
     def _read_remote(
         self,
         req: engine_pb2.PullRequest,
@@ -470,7 +524,7 @@ class Puller:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
         self._notify_done(req, remote, job)
         if ring:
-            return nbytes, gpu_transfer.PATH_STAGED if on_gpu else gpu_transfer.PATH_HOST_RING
+            return nbytes, _ring_path(job)
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:

@@ -67,6 +67,21 @@ def holders_needed(
     return by_holder(remote, (p for rp in rank_plans for p in depends_on(rp)), own_sidecar_id)
 
 
+def open_read_request(
+    sc: Sidecar, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int]
+) -> peer_pb2.OpenReadRequest:
+    """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
+    return peer_pb2.OpenReadRequest(
+        sidecar_id=sc.sidecar_id,
+        engine_id=req.params.engine_id,
+        request_id=req.params.request_id,
+        reader_engine_id=req.engine_id,
+        reader_ranks=reader_ranks,
+        plan_hash=remote.plan.hash(),
+        reader_spec=spec_to_proto(remote.plan.decode),
+    )
+
+
 def open_reads(
     sc: Sidecar,
     remote: RemoteEngine,
@@ -77,15 +92,7 @@ def open_reads(
 ) -> peer_pb2.OpenReadResponse:
     """OpenRead on each holder; they must agree on the request. On failure, close what was opened."""
     p = req.params
-    msg = peer_pb2.OpenReadRequest(
-        sidecar_id=sc.sidecar_id,
-        engine_id=p.engine_id,
-        request_id=p.request_id,
-        reader_engine_id=req.engine_id,
-        reader_ranks=reader_ranks,
-        plan_hash=remote.plan.hash(),
-        reader_spec=spec_to_proto(remote.plan.decode),
-    )
+    msg = open_read_request(sc, remote, req, reader_ranks)
     first: peer_pb2.OpenReadResponse | None = None
     opened: list[Holder] = []
     try:
