@@ -337,7 +337,7 @@ def ceilings(rig: Rig, iters: int) -> dict[str, float]:
 def anchors(iters: int) -> dict[int, dict[str, Any]]:
     """In-engine NIXL READ of n blocks between two processes' own caches (bench/gpu_pull.py), by n."""
     import torch.multiprocessing as tmp
-    from gpu_pull import _nixl_api, nixl_decode, nixl_prefill
+    from gpu_pull import _nixl_api, run_nixl_pair
 
     try:
         _nixl_api()
@@ -348,22 +348,7 @@ def anchors(iters: int) -> dict[int, dict[str, Any]]:
     ctx = tmp.get_context("spawn")
     out: dict[int, dict[str, Any]] = {}
     for n in SIZES:
-        meta_q, res_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        ps = [
-            ctx.Process(target=nixl_prefill, args=(spec, n, meta_q, done_q)),
-            ctx.Process(target=nixl_decode, args=(spec, seg, n, iters, 3, meta_q, res_q)),
-        ]
-        for p in ps:
-            p.start()
-        try:
-            status, value = res_q.get(timeout=300)
-        except Exception as exc:
-            status, value = "error", f"no answer: {exc!r}"
-        done_q.put(1)
-        for p in ps:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        status, value = run_nixl_pair(ctx, spec, seg, n, iters, 3)
         if status != "ok":
             out[n] = {"error": str(value)[:200]}
         else:

@@ -378,6 +378,30 @@ def nixl_decode(
         res_q.put(("error", repr(exc)))
 
 
+def run_nixl_pair(
+    ctx: Any, spec: dict[str, Any], segment: int, n_blocks: int, iters: int, warmup: int
+) -> tuple[str, Any]:
+    """Start the anchor's prefill and decode processes, wait for the decode side's ("ok", rows) or
+    ("error", why), then stop both (killed if they do not end)."""
+    meta_q, res_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    ps = [
+        ctx.Process(target=nixl_prefill, args=(spec, n_blocks, meta_q, done_q)),
+        ctx.Process(target=nixl_decode, args=(spec, segment, n_blocks, iters, warmup, meta_q, res_q)),
+    ]
+    for p in ps:
+        p.start()
+    try:
+        status, value = res_q.get(timeout=300)
+    except Exception as exc:
+        status, value = "error", f"no answer: {exc!r}"
+    done_q.put(1)
+    for p in ps:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return status, value
+
+
 def nixl_anchor(cfgs: list[Config], iters: int, warmup: int) -> list[dict[str, Any]]:
     """In-engine NIXL READ between two processes' own cudaMalloc caches, one descriptor per segment."""
     import torch.multiprocessing as tmp
@@ -392,22 +416,7 @@ def nixl_anchor(cfgs: list[Config], iters: int, warmup: int) -> list[dict[str, A
         if c.src["layout"] != c.dst["layout"]:
             continue  # NIXL moves bytes as they are: no layout conversion to compare
         n_blocks = GIB // (2 * 32 * c.segment)
-        meta_q, res_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        ps = [
-            ctx.Process(target=nixl_prefill, args=(c.src, n_blocks, meta_q, done_q)),
-            ctx.Process(target=nixl_decode, args=(c.src, c.segment, n_blocks, iters, warmup, meta_q, res_q)),
-        ]
-        for p in ps:
-            p.start()
-        try:
-            status, value = res_q.get(timeout=300)
-        except Exception as exc:
-            status, value = "error", f"no answer: {exc!r}"
-        done_q.put(1)
-        for p in ps:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        status, value = run_nixl_pair(ctx, c.src, c.segment, n_blocks, iters, warmup)
         if status != "ok":
             rows.append({"config": c.name, "error": value})
             print(json.dumps(rows[-1]), flush=True)
