@@ -20,7 +20,7 @@ get() {
 }
 get grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-tools==1.85.1 \
   protobuf==7.35.1 nixl==1.5.1 prometheus-client pyyaml cryptography cffi pycparser \
-  hypothesis sortedcontainers attrs pytest-timeout py-spy
+  hypothesis sortedcontainers attrs pytest-timeout pytest-xdist execnet py-spy
 
 # nixl-cu13: download to a scratch dir, drop what the sidecar never loads, zip again.
 tmp=$(mktemp -d)
