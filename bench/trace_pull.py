@@ -55,20 +55,20 @@ NIXL = [
     "nixl_cu13._api:nixl_agent.get_new_notifs",
 ]
 GRPC = ["grpc._server:_unary_response_in_pool", "grpc._server:_call_behavior"]
-# The staged protocol (server/gpu_transfer.py) on host memory: host_transfer ring.
+# The staged protocol (server/staged_reader.py, staged_source.py) on host memory: host_transfer ring.
 STAGED = {
     "decode": [
-        "kv_sidecar.server.gpu_transfer:read_staged",
-        "kv_sidecar.server.gpu_transfer:_receive",
-        "kv_sidecar.server.gpu_transfer:spec_to_proto",
+        "kv_sidecar.server.staged_reader:read_staged",
+        "kv_sidecar.server.staged_reader:_receive",
+        "kv_sidecar.server.staged_reader:spec_to_proto",
         "kv_sidecar.plan.pair:PairPlan.hash",
         "grpc._channel:_UnaryUnaryMultiCallable.future",
         "grpc._channel:_UnaryUnaryMultiCallable.__call__",
         "kv_sidecar.server.gpu_staging:GpuStaging.call",
         "threading:Thread.start",
-        "kv_sidecar.server.gpu_transfer:_stop_source",
-        "kv_sidecar.server.gpu_transfer:_HostCopies.launch",
-        "kv_sidecar.server.gpu_transfer:_Credits.poll",
+        "kv_sidecar.server.staged_reader:_stop_source",
+        "kv_sidecar.server.staged_copies:HostCopies.launch",
+        "kv_sidecar.server.staged_reader:_Credits.poll",
         "kv_sidecar.server.staged_protocol:SlotPool.acquire",
         "kv_sidecar.server.staged_protocol:RecvState.arrive",
         "kv_sidecar.transport.nixl_driver:NixlDriver.add_poller",
@@ -78,10 +78,10 @@ STAGED = {
         "nixl_cu13._api:nixl_agent.send_notif",
     ],
     "prefill": [
-        "kv_sidecar.server.gpu_transfer:serve_push",
-        "kv_sidecar.server.gpu_transfer:cached_plan",
-        "kv_sidecar.server.gpu_transfer:_HostCopies.launch",
-        "kv_sidecar.server.gpu_transfer:_Pump.poll",
+        "kv_sidecar.server.staged_source:serve_push",
+        "kv_sidecar.server.staged_source:cached_plan",
+        "kv_sidecar.server.staged_copies:HostCopies.launch",
+        "kv_sidecar.server.staged_source:_Pump.poll",
         "kv_sidecar.server.published:PublishedStore.get_live",
         "kv_sidecar.server.staged_protocol:SlotPool.acquire",
         "kv_sidecar.server.staged_protocol:SendState.next_gather",

@@ -30,7 +30,7 @@ from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.server.engines import spec_to_proto
-from kv_sidecar.server.gpu_transfer import PUSH_ENDED
+from kv_sidecar.server.staged_copies import PUSH_ENDED
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache

@@ -5,7 +5,7 @@ memory it imported over CUDA IPC, so engine memory is never registered.
 The source sidecar gathers a request's tokens, already in the reader's
 layout, into slots of its send ring and WRITEs each chunk over NIXL (one
 descriptor) into a slot of the reader's receive ring, which scatters from
-there (server/gpu_transfer.py, server/staged_protocol.py).
+there (server/staged_reader.py, server/staged_source.py, server/staged_protocol.py).
 
 Each GPU has two rings, send and receive, each split into equal slots
 (`gpu_staging_bytes` / 2 / `gpu_staging_slots` bytes). Every transfer on that

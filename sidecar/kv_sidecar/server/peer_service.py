@@ -10,7 +10,7 @@ import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.server import gpu_transfer
+from kv_sidecar.server import staged_source
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.membership import rank_memory
@@ -134,7 +134,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @rpc
     def Push(self, request: peer_pb2.PushRequest, context: grpc.ServicerContext) -> peer_pb2.PushResponse:
-        return gpu_transfer.serve_push(self._sc, request, context)
+        return staged_source.serve_push(self._sc, request, context)
 
     @rpc
     def ReportRanks(

@@ -11,7 +11,7 @@ Three paths, chosen per request:
   memory laid out as the source engine's cache, then the host executor converts
   them into the destination blocks.
 - gpu-direct and gpu-staged: the same two situations in GPU memory
-  (`kv_sidecar.server.gpu_transfer`); host-ring: the staged protocol of
+  (`kv_sidecar.server.gpu_direct`, `staged_reader`); host-ring: the staged protocol of
   gpu-staged between host-memory engines (setting `host_transfer: ring`).
 
 Across sidecars, every OpenRead/CloseRead, READ and completion notification
@@ -43,7 +43,7 @@ from kv_sidecar.plan.blocks import check_pull, needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.plan.spec import PlanError
-from kv_sidecar.server import gpu_transfer
+from kv_sidecar.server import gpu_direct, staged_copies, staged_reader
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.inflight import PullTicket
@@ -99,7 +99,9 @@ UNFILLED_ALL = "all"
 def _ring_path(job: PullJob) -> str:
     """The staged protocol's path label: through GPU rings, or host rings (`host_transfer: ring`)."""
     return (
-        gpu_transfer.PATH_STAGED if any(e.gpu is not None for e in job.local) else gpu_transfer.PATH_HOST_RING
+        staged_copies.PATH_STAGED
+        if any(e.gpu is not None for e in job.local)
+        else staged_copies.PATH_HOST_RING
     )
 
 
@@ -327,11 +329,11 @@ class Puller:
     def _copy_direct(self, job: PullJob, src_ranks: list[RankEntry]) -> tuple[int, str]:
         sc, p = self._sc, job.params
         if any(e.gpu is not None for e in [*src_ranks, *job.local]):
-            nbytes = gpu_transfer.pull_direct(job, src_ranks)
+            nbytes = gpu_direct.pull_direct(job, src_ranks)
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
                 sc.published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
-            return nbytes, gpu_transfer.PATH_DIRECT
+            return nbytes, gpu_direct.PATH_DIRECT
         nbytes = 0
         identity = job.plan.is_identity()
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
@@ -399,7 +401,7 @@ class Puller:
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
                 (rplan,) = pushed.rank_plans()
-                nbytes = gpu_transfer.read_staged(
+                nbytes = staged_reader.read_staged(
                     self,
                     pushed,
                     remote,
@@ -510,7 +512,7 @@ class Puller:
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
-        ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (gpu_transfer.py)
+        ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (staged_reader.py)
         nbytes = 0
         if identity and not ring:
             nbytes = self._finish(job, self._post_identity(job, remote))
@@ -519,7 +521,7 @@ class Puller:
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
                     if ring:
-                        nbytes += gpu_transfer.read_staged(self, job, remote, entry, read.prefill_rank)
+                        nbytes += staged_reader.read_staged(self, job, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
         self._notify_done(req, remote, job)

@@ -99,7 +99,7 @@ class NixlDriver:
         self._next_reg = 0
         self._remotes: set[str] = set()
         self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
-        # The staged protocol (server/gpu_transfer.py): functions run every loop turn on this
+        # The staged protocol (server/staged_reader.py, staged_source.py): functions run every loop turn on this
         # thread, and notification listeners by message prefix (all of one length).
         self._pollers: list[Callable[[Any], bool]] = []
         self._listeners: dict[bytes, Callable[[str, bytes], None]] = {}

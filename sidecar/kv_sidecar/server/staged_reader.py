@@ -1,0 +1,314 @@
+"""The reader's end of the staged protocol (server/staged_copies.py says how it flows): one Push per
+(decode rank, source rank) read, chunks scattered as their notifications arrive, slots credited back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kv_sidecar.execute import gpu
+from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.engines import RankEntry, spec_to_proto
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.gpu_direct import require_gpu
+from kv_sidecar.server.gpu_staging import HOST, Ring
+from kv_sidecar.server.peers import RemoteEngine, rpc_error
+from kv_sidecar.server.staged_copies import (
+    CANCEL_WAIT_S,
+    PUSH_ENDED,
+    QUARANTINE_S,
+    GpuCopies,
+    HostCopies,
+    read_heads,
+    route,
+)
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.pull import Puller, PullJob
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+_PUSH_DONE = object()  # inbox marker: the Push call ended
+
+
+class _Credits:
+    """Driver-thread poller of a reader: as each scatter's marker completes, give its slot back
+    to the source (credit notification) or to our pool (the chunks to come fit the credits)."""
+
+    def __init__(
+        self,
+        state: sp.RecvState,
+        ready: Callable[[Any], bool],
+        ring: Ring,
+        ring_slots: list[int],
+        agent: str,
+        transfer_id: str,
+        inbox: queue.Queue[Any],
+    ) -> None:
+        self.state = state
+        self.ready = ready
+        self.ring = ring
+        self.ring_slots = ring_slots  # wire slot (position in the Push) -> our ring slot
+        self.agent = agent
+        self.tid = transfer_id
+        self.inbox = inbox
+        self.pending: deque[tuple[Any, int]] = deque()
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def add(self, marker: Any, slot: int) -> None:
+        with self.lock:
+            self.pending.append((marker, slot))
+
+    def poll(self, a: Any) -> bool:
+        with self.lock:
+            if self.closed:
+                return True
+            try:
+                if a is None:
+                    raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+                while self.pending and self.ready(self.pending[0][0]):
+                    _, slot = self.pending.popleft()
+                    if self.state.scattered(slot):
+                        a.send_notif(self.agent, sp.credit_notif(self.tid, slot))
+                    else:
+                        self.ring.pool.release([self.ring_slots[slot]])
+            except Exception as e:  # tell the reader's thread; it stops the transfer
+                self.closed = True
+                self.inbox.put(e)
+                return True
+            return False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
+def read_staged(
+    puller: Puller,
+    job: PullJob,
+    remote: RemoteEngine,
+    entry: RankEntry,
+    src_rank: int,
+    open_msg: peer_pb2.OpenReadRequest | None = None,
+) -> int:
+    """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
+
+    `open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned from
+    the params, and the source refuses before any WRITE if its record holds another token count.
+    """
+    sc = puller.sidecar
+    # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
+    holder = remote.holders.get(src_rank)
+    address = holder.address if holder is not None else job.params.sidecar_address
+    link = sc.peers.link(address)
+    agent = remote.agent_of(src_rank)
+    on_gpu = entry.gpu is not None
+    if not on_gpu and remote.memory_kind == "VRAM":
+        require_gpu([entry], "decode")
+    dst_spec = job.plan.decode
+    ring = sc.gpu_staging.ring(entry.gpu.device if entry.gpu is not None else HOST, "recv")
+    heads = read_heads(job.plan, entry.rank, src_rank)
+    per_block = gpu.staging_bytes(dst_spec, 1)
+    if ring.slot_bytes < per_block:
+        raise SidecarError(
+            Code.RESOURCE_EXHAUSTED,
+            f"a staging slot ({ring.slot_bytes} bytes) cannot hold one block of the reader's "
+            f"layout ({per_block} bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
+        )
+    n_blocks = len(job.dst_blocks)
+    if n_blocks == 0:
+        return 0  # a prefix hit covering the whole request: nothing to move
+    route(sc)
+    blocks_per_slot = ring.slot_bytes // per_block
+    slots = ring.pool.acquire(-(-n_blocks // blocks_per_slot), job.remaining)
+    tid = sp.new_transfer_id()
+    inbox: queue.Queue[Any] = queue.Queue()
+    state = sp.RecvState(
+        job.start_token,
+        job.num_tokens,
+        dst_spec.block_size,
+        dict.fromkeys(range(len(slots)), ring.slot_bytes),
+        lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
+    )
+    call: Any = None
+    copies: GpuCopies | HostCopies | None = None
+    credits: _Credits | None = None
+    done = confirmed = False
+    sc.nixl.listen(sp.prefix(tid), lambda a, m: inbox.put((a, m)))
+    try:
+        with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
+            try:
+                call = sc.gpu_staging.call(
+                    link.stub.Push,
+                    peer_pb2.PushRequest(
+                        engine_id=job.params.engine_id,
+                        request_id=job.params.request_id,
+                        reader_engine_id=entry.engine_id,
+                        reader_spec=spec_to_proto(dst_spec),
+                        reader_rank=entry.rank,
+                        source_rank=src_rank,
+                        plan_hash=job.plan.hash(),
+                        start_token=job.start_token,
+                        transfer_id=tid,
+                        reader_agent=sc.sidecar_id,
+                        reader_agent_metadata=ring.metadata,
+                        memory_kind=ring.mem_type,
+                        device_id=ring.nixl_device,
+                        slots=[
+                            peer_pb2.PushSlot(address=ring.slot_address(s), length=ring.slot_bytes)
+                            for s in slots
+                        ],
+                        timeout_ms=max(1, int(job.remaining() * 1000)),
+                        open=open_msg,
+                        open_num_tokens=job.num_tokens if open_msg is not None else 0,
+                    ),
+                    # Longer than the pull: the source stops at timeout_ms, and its answer says
+                    # when nothing is in flight any more, which a timed-out reader still needs.
+                    timeout=job.remaining() + CANCEL_WAIT_S + 1,
+                    metadata=sc.peer_metadata(),
+                )
+                call.add_done_callback(lambda _: inbox.put(_PUSH_DONE))
+                # Validate and upload while the source gathers its first chunk.
+                if entry.gpu is not None:
+                    dev = entry.gpu.device
+                    copies = GpuCopies(
+                        gpu.StagedCopies(
+                            entry.gpu.view(dev),
+                            dst_spec,
+                            entry.rank,
+                            heads,
+                            job.dst_blocks,
+                            job.num_tokens,
+                            job.start_token,
+                            into_staging=False,
+                        ),
+                        dev,
+                    )
+                else:
+                    copies = HostCopies(
+                        entry.host_view, dst_spec, entry.rank, heads, job.dst_blocks, ring, into_staging=False
+                    )
+                    copies.first = job.start_token // dst_spec.block_size
+                credits = _Credits(state, copies.ready, ring, slots, agent, tid, inbox)
+                sc.nixl.add_poller(credits.poll)
+                nbytes = _receive(job, state, copies, credits, ring, slots, inbox, call, agent, address)
+                copies.synchronize()  # every byte is in the engine's blocks before we answer
+                done = True
+                return nbytes
+            except sp.ProtocolError as e:
+                sc.metrics.failures.labels("staged_protocol").inc()
+                raise SidecarError(
+                    Code.INTERNAL, f"peer sidecar {address} broke the staged protocol: {e}"
+                ) from None
+            finally:
+                if credits is not None:
+                    credits.close()
+                confirmed = done or _stop_source(sc, call, agent, tid)
+                if copies is not None and not done:
+                    copies.synchronize()  # no scatter of ours may still write after a failed pull returns
+    finally:
+        sc.nixl.unlisten(sp.prefix(tid))
+        held = [slots[s] for s in state.release_all()]
+        if done or confirmed or call is None:
+            ring.pool.release(held)
+        else:
+            sc.metrics.failures.labels("staging_quarantined").inc()
+            log.warning(
+                "peer %s did not confirm that transfer %s ended: %d receive slots rejoin the ring %g s "
+                "after its Push call ended",
+                address,
+                tid,
+                len(held),
+                QUARANTINE_S,
+            )
+            # The Push call is a blocking call on a caller thread, which nothing can cancel: it ends at
+            # its deadline at the latest, and a source whose call ended stops within its cancel wait.
+            ring.pool.release_later(held, QUARANTINE_S, lambda go: call.add_done_callback(lambda _: go()))
+
+
+def _receive(
+    job: PullJob,
+    state: sp.RecvState,
+    copies: GpuCopies | HostCopies,
+    credits: _Credits,
+    ring: Ring,
+    slots: list[int],
+    inbox: queue.Queue[Any],
+    call: Any,
+    agent: str,
+    address: str,
+) -> int:
+    """Scatter chunks as their notifications arrive, until the request is complete."""
+    nbytes = 0
+    grace: float | None = None
+    while not state.complete:
+        left = job.remaining()
+        if grace is not None and time.monotonic() > grace:
+            raise sp.ProtocolError(f"the source answered but sent only part of the {state.count} chunks")
+        try:
+            item = inbox.get(timeout=min(0.05, left))
+        except queue.Empty:
+            continue
+        if item is _PUSH_DONE:
+            _raise_push_error(call, address, job.params.request_id)
+            # It answered OK: every WRITE is done, but their notifications may trail the answer.
+            grace = time.monotonic() + CANCEL_WAIT_S
+            continue
+        if isinstance(item, BaseException):
+            raise item
+        sender, msg = item
+        parsed = sp.parse_notif(msg)
+        if sender != agent or parsed is None or parsed[1] != sp.CHUNK:
+            raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {sender}")
+        index, count, slot, t0, t1 = parsed[2]
+        state.arrive(index, count, slot, t0, t1)
+        marker, moved = copies.launch(t0, t1, ring.slot_address(slots[slot]))
+        nbytes += moved
+        credits.add(marker, slot)
+    return nbytes
+
+
+def _raise_push_error(call: Any, address: str, request_id: str) -> None:
+    try:
+        call.result(timeout=0)
+    except grpc.RpcError as e:
+        raise _push_error(e, address, request_id) from None
+
+
+def _push_error(e: grpc.RpcError, address: str, request_id: str) -> SidecarError:
+    trailing = e.trailing_metadata() if isinstance(e, grpc.Call) else None
+    if isinstance(e, grpc.Call) and PUSH_ENDED in tuple(trailing or ()):
+        # The source's own verdict (e.g. UNAVAILABLE: its NIXL WRITE failed).
+        return SidecarError(e.code(), f"{e.details()} (peer sidecar {address})")
+    return rpc_error(e, address, f"to push request {request_id!r}")
+
+
+def _stop_source(sc: Sidecar, call: Any, agent: str, transfer_id: str) -> bool:
+    """Stop the source and wait until it has nothing in flight; False if it never confirmed."""
+    if call is None:
+        return True  # it was never asked
+    if not call.done():
+        with contextlib.suppress(Exception):
+            sc.nixl.send_notif(agent, sp.stop_notif(transfer_id))
+    try:
+        call.result(timeout=CANCEL_WAIT_S)
+    except FutureTimeout:
+        return False
+    except grpc.RpcError as e:
+        return isinstance(e, grpc.Call) and PUSH_ENDED in tuple(e.trailing_metadata() or ())
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,337 @@
+"""The source's end of the staged protocol (server/staged_copies.py says how it flows): the Push
+handler checks the request (or opens it, when the Push carries the open), gathers chunks into its send
+ring and WRITEs each into a receive slot the reader granted."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kv_sidecar.execute import gpu
+from kv_sidecar.plan.blocks import check_tokens
+from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.engines import spec_from_proto
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.gpu_staging import HOST, Ring
+from kv_sidecar.server.peers import cached_plan
+from kv_sidecar.server.published import Published
+from kv_sidecar.server.reads import open_for_reader
+from kv_sidecar.server.staged_copies import (
+    CANCEL_WAIT_S,
+    MAX_SLOTS,
+    PATH_HOST_RING,
+    PATH_STAGED,
+    PUSH_ENDED,
+    QUARANTINE_S,
+    GpuCopies,
+    HostCopies,
+    block_size_of,
+    read_heads,
+    route,
+)
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
+
+if TYPE_CHECKING:
+    from kv_sidecar.server.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+class _Pump:
+    """Driver-thread poller of a source: WRITE each gathered chunk as soon as its gather is done and
+    the reader has a slot free, with the notification that tells the reader which chunk it is."""
+
+    def __init__(
+        self,
+        sc: Sidecar,
+        state: sp.SendState,
+        copies: GpuCopies | HostCopies,
+        ring: Ring,
+        req: peer_pb2.PushRequest,
+        deadline: float,
+        block_bytes: int,
+    ) -> None:
+        self.sc = sc
+        self.state = state
+        self.copies = copies
+        self.ring = ring
+        self.req = req
+        self.deadline = deadline
+        self.block_bytes = block_bytes
+        self.block_size = block_size_of(copies)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def poll(self, a: Any) -> bool:
+        with self.lock:
+            if self.closed:
+                return True
+            if a is None:
+                self.state.fail(SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down"))
+                return True
+            st, req, n = self.state, self.req, len(self.state.chunks)
+            try:
+                while (w := st.next_write(self.copies.ready)) is not None:
+                    t0, t1 = st.chunks[w.index]
+                    length = sp.blocks_in(self.block_size, t0, t1) * self.block_bytes
+                    local = np.array(
+                        [[self.ring.slot_address(w.send_slot), length, self.ring.nixl_device]], dtype=np.int64
+                    )
+                    remote = np.array(
+                        [[req.slots[w.recv_slot].address, length, req.device_id]], dtype=np.int64
+                    )
+                    notif = sp.chunk_notif(req.transfer_id, w.index, n, w.recv_slot, t0, t1)
+                    w.future = self.sc.nixl.write_now(
+                        a,
+                        req.reader_agent,
+                        local,
+                        remote,
+                        notif,
+                        max(0.001, self.deadline - time.monotonic()),
+                        self.ring.mem_type,
+                    )
+                    self.sc.metrics.nixl_descriptors.observe(1)
+                    w.future.add_done_callback(functools.partial(self._written, w.index))
+            except Exception as e:
+                st.fail(self._write_error(e))
+            return False
+
+    def _written(self, index: int, fut: Future[None]) -> None:
+        err = fut.exception()
+        if err is None:
+            self.state.write_done(index)
+        else:
+            self.state.fail(self._write_error(err))
+
+    def _write_error(self, e: BaseException) -> SidecarError:
+        if isinstance(e, SidecarError):
+            return e
+        if self.ring.mem_type == "VRAM":
+            # With UCX_PROTO_EMULATION_ENABLE=n a VRAM WRITE UCX cannot do natively fails here
+            # instead of crawling over TCP; we cannot tell that from other causes.
+            self.sc.metrics.ucx_emulation.inc()
+            log.error(
+                "GPU WRITE to %s failed: if UCX has no native path for VRAM here (cuda_ipc on a node, "
+                "GPUDirect RDMA across nodes), it refused to emulate over TCP: see docs/operations.md "
+                "section 5.1",
+                self.req.reader_agent,
+            )
+        return SidecarError(
+            Code.UNAVAILABLE, f"transfer from peer failed: NIXL WRITE into the reader's ring failed: {e}"
+        )
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
+def serve_push(
+    sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext
+) -> peer_pb2.PushResponse:
+    """Send one source rank's share of an opened request into the reader's receive slots.
+
+    Every answer given while nothing of the transfer is in flight (success, a
+    refusal, a stop after the WRITEs ended) carries PUSH_ENDED, so that the
+    reader may reuse its slots at once.
+    """
+    quiet = [True]
+    try:
+        return _push(sc, req, context, quiet)
+    finally:
+        if quiet[0]:
+            context.set_trailing_metadata((PUSH_ENDED,))
+
+
+def _push(
+    sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext, quiet: list[bool]
+) -> peer_pb2.PushResponse:
+    route(sc)
+    item = None if req.HasField("open") else sc.published.get_live(req.engine_id, req.request_id)
+    if item is not None and item.reader != req.reader_engine_id:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION,
+            f"request {req.request_id!r} is not open for engine {req.reader_engine_id!r}: OpenRead first",
+        )
+    src_entry = sc.engines.get(req.engine_id, req.source_rank)
+    if not req.HasField("reader_spec"):
+        raise SidecarError(Code.INVALID_ARGUMENT, "reader_spec is required")
+    reader_spec = spec_from_proto(req.reader_spec)
+    plan = cached_plan(src_entry.spec, reader_spec)
+    if plan.hash() != req.plan_hash:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION, f"plan mismatch: ours {plan.hash()}, the reader's {req.plan_hash}"
+        )
+    if item is None:  # the open it carries, checked like an OpenRead, once the plan is known to match
+        item = _open_from_push(sc, req, plan, context.peer(), src_entry.gpu is not None)
+    if not 0 <= req.reader_rank < reader_spec.tp_size:
+        raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {req.reader_rank} out of range")
+    heads = read_heads(plan, req.reader_rank, req.source_rank)  # from our plan, not the reader's word
+    if src_entry.memory_kind != req.memory_kind:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION,
+            f"engine {req.engine_id!r} rank {req.source_rank} is in {src_entry.memory_kind} memory, "
+            f"the reader's ring in {req.memory_kind!r}",
+        )
+    if not sp.is_transfer_id(req.transfer_id):
+        raise SidecarError(Code.INVALID_ARGUMENT, "transfer_id must be 16 lowercase hex characters")
+    if not 1 <= len(req.slots) <= MAX_SLOTS or any(s.length == 0 for s in req.slots):
+        raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
+    check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
+    ring = sc.gpu_staging.ring(src_entry.gpu.device if src_entry.gpu is not None else HOST, "send")
+    per_block = gpu.staging_bytes(reader_spec, 1)
+    cap = min(ring.slot_bytes, *(s.length for s in req.slots))
+    if cap < per_block:
+        raise SidecarError(
+            Code.RESOURCE_EXHAUSTED,
+            f"a staging slot ({cap} bytes) cannot hold one block of the reader's layout ({per_block} "
+            "bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
+        )
+    chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, cap // per_block)
+    if not chunks:
+        return peer_pb2.PushResponse()
+    sc.nixl.load_remote(req.reader_agent, req.reader_agent_metadata)
+    left = req.timeout_ms / 1000 if req.timeout_ms else sc.settings.pull_timeout_ms / 1000
+    deadline = time.monotonic() + min(left, context.time_remaining() or left)
+    stopped = threading.Event()
+    context.add_callback(stopped.set)  # the call ended: the reader went away (or we answered)
+
+    def remaining() -> float:
+        if stopped.is_set():
+            raise SidecarError(Code.CANCELLED, f"push of request {req.request_id!r}: the reader went away")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {req.request_id!r} timed out")
+        return left
+
+    send_slots = ring.pool.acquire(min(len(chunks), len(req.slots) + 1), remaining)
+    state = sp.SendState(chunks, send_slots, list(range(len(req.slots))))
+    copies: GpuCopies | HostCopies
+    pump: _Pump | None = None
+
+    def on_notif(agent: str, msg: bytes) -> None:  # NIXL driver thread
+        parsed = sp.parse_notif(msg)
+        try:
+            if agent != req.reader_agent or parsed is None or parsed[1] == sp.CHUNK:
+                raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {agent}")
+            if parsed[1] == sp.STOP:
+                state.stop("the reader stopped the transfer")
+            elif not 0 <= parsed[2][0] < len(req.slots):
+                raise sp.ProtocolError(f"credit for slot {parsed[2][0]} of {len(req.slots)}")
+            else:
+                state.credit(parsed[2][0])
+        except sp.ProtocolError as e:
+            state.fail(SidecarError(Code.INVALID_ARGUMENT, f"the reader broke the staged protocol: {e}"))
+
+    context.add_callback(lambda: state.stop("the reader cancelled the Push"))
+    sc.nixl.listen(sp.prefix(req.transfer_id), on_notif)
+    src = src_entry.gpu
+    try:
+        with src.in_use() if src is not None else contextlib.nullcontext():
+            if src is not None:
+                copies = GpuCopies(
+                    gpu.StagedCopies(
+                        src.view(src.device),
+                        reader_spec,
+                        req.reader_rank,
+                        heads,
+                        item.block_ids,  # from our own record: the reader names only a start token
+                        item.num_tokens,
+                        req.start_token,
+                        into_staging=True,
+                    ),
+                    src.device,
+                )
+            else:
+                ids = np.asarray(item.block_ids, dtype=np.int64)
+                copies = HostCopies(src_entry.host_view, reader_spec, req.reader_rank, heads, ids, ring, True)
+            pump = _Pump(sc, state, copies, ring, req, deadline, per_block)
+            quiet[0] = False
+            sc.nixl.add_poller(pump.poll)
+            try:
+                nbytes = 0
+                while (g := state.next_gather(remaining)) is not None:
+                    index, slot = g
+                    t0, t1 = chunks[index]
+                    marker, moved = copies.launch(t0, t1, ring.slot_address(slot))
+                    nbytes += moved
+                    state.gathered(index, slot, marker)
+                state.wait_finished(remaining)
+                quiet[0] = True
+                return peer_pb2.PushResponse(chunks=len(chunks), bytes=nbytes)
+            except sp.Stopped as e:
+                raise SidecarError(
+                    Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}"
+                ) from None
+            finally:
+                if not quiet[0]:
+                    state.fail(sp.Stopped("the push failed"))
+                    pump.close()  # no WRITE starts after this
+                    quiet[0] = _quiesce(sc, state)
+                    copies.synchronize()  # our gathers are done before the send slots are reused
+    finally:
+        if pump is not None:
+            pump.close()
+        sc.nixl.unlisten(sp.prefix(req.transfer_id))
+        if quiet[0]:
+            ring.pool.release(send_slots)
+        else:
+            log.warning(
+                "transfer %s: WRITEs did not end; send slots rejoin the ring in %g s",
+                req.transfer_id,
+                QUARANTINE_S,
+            )
+            ring.pool.release_later(send_slots, QUARANTINE_S)
+
+
+def _open_from_push(
+    sc: Sidecar, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
+) -> Published:
+    """The open a Push carries: it must name this Push's request, reader and plan, and the token count
+    the reader planned its slots for; then it opens the request exactly as OpenRead does."""
+    o = req.open
+    if (o.engine_id, o.request_id, o.reader_engine_id, o.plan_hash) != (
+        req.engine_id,
+        req.request_id,
+        req.reader_engine_id,
+        req.plan_hash,
+    ) or req.reader_rank not in o.reader_ranks:
+        raise SidecarError(
+            Code.INVALID_ARGUMENT,
+            "the open a Push carries must name the Push's engine, request, reader engine, plan and reader rank",
+        )
+    num_tokens = sc.published.get_live(req.engine_id, req.request_id).num_tokens
+    if num_tokens != req.open_num_tokens:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION,
+            f"request {req.request_id!r} holds {num_tokens} tokens here, the reader planned "
+            f"{req.open_num_tokens}: its transfer params are out of date",
+        )
+    return open_for_reader(sc, o, plan, peer, PATH_STAGED if on_gpu else PATH_HOST_RING)
+
+
+def _quiesce(sc: Sidecar, state: sp.SendState) -> bool:
+    """Cancel the WRITEs still in flight and wait for them to end; False if one would not."""
+    quiet = True
+    for w in state.in_flight():
+        if w.future is None:
+            continue  # never posted
+        if not w.future.done():
+            with contextlib.suppress(Exception):
+                sc.nixl.cancel(w.future)
+        try:
+            w.future.result(timeout=CANCEL_WAIT_S)
+        except FutureTimeout:
+            quiet = False
+        except Exception:
+            pass  # it ended (failed or cancelled): nothing is in flight
+    return quiet
