@@ -10,6 +10,12 @@ on both alike.
 
     python bench/ring_latency.py --baseline HEAD~3            # 1, 16, 256 blocks of 32 KiB
     python bench/ring_latency.py --baseline main --blocks 1 --iters 300 --ring-bytes 8388608
+    python bench/ring_latency.py --gpu --baseline-tree DIR    # gpu-staged, 2 MiB model blocks
+
+--gpu: the engines' caches on GPUs (decode on cuda:1 where there is one, else on
+cuda:0 with the prefill), the rings at their default size, path gpu-staged.
+--baseline-tree: an exported tree (python -c "import baseline; print(baseline.export(REF))"
+in bench/) for machines where the checkout has no git history.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
@@ -44,6 +51,12 @@ SPEC = EngineSpec.from_dict(
 )
 
 
+# bench/gpu_latency.py's model rank: 32 layers, 8 heads, head_dim 128, bf16, 16 tokens = 2 MiB per block.
+GPU_SPEC = EngineSpec.from_dict(
+    SPEC.to_dict() | {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "num_blocks": 600}
+)
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
@@ -57,19 +70,27 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", metavar="GIT_REF", help="revision to compare with (omit: this tree only)")
+    ap.add_argument("--baseline-tree", metavar="DIR", help="an exported tree to compare with, instead")
+    ap.add_argument("--gpu", action="store_true", help="GPU caches and rings (path gpu-staged)")
     ap.add_argument("--blocks", default="1,16,256", help="blocks per pull, comma-separated")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--ring-bytes", type=int, default=8 << 20, help="gpu_staging_bytes (host rings)")
+    ap.add_argument(
+        "--ring-bytes", type=int, default=0, help="gpu_staging_bytes (0: 8 MiB host, default GPU)"
+    )
     ap.add_argument("--slots", type=int, default=0, help="gpu_staging_slots (0: default)")
     ap.add_argument("--old-args", default="", help="extra `serve` flags for the old tree's sidecars")
     ap.add_argument("--new-args", default="", help="extra `serve` flags for this tree's sidecars")
     args = ap.parse_args()
-    extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)]
+    spec = GPU_SPEC if args.gpu else SPEC
+    ring_bytes = args.ring_bytes or (0 if args.gpu else 8 << 20)
+    extra = [] if args.gpu else ["--host-transfer", "ring"]
+    extra += ["--gpu-staging-bytes", str(ring_bytes)] if ring_bytes else []
     extra += ["--gpu-staging-slots", str(args.slots)] if args.slots else []
+    path = "gpu-staged" if args.gpu else "host-ring"
     trees: dict[str, str | None] = {"new": None}
-    if args.baseline:
-        trees = {"old": baseline.export(args.baseline), "new": None}
+    if args.baseline or args.baseline_tree:
+        trees = {"old": args.baseline_tree or baseline.export(args.baseline), "new": None}
     elif args.old_args:
         trees = {"old": None, "new": None}  # this tree twice, with different flags
     env_of = {k: (baseline.env(t) if t else {}) | {"OMP_NUM_THREADS": "1"} for k, t in trees.items()}
@@ -90,8 +111,15 @@ def main() -> int:
                 strict=True,
             )
         )
-    shapes = SPEC.rank_tensor_shapes()
-    pcache, dcache = ShmKVCache(shapes, torch.bfloat16), ShmKVCache(shapes, torch.bfloat16)
+    shapes = spec.rank_tensor_shapes()
+    if args.gpu:
+        from kv_sidecar.refengine.gpu_cache import GpuKVCache
+
+        d_dev = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
+        pcache: Any = GpuKVCache(shapes, torch.bfloat16, torch.device("cuda", 0))
+        dcache: Any = GpuKVCache(shapes, torch.bfloat16, d_dev)
+    else:
+        pcache, dcache = ShmKVCache(shapes, torch.bfloat16), ShmKVCache(shapes, torch.bfloat16)
     for t in pcache.tensors:
         t.view(torch.uint8).random_()
     clients = {j: SidecarClient(sc.socket) for j, sc in procs.items()}
@@ -99,31 +127,31 @@ def main() -> int:
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     try:
         for k in trees:
-            clients[(k, "p")].register_rank(f"{k}-p", 0, SPEC.to_dict(), pcache.handles())
-            clients[(k, "d")].register_rank(f"{k}-d", 0, SPEC.to_dict(), dcache.handles())
+            clients[(k, "p")].register_rank(f"{k}-p", 0, spec.to_dict(), pcache.handles())
+            clients[(k, "d")].register_rank(f"{k}-d", 0, spec.to_dict(), dcache.handles())
         seq = iter(range(10**9))
         for n in (int(x) for x in args.blocks.split(",")):
             for k in trees:
                 results[(k, n)] = {"wall": [], "side": []}
             for i in range(args.warmup + args.iters):
-                src = rng.permutation(SPEC.num_blocks)[:n].tolist()
-                dst = rng.permutation(SPEC.num_blocks)[:n].tolist()
+                src = rng.permutation(spec.num_blocks)[:n].tolist()
+                dst = rng.permutation(spec.num_blocks)[:n].tolist()
                 order = list(trees) if i % 2 else list(reversed(list(trees)))
                 for k in order:
-                    params = clients[(k, "p")].publish(f"{k}-p", f"r{next(seq)}", src, n * SPEC.block_size)
+                    params = clients[(k, "p")].publish(f"{k}-p", f"r{next(seq)}", src, n * spec.block_size)
                     t0 = time.perf_counter()
                     res = clients[(k, "d")].pull(params, f"{k}-d", dst, timeout_s=60)
                     wall = time.perf_counter() - t0
                     if not res.ok:
                         raise RuntimeError(f"{k}: pull of {n} blocks failed: {res.error_code}: {res.error}")
-                    if res.path != "host-ring":
-                        raise RuntimeError(f"{k}: path {res.path}, not host-ring")
+                    if res.path != path:
+                        raise RuntimeError(f"{k}: path {res.path}, not {path}")
                     if i >= args.warmup:
                         results[(k, n)]["wall"].append(wall)
                         results[(k, n)]["side"].append(res.duration_s)
                     time.sleep(0.001)
             same = all(
-                torch.equal(p[:, src].view(torch.int16), d[:, dst].view(torch.int16))
+                torch.equal(p[:, src].view(torch.int16), d[:, dst].to(p.device).view(torch.int16))
                 for p, d in zip(pcache.tensors, dcache.tensors, strict=True)
             )
             if not same:
@@ -135,9 +163,10 @@ def main() -> int:
             sc.stop()
         pcache.close()
         dcache.close()
-    ref = baseline.describe(args.baseline) if args.baseline else ""
+    ref = args.baseline_tree or (baseline.describe(args.baseline) if args.baseline else "")
     print(
-        f"host-ring, {SPEC.rank_bytes() // SPEC.num_blocks // 1024} KiB blocks, rings {args.ring_bytes} B"
+        f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
+        f"rings {ring_bytes or 'default'} B"
         f"{f' / {args.slots} slots' if args.slots else ''}, {args.iters} pulls per row, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
     )
