@@ -166,7 +166,7 @@ def main() -> int:
     ref = args.baseline_tree or (baseline.describe(args.baseline) if args.baseline else "")
     print(
         f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
-        f"rings {ring_bytes or 'default'} B"
+        f"rings {f'{ring_bytes} B' if ring_bytes else 'default'}"
         f"{f' / {args.slots} slots' if args.slots else ''}, {args.iters} pulls per row, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
     )

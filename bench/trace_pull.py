@@ -10,6 +10,7 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py                  # other sidecar (host-nixl)
     python bench/trace_pull.py --local          # same sidecar (host-direct)
     python bench/trace_pull.py --ring [--blocks 16]   # other sidecar, the staged protocol (host-ring)
+    python bench/trace_pull.py --gpu                  # other sidecar, gpu-staged, 2 MiB model blocks
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -41,10 +43,20 @@ from kv_sidecar_client.shm import ShmKVCache  # noqa: E402
 SMALL = dataclasses.replace(SPEC, num_kv_heads=2, head_dim=64)
 
 
-def register(client: SidecarClient, engine_id: str, spec: EngineSpec) -> ShmKVCache:
+# --gpu: bench/gpu_latency.py's model rank, 32 layers, 8 heads, head_dim 128, bf16: 2 MiB per block.
+GPU_MODEL = dataclasses.replace(SPEC, num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=64)
+
+
+def register(client: SidecarClient, engine_id: str, spec: EngineSpec, device: int | None = None) -> Any:
+    """A cache in shared memory, or on GPU `device`, registered as rank 0 of `engine_id`."""
     import torch
 
-    cache = ShmKVCache(spec.rank_tensor_shapes(), torch.bfloat16)
+    if device is None:
+        cache: Any = ShmKVCache(spec.rank_tensor_shapes(), torch.bfloat16)
+    else:
+        from kv_sidecar.refengine.gpu_cache import GpuKVCache
+
+        cache = GpuKVCache(spec.rank_tensor_shapes(), torch.bfloat16, torch.device("cuda", device))
     client.register_rank(engine_id, 0, spec.to_dict(), cache.handles())
     return cache
 
@@ -68,6 +80,7 @@ STAGED = {
         "threading:Thread.start",
         "kv_sidecar.server.staged_reader:_stop_source",
         "kv_sidecar.server.staged_copies:HostCopies.launch",
+        "kv_sidecar.server.staged_copies:GpuCopies.launch",
         "kv_sidecar.server.staged_reader:_Credits.poll",
         "kv_sidecar.server.staged_protocol:SlotPool.acquire",
         "kv_sidecar.server.staged_protocol:RecvState.arrive",
@@ -81,6 +94,7 @@ STAGED = {
         "kv_sidecar.server.staged_source:serve_push",
         "kv_sidecar.server.staged_source:cached_plan",
         "kv_sidecar.server.staged_copies:HostCopies.launch",
+        "kv_sidecar.server.staged_copies:GpuCopies.launch",
         "kv_sidecar.server.staged_source:_Pump.poll",
         "kv_sidecar.server.published:PublishedStore.get_live",
         "kv_sidecar.server.staged_protocol:SlotPool.acquire",
@@ -95,6 +109,18 @@ STAGED = {
         "nixl_cu13._api:nixl_agent.initialize_xfer",
     ],
 }
+# --gpu: inside the copies of a staged transfer (validation, upload, launch templates, the launch).
+GPU_DETAIL = [
+    "kv_sidecar.execute.gpu:StagedCopies.__init__",
+    "kv_sidecar.execute.gpu:StagedCopies._template",
+    "kv_sidecar.execute.gpu:check_copy",
+    "kv_sidecar.execute.gpu:plan_launch",
+    "kv_sidecar.execute.gpu:staging_view",
+    "kv_sidecar.execute.gpu:_DeviceState.layer_table",
+    "kv_sidecar.execute.gpu_kernels:kv_copy_kernel.run",
+    "kv_sidecar.server.staged_copies:GpuCopies.__init__",
+    "kv_sidecar.server.staged_copies:GpuCopies.synchronize",
+]
 SPANS = {
     "decode": [
         *GRPC,
@@ -154,17 +180,23 @@ def collect(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]
 
 
 def main() -> int:
+    import torch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--local", action="store_true", help="same sidecar (host-direct)")
     ap.add_argument("--baseline", metavar="GIT_REF", help="trace the sidecar of this revision instead")
     ap.add_argument("--ring", action="store_true", help="the staged protocol on host memory (host-ring)")
+    ap.add_argument("--gpu", action="store_true", help="gpu-staged: GPU caches, default rings")
     ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (256 KiB each)")
     ap.add_argument("--small", action="store_true", help="32 KiB blocks instead of 256 KiB")
     ap.add_argument("--ring-bytes", type=int, default=64 << 20, help="--ring: gpu_staging_bytes (host rings)")
     args = ap.parse_args()
     extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
-    spans_of = {k: v + (STAGED[k] if args.ring else []) for k, v in SPANS.items()}
+    spans_of = {
+        k: v + (STAGED[k] if args.ring or args.gpu else []) + (GPU_DETAIL if args.gpu else [])
+        for k, v in SPANS.items()
+    }
     tree = baseline.export(args.baseline) if args.baseline else None
     tmp = tempfile.mkdtemp(prefix="pulltrace-")
     files = {"prefill": f"{tmp}/prefill.jsonl", "decode": f"{tmp}/decode.jsonl"}
@@ -182,8 +214,9 @@ def main() -> int:
         time.sleep(1.5)  # the tracer patches once the server modules are in
         ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
         dec = ca if args.local else cb
-        spec = SMALL if args.small else SPEC
-        caches += [register(ca, "tr-p", spec), register(dec, "tr-d", spec)]
+        spec = GPU_MODEL if args.gpu else SMALL if args.small else SPEC
+        devices = (0, 1 if torch.cuda.device_count() > 1 else 0) if args.gpu else (None, None)
+        caches += [register(ca, "tr-p", spec, devices[0]), register(dec, "tr-d", spec, devices[1])]
         for i in range(args.iters + 20):
             n = args.blocks
             params = ca.publish("tr-p", f"t{i}", list(range(n)), n * spec.block_size)
@@ -191,6 +224,7 @@ def main() -> int:
             res = dec.pull(params, "tr-d", list(range(spec.num_blocks - n, spec.num_blocks)))
             t1 = time.perf_counter()
             assert res.ok, res
+            assert not args.gpu or res.path == "gpu-staged", res.path
             if i >= 20:
                 calls.append((t0, t1))
             time.sleep(0.002)  # keep pulls apart, so late spans (notifications) stay on their pull
@@ -201,7 +235,7 @@ def main() -> int:
         a.stop()
         b.stop()
     print(
-        f"{'local' if args.local else 'ring' if args.ring else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
+        f"{'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
         f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms (load {os.getloadavg()[0]:.1f})"
     )
     print(
