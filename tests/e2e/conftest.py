@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar_client import SidecarClient
 
 P = TypeVar("P", EngineProcess, SidecarProcess)
 Spawn = Callable[[P], P]
@@ -83,3 +85,20 @@ def in_background(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, An
         return box[0]
 
     return result
+
+
+def no_transfer_in_flight(*sidecars: SidecarProcess, within_s: float = 5.0) -> None:
+    """Every pull and served read on these sidecars has ended. A served read ends when each reader
+    rank that depends on this sidecar has notified, or when its request ends otherwise (released,
+    aborted, expired); one left waiting would show here until it timed out, and would hold a
+    SIGTERM's drain as long."""
+    busy: dict[str, list[str]] = {}
+    deadline = time.monotonic() + within_s
+    while True:
+        for sc in sidecars:
+            with SidecarClient(sc.socket) as client:
+                busy[sc.name] = [f"{t.kind} {t.request_id}" for t in client.status().inflight]
+        if not any(busy.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not any(busy.values()), busy

@@ -28,7 +28,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc, status_pb2
 
-from .conftest import Spawn, frozen, in_background, spec_dict
+from .conftest import Spawn, frozen, in_background, no_transfer_in_flight, spec_dict
 from .events import no_event, wait_event
 
 _ids = itertools.count()
@@ -174,6 +174,7 @@ def test_abort_stops_every_pull_of_the_request(
         assert res["verified"], res  # nothing outside the requested blocks was written
     # The reader is gone for good: the prefill engine may free the blocks now.
     wait_event(prefill, "released", rid, timeout_s=10)
+    no_transfer_in_flight(a, b)  # the reads the frozen source opened late ended with the release
 
 
 def test_unregistering_a_rank_stops_only_its_pull(

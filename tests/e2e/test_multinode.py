@@ -26,7 +26,7 @@ from kv_sidecar.server.membership import REFRESH_S
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import spec_dict
+from .conftest import no_transfer_in_flight, spec_dict
 
 Nodes = dict[str, SidecarProcess]
 _ids = itertools.count()
@@ -166,25 +166,10 @@ def test_split_engines_are_bit_exact(nodes: Nodes, case: str) -> None:
                         _no_event(pproc)
                 told |= due
             assert told == set(range(pspec.tp_size))
-            _no_transfer_in_flight(nodes)
+            no_transfer_in_flight(*nodes.values())
     finally:
         for p in procs:
             p.stop()
-
-
-def _no_transfer_in_flight(nodes: Nodes, within_s: float = 5.0) -> None:
-    """Every served read has ended: each holder was told by exactly the decode ranks that depend on it
-    (a holder waiting on the others' notifications would report the read in flight until it timed out)."""
-    busy: dict[str, list[str]] = {}
-    deadline = time.monotonic() + within_s
-    while True:
-        for name, node in nodes.items():
-            with SidecarClient(node.socket) as client:
-                busy[name] = [f"{t.kind} {t.request_id}" for t in client.status().inflight]
-        if not any(busy.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not any(busy.values()), busy
 
 
 SPEC = EngineSpec.from_dict(spec_dict(tp_size=2))
@@ -318,7 +303,7 @@ def test_leader_that_lost_its_map_gets_it_back(nodes: Nodes) -> None:
         assert res["ok"] and res["verified"], res
         for node, rank in (("a", 0), ("b", 1)):
             assert _events(prefill[node], 1) == [("consumed", "r", rank)]
-        _no_transfer_in_flight(nodes)
+        no_transfer_in_flight(*nodes.values())
     finally:
         for p in [*prefill.values(), decode]:
             p.stop()

@@ -60,12 +60,16 @@ class PublishedStore:
         on_consumed: EventSink,
         on_expired: Callable[[Published], None],
         clock: Callable[[], float] = time.monotonic,
+        on_ended: Callable[[str, str, str], None] | None = None,
     ) -> None:
+        """on_ended(engine_id, request_id, why): a request ended otherwise than consumed (called
+        under this store's lock: it must not call back into the store)."""
         self._lock = threading.Lock()
         self._items: dict[tuple[str, str], Published] = {}
         self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._on_consumed = on_consumed
         self._on_expired = on_expired
+        self._on_ended = on_ended
         self._clock = clock
 
     def __len__(self) -> int:
@@ -102,6 +106,8 @@ class PublishedStore:
 
     def _end(self, key: tuple[str, str], why: str) -> None:
         self._items.pop(key, None)
+        if why != "consumed" and self._on_ended is not None:
+            self._on_ended(key[0], key[1], why)
         self._ended[key] = why
         self._ended.move_to_end(key)
         while len(self._ended) > _TOMBSTONES:

@@ -64,7 +64,12 @@ class Sidecar:
         self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
-        self.published = PublishedStore(self._on_consumed, self._on_expired)
+        # A request that ends early (released, aborted, expired) ends the reads of it that were open.
+        self.published = PublishedStore(
+            self._on_consumed,
+            self._on_expired,
+            on_ended=lambda e, r, why: self.transfers.end_serves(e, r, why),
+        )
         self.peers = Peers(self)
         self.membership = Membership(self)
         self.puller = Puller(self)

@@ -158,6 +158,15 @@ class TransferTracker:
             del self._serves[key]
         self._end_serve(t, "error", "the reader reported a failed read")
 
+    def end_serves(self, engine_id: str, request_id: str, why: str) -> None:
+        """The request ended here (released, aborted, expired) while reads of it were open: no
+        completion notification will come for them, so they end now rather than time out."""
+        with self._lock:
+            keys = [k for k in self._serves if k[:2] == (engine_id, request_id)]
+            gone = [self._serves.pop(k) for k in keys]
+        for t in gone:
+            self._end_serve(t, why.split(" ", 1)[0], f"the request was {why} while being read")
+
     def _end_serve(self, t: Transfer, outcome: str, error: str = "") -> None:
         duration = t.elapsed()
         with self._lock:
