@@ -1,0 +1,95 @@
+"""A served read's life on the source: which reader ranks it waits for, and that it ends with its request.
+
+PublishedStore and TransferTracker are pure (no gRPC, NIXL or processes); they
+are wired here as the sidecar wires them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_sidecar.plan.pair import PairPlan, plan_pair
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.published import PublishedStore
+from kv_sidecar.server.transfers import TransferTracker
+
+
+def _spec(tp: int) -> EngineSpec:
+    return EngineSpec.from_dict(
+        {
+            "tp_size": tp,
+            "num_layers": 2,
+            "num_kv_heads": 4,
+            "head_dim": 64,
+            "dtype": "bfloat16",
+            "block_size": 16,
+            "num_blocks": 32,
+            "layout": "flash_attn_nhd",
+        }
+    )
+
+
+class Source:
+    """One source sidecar's stores; `ranks`: the prefill ranks it holds (None: all)."""
+
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        self.tracker = TransferTracker()
+        self.consumed: list[int] = []
+        self.store = PublishedStore(
+            lambda _e, rank, _item: self.consumed.append(rank),
+            lambda _item: None,
+            on_ended=self.tracker.end_serves,
+        )
+        self.ranks = ranks
+
+    def open(self, plan: PairPlan, reader_ranks: list[int]) -> list[int]:
+        """OpenRead's bookkeeping (server/reads.py): returns the reader ranks the read waits for."""
+        item = self.store.open_read("p", "r", "d", plan, reader_ranks, 30.0)
+        served = item.readers_here(plan, reader_ranks)
+        if served:
+            self.tracker.begin_serve("p", "r", "d", "peer", served, 0, "host-nixl")
+        return served
+
+    def in_flight(self) -> list[str]:
+        return [f"{t.kind} {t.request_id}" for t in self.tracker.inflight()]
+
+
+@pytest.mark.parametrize("why", ["release", "abort"])
+def test_a_request_ending_early_ends_its_open_reads(why: str) -> None:
+    src = Source()
+    plan = plan_pair(_spec(1), _spec(1))
+    src.store.publish("p", "r", [3, 4], 20, 30.0)
+    assert src.open(plan, [0]) == [0]
+    assert src.in_flight() == ["serve r"]
+    if why == "release":
+        assert src.store.release("p", "r", "d", "the reader gave it up") is not None
+    else:
+        assert src.store.abort("p", "r")
+    assert src.in_flight() == []
+
+
+def test_a_consumed_request_ends_its_read_through_the_notifications_only() -> None:
+    src = Source()
+    plan = plan_pair(_spec(2), _spec(2))
+    src.store.publish("p", "r", [3, 4], 20, 30.0)
+    assert src.open(plan, [0, 1]) == [0, 1]
+    src.store.mark_done("p", "r", "d", 0, [0])
+    src.tracker.serve_rank_done("p", "r", "d", 0)
+    assert src.in_flight() == ["serve r"]  # decode rank 1 has not notified yet
+    src.store.mark_done("p", "r", "d", 1, [1])  # the request ends here as "consumed"...
+    assert src.in_flight() == ["serve r"]  # ...which leaves the read to its last notification
+    src.tracker.serve_rank_done("p", "r", "d", 1)
+    assert (src.in_flight(), sorted(src.consumed)) == ([], [0, 1])
+
+
+def test_a_member_waits_only_for_the_reader_ranks_that_read_its_ranks() -> None:
+    # Prefill TP 2 spread over two sidecars, decode TP 2: decode rank r reads prefill rank r.
+    plan = plan_pair(_spec(2), _spec(2))
+    holders = {0: Source(ranks=[0]), 1: Source(ranks=[1])}
+    for rank, src in holders.items():
+        src.store.publish("p", "r", [3, 4], 20, 30.0, ranks=[rank])
+        assert src.open(plan, [0, 1]) == [rank]  # every holder is opened with all reader ranks
+    for rank, src in holders.items():
+        src.store.mark_done("p", "r", "d", rank, [rank])
+        src.tracker.serve_rank_done("p", "r", "d", rank)
+        assert (src.in_flight(), src.consumed) == ([], [rank])
