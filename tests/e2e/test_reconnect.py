@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
@@ -71,21 +72,26 @@ def test_engine_registers_again_after_its_sidecar_restarts(
     assert second.stop() == 0
 
 
+@pytest.mark.parametrize("transfer", ["nixl", "ring"])
 def test_pulls_handshake_again_after_the_prefill_sidecar_restarts(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, transfer: str
 ) -> None:
-    """Same address and sidecar id after the restart: the decode sidecar's cached handshake is stale."""
-    fixed = ["--sidecar-id", "kvs-restarting-prefill"]
+    """Same address and sidecar id after the restart: the decode sidecar's cached handshake is stale.
+    ring: the staged protocol, whose one-read pulls open the request in their Push (no OpenRead)."""
+    mode = ["--host-transfer", "ring", "--gpu-staging-bytes", str(1 << 20)] if transfer == "ring" else []
+    fixed = ["--sidecar-id", f"kvs-restarting-prefill-{transfer}", *mode]
     first = spawn(SidecarProcess("restarting-prefill", extra=fixed))
     port = first.peer_address.rsplit(":", 1)[1]
-    decode = spawn(EngineProcess(sidecar_pair[1].socket, "restart2-d", SPEC))
-    prefill = spawn(EngineProcess(first.socket, "restart2-p", SPEC))
+    reader = spawn(SidecarProcess("restart-reader", extra=mode)) if mode else sidecar_pair[1]
+    decode = spawn(EngineProcess(reader.socket, f"restart2-d-{transfer}", SPEC))
+    prefill = spawn(EngineProcess(first.socket, f"restart2-p-{transfer}", SPEC))
     for attempt, sidecar in enumerate(("first", "second")):
         pub = prefill.send(
             {"cmd": "prefill", "request_id": sidecar, "block_ids": [2, 3], "num_tokens": 30, "seed": attempt}
         )
         res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [4, 5], "seed": attempt})
         assert res["ok"] and res["verified"], res
+        assert res["path"] == ("host-ring" if mode else "host-nixl"), res
         if sidecar == "first":
             prefill.kill()
             first.kill()
@@ -95,4 +101,4 @@ def test_pulls_handshake_again_after_the_prefill_sidecar_restarts(
                 )
             )
             assert second.peer_address == first.peer_address
-            prefill = spawn(EngineProcess(second.socket, "restart2-p", SPEC))
+            prefill = spawn(EngineProcess(second.socket, f"restart2-p-{transfer}", SPEC))
