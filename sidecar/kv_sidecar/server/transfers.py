@@ -3,9 +3,10 @@
 Two kinds:
 - pull: this sidecar fills a local engine's blocks (decode side);
 - serve: another sidecar reads a request published here (prefill side). It
-  starts at OpenRead and ends when every reader rank's NIXL notification has
-  arrived, when the reader reports a failure, or when it goes quiet for
-  `stale_s`. NIXL READs are one-sided: this side never sees the bytes move, so
+  starts when the request is opened (OpenRead, or a Push carrying the open)
+  and ends when the notification of every reader rank that reads a rank held
+  here has arrived, when the reader reports a failure, when the request ends
+  otherwise (released, aborted, expired), or when it goes quiet for `stale_s`. NIXL READs are one-sided: this side never sees the bytes move, so
   `bytes` of a served read is what the opened blocks hold for the ranks read
   (exact without a prefix hit, an upper bound with one).
 """
