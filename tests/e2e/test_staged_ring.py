@@ -347,6 +347,11 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "holds 20 tokens here, the reader planned 32: its transfer params are out of date",
             ),
+            (  # the rest of the Push is checked before its open: a bad one opens nothing
+                _merged(base, opens, transfer_id="not hex"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "transfer_id must be 16 lowercase hex characters",
+            ),
             (  # the request is not open for "someone" afterwards: nothing was opened by the refusals
                 base,
                 grpc.StatusCode.FAILED_PRECONDITION,

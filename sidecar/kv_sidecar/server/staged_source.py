@@ -171,8 +171,6 @@ def _push(
         raise SidecarError(
             Code.FAILED_PRECONDITION, f"plan mismatch: ours {plan.hash()}, the reader's {req.plan_hash}"
         )
-    if item is None:  # the open it carries, checked like an OpenRead, once the plan is known to match
-        item = _open_from_push(sc, req, plan, context.peer(), src_entry.gpu is not None)
     if not 0 <= req.reader_rank < reader_spec.tp_size:
         raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {req.reader_rank} out of range")
     heads = read_heads(plan, req.reader_rank, req.source_rank)  # from our plan, not the reader's word
@@ -186,7 +184,6 @@ def _push(
         raise SidecarError(Code.INVALID_ARGUMENT, "transfer_id must be 16 lowercase hex characters")
     if not 1 <= len(req.slots) <= MAX_SLOTS or any(s.length == 0 for s in req.slots):
         raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
-    check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
     ring = sc.gpu_staging.ring(src_entry.gpu.device if src_entry.gpu is not None else HOST, "send")
     per_block = gpu.staging_bytes(reader_spec, 1)
     cap = min(ring.slot_bytes, *(s.length for s in req.slots))
@@ -196,6 +193,9 @@ def _push(
             f"a staging slot ({cap} bytes) cannot hold one block of the reader's layout ({per_block} "
             "bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
         )
+    if item is None:  # the open it carries, checked like an OpenRead once the rest of the Push is sound
+        item = _open_from_push(sc, req, plan, context.peer(), src_entry.gpu is not None)
+    check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
     chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, cap // per_block)
     if not chunks:
         return peer_pb2.PushResponse()
