@@ -480,18 +480,23 @@ class Puller:
         the usual OpenRead-then-Push applies: not the ring path, or more than one read (TP gather,
         several local ranks, several holders). Unlike an early READ this needs no lease check: the
         source opens and checks the request before it WRITEs anything."""
-        sc, p = self._sc, req.params
-        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
-        if not on_gpu and sc.settings.host_transfer.lower() != "ring":
+        p = req.params
+        if not self._staged(remote, local):
             return None
-        if on_gpu and (remote.memory_kind != "VRAM" or any(e.gpu is None for e in local)):
-            return None  # the usual path says what is wrong
+        if len({remote.memory_kind == "VRAM", *(e.gpu is not None for e in local)}) > 1:
+            return None  # host and GPU memory mixed: the usual path says what is wrong
         if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
             return None
         try:
             return self._job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
+
+    def _staged(self, remote: RemoteEngine, local: list[RankEntry]) -> bool:
+        """Whether a pull across sidecars runs the staged protocol: always where either side is in GPU
+        memory, between host engines only with `host_transfer: ring`."""
+        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
+        return on_gpu or self._sc.settings.host_transfer.lower() == "ring"
 
     def _read_remote(
         self,
@@ -502,17 +507,16 @@ class Puller:
         cancel: PullTicket,
         deadline: float,
     ) -> tuple[int, str]:
-        sc, p = self._sc, req.params
+        p = req.params
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
-        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
-        if on_gpu and remote.memory_kind != "VRAM":
+        ring = self._staged(remote, local)  # the staged protocol (staged_reader.py)
+        if any(e.gpu is not None for e in local) and remote.memory_kind != "VRAM":
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
-        ring = on_gpu or sc.settings.host_transfer.lower() == "ring"  # the staged protocol (staged_reader.py)
         nbytes = 0
         if identity and not ring:
             nbytes = self._finish(job, self._post_identity(job, remote))

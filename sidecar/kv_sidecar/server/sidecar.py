@@ -68,7 +68,7 @@ class Sidecar:
         self.published = PublishedStore(
             self._on_consumed,
             self._on_expired,
-            on_ended=lambda e, r, why: self.transfers.end_serves(e, r, why),
+            on_ended=self.transfers.end_serves,
         )
         self.peers = Peers(self)
         self.membership = Membership(self)
