@@ -31,30 +31,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
+from gpu_latency import HOST_MODEL, MODEL
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 
-# bench/gpu_latency.py --host's block: 4 layers, 2 heads, head_dim 64, bf16, 16 tokens = 32 KiB.
-SPEC = EngineSpec.from_dict(
-    {
-        "tp_size": 1,
-        "num_layers": 4,
-        "num_kv_heads": 2,
-        "head_dim": 64,
-        "dtype": "bfloat16",
-        "block_size": 16,
-        "num_blocks": 640,
-        "layout": "flash_attn_nhd",
-    }
-)
-
-
-# bench/gpu_latency.py's model rank: 32 layers, 8 heads, head_dim 128, bf16, 16 tokens = 2 MiB per block.
-GPU_SPEC = EngineSpec.from_dict(
-    SPEC.to_dict() | {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "num_blocks": 600}
-)
+# bench/gpu_latency.py's ranks: --host's 32 KiB blocks (4 layers, 2 heads, head_dim 64, bf16, 16 tokens)
+# and, for --gpu, the model rank's 2 MiB blocks (32 layers, 8 heads, head_dim 128).
+SPEC = EngineSpec.from_dict(HOST_MODEL | {"num_blocks": 640})
+GPU_SPEC = EngineSpec.from_dict(MODEL | {"num_blocks": 600})
 
 
 def pct(xs: list[float], q: float) -> float:

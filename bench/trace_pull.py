@@ -31,6 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import baseline  # noqa: E402
+from gpu_latency import MODEL  # noqa: E402
 from latency import SPEC  # noqa: E402
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
@@ -44,7 +45,7 @@ SMALL = dataclasses.replace(SPEC, num_kv_heads=2, head_dim=64)
 
 
 # --gpu: bench/gpu_latency.py's model rank, 32 layers, 8 heads, head_dim 128, bf16: 2 MiB per block.
-GPU_MODEL = dataclasses.replace(SPEC, num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=64)
+GPU_MODEL = EngineSpec.from_dict(MODEL | {"num_blocks": 64})
 
 
 def register(client: SidecarClient, engine_id: str, spec: EngineSpec, device: int | None = None) -> Any:
