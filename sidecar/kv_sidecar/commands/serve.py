@@ -36,11 +36,12 @@ def add_parser(sub: Any) -> None:
     )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        choices = Settings.CHOICES.get(f.name)
+        kind = type(f.default)
+        choices = ("true", "false") if kind is bool else Settings.CHOICES.get(f.name)
         p.add_argument(
             flag,
             dest=f.name,
-            type=type(f.default),
+            type=str if kind is bool else kind,  # load_settings parses true/false
             default=None,
             metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
             help=f"{Settings.HELP[f.name]} (default: {f.default!r})",
@@ -83,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
         f"peer={sidecar.peer_address} metrics_port={sidecar.metrics_port}",
         flush=True,
     )
-    stop.wait()
+    # Python runs signal handlers on the main thread, between bytecodes: a signal the kernel hands
+    # another thread cannot wake an untimed wait here, and a SIGTERM would sit unhandled.
+    while not stop.wait(0.5):
+        pass
     sidecar.drain_in_flight(settings.drain_timeout_s)
     # The drain already waited for the work that matters; what is left (event streams) gets 1 s.
     sidecar.stop(grace_s=1.0)
