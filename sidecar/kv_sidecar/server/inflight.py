@@ -44,6 +44,12 @@ class PullTicket(threading.Event):
         self.set()
 
 
+def stopped_error(cancel: threading.Event, request_id: str) -> SidecarError:
+    """What a pull that was stopped (a PullTicket set) answers."""
+    why = getattr(cancel, "reason", "") or "aborted"
+    return SidecarError(Code.CANCELLED, f"pull of request {request_id!r} stopped: {why}")
+
+
 def _ranks_text(ranks: Iterable[int]) -> str:
     return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
 

@@ -6,9 +6,10 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -76,6 +77,7 @@ class PeerLink:
 
 
 # How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
+_STOP_POLL_S = 0.05  # how soon a peer call notices that its pull was stopped
 _TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICATE_VERIFY_FAILED", re.I)
 
 
@@ -94,6 +96,26 @@ def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
     return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
 
 
+def stoppable_call(
+    method: grpc.UnaryUnaryMultiCallable,
+    msg: Any,
+    timeout_s: float,
+    metadata: tuple[tuple[str, str], ...],
+    stop: threading.Event,
+    on_stop: Callable[[], Exception],
+) -> Any:
+    """A unary peer call that a stopped pull gives up at once (raising on_stop()), not at its deadline:
+    a peer that hangs must not hold the pull, its engine's rank or a drain for the whole timeout."""
+    call = method.future(msg, timeout=timeout_s, metadata=metadata)
+    while True:
+        try:
+            return call.result(timeout=_STOP_POLL_S)  # wakes at the answer, not at the poll
+        except grpc.FutureTimeoutError:
+            if stop.is_set():
+                call.cancel()
+                raise on_stop() from None
+
+
 class Peers:
     def __init__(self, sidecar: Sidecar) -> None:
         self._sc = sidecar
@@ -110,23 +132,44 @@ class Peers:
             return link
 
     def remote_engine(
-        self, address: str, engine_id: str, reader_engine: str, reader_spec: EngineSpec, timeout_s: float
+        self,
+        address: str,
+        engine_id: str,
+        reader_engine: str,
+        reader_spec: EngineSpec,
+        timeout_s: float,
+        stop: threading.Event,
+        on_stop: Callable[[], Exception],
     ) -> tuple[PeerLink, RemoteEngine]:
+        """The plan with a peer's engine, from the cache or a handshake; a pull that is stopped meanwhile
+        raises on_stop() at once (it may be waiting behind another pull's handshake to a hung peer)."""
         if self._closed:  # a pull still running at shutdown must not dial anew (and hang the exit)
             raise SidecarError(Code.UNAVAILABLE, f"this sidecar is shutting down; not calling {address}")
         link = self.link(address)
         key = (engine_id, reader_engine)
-        with link.lock:
+        while not link.lock.acquire(timeout=_STOP_POLL_S):
+            if stop.is_set():
+                raise on_stop()
+        try:
             known = link.engines.get(key)
             if known is not None and known.plan.decode == reader_spec:
                 return link, known
-            remote = self._handshake(link, engine_id, reader_engine, reader_spec, timeout_s)
+            remote = self._handshake(link, engine_id, reader_engine, reader_spec, timeout_s, stop, on_stop)
             if remote.complete():  # else ask again next time: more ranks may have registered
                 link.engines[key] = remote
             return link, remote
+        finally:
+            link.lock.release()
 
     def _handshake(
-        self, link: PeerLink, engine_id: str, reader_engine: str, reader_spec: EngineSpec, timeout_s: float
+        self,
+        link: PeerLink,
+        engine_id: str,
+        reader_engine: str,
+        reader_spec: EngineSpec,
+        timeout_s: float,
+        stop: threading.Event,
+        on_stop: Callable[[], Exception],
     ) -> RemoteEngine:
         sc = self._sc
         start = time.perf_counter()
@@ -140,7 +183,7 @@ class Peers:
             reader_spec=spec_to_proto(reader_spec),
         )
         try:
-            resp = link.stub.Handshake(req, timeout=timeout_s, metadata=sc.peer_metadata())
+            resp = stoppable_call(link.stub.Handshake, req, timeout_s, sc.peer_metadata(), stop, on_stop)
         except grpc.RpcError as e:
             sc.metrics.handshakes.labels("error").inc()
             raise rpc_error(e, link.address, "the handshake") from None
