@@ -17,6 +17,7 @@ rows use a fresh decode engine id per sample, so each pays for a handshake.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import itertools
 import os
@@ -111,6 +112,7 @@ class Pair:
     def __init__(self, tag: str, env: dict[str, str] | None = None) -> None:
         self.tag = tag
         self.caches: list[ShmKVCache] = []
+        self.owner = True
         self.sidecars = [
             SidecarProcess(f"lat-{tag}-prefill", env=env, start_timeout_s=120),
             SidecarProcess(f"lat-{tag}-decode", env=env, start_timeout_s=120),
@@ -136,7 +138,19 @@ class Pair:
         self.cb.unregister_rank(did, 0)
         return t
 
+    def over_grpc(self) -> Pair:
+        """The same sidecars and engines, with clients that never use the engine lane."""
+        view = copy.copy(self)
+        view.tag, view.owner = f"{self.tag}-grpc", False
+        a, b = self.sidecars
+        view.ca, view.cb = SidecarClient(a.socket, lane=False), SidecarClient(b.socket, lane=False)
+        return view
+
     def close(self) -> None:
+        for client in (self.ca, self.cb):
+            client.close()
+        if not self.owner:
+            return
         for c in self.caches:
             c.close()
         for sc in self.sidecars:
@@ -172,9 +186,11 @@ def main() -> int:
     rows: list[tuple[str, dict[str, float]]] = []
     try:
         pairs.append(Pair("new"))
+        pairs.append(pairs[0].over_grpc())
         if args.baseline:
             pairs.append(Pair("old", env=baseline.env(baseline.export(args.baseline))))
-        names = ["this tree"] + ([baseline.describe(args.baseline)] if args.baseline else [])
+        names = ["this tree, engine lane", "this tree, gRPC"]
+        names += [baseline.describe(args.baseline)] if args.baseline else []
         _, b = pairs[0].sidecars
         rows.append(
             (
@@ -207,6 +223,8 @@ def main() -> int:
         first = interleaved(pairs, lambda p: p.first_contact(next(fresh)), args.first_contact, warmup=0)
         for name, xs, p, (s0, n0) in zip(names, first, pairs, hs0, strict=True):
             rows.append((f"First pull of a new engine pair (incl. handshake) — {name}", percentiles(xs)))
+            if not p.owner:
+                continue  # its sidecars' handshakes are counted with the pair that owns them
             hs_sum, hs_n = handshake_seconds(p.sidecars[1].metrics_port)
             rows.append(
                 (
@@ -220,7 +238,7 @@ def main() -> int:
                 )
             )
     finally:
-        for p in pairs:
+        for p in reversed(pairs):  # views before the pair that owns their sidecars
             p.close()
 
     def ms(x: float) -> str:
@@ -242,6 +260,9 @@ def main() -> int:
             "grpc.health.v1 Check on the same sockets in the same run: the floor of one unary call. "
             "First-contact rows use a new decode engine id per sample, so the pull includes the handshake "
             "(NIXL metadata exchange, plan) and the first READ's descriptor-list preparation. "
+            "'engine lane' rows call Publish and Pull over the sidecar's engine lane (a plain unix socket "
+            "beside the gRPC one, the client's default); 'gRPC' rows call the same sidecars with "
+            "SidecarClient(lane=False). "
             + (
                 f"Rows marked {names[1]} run that revision's sidecar (exported with git archive) on a second "
                 "pair of sidecars in the same run, its samples interleaved with this tree's, so both see "

@@ -30,11 +30,22 @@ def test_precedence_flags_env_yaml_defaults(tmp_path: Path) -> None:
         ("log_format", "xml", "log_format must be one of text, json; got 'xml'"),
         ("tls_client_auth", "optional", "tls_client_auth must be one of require, none"),
         ("drain_timeout_s", "soon", "drain_timeout_s must be a number, got 'soon'"),
+        ("engine_lane", "maybe", "engine_lane must be true or false, got 'maybe'"),
     ],
 )
 def test_invalid_values_are_named(key: str, value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings({}, None, {f"KV_SIDECAR_{key.upper()}": value})
+
+
+def test_a_bool_setting_reads_true_and_false_from_any_source(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("engine_lane: false\n")
+    assert load_settings({}, str(cfg), {}).engine_lane is False  # YAML's own bool
+    assert load_settings({}, None, {"KV_SIDECAR_ENGINE_LANE": "0"}).engine_lane is False
+    assert load_settings({"engine_lane": "False"}, None, {"KV_SIDECAR_ENGINE_LANE": "0"}).engine_lane is False
+    assert load_settings({"engine_lane": "yes"}, str(cfg), {}).engine_lane is True
+    assert load_settings({}, None, {}).engine_lane is True
 
 
 def _security(**over: str) -> PeerSecurity:

@@ -1,8 +1,8 @@
-"""The engine-side thin client: a few calls over the sidecar's unix socket."""
+"""The engine-side thin client: a few calls over the sidecar's unix socket (Publish and Pull over its
+engine lane when the sidecar serves one: lane.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -13,20 +13,15 @@ import grpc
 from google.protobuf import json_format
 
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
+from kv_sidecar_client.lane import Lane, LanePull, lane_enabled, raise_for_answer
+from kv_sidecar_client.results import KVSidecarError, PendingPull, PullResult, pull_failure
+
+__all__ = ["KVSidecarError", "PendingPull", "PullResult", "pull_failure"]  # re-exported from results
 
 DEFAULT_SOCKET = "/run/kv-sidecar/engine.sock"
 TransferParams = common_pb2.TransferParams
 EngineSpec = common_pb2.EngineSpec
 TensorHandle = common_pb2.TensorHandle
-
-
-class KVSidecarError(Exception):
-    """A sidecar call failed; `code` is the gRPC status code name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 def _error(e: grpc.RpcError) -> KVSidecarError:
@@ -40,17 +35,6 @@ def target_of(target: str) -> str:
     if "://" not in target and not target.startswith("unix:") and ":" not in target:
         return f"unix:{target}"
     return target
-
-
-def pull_failure(code: str, details: str, trailing_metadata: Any, block_ids: list[int]) -> PullResult:
-    """A failed Pull as a PullResult; the sidecar names the blocks it did not fill in the trailers
-    (a comma list, or "all" of the requested ones when the list would not fit gRPC's header limit)."""
-    unfilled = list(block_ids)
-    with contextlib.suppress(Exception):
-        for key, value in trailing_metadata or ():
-            if key == "kvsidecar-unfilled-blocks" and value != "all":
-                unfilled = [int(b) for b in value.split(",") if b]
-    return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
 
 
 # The sidecar times out a pull first, with details; the client's own deadline is this much later and
@@ -77,6 +61,14 @@ def pull_request(
     )
 
 
+def start_lane_pull(lane: Lane, request: engine_pb2.PullRequest, timeout_s: float) -> LanePull | None:
+    """Send a Pull over the engine lane; None: it goes over gRPC."""
+    conn = lane.send(engine_pb2.LaneCall(pull=request))
+    if conn is None:
+        return None
+    return LanePull(lane, conn, list(request.block_ids), time.monotonic() + timeout_s + PULL_GRACE_S)
+
+
 def params_to_json(params: TransferParams) -> str:
     """Transfer params as JSON, to carry through a router (kv_transfer_params)."""
     return json_format.MessageToJson(params, indent=None, preserving_proto_field_name=True)
@@ -98,26 +90,6 @@ def spec_message(spec: Mapping[str, Any] | EngineSpec) -> EngineSpec:
     if d.get("kernel_block_size") is None:
         d.pop("kernel_block_size", None)
     return EngineSpec(**d)
-
-
-@dataclass
-class PullResult:
-    ok: bool
-    bytes: int = 0
-    duration_s: float = 0.0
-    path: str = ""
-    error_code: str = ""
-    error: str = ""
-    unfilled_blocks: list[int] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
-
-    def raise_for_error(self) -> PullResult:
-        if not self.ok:
-            raise KVSidecarError(self.error_code, self.error)
-        return self
 
 
 @dataclass
@@ -195,14 +167,21 @@ class SidecarClient:
         target: str = DEFAULT_SOCKET,
         timeout_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
+        lane: bool | None = None,
     ) -> None:
+        """`lane`: send Publish and Pull over the sidecar's engine lane when it serves one (default:
+        yes, unless the environment sets KV_SIDECAR_ENGINE_LANE=0)."""
         self.target = target = target_of(target)
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._lock = threading.Lock()
+        use_lane = lane_enabled() if lane is None else lane
+        self.lane: Lane | None = Lane(target) if use_lane else None
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         self._channel.close()
 
     def __enter__(self) -> SidecarClient:
@@ -263,6 +242,10 @@ class SidecarClient:
             num_tokens=num_tokens,
             lease_ms=lease_ms,
         )
+        if self.lane is not None:
+            answer = self.lane.call(engine_pb2.LaneCall(publish=req), self.timeout_s)
+            if answer is not None:
+                return raise_for_answer(answer).publish.params
         return self._call("Publish", req).params
 
     # -- decode -----------------------------------------------------------------------
@@ -286,11 +269,15 @@ class SidecarClient:
         ranks: Sequence[int] = (),
         start_token: int = 0,
         timeout_s: float | None = None,
-    ) -> PullCall:
+    ) -> PendingPull:
         """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
         so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
         req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout)
+        if self.lane is not None:
+            pending = start_lane_pull(self.lane, req, timeout)
+            if pending is not None:
+                return pending
         return PullCall(self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids))
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:

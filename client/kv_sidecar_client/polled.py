@@ -7,6 +7,8 @@ one-block pull measured 13-15 ms next to a busy loop instead of 4 ms idle.
 Here the calls run on a private asyncio loop (grpc.aio) that `poll()` advances
 one pass at a time from the caller's thread; gRPC's core receives the answer
 on its own (C++) thread, so no Python thread switch is on the pull's path.
+Where the sidecar serves an engine lane (lane.py), pulls go there instead:
+the answer waits in a plain socket that `done()` polls, with no loop at all.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from kv_sidecar_client.client import (
     TransferParams,
     pull_failure,
     pull_request,
+    start_lane_pull,
     target_of,
 )
+from kv_sidecar_client.lane import Lane, lane_enabled
+from kv_sidecar_client.results import PendingPull
 
 _local = threading.local()
 
@@ -80,7 +85,11 @@ class PolledPull:
 class PolledPulls:
     """A grpc.aio channel to a sidecar's engine socket on a loop that only `poll()` runs."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, lane: bool | None = None) -> None:
+        """`lane`: pulls go over the sidecar's engine lane when it serves one (as SidecarClient's)."""
+        self.lane: Lane | None = (
+            Lane(target_of(target)) if (lane_enabled() if lane is None else lane) else None
+        )
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -107,8 +116,12 @@ class PolledPulls:
         ranks: Sequence[int] = (),
         start_token: int = 0,
         timeout_s: float = 30.0,
-    ) -> PolledPull:
+    ) -> PendingPull:
         req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout_s)
+        if self.lane is not None:
+            pending = start_lane_pull(self.lane, req, timeout_s)
+            if pending is not None:
+                return pending
 
         async def call() -> Any:
             return await self._stub.Pull(req, timeout=timeout_s + PULL_GRACE_S)
@@ -136,6 +149,8 @@ class PolledPulls:
         if self._closed:
             return
         self._closed = True
+        if self.lane is not None:
+            self.lane.close()
         pending = [t for t in self._tasks if not t.done()]
         for t in pending:
             t.cancel()

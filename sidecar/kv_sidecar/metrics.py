@@ -60,6 +60,9 @@ class Metrics:
         self.staging_in_use = Gauge("kvsidecar_staging_bytes_in_use", "Staging bytes in use", registry=r)
         self.staging_capacity = Gauge("kvsidecar_staging_bytes_capacity", "Staging bytes owned", registry=r)
         self.inflight = Gauge("kvsidecar_inflight_transfers", "Pulls in progress", registry=r)
+        self.engine_lane_connections = Gauge(
+            "kvsidecar_engine_lane_connections", "Open connections to the engine lane", registry=r
+        )
         self.failures = Counter("kvsidecar_failures", "Failed operations by reason", ["reason"], registry=r)
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(

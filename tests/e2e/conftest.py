@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -14,6 +16,7 @@ import pytest
 
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import SidecarClient
+from kv_sidecar_client.lane import LANE_SUFFIX
 
 P = TypeVar("P", EngineProcess, SidecarProcess)
 Spawn = Callable[[P], P]
@@ -24,9 +27,8 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
     yield a, b
     codes = a.stop(), b.stop()
-    assert not os.path.exists(a.socket) and not os.path.exists(b.socket), (
-        "SIGTERM must remove the engine socket"
-    )
+    left = [p for sc in (a, b) for p in (sc.socket, sc.socket + LANE_SUFFIX) if os.path.exists(p)]
+    assert not left, f"SIGTERM must remove the engine socket and its lane: {left}"
     assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(
         list(a.stderr_tail) + list(b.stderr_tail)
     )
@@ -102,3 +104,10 @@ def no_transfer_in_flight(*sidecars: SidecarProcess, within_s: float = 5.0) -> N
             break
         time.sleep(0.1)
     assert not any(busy.values()), busy
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    """One sample of a sidecar's /metrics (0 when absent)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0

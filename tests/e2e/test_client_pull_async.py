@@ -1,5 +1,6 @@
 """The thin client's non-blocking pulls against a real sidecar: SidecarClient.pull_async (a future) and
-PolledPulls (advanced only by the caller's polls), on success, failure and cancellation."""
+PolledPulls (advanced only by the caller's polls), on success, failure and cancellation, over gRPC and
+over the engine lane."""
 
 from __future__ import annotations
 
@@ -22,18 +23,19 @@ def unknown_request(sidecar: SidecarProcess) -> TransferParams:
     )
 
 
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
 @pytest.mark.parametrize("kind", ["future", "polled"])
 def test_a_failed_pull_names_its_blocks_without_raising(
-    kind: str, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+    kind: str, lane: bool, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
 ) -> None:
     a, b = sidecar_pair
     params = unknown_request(a)
     if kind == "future":
-        with SidecarClient(b.socket) as c:
+        with SidecarClient(b.socket, lane=lane) as c:
             call = c.pull_async(params, "nobody-local", [5, 6], timeout_s=5)
             result = call.result()
     else:
-        pulls = PolledPulls(b.socket)
+        pulls = PolledPulls(b.socket, lane=lane)
         try:
             call = pulls.start(params, "nobody-local", [5, 6], timeout_s=5)
             deadline = time.monotonic() + 10
@@ -49,11 +51,11 @@ def test_a_failed_pull_names_its_blocks_without_raising(
     assert call.done_at > 0
 
 
-def test_polled_pull_is_not_advanced_without_polls_and_can_be_cancelled(
+def test_polled_grpc_pull_is_not_advanced_without_polls_and_can_be_cancelled(
     sidecar_pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:
     a, b = sidecar_pair
-    pulls = PolledPulls(b.socket)
+    pulls = PolledPulls(b.socket, lane=False)
     try:
         call = pulls.start(unknown_request(a), "nobody-local", [9], timeout_s=5)
         time.sleep(0.3)  # the answer is back in gRPC's core, but nobody polled

@@ -6,11 +6,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -23,7 +21,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
-from .conftest import Spawn, spec_dict
+from .conftest import Spawn, metric, spec_dict
 from .events import wait_event
 
 # A long pull: converting NHD -> HND through a staging area of 3 blocks takes one NIXL
@@ -41,12 +39,6 @@ def slow_decode_sidecar() -> Iterator[SidecarProcess]:
     yield sc
     assert sc.alive, "the decode sidecar must survive every failure in this module"
     assert sc.stop() == 0
-
-
-def _metric(port: int, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
 
 
 def _serving(target: str) -> bool:
@@ -84,7 +76,7 @@ def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: f
 def _wait_transfer_started(decode_sidecar: SidecarProcess, timeout_s: float = 30) -> None:
     """Until the staged conversion holds staging memory: bytes are moving."""
     deadline = time.monotonic() + timeout_s
-    while _metric(decode_sidecar.metrics_port, "kvsidecar_staging_bytes_in_use") == 0:
+    while metric(decode_sidecar.metrics_port, "kvsidecar_staging_bytes_in_use") == 0:
         assert time.monotonic() < deadline, "the long pull never started moving bytes"
         time.sleep(0.02)
     time.sleep(0.05)
@@ -125,7 +117,7 @@ def test_decode_engine_dies_mid_pull(
     prefill = spawn(EngineProcess(a.socket, "die-p", SRC))
     decode = spawn(EngineProcess(sc.socket, "die-d", DST))
     pid = decode.proc.pid
-    cancelled = _metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+    cancelled = metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
     try:
         _start_long_pull(prefill, decode, timeout_s=60)
         _wait_transfer_started(sc)
@@ -146,7 +138,7 @@ def test_decode_engine_dies_mid_pull(
                 assert time.monotonic() < deadline, "the dead engine's rank stayed registered"
                 time.sleep(0.1)
         assert not _mapped(sc.proc.pid, f"kvsidecar-{pid}-"), "the dead engine's memory is still mapped"
-        after = _metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+        after = metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
         assert after == cancelled + 1, "the in-flight pull was not cancelled"
         assert sc.alive and _serving(f"unix:{sc.socket}")
     finally:

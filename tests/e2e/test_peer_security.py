@@ -10,10 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
 from .certs import CertAuthority, Issued
-from .conftest import spec_dict
+from .conftest import metric, spec_dict
 
 SPEC = EngineSpec.from_dict(spec_dict())
 SERVER_NAME = "kv-sidecar-peer"
@@ -177,12 +175,6 @@ def _rpc_error(fn: Any) -> grpc.RpcError:
     return info.value
 
 
-def _metric(port: int, name: str, labels: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 # --------------------------------------------------------------------------- TLS only
 
 
@@ -250,9 +242,7 @@ def test_client_without_a_valid_certificate_is_refused(mtls: MtlsGroup, pki: Pki
 def test_missing_or_wrong_token_is_unauthenticated_but_health_is_open(mtls: MtlsGroup, pki: Pki) -> None:
     p = mtls.prefill
     labels = '{reason="peer_token_%s"}'
-    before = {
-        r: _metric(p.metrics_port, "kvsidecar_failures_total", labels % r) for r in ("missing", "wrong")
-    }
+    before = {r: metric(p.metrics_port, "kvsidecar_failures_total", labels % r) for r in ("missing", "wrong")}
     with _channel(p, _creds(pki.ca.ca_file, pki.shared)) as ch:
         # Kubernetes gRPC probes cannot send metadata: health needs no token.
         assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
@@ -268,7 +258,7 @@ def test_missing_or_wrong_token_is_unauthenticated_but_health_is_open(mtls: Mtls
             lambda: peer_pb2_grpc.PeerServiceStub(ch).Handshake(peer_pb2.HandshakeRequest(), timeout=10)
         )
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
-    after = {r: _metric(p.metrics_port, "kvsidecar_failures_total", labels % r) for r in ("missing", "wrong")}
+    after = {r: metric(p.metrics_port, "kvsidecar_failures_total", labels % r) for r in ("missing", "wrong")}
     assert after["missing"] == before["missing"] + 2  # Status and Handshake
     assert after["wrong"] == before["wrong"] + 2
     assert any("refused /kvsidecar.v1.PeerService/Handshake" in line for line in p.stderr_tail)

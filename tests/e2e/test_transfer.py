@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
-import urllib.request
 
 import grpc
 import pytest
@@ -14,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
-from .conftest import spec_dict
+from .conftest import metric, spec_dict
 
 _ids = itertools.count()
 
@@ -75,12 +73,6 @@ def test_pull_within_one_sidecar_copies_directly(sidecar_pair: tuple[SidecarProc
         decode.stop()
 
 
-def _metric(port: int, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
     a, b = sidecar_pair
     for target in (f"unix:{a.socket}", a.peer_address):
@@ -96,7 +88,7 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
             ]
             assert "grpc.health.v1.Health" in names
             assert any(n.startswith("kvsidecar.v1.") for n in names)
-    before = _metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')
+    before = metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')
     spec = EngineSpec.from_dict(spec_dict())
     prefill, decode = EngineProcess(a.socket, "p-metrics", spec), EngineProcess(b.socket, "d-metrics", spec)
     try:
@@ -104,7 +96,7 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
     finally:
         prefill.stop()
         decode.stop()
-    after = _metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')
+    after = metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')
     assert after == before + 1
-    assert _metric(b.metrics_port, "kvsidecar_pull_bytes_total", '{path="host-nixl"}') > 0
-    assert _metric(b.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}') >= 1
+    assert metric(b.metrics_port, "kvsidecar_pull_bytes_total", '{path="host-nixl"}') > 0
+    assert metric(b.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}') >= 1

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from kv_sidecar_client.client import Event, PullCall, PullResult, params_from_json
-from kv_sidecar_client.polled import PolledPull, PolledPulls
+from kv_sidecar_client.client import Event, PendingPull, PullResult, params_from_json
+from kv_sidecar_client.polled import PolledPulls
 from kv_sidecar_client.session import EngineSession
 from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
 from kv_sidecar_client.vllm.kv_layout import KVDescription
@@ -69,7 +69,7 @@ class SidecarWorker:
         self._finished_recving: set[str] = set()
         self._unfilled: dict[str, set[int]] = {}
         self._invalid_blocks: set[int] = set()
-        self._inflight: dict[str, tuple[PullCall | PolledPull, PullOrder, float, float]] = {}
+        self._inflight: dict[str, tuple[PendingPull, PullOrder, float, float]] = {}
         self.session = connect_session(config, self._on_event)
         # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
         # the busy engine loop); a thread that already runs an asyncio loop uses the client's futures.

@@ -132,8 +132,10 @@ class EngineProcess(_Proc):
         start_timeout_s: float = 60,
         devices: list[str] | None = None,
         leader: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars."""
+        """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars.
+        `env`: added to the engine's environment (e.g. KV_SIDECAR_ENGINE_LANE=0)."""
         argv = [
             sys.executable,
             "-m",
@@ -151,7 +153,7 @@ class EngineProcess(_Proc):
             argv += ["--devices", ",".join(devices)]
         if leader:
             argv += ["--leader", leader]
-        super().__init__(argv, f"engine {engine_id}")
+        super().__init__(argv, f"engine {engine_id}", env)
         self.spec = spec
         self.engine_id = engine_id
         try:

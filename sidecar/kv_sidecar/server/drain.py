@@ -64,14 +64,15 @@ class Drain:
                 self._cond.wait(min(remaining, 0.05))
             return self._inflight + other_busy()
 
-    def _enter(self) -> bool:
+    def enter(self) -> bool:
+        """Count a call as in flight, unless draining began (then False: refuse it)."""
         with self._cond:
             if self._draining:
                 return False
             self._inflight += 1
             return True
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         with self._cond:
             self._inflight -= 1
             self._cond.notify_all()
@@ -107,12 +108,12 @@ class _Gate(grpc.ServerInterceptor):
         inner = handler.unary_unary
 
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            if not drain._enter():
+            if not drain.enter():
                 return refuse(request, context)
             try:
                 return inner(request, context)
             finally:
-                drain._leave()
+                drain.leave()
 
         return grpc.unary_unary_rpc_method_handler(
             counted,

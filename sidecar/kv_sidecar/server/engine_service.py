@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kv_sidecar.plan.blocks import check_block_ids
+from kv_sidecar.server import engine_calls
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id, rpc, stream_rpc
 from kv_sidecar.server.inflight import wait_finished
@@ -19,7 +18,6 @@ from kv_sidecar.server.peers import rpc_error
 from kv_sidecar.server.release import release_source
 from kv_sidecar.server.status import build_status
 from kv_sidecar_client._proto.kvsidecar.v1 import (
-    common_pb2,
     engine_pb2,
     engine_pb2_grpc,
     peer_pb2,
@@ -131,65 +129,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def Publish(
         self, request: engine_pb2.PublishRequest, context: grpc.ServicerContext
     ) -> engine_pb2.PublishResponse:
-        sc = self._sc
-        check_id("engine_id", request.engine_id)
-        check_id("request_id", request.request_id)
-        spec = sc.engines.spec(request.engine_id)
-        if request.num_tokens <= 0:
-            raise SidecarError(Code.INVALID_ARGUMENT, "num_tokens must be positive")
-        need = math.ceil(request.num_tokens / spec.block_size)
-        if len(request.block_ids) != need:
-            raise SidecarError(
-                Code.INVALID_ARGUMENT,
-                f"{request.num_tokens} tokens at block size {spec.block_size} need {need} blocks, "
-                f"got {len(request.block_ids)}",
-            )
-        check_block_ids("prefill", request.block_ids, spec.num_blocks)
-        sc.membership.check_publish(request.engine_id, spec.tp_size)
-        lease_ms = request.lease_ms or sc.settings.lease_ms
-        item = sc.published.publish(
-            request.engine_id,
-            request.request_id,
-            list(request.block_ids),
-            request.num_tokens,
-            lease_ms / 1000,
-            ranks=sc.membership.held_here(request.engine_id),
-        )
-        try:  # a multi-node engine: hold it on the member sidecars too
-            sc.membership.publish_on_members(
-                request.engine_id, request.request_id, request.block_ids, request.num_tokens, lease_ms
-            )
-        except BaseException:
-            sc.published.abort(request.engine_id, request.request_id)
-            raise
-        sc.refresh_gauges()
-        params = common_pb2.TransferParams(
-            engine_id=request.engine_id,
-            sidecar_address=sc.peer_address,
-            sidecar_id=sc.sidecar_id,
-            request_id=request.request_id,
-            block_ids=request.block_ids,
-            num_tokens=request.num_tokens,
-            lease_deadline_unix_ms=item.deadline_unix_ms(),
-        )
-        return engine_pb2.PublishResponse(params=params)
+        return engine_calls.publish(self._sc, request)
 
     @rpc
     def Pull(self, request: engine_pb2.PullRequest, context: grpc.ServicerContext) -> engine_pb2.PullResponse:
-        sc = self._sc
-        check_id("engine_id", request.engine_id)
-        check_id("params.request_id", request.params.request_id)
-        check_id("params.engine_id", request.params.engine_id)
-        # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
-        # their own rank); no ranks means every rank registered now.
-        ranks = list(request.ranks) or sc.engines.ranks_of(request.engine_id)
-        ticket = sc.pulls.begin(request.engine_id, request.params.request_id, ranks)
-        # The engine went away (or gave up the call): stop, and let the source free its blocks.
-        context.add_callback(lambda: ticket.stop("the engine's call ended", release_source=True))
-        try:
-            return sc.puller.pull(request, ticket)
-        finally:
-            sc.pulls.end(ticket)
+        return engine_calls.pull(self._sc, request, context.add_callback)
 
     @rpc
     def KeepAlive(

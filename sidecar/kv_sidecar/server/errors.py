@@ -38,10 +38,16 @@ def as_sidecar_error(e: Exception) -> SidecarError:
     return SidecarError(Code.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
 
-def _abort(context: grpc.ServicerContext, e: Exception) -> None:
+def handler_error(e: Exception) -> SidecarError:
+    """What a handler's exception tells the caller; an internal error is logged with its stack."""
     err = as_sidecar_error(e)
     if err.code is Code.INTERNAL:
         log.exception("internal error in handler")
+    return err
+
+
+def _abort(context: grpc.ServicerContext, e: Exception) -> None:
+    err = handler_error(e)
     if err.metadata:
         context.set_trailing_metadata(err.metadata)
     context.abort(err.code, err.message)

@@ -20,6 +20,7 @@ from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.drain import Drain
+from kv_sidecar.server.engine_lane import EngineLane
 from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.gpu_staging import GpuStaging
@@ -33,6 +34,7 @@ from kv_sidecar.server.pull import Puller, parse_notification
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kv_sidecar_client.lane import LANE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class Sidecar:
         self.peer_port = 0
         self.metrics_port = 0
         self._engine_server: grpc.Server | None = None
+        self.engine_lane: EngineLane | None = None
         self._peer_server: grpc.Server | None = None
         self._health = [health.HealthServicer(), health.HealthServicer()]
         self._http: Any = None
@@ -140,6 +143,8 @@ class Sidecar:
         )
         self._engine_server.start()
         self._peer_server.start()
+        if s.engine_lane:
+            self._start_lane(sock + LANE_SUFFIX)
         if s.metrics_port >= 0:
             self._http, _ = start_http_server(
                 s.metrics_port, addr=s.peer_host or "0.0.0.0", registry=self.metrics.registry
@@ -160,6 +165,15 @@ class Sidecar:
         )
         if self.security.token and not self.security.tls:
             log.warning("the peer token is sent in plaintext: set tls_cert/tls_key to encrypt it")
+
+    def _start_lane(self, path: str) -> None:
+        lane = EngineLane(self, path, self.settings.engine_workers)
+        try:
+            lane.start()
+        except OSError as e:  # e.g. a path past the 107 bytes a unix socket takes: gRPC still serves
+            log.warning("engine lane not served at %s: %s; engines use gRPC for every call", path, e)
+            return
+        self.engine_lane = lane
 
     def _add_peer_port(self, server: grpc.Server) -> int:
         s = self.settings
@@ -188,6 +202,8 @@ class Sidecar:
         for hs in self._health:
             hs.enter_graceful_shutdown()
         self._stop.set()
+        if self.engine_lane is not None:
+            self.engine_lane.stop()
         events = [srv.stop(grace_s) for srv in (self._engine_server, self._peer_server) if srv is not None]
         for ev in events:
             ev.wait(grace_s + 1)

@@ -165,3 +165,44 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LaneHello(_message.Message):
+    __slots__ = ("version", "sidecar_id", "max_call_bytes", "refused")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sidecar_id: str
+    max_call_bytes: int
+    refused: str
+    def __init__(self, version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., max_call_bytes: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class LaneCall(_message.Message):
+    __slots__ = ("pull", "publish")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    publish: PublishRequest
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishRequest, _Mapping]] = ...) -> None: ...
+
+class LaneAnswer(_message.Message):
+    __slots__ = ("pull", "publish", "code", "message", "trailers")
+    class TrailersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    pull: PullResponse
+    publish: PublishResponse
+    code: str
+    message: str
+    trailers: _containers.ScalarMap[str, str]
+    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...

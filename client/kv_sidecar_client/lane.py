@@ -1,0 +1,204 @@
+"""The engine lane, client side: Publish and Pull over "<engine socket>.lane" when the sidecar serves it.
+
+A unary gRPC call from Python costs ~0.45 ms on loopback; a frame on this socket ~0.02 ms
+(docs/benchmarks.md). The protocol is LaneHello / LaneCall / LaneAnswer in engine.proto. Each call
+in flight has a connection of its own, kept for the next call once its answer is read. No thread of
+ours is involved: an answer waits in its socket until the caller's thread looks (`done()`,
+`result()`), so a pull costs a busy engine loop no thread switch.
+
+Whatever the lane cannot take (no lane there, a refused connection, a call over its size limit)
+goes over gRPC, which answers it with the same statuses.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from multiprocessing.connection import Client, Connection
+
+from google.protobuf.message import DecodeError
+
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
+from kv_sidecar_client.results import KVSidecarError, PullResult, pull_failure
+
+LANE_VERSION = 1
+LANE_SUFFIX = ".lane"
+ENV_SWITCH = "KV_SIDECAR_ENGINE_LANE"  # "0" turns the lane off in every client of this process
+_LOOK_AGAIN_S = 1.0  # after the lane was not there, gRPC takes the calls this long before we look again
+_HELLO_TIMEOUT_S = 2.0
+
+
+def lane_path(target: str) -> str | None:
+    """The lane beside a unix-socket gRPC target; None for other targets."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix) :] + LANE_SUFFIX
+    return None
+
+
+def lane_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class Lane:
+    """Connections to one sidecar's engine lane."""
+
+    def __init__(self, target: str) -> None:
+        self.path = lane_path(target)
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._look_at = 0.0
+        self._max_call_bytes = 0
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def send(self, call: engine_pb2.LaneCall) -> Connection | None:
+        """Send a call on a connection of its own; None: send it over gRPC instead."""
+        data = call.SerializeToString()
+        for _ in range(2):  # an idle connection may have gone with a restarted sidecar: once more
+            conn = self._take()
+            if conn is None:
+                return None
+            if len(data) > self._max_call_bytes:
+                self.give_back(conn)
+                return None  # gRPC answers it (RESOURCE_EXHAUSTED when over its limit too)
+            try:
+                conn.send_bytes(data)
+                return conn
+            except OSError:  # nothing was taken: the sidecar reads whole frames only
+                conn.close()
+        return None
+
+    def call(self, call: engine_pb2.LaneCall, timeout_s: float) -> engine_pb2.LaneAnswer | None:
+        """Send a call and wait for its answer; None: send it over gRPC instead."""
+        conn = self.send(call)
+        if conn is None:
+            return None
+        answer = read_answer(conn, timeout_s)
+        self.give_back(conn)
+        return answer
+
+    def give_back(self, conn: Connection) -> None:
+        with self._lock:
+            self._idle.append(conn)
+
+    def _take(self) -> Connection | None:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.poll(0):
+                    return conn
+                conn.close()  # something to read on an idle connection: the sidecar closed it
+        return self._connect()
+
+    def _connect(self) -> Connection | None:
+        now = time.monotonic()
+        if self.path is None or now < self._look_at:
+            return None
+        try:
+            conn = Client(self.path, family="AF_UNIX")
+        except OSError:  # no lane (an older sidecar, lane off, not up yet): gRPC for a while
+            self._look_at = now + _LOOK_AGAIN_S
+            return None
+        try:
+            if not conn.poll(_HELLO_TIMEOUT_S):
+                raise EOFError("no hello")
+            hello = engine_pb2.LaneHello.FromString(conn.recv_bytes(1 << 16))
+        except (EOFError, OSError, DecodeError):
+            hello = None
+        if hello is None or hello.version != LANE_VERSION or hello.refused:
+            conn.close()
+            self._look_at = now + _LOOK_AGAIN_S
+            return None
+        self._max_call_bytes = hello.max_call_bytes
+        return conn
+
+
+def read_answer(conn: Connection, timeout_s: float) -> engine_pb2.LaneAnswer:
+    """The answer to the call sent on `conn`. On any failure `conn` is closed (a pull then stops)."""
+    try:
+        if not conn.poll(max(0.0, timeout_s)):
+            conn.close()
+            raise KVSidecarError("DEADLINE_EXCEEDED", f"no answer from the sidecar in {timeout_s:.1f} s")
+        return engine_pb2.LaneAnswer.FromString(conn.recv_bytes())
+    except (EOFError, OSError, DecodeError) as e:
+        conn.close()
+        raise KVSidecarError(
+            "UNAVAILABLE", f"the sidecar closed the engine lane before answering ({e})"
+        ) from None
+
+
+def raise_for_answer(answer: engine_pb2.LaneAnswer) -> engine_pb2.LaneAnswer:
+    if answer.code:
+        raise KVSidecarError(answer.code, answer.message)
+    return answer
+
+
+class LanePull:
+    """A pull in flight on the lane; `done()`, `result()` and `cancel()` as on SidecarClient's."""
+
+    def __init__(self, lane: Lane, conn: Connection, block_ids: list[int], deadline: float) -> None:
+        self._lane = lane
+        self._conn = conn
+        self._block_ids = block_ids
+        self._deadline = deadline
+        self._result: PullResult | None = None
+        self._cancelled = False
+        self.done_at = 0.0
+
+    def done(self) -> bool:
+        if self._result is None and (self._cancelled or self._ready()):
+            self._finish(0.0)
+        return self._result is not None
+
+    def result(self) -> PullResult:
+        if self._result is None:
+            self._finish(self._deadline - time.monotonic())
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Give up; closing the connection stops the pull on the sidecar, which releases the source."""
+        if self._result is not None:
+            return
+        self._cancelled = True
+        # Shut down, not close: it also wakes a result() waiting on another thread.
+        try:
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _ready(self) -> bool:
+        try:
+            return self._conn.poll(0)
+        except OSError:
+            return True  # closed: _finish says so
+
+    def _finish(self, timeout_s: float) -> None:
+        try:
+            if self._cancelled:
+                raise KVSidecarError("CANCELLED", "cancelled")
+            answer = read_answer(self._conn, timeout_s)
+        except KVSidecarError as e:
+            self._conn.close()
+            code = "CANCELLED" if self._cancelled else e.code
+            self._result = pull_failure(
+                code, e.message if code == e.code else "cancelled", (), self._block_ids
+            )
+        else:
+            self._lane.give_back(self._conn)
+            if answer.code:
+                self._result = pull_failure(
+                    answer.code, answer.message, answer.trailers.items(), self._block_ids
+                )
+            else:
+                r = answer.pull
+                self._result = PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
+        self.done_at = time.monotonic()
