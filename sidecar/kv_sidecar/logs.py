@@ -13,6 +13,7 @@ import logging
 import logging.handlers
 import queue
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -72,6 +73,22 @@ class _Deferred(logging.handlers.QueueHandler):
         return record
 
 
+class _Writer(logging.handlers.QueueListener):
+    """Looks for records every 20 ms instead of waking for each one: a writer that wakes at once takes
+    the GIL (to format and write) just as the pull that logged is answering, which cost ~0.1 ms of a
+    0.5 ms same-sidecar pull (bench/trace_pull.py --local, log level INFO against WARNING)."""
+
+    def dequeue(self, block: bool) -> logging.LogRecord:
+        while True:
+            try:
+                return self.queue.get_nowait()  # type: ignore[no-any-return]
+            except queue.Empty:
+                if not block:
+                    raise
+                time.sleep(_WRITE_EVERY_S)
+
+
+_WRITE_EVERY_S = 0.02
 _listener: logging.handlers.QueueListener | None = None
 
 
@@ -89,7 +106,7 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
     _stop_writer()
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    _listener = logging.handlers.QueueListener(records, handler)
+    _listener = _Writer(records, handler)
     _listener.start()
     atexit.register(_stop_writer)  # once per call; a stopped writer is not stopped again
     root = logging.getLogger()

@@ -111,3 +111,14 @@ def metric(port: int, name: str, labels: str = "") -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
+
+
+def logged(proc: SidecarProcess, fragment: str, within_s: float = 5.0) -> bool:
+    """Whether a line of the sidecar's stderr holds `fragment` within `within_s` (its log writer
+    writes every 20 ms)."""
+    deadline = time.monotonic() + within_s
+    while not any(fragment in line for line in proc.stderr_tail):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

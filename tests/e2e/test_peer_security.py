@@ -27,7 +27,7 @@ from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
 from .certs import CertAuthority, Issued
-from .conftest import metric, spec_dict
+from .conftest import logged, metric, spec_dict
 
 SPEC = EngineSpec.from_dict(spec_dict())
 SERVER_NAME = "kv-sidecar-peer"
@@ -261,7 +261,7 @@ def test_missing_or_wrong_token_is_unauthenticated_but_health_is_open(mtls: Mtls
     after = {r: metric(p.metrics_port, "kvsidecar_failures_total", labels % r) for r in ("missing", "wrong")}
     assert after["missing"] == before["missing"] + 2  # Status and Handshake
     assert after["wrong"] == before["wrong"] + 2
-    assert any("refused /kvsidecar.v1.PeerService/Handshake" in line for line in p.stderr_tail)
+    assert logged(p, "refused /kvsidecar.v1.PeerService/Handshake"), "\n".join(p.stderr_tail)
 
 
 def test_pull_through_a_sidecar_with_the_wrong_token_fails_clearly(mtls: MtlsGroup, engines) -> None:
