@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,8 @@ class SidecarProcess(_Proc):
         start_timeout_s: float = 60,
     ) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvsidecar-")
+        if workdir is None:  # ours: gone with this object (a restart may reuse it meanwhile)
+            weakref.finalize(self, shutil.rmtree, self.workdir, True)
         self.socket = os.path.join(self.workdir, f"{name}.sock")
         argv = [
             sys.executable,
