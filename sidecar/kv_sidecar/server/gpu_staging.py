@@ -68,6 +68,9 @@ class Ring:
         return self.buffer.data_ptr() + slot * self.slot_bytes
 
 
+_CALL_START_WAIT_S = 0.002
+
+
 class GpuStaging:
     """Rings per (device, role), allocated on first use and kept until shutdown."""
 
@@ -83,13 +86,24 @@ class GpuStaging:
         Not `stub.Method.future()`: gRPC starts a new thread for every such call made on a channel
         with no other call of that kind in flight (its "channel spin" thread), which cost a
         one-block staged pull ~0.6-1.3 ms on 2 shared cores. Threads here are kept and reused.
+
+        Returns once that thread runs the call (at most 2 ms): the caller goes on to prepare its
+        copies, holding the GIL between CUDA calls, and the request would leave only after it.
         """
+        started = threading.Event()
+
+        def run() -> T:
+            started.set()
+            return fn(*args, **kwargs)
+
         with self._lock:
             if self._callers is None:
                 self._callers = ThreadPoolExecutor(
                     max_workers=max(8, self._sc.settings.engine_workers), thread_name_prefix="push"
                 )
-            return self._callers.submit(fn, *args, **kwargs)
+            future = self._callers.submit(run)
+        started.wait(_CALL_START_WAIT_S)
+        return future
 
     def ensure(self, device: int) -> None:
         """Allocate and register both rings of `device` (before any peer handshakes for its engines)."""
