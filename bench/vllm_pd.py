@@ -12,6 +12,9 @@ answered), split into
                step: the model's forward on 2 CPU cores);
   sidecar      the decode sidecar's own duration of that pull (PullResponse);
 next to a bare gRPC round trip (grpc.health.v1 Check on the same socket).
+The worker's Pull goes over the sidecar's engine lane (a plain unix socket
+beside the gRPC one) where the sidecar serves it, as here; the rows of runs
+before 2026-11-23 evening paid a unary gRPC call instead.
 The connector's own overhead is hand-off + (Pull call - sidecar); scheduling
 is vLLM's. Requests run one at a time, after warm-up; medians over --iters.
 
