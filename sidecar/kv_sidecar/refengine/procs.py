@@ -24,6 +24,27 @@ class ProcessError(RuntimeError):
     pass
 
 
+# Directories SidecarProcess made, with how many of them use each: a restarted sidecar reuses its
+# predecessor's, and the directory goes when the last of them is collected.
+_made_dirs: dict[str, int] = {}
+_made_lock = threading.Lock()
+
+
+def _hold_dir(owner: object, path: str) -> None:
+    with _made_lock:
+        _made_dirs[path] = _made_dirs.get(path, 0) + 1
+    weakref.finalize(owner, _drop_dir, path)
+
+
+def _drop_dir(path: str) -> None:
+    with _made_lock:
+        _made_dirs[path] -= 1
+        if _made_dirs[path] > 0:
+            return
+        del _made_dirs[path]
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
@@ -96,8 +117,8 @@ class SidecarProcess(_Proc):
         start_timeout_s: float = 60,
     ) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvsidecar-")
-        if workdir is None:  # ours: gone with this object (a restart may reuse it meanwhile)
-            weakref.finalize(self, shutil.rmtree, self.workdir, True)
+        if workdir is None or workdir in _made_dirs:
+            _hold_dir(self, self.workdir)
         self.socket = os.path.join(self.workdir, f"{name}.sock")
         argv = [
             sys.executable,
