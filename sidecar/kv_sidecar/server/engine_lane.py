@@ -114,7 +114,7 @@ class EngineLane:
             while not self._stopped.is_set():
                 try:
                     data = conn.recv_bytes(self._max_call_bytes)
-                except EOFError:
+                except (EOFError, ConnectionError):  # the engine closed it, or went away
                     return
                 except OSError as e:  # a longer frame than the hello allowed: the stream is lost
                     if not self._stopped.is_set():
