@@ -106,6 +106,8 @@ def test_status_command(pulled: tuple[SidecarProcess, SidecarProcess, str]) -> N
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
     assert st["sidecar_id"] == b.sidecar_id and st["draining"] is False
+    # The decode engine pulled over the lane and keeps its connection for the next call.
+    assert (st["engine_lane"], st["engine_lane_connections"]) == (b.socket + ".lane", 1)
     assert [(r["engine_id"], r["rank"], r["sessions"]) for r in st["ranks"]] == [("obs-d", 0, 1)]
     (peer,) = st["peers"]
     assert (peer["direction"], peer["address"], peer["sidecar_id"]) == (
@@ -130,6 +132,7 @@ def test_status_command(pulled: tuple[SidecarProcess, SidecarProcess, str]) -> N
     assert text.returncode == 0, text.stderr
     assert f"sidecar {b.sidecar_id}" in text.stdout and "serving" in text.stdout
     assert "obs-d rank 0/1" in text.stdout and f"outgoing {a.peer_address}" in text.stdout
+    assert f"engine lane {b.socket}.lane: 1 connections open" in text.stdout
     assert "2 pulls (1 failed), 24.0 KiB" in text.stdout
 
 

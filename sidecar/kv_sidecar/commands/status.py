@@ -73,6 +73,9 @@ def render(st: status_pb2.StatusResponse) -> str:
     lines = [
         f"sidecar {st.sidecar_id} (kv-sidecar {st.version}), {state}, up {st.uptime_s:.0f} s",
         f"  peer address {st.peer_address}, peer security {st.peer_security}",
+        f"  engine lane {st.engine_lane}: {st.engine_lane_connections} connections open"
+        if st.engine_lane
+        else "  engine lane off",
         f"engines: {len({r.engine_id for r in st.ranks})} ({len(st.ranks)} ranks), "
         f"published requests held: {st.published_requests}",
     ]

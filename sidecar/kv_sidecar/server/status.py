@@ -45,6 +45,8 @@ def build_status(sc: Sidecar) -> status_pb2.StatusResponse:
         peer_security=sc.security.describe(),
         draining=sc.drain.draining,
         uptime_s=time.monotonic() - sc.started_at,
+        engine_lane=sc.engine_lane.path if sc.engine_lane is not None else "",
+        engine_lane_connections=sc.engine_lane.connections if sc.engine_lane is not None else 0,
         ranks=[
             status_pb2.RankStatus(
                 engine_id=e.engine_id,

@@ -81,7 +81,7 @@ class RecentThroughput(_message.Message):
     def __init__(self, window_s: _Optional[float] = ..., pulls: _Optional[int] = ..., failed_pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_s: _Optional[float] = ..., served_reads: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent")
+    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class StatusResponse(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LANE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     version: str
     peer_address: str
@@ -104,4 +106,6 @@ class StatusResponse(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     inflight: _containers.RepeatedCompositeFieldContainer[TransferStatus]
     recent: RecentThroughput
-    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ...) -> None: ...
+    engine_lane: str
+    engine_lane_connections: int
+    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ...) -> None: ...
