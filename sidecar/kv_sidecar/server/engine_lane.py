@@ -121,7 +121,12 @@ class EngineLane:
                         self._sc.metrics.failures.labels("engine_lane_bad_frame").inc()
                         log.warning("engine lane: closing a connection: %s", e)
                     return
-                conn.send_bytes(self._answer(conn, data).SerializeToString())
+                answer, counted = self._answer(conn, data)
+                try:
+                    conn.send_bytes(answer.SerializeToString())
+                finally:
+                    if counted:  # a drain waits until the pull's answer is out, then stop() cuts
+                        self._sc.drain.leave()
         except OSError:
             pass  # the engine closed the connection before its answer
         finally:
@@ -132,33 +137,35 @@ class EngineLane:
             self._sc.metrics.engine_lane_connections.dec()
 
     # -- calls ------------------------------------------------------------------------
-    def _answer(self, conn: Connection, data: bytes) -> engine_pb2.LaneAnswer:
+    def _answer(self, conn: Connection, data: bytes) -> tuple[engine_pb2.LaneAnswer, bool]:
+        """The call's answer, and whether it is a pull the drain counts (until its answer is sent)."""
+        counted = False
         try:
             call = engine_pb2.LaneCall.FromString(data)
             kind = call.WhichOneof("call")
             if kind == "pull":
-                return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull))
+                if not self._sc.drain.enter():
+                    raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
+                counted = True
+                return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull)), counted
             if kind == "publish":
                 if self._sc.drain.draining:
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Publish"))
-                return engine_pb2.LaneAnswer(publish=engine_calls.publish(self._sc, call.publish))
+                return engine_pb2.LaneAnswer(publish=engine_calls.publish(self._sc, call.publish)), counted
             raise SidecarError(Code.INVALID_ARGUMENT, "a LaneCall must carry pull or publish")
         except DecodeError:
             err = SidecarError(Code.INVALID_ARGUMENT, "not a LaneCall message")
         except Exception as e:
             err = handler_error(e)
-        return engine_pb2.LaneAnswer(code=err.code.name, message=err.message, trailers=dict(err.metadata))
+        answer = engine_pb2.LaneAnswer(code=err.code.name, message=err.message, trailers=dict(err.metadata))
+        return answer, counted
 
     def _pull(self, conn: Connection, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
-        drain = self._sc.drain
-        if not drain.enter():
-            raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
         try:
             return engine_calls.pull(self._sc, request, lambda stop: self._set_busy(conn, stop))
         finally:
             with self._lock:
                 self._busy.pop(conn, None)
-            drain.leave()
 
     def _set_busy(self, conn: Connection, stop: Callable[[], None]) -> None:
         with self._lock:
