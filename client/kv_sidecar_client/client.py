@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import json_format
 
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
-from kv_sidecar_client.lane import Lane, LanePull, lane_enabled, raise_for_answer
+from kv_sidecar_client.lane import Lane, LanePull, lane_for, raise_for_answer
 from kv_sidecar_client.results import KVSidecarError, PendingPull, PullResult, pull_failure
 
 __all__ = ["KVSidecarError", "PendingPull", "PullResult", "pull_failure"]  # re-exported from results
@@ -176,8 +176,7 @@ class SidecarClient:
         self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._lock = threading.Lock()
-        use_lane = lane_enabled() if lane is None else lane
-        self.lane: Lane | None = Lane(target) if use_lane else None
+        self.lane = lane_for(target, lane)
 
     def close(self) -> None:
         if self.lane is not None:

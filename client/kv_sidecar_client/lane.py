@@ -42,6 +42,11 @@ def lane_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def lane_for(target: str, wanted: bool | None) -> Lane | None:
+    """A client's lane to `target`: `wanted` None follows the environment (on unless ENV_SWITCH says off)."""
+    return Lane(target) if (lane_enabled() if wanted is None else wanted) else None
+
+
 class Lane:
     """Connections to one sidecar's engine lane."""
 

@@ -31,7 +31,7 @@ from kv_sidecar_client.client import (
     start_lane_pull,
     target_of,
 )
-from kv_sidecar_client.lane import Lane, lane_enabled
+from kv_sidecar_client.lane import lane_for
 from kv_sidecar_client.results import PendingPull
 
 _local = threading.local()
@@ -87,9 +87,7 @@ class PolledPulls:
 
     def __init__(self, target: str, lane: bool | None = None) -> None:
         """`lane`: pulls go over the sidecar's engine lane when it serves one (as SidecarClient's)."""
-        self.lane: Lane | None = (
-            Lane(target_of(target)) if (lane_enabled() if lane is None else lane) else None
-        )
+        self.lane = lane_for(target_of(target), lane)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
