@@ -122,3 +122,16 @@ def logged(proc: SidecarProcess, fragment: str, within_s: float = 5.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def wait_for(what: str, cond: Callable[[], object], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def pulls_in_flight(socket: str, request_id: str) -> int:
+    """Pulls of this request that the sidecar on `socket` runs now (its Status)."""
+    with SidecarClient(socket, lane=False) as client:
+        return sum(1 for t in client.status().inflight if t.kind == "pull" and t.request_id == request_id)

@@ -16,19 +16,25 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc, status_pb2
 
-from .conftest import Spawn, frozen, in_background, no_transfer_in_flight, spec_dict
+from .conftest import (
+    Spawn,
+    frozen,
+    in_background,
+    no_transfer_in_flight,
+    pulls_in_flight,
+    spec_dict,
+    wait_for,
+)
 from .events import no_event, wait_event
 
 _ids = itertools.count()
@@ -41,19 +47,6 @@ def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = SidecarProcess("ranks-prefill"), SidecarProcess("ranks-decode")
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
-
-
-def _pulls_in_flight(socket: str, request_id: str) -> int:
-    with grpc.insecure_channel(f"unix:{socket}") as ch:
-        st = engine_pb2_grpc.EngineServiceStub(ch).Status(status_pb2.StatusRequest(), timeout=10)
-    return sum(1 for t in st.inflight if t.kind == "pull" and t.request_id == request_id)
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _engines(
@@ -142,14 +135,14 @@ def test_overlapping_ranks_are_refused_while_disjoint_ones_run(
     rid = params["request_id"]
     with frozen(a):
         first = in_background(lambda: _pull(workers[0], params, 0, 2))
-        _wait_for("the rank-0 pull to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 1)
+        wait_for("the rank-0 pull to be in flight", lambda: pulls_in_flight(b.socket, rid) == 1)
         with SidecarClient(b.socket) as client:
             for ranks in ([0], [1, 0]):
                 res = client.pull(params_from_json(params), workers[0].engine_id, [7, 50, 1], ranks=ranks)
                 assert (res.ok, res.error_code) == (False, "ALREADY_EXISTS"), res
                 assert f"request {rid!r}" in res.error and "rank(s) [0]" in res.error, res.error
         second = in_background(lambda: _pull(workers[1], params, 1, 2))
-        _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
+        wait_for("both pulls to be in flight", lambda: pulls_in_flight(b.socket, rid) == 2)
     for res in (first(), second()):
         assert res["ok"] and res["verified"], res
     _consumed_once_per_prefill_rank(prefill, rid)
@@ -165,7 +158,7 @@ def test_abort_stops_every_pull_of_the_request(
     rid = params["request_id"]
     with frozen(a):
         results = [in_background(lambda r=r: _pull(workers[r], params, r, 3)) for r in (0, 1)]
-        _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
+        wait_for("both pulls to be in flight", lambda: pulls_in_flight(b.socket, rid) == 2)
         with SidecarClient(b.socket) as client:
             assert client.abort(workers[0].engine_id, rid)
     for res in (r() for r in results):
@@ -188,7 +181,7 @@ def test_unregistering_a_rank_stops_only_its_pull(
     rid = params["request_id"]
     with frozen(a):
         results = [in_background(lambda r=r: _pull(workers[r], params, r, 4)) for r in (0, 1)]
-        _wait_for("both pulls to be in flight", lambda: _pulls_in_flight(b.socket, rid) == 2)
+        wait_for("both pulls to be in flight", lambda: pulls_in_flight(b.socket, rid) == 2)
 
         def unregister() -> dict[str, Any]:
             with SidecarClient(b.socket) as client:

@@ -11,7 +11,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -30,7 +30,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import (
     status_pb2,
 )
 
-from .conftest import frozen, in_background, spec_dict
+from .conftest import frozen, in_background, pulls_in_flight, spec_dict, wait_for
 
 SPEC = EngineSpec.from_dict(spec_dict())
 _ids = itertools.count()
@@ -64,17 +64,6 @@ def _status(socket: str) -> status_pb2.StatusResponse:
         return engine_pb2_grpc.EngineServiceStub(ch).Status(status_pb2.StatusRequest(), timeout=10)
 
 
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def _pull_in_flight(socket: str, request_id: str) -> bool:
-    return any(t.kind == "pull" and t.request_id == request_id for t in _status(socket).inflight)
-
-
 def _health(target: str) -> int:
     with grpc.insecure_channel(target) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
@@ -97,9 +86,9 @@ def test_sigterm_drains_in_flight_pull_and_refuses_new_work(
                     {"cmd": "pull", "params": held, "block_ids": [30, 31, 32], "seed": 9, "timeout_s": 120}
                 )
             )
-            _wait_for("the pull to be in flight", lambda: _pull_in_flight(b.socket, held["request_id"]))
+            wait_for("the pull to be in flight", lambda: pulls_in_flight(b.socket, held["request_id"]))
             b.proc.send_signal(signal.SIGTERM)
-            _wait_for(
+            wait_for(
                 "NOT_SERVING",
                 lambda: _health(f"unix:{b.socket}") == health_pb2.HealthCheckResponse.NOT_SERVING,
             )
@@ -149,7 +138,7 @@ def test_drain_deadline_bounds_the_wait(prefill_side: tuple[SidecarProcess, Engi
                     {"cmd": "pull", "params": held, "block_ids": [12, 13], "seed": 9, "timeout_s": 120}
                 )
             )
-            _wait_for("the pull to be in flight", lambda: _pull_in_flight(b.socket, held["request_id"]))
+            wait_for("the pull to be in flight", lambda: pulls_in_flight(b.socket, held["request_id"]))
             t0 = time.monotonic()
             b.proc.send_signal(signal.SIGTERM)
             assert b.proc.wait(60) == 0
@@ -190,7 +179,7 @@ def test_drain_waits_for_reads_served_to_other_sidecars() -> None:
                 peer_pb2.OpenReadRequest(**read, reader_ranks=[0], plan_hash=hs.plan_hash), timeout=30
             )
             a.proc.send_signal(signal.SIGTERM)
-            _wait_for("draining", lambda: _status(a.socket).draining)
+            wait_for("draining", lambda: _status(a.socket).draining)
             st = _status(a.socket)
             assert [(t.kind, t.request_id) for t in st.inflight] == [("serve", params["request_id"])]
             assert st.inflight[0].bytes == 2 * 2 * 2 * 16 * 4 * 16 * 2  # the two opened blocks

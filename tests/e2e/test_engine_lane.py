@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Client, Connection
 
 import pytest
@@ -19,7 +19,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 from kv_sidecar_client.lane import ENV_SWITCH, LANE_SUFFIX, LANE_VERSION
 from kv_sidecar_client.polled import PolledPulls
 
-from .conftest import Spawn, frozen, metric, no_transfer_in_flight, spec_dict
+from .conftest import Spawn, frozen, metric, no_transfer_in_flight, pulls_in_flight, spec_dict, wait_for
 
 SPEC = EngineSpec.from_dict(spec_dict())
 
@@ -211,25 +211,15 @@ def test_a_cancelled_pull_stops_at_once_even_while_its_source_hangs(
     try:
         with frozen(a):
             call = pulls.start(params_from_json(pub["params"]), decode.engine_id, [5], timeout_s=60)
-            _wait_for(lambda: _inflight(b), "the pull to start")
+            wait_for("the pull to start", lambda: pulls_in_flight(b.socket, "c"), 10)
             time.sleep(0.2)
             call.cancel()
             assert call.done() and call.result().error_code == "CANCELLED"
-            _wait_for(lambda: not _inflight(b), "the decode sidecar to end the cancelled pull", 3)
+            wait_for(
+                "the decode sidecar to end the cancelled pull", lambda: not pulls_in_flight(b.socket, "c"), 3
+            )
     finally:
         pulls.close()
     res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7], "seed": 2})
     assert res["ok"] and res["verified"], res  # the request was never opened: it is still there
     no_transfer_in_flight(a, b)
-
-
-def _wait_for(cond: Callable[[], object], what: str, within_s: float = 10) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def _inflight(sidecar: SidecarProcess) -> list[str]:
-    with SidecarClient(sidecar.socket, lane=False) as client:
-        return [t.request_id for t in client.status().inflight if t.kind == "pull"]
