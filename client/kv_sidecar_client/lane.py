@@ -12,6 +12,7 @@ goes over gRPC, which answers it with the same statuses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -139,6 +140,13 @@ def read_answer(conn: Connection, timeout_s: float) -> engine_pb2.LaneAnswer:
         ) from None
 
 
+def shut_down(conn: Connection) -> None:
+    """Shut a connection's socket down both ways, leaving its fd to it: a thread waiting on it wakes
+    (here, or at the other end); a closed one is left as it is."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def raise_for_answer(answer: engine_pb2.LaneAnswer) -> engine_pb2.LaneAnswer:
     if answer.code:
         raise KVSidecarError(answer.code, answer.message)
@@ -173,12 +181,7 @@ class LanePull:
         if self._result is not None:
             return
         self._cancelled = True
-        # Shut down, not close: it also wakes a result() waiting on another thread.
-        try:
-            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut_down(self._conn)  # not close: it also wakes a result() waiting on another thread
 
     def _ready(self) -> bool:
         try:

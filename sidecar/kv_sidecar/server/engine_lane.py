@@ -26,7 +26,7 @@ from kv_sidecar.server import engine_calls
 from kv_sidecar.server.drain import draining_message
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
-from kv_sidecar_client.lane import LANE_VERSION
+from kv_sidecar_client.lane import LANE_VERSION, shut_down
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -61,7 +61,7 @@ class EngineLane:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
-            _shut(conn)  # wakes its thread's recv
+            shut_down(conn)  # wakes its thread's recv
 
     @property
     def connections(self) -> int:
@@ -195,27 +195,9 @@ class EngineLane:
 
 def _closed_by_peer(conn: Connection) -> bool:
     try:
-        sock = socket.socket(fileno=conn.fileno())
-    except OSError:
-        return True
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # a dup: closing it leaves conn's fd
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
         return False
     except OSError:
         return True
-    finally:
-        sock.detach()  # the fd stays the connection's
-
-
-def _shut(conn: Connection) -> None:
-    try:
-        sock = socket.socket(fileno=conn.fileno())
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
