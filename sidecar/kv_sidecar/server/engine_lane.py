@@ -83,7 +83,7 @@ class EngineLane:
                 if not full:
                     self._conns.add(conn)
             if full:
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                self._refuse(conn)  # a hello fits the new socket's empty buffer: no wait
             else:
                 threading.Thread(target=self._serve, args=(conn,), name="lane", daemon=True).start()
 
