@@ -211,3 +211,44 @@ def test_staged_copies_refuse_bad_ids_before_any_launch() -> None:
     )
     with pytest.raises(PlanError, match="block-aligned"):
         ok.launch(8, 32, 0)
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "block_16_to_32", "split_1to2"])
+def test_staged_transfers_share_templates_and_stay_exact(name: str) -> None:
+    """Consecutive transfers through the same slot reuse one launch template per (slot, blocks),
+    also when a later request has other ids and fewer tokens in its last block: each launch fills
+    in its own ids, positions and token counts, and every transfer lands bit for bit."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from kv_sidecar.execute import gpu
+
+    c0 = kc.case(name)
+    srcs = {r: kc.random_tensors(c0.src, 300 + r) for r in c0.src_ranks()}
+    out = kc.random_tensors(c0.dst, 8)
+    dview = gpu.gpu_rank_view(c0.dst, c0.dst_rank, out, 0)
+    bd = c0.dst.block_size
+    n_dst = -(-c0.num_tokens // bd)
+    slot = torch.zeros(gpu.staging_bytes(c0.dst, n_dst) + 64, dtype=torch.uint8)
+    address = (slot.data_ptr() + 63) // 64 * 64
+    # Same block count, fewer tokens in the last block, then a fresh set of ids for the first length.
+    lengths = [c0.num_tokens, (n_dst - 1) * bd + 1, c0.num_tokens]
+    templates: set[int] = set()
+    for seed, num_tokens in enumerate(lengths):
+        c = dataclasses.replace(c0, num_tokens=num_tokens)
+        src_ids, dst_ids = kc.block_ids(c, 40 + seed)
+        want, want_bytes = kc.reference(c, srcs, out, src_ids, dst_ids)
+        written = 0
+        for r in c.reads:
+            sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
+            args = (c.dst, c.dst_rank, r.heads)
+            gather = gpu.StagedCopies(sview, *args, src_ids, num_tokens, into_staging=True, interpret=True)
+            scatter = gpu.StagedCopies(dview, *args, dst_ids, num_tokens, into_staging=False, interpret=True)
+            moved = gather.launch(0, num_tokens, address)
+            assert scatter.launch(0, num_tokens, address) == moved
+            written += moved
+            templates |= {id(copies._templates[(address, n_dst)]) for copies in (gather, scatter)}
+        assert written == want_bytes
+        for g, w in zip(out, want, strict=True):
+            assert kc.bitwise_equal(g, w)
+    assert len(templates) == 2 * len(c0.reads)  # one gather and one scatter template per read, reused

@@ -114,12 +114,15 @@ def staging_bytes(spec: EngineSpec, num_blocks: int) -> int:
 
 
 class _DeviceState:
-    """Per-device things reused across requests: anchors (one per word width) and layer tables."""
+    """Per-device things reused across requests: anchors (one per word width), layer tables, the
+    staged copies' launch templates and a shared 0..n-1 index table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._anchors: dict[tuple[str, int], torch.Tensor] = {}
         self._tables: dict[tuple[str, int, tuple[int, ...]], torch.Tensor] = {}
+        self._templates: dict[tuple[Any, ...], dict[tuple[int, int], _Template]] = {}
+        self._aranges: dict[str, torch.Tensor] = {}
 
     def anchor(self, device: torch.device, width: int) -> torch.Tensor:
         key = (str(device), width)
@@ -141,6 +144,41 @@ class _DeviceState:
                     self._tables.clear()
                 self._tables[key] = table
         return table
+
+    def templates(self, geometry: tuple[Any, ...]) -> dict[tuple[int, int], _Template]:
+        """The launch templates of one transfer geometry, by (slot address, blocks): shared by every
+        transfer of that geometry. The key holds everything a template is computed from."""
+        with self._lock:
+            found = self._templates.get(geometry)
+            if found is None:
+                if len(self._templates) > 1024:  # geometries come and go with engines; stay bounded
+                    self._templates.clear()
+                found = self._templates[geometry] = {}
+            return found
+
+    def arange(self, device: torch.device, n: int) -> torch.Tensor:
+        """int32 0..n-1 on the device, a view of one table grown by doubling and ready to read."""
+        key = str(device)
+        with self._lock:
+            table = self._aranges.get(key)
+            if table is None or table.numel() < n:
+                table = torch.arange(max(1024, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
+                if device.type == "cuda":
+                    # Readers on any stream may use it from now on: wait for it once, here.
+                    torch.cuda.current_stream(device).synchronize()
+                self._aranges[key] = table
+        return table[:n]
+
+
+@dataclass
+class _Template:
+    """What a staged chunk launch needs besides its ids, first block positions and token counts."""
+
+    la: LaunchArgs
+    tables: tuple[torch.Tensor, torch.Tensor]
+    anchor: torch.Tensor
+    ready: Any  # a CUDA event after the layer tables' upload (None: interpreted)
+    settled: bool = False  # `ready` has completed: no stream needs to wait for it any more
 
 
 _state = _DeviceState()
@@ -345,9 +383,12 @@ class StagedCopies:
 
     The whole request is validated once here exactly as `prepare_request`
     validates one copy (a bad id must never reach the kernel), and the engine
-    side's block ids are uploaded once; `launch` then only computes a chunk's
-    launch arguments and enqueues the kernel on the caller's stream: no
-    per-chunk validation, upload or host synchronisation.
+    side's block ids are uploaded once, on the transfer's own stream; `launch`
+    then only fills in a chunk's positions and enqueues the kernel: no per-chunk
+    validation, upload or host synchronisation. What a launch needs besides
+    (layer tables, tiling, strides) is a template shared by every transfer of the
+    same geometry, per (slot, blocks): a transfer's host time is what paces a
+    small pull, and the same slots and sizes come back pull after pull.
     """
 
     def __init__(
@@ -388,22 +429,43 @@ class StagedCopies:
             self._engine_first = start_token // engine.spec.block_size
         self._shape = shape
         self.device = torch.device("cpu") if interpret else torch.device("cuda", engine.device)
-        self._ids = torch.from_numpy(ids.astype(np.int32)).to(self.device)
-        self._stage_ids = torch.arange(max(1, total), dtype=torch.int32, device=self.device)
-        self._templates: dict[tuple[int, int], tuple[Any, ...]] = {}
-        self._uploaded: torch.cuda.Event | None = None
-        if not interpret:
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record(torch.cuda.current_stream(self.device))
-        self._ready_streams: set[Any] = set()
+        # Everything a template is computed from (a re-registered rank at other addresses is another key).
+        self._templates = _state.templates(
+            (
+                into_staging,
+                self.device,
+                engine.spec,
+                engine.rank,
+                engine.layer_ptrs,
+                staging_spec,
+                staging_rank,
+                shape.num_heads,
+                shape.src_head0,
+                shape.dst_head0,
+            )
+        )
+        self._stage_ids = _state.arange(self.device, max(1, total))
+        self.stream: Any = None
+        if interpret:
+            self._ids = torch.from_numpy(ids.astype(np.int32))
+        else:
+            # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
+            self.stream = torch.cuda.Stream(self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                self._ids = torch.from_numpy(ids.astype(np.int32)).to(self.device)
+        self._other_streams: set[Any] = set()
 
     def chunk_bytes(self, t0: int, t1: int) -> int:
         """Bytes a chunk of tokens [t0, t1) occupies in a slot."""
         return staging_bytes(self.staging_spec, dst_block_count(self.staging_spec.block_size, t1, t0))
 
+    def prepare(self, t0: int, t1: int, slot_address: int) -> None:
+        """Compute the template of a chunk ahead of its launch (a reader waiting for its first chunk)."""
+        self._template_for(dst_block_count(self.staging_spec.block_size, t1, t0), slot_address)
+
     def launch(self, t0: int, t1: int, slot_address: int, stream: torch.cuda.Stream | None = None) -> int:
         """Enqueue the copy of tokens [t0, t1) between the engine and the slot at `slot_address`;
-        returns the bytes it writes. `stream` must be given on a GPU (None only when interpreting)."""
+        returns the bytes it writes. On a GPU it goes on the transfer's stream unless `stream` is given."""
         from kv_sidecar.execute import gpu_kernels
 
         bd = self.staging_spec.block_size
@@ -411,55 +473,59 @@ class StagedCopies:
             raise PlanError(
                 f"chunk [{t0}, {t1}) is not block-aligned inside [{self.start_token}, {self.num_tokens})"
             )
-        # Everything but the chunk's first token and block numbers is the same for every chunk of
-        # this size in this slot: computed once (a launch's host time is what paces the pipeline).
-        key = (slot_address, t1 - t0)
-        tpl = self._templates.get(key)
-        fresh = tpl is None
-        if tpl is None:
-            tpl = self._templates[key] = self._template(t0, t1, slot_address)
-        la, tables, ids, anchor, grid, nbytes = tpl
+        tpl = self._template_for(dst_block_count(bd, t1, t0), slot_address)
+        la, sh = tpl.la, self._shape
+        n_chunks = (t1 - t0) * sh.num_heads * la.constexprs["NC"]
         firsts = (self._engine_first, t0 // bd) if self.into_staging else (t0 // bd, self._engine_first)
-        args = (la.args[0], t0, *firsts, *la.args[4:])
+        args = (n_chunks, t0, *firsts, *la.args[4:])
+        grid = (triton_cdiv(n_chunks, la.rows), la.planes)
+        ids = (self._ids, self._stage_ids) if self.into_staging else (self._stage_ids, self._ids)
+        dst_spec = self.staging_spec if self.into_staging else self.engine.spec
+        nbytes = (t1 - t0) * sh.num_heads * geo.row_bytes(dst_spec) * la.planes
         if self.interpret:
             gpu_kernels.interpreted(gpu_kernels.kv_copy_kernel)[grid](
-                anchor, *tables, *ids, *args, **la.constexprs
+                tpl.anchor, *tpl.tables, *ids, *args, **la.constexprs
             )
             return nbytes
-        if stream is None:
-            raise ValueError("a GPU launch needs a stream")
+        stream = self.stream if stream is None else stream
         with torch.cuda.device(self.device):
-            if stream not in self._ready_streams:
-                assert self._uploaded is not None
-                stream.wait_event(self._uploaded)  # the ids were uploaded on the current stream
-                self._ready_streams.add(stream)
-            if fresh:
-                stream.wait_stream(torch.cuda.current_stream(self.device))  # a layer table just uploaded
+            if stream is not self.stream and stream not in self._other_streams:
+                stream.wait_stream(self.stream)  # the ids went up on the transfer's stream
+                self._other_streams.add(stream)
+            if not tpl.settled:
+                if tpl.ready.query():
+                    tpl.settled = True
+                else:
+                    stream.wait_event(tpl.ready)  # its layer tables are still on their way up
             with torch.cuda.stream(stream):
                 gpu_kernels.kv_copy_kernel[grid](
-                    anchor, *tables, *ids, *args, **la.constexprs, num_warps=la.num_warps
+                    tpl.anchor, *tpl.tables, *ids, *args, **la.constexprs, num_warps=la.num_warps
                 )
         return nbytes
 
-    def _template(self, t0: int, t1: int, slot_address: int) -> tuple[Any, ...]:
+    def _template_for(self, k: int, slot_address: int) -> _Template:
+        key = (slot_address, k)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = self._templates[key] = self._template(k, slot_address)
+        return tpl
+
+    def _template(self, k: int, slot_address: int) -> _Template:
         bd = self.staging_spec.block_size
-        k = dst_block_count(bd, t1, t0)
         stage = staging_view(self.staging_spec, self.staging_rank, slot_address, k, self.engine.device)
         sh = self._shape
-        if self.into_staging:
-            src, dst = self.engine, stage
-            firsts = (self._engine_first, t0 // bd)
-            ids = (self._ids, self._stage_ids)
-        else:
-            src, dst = stage, self.engine
-            firsts = (t0 // bd, self._engine_first)
-            ids = (self._stage_ids, self._ids)
-        la = plan_launch(src, dst, sh.num_heads, sh.src_head0, sh.dst_head0, t1, t0, *firsts)
-        tables = tuple(_state.layer_table(self.device, la.width, v.layer_ptrs) for v in (src, dst))
-        anchor = _state.anchor(self.device, la.width)
-        nbytes = (t1 - t0) * sh.num_heads * geo.row_bytes(dst.spec) * la.planes
-        grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)
-        return la, tables, ids, anchor, grid, nbytes
+        src, dst = (self.engine, stage) if self.into_staging else (stage, self.engine)
+        # Positions and token counts here are placeholders: `launch` fills in each chunk's.
+        la = plan_launch(src, dst, sh.num_heads, sh.src_head0, sh.dst_head0, k * bd, 0, 0, 0)
+        tables = (
+            _state.layer_table(self.device, la.width, src.layer_ptrs),
+            _state.layer_table(self.device, la.width, dst.layer_ptrs),
+        )
+        ready = None
+        if not self.interpret:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))  # after a layer table's upload
+        return _Template(la, tables, _state.anchor(self.device, la.width), ready, settled=self.interpret)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -64,14 +64,14 @@ def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int
 
 
 class GpuCopies:
-    """Chunk copies on one CUDA stream; each launch's marker is a CUDA event on it."""
+    """Chunk copies on the transfer's CUDA stream; each launch's marker is a CUDA event on it."""
 
-    def __init__(self, staged: gpu.StagedCopies, device: int) -> None:
+    def __init__(self, staged: gpu.StagedCopies) -> None:
         self.staged = staged
-        self.stream = torch.cuda.Stream(device)
+        self.stream = staged.stream
 
     def launch(self, t0: int, t1: int, address: int) -> tuple[Any, int]:
-        nbytes = self.staged.launch(t0, t1, address, self.stream)
+        nbytes = self.staged.launch(t0, t1, address)
         event = torch.cuda.Event()
         event.record(self.stream)
         return event, nbytes

@@ -194,9 +194,13 @@ def read_staged(
                             job.num_tokens,
                             job.start_token,
                             into_staging=False,
-                        ),
-                        dev,
+                        )
                     )
+                    # The first chunk's launch template, before its notification: it lands in the
+                    # first slot offered, as large as a slot holds (a source with smaller slots
+                    # sends smaller chunks, whose template is then computed on arrival).
+                    t1 = min(job.num_tokens, job.start_token + blocks_per_slot * dst_spec.block_size)
+                    copies.staged.prepare(job.start_token, t1, ring.slot_address(slots[0]))
                 else:
                     copies = HostCopies(
                         entry.host_view, dst_spec, entry.rank, heads, job.dst_blocks, ring, into_staging=False

@@ -248,8 +248,7 @@ def _push(
                         item.num_tokens,
                         req.start_token,
                         into_staging=True,
-                    ),
-                    src.device,
+                    )
                 )
             else:
                 ids = np.asarray(item.block_ids, dtype=np.int64)
