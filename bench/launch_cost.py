@@ -1,0 +1,143 @@
+"""Host cost of a staged transfer's copies on one GPU, step by step, in one process (no sidecars).
+
+A one-block staged pull pays two copy launches (the source's gather, the
+reader's scatter) and their set-up; bench/trace_pull.py shows them on the
+critical path. This script times each host step alone, so that the trace's
+spans can be split into what the steps cost and what waiting for the GIL adds:
+
+    python bench/launch_cost.py [--iters 300] [--blocks 1] [--busy]
+
+--busy adds a thread that wakes every 0.1 ms and runs a little Python, as the
+sidecar's NIXL driver thread does while it polls for notifications.
+Medians in microseconds; needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_latency import MODEL
+
+from kv_sidecar.execute import gpu
+from kv_sidecar.plan.blocks import check_copy
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.staged_copies import GpuCopies
+
+
+def timed(fn: Callable[[], Any], iters: int) -> tuple[float, Any]:
+    out: Any = None
+    xs = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        xs.append(time.perf_counter() - t0)
+    return statistics.median(xs) * 1e6, out
+
+
+def main() -> int:
+    import numpy as np
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--blocks", type=int, default=1)
+    ap.add_argument("--busy", action="store_true", help="a thread polling every 0.1 ms alongside")
+    args = ap.parse_args()
+    spec = EngineSpec.from_dict(MODEL | {"num_blocks": 64})
+    dev = torch.device("cuda", 0)
+    cache = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in spec.rank_tensor_shapes()]
+    view = gpu.gpu_rank_view(spec, 0, cache, 0)
+    n = args.blocks
+    ring = torch.empty(gpu.staging_bytes(spec, n) + 4096, dtype=torch.uint8, device=dev)
+    slot = ring.data_ptr()
+    ids = list(range(n))
+    tokens = n * spec.block_size
+    heads = (0, spec.num_kv_heads)
+    stop = threading.Event()
+
+    def poller() -> None:
+        x = 0
+        while not stop.is_set():
+            time.sleep(0.0001)
+            x = sum(range(50)) + x % 7
+
+    if args.busy:
+        threading.Thread(target=poller, daemon=True).start()
+    rows: list[tuple[str, float]] = []
+
+    def staged(into: bool) -> gpu.StagedCopies:
+        return gpu.StagedCopies(view, spec, 0, heads, ids, tokens, into_staging=into)
+
+    def add(name: str, fn: Callable[[], Any]) -> Any:
+        us, out = timed(fn, args.iters)
+        rows.append((name, us))
+        return out
+
+    for _ in range(20):  # warm-up: Triton's compile, the caching allocator, layer tables
+        c = GpuCopies(staged(True))
+        c.launch(0, tokens, slot)
+        c.synchronize()
+    add("check_copy", lambda: check_copy(spec, 0, spec, 0, heads, ids, ids, tokens, 0))
+    add("ids upload (from_numpy .to)", lambda: torch.from_numpy(np.asarray(ids, np.int32)).to(dev))
+    add("arange on device", lambda: torch.arange(n, dtype=torch.int32, device=dev))
+    add("cuda Event + record", lambda: torch.cuda.Event().record(torch.cuda.current_stream(dev)))
+    add("torch.cuda.Stream()", lambda: torch.cuda.Stream(0))
+    s = torch.cuda.Stream(0)
+
+    def contexts() -> None:
+        with torch.cuda.device(dev), torch.cuda.stream(s):
+            pass
+
+    add("device + stream contexts", contexts)
+    add("StagedCopies.__init__ (gather)", lambda: staged(True))
+
+    def first_launch() -> None:
+        c = GpuCopies(staged(True))
+        t0 = time.perf_counter()
+        c.launch(0, tokens, slot)
+        first_launch.us.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        c.launch(0, tokens, slot)
+        first_launch.again.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+        c.synchronize()
+
+    first_launch.us = []  # type: ignore[attr-defined]
+    first_launch.again = []  # type: ignore[attr-defined]
+    add("set-up + 2 launches + sync (whole)", first_launch)
+    rows.append(("GpuCopies.launch, first of a transfer", statistics.median(first_launch.us) * 1e6))  # type: ignore[attr-defined]
+    rows.append(("GpuCopies.launch, same chunk again", statistics.median(first_launch.again) * 1e6))  # type: ignore[attr-defined]
+    c = staged(True)
+    add("_template (a new slot or size)", lambda: c._template(n, slot))
+    tpl = c._template(n, slot)
+    la = tpl.la
+    tids = (c._ids, c._stage_ids)
+    args = (n * spec.block_size * la.constexprs["NH"] * la.constexprs["NC"], 0, 0, 0, *la.args[4:])
+    grid = (-(-args[0] // la.rows), la.planes)
+    from kv_sidecar.execute import gpu_kernels
+
+    def raw() -> None:
+        with torch.cuda.stream(s):
+            gpu_kernels.kv_copy_kernel[grid](
+                tpl.anchor, *tpl.tables, *tids, *args, **la.constexprs, num_warps=la.num_warps
+            )
+
+    add("kernel[grid](...) alone", raw)
+    s.synchronize()
+    stop.set()
+    print(f"blocks {n}, iters {args.iters}, busy thread {args.busy}: median us")
+    print("| step | us |\n|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
