@@ -252,3 +252,33 @@ def test_staged_transfers_share_templates_and_stay_exact(name: str) -> None:
         for g, w in zip(out, want, strict=True):
             assert kc.bitwise_equal(g, w)
     assert len(templates) == 2 * len(c0.reads)  # one gather and one scatter template per read, reused
+
+
+def test_staged_templates_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound a geometry's templates are dropped and computed again; copies stay exact."""
+    pytest.importorskip("triton")
+    from kv_sidecar.execute import gpu
+
+    monkeypatch.setattr(gpu, "_MAX_TEMPLATES", 2)
+    c = kc.case("homogeneous")
+    (read,) = c.reads
+    src = kc.random_tensors(c.src, 5)
+    out = kc.random_tensors(c.dst, 6)
+    sview = gpu.gpu_rank_view(c.src, 0, src, 0)
+    dview = gpu.gpu_rank_view(c.dst, 0, out, 0)
+    src_ids, dst_ids = kc.block_ids(c, 9)
+    want, _ = kc.reference(c, {0: src}, out, src_ids, dst_ids)
+    n_dst = -(-c.num_tokens // c.dst.block_size)
+    slot_bytes = gpu.staging_bytes(c.dst, n_dst)
+    ring = torch.zeros(4 * slot_bytes + 64, dtype=torch.uint8)
+    base = (ring.data_ptr() + 63) // 64 * 64
+    for i in range(4):  # four slots: four templates per side, two kept at most
+        address = base + i * slot_bytes
+        args = (c.dst, 0, read.heads)
+        gather = gpu.StagedCopies(sview, *args, src_ids, c.num_tokens, into_staging=True, interpret=True)
+        scatter = gpu.StagedCopies(dview, *args, dst_ids, c.num_tokens, into_staging=False, interpret=True)
+        gather.launch(0, c.num_tokens, address)
+        scatter.launch(0, c.num_tokens, address)
+        assert len(gather._templates) <= 2 and len(scatter._templates) <= 2
+    for g, w in zip(out, want, strict=True):
+        assert kc.bitwise_equal(g, w)

@@ -30,6 +30,10 @@ TILE_BYTES = 16384
 NUM_WARPS = 4
 
 _WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Staged launch templates kept per device: geometries (engine rank x reader layout) and, per
+# geometry, (slot, blocks) pairs. Past either bound the templates are computed again (~0.1 ms each).
+_MAX_GEOMETRIES = 64
+_MAX_TEMPLATES = 1024
 
 
 class HasDataPtr(Protocol):
@@ -151,7 +155,7 @@ class _DeviceState:
         with self._lock:
             found = self._templates.get(geometry)
             if found is None:
-                if len(self._templates) > 1024:  # geometries come and go with engines; stay bounded
+                if len(self._templates) >= _MAX_GEOMETRIES:  # they come and go with engines: stay bounded
                     self._templates.clear()
                 found = self._templates[geometry] = {}
             return found
@@ -507,6 +511,8 @@ class StagedCopies:
         key = (slot_address, k)
         tpl = self._templates.get(key)
         if tpl is None:
+            if len(self._templates) >= _MAX_TEMPLATES:  # many small blocks per slot: stay bounded
+                self._templates.clear()
             tpl = self._templates[key] = self._template(k, slot_address)
         return tpl
 
