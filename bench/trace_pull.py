@@ -11,6 +11,7 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py --local          # same sidecar (host-direct)
     python bench/trace_pull.py --ring [--blocks 16]   # other sidecar, the staged protocol (host-ring)
     python bench/trace_pull.py --gpu                  # other sidecar, gpu-staged, 2 MiB model blocks
+    python bench/trace_pull.py --gpu --local          # same sidecar, gpu-direct (GPU0 -> GPU1 where there are 2)
 """
 
 from __future__ import annotations
@@ -122,6 +123,17 @@ GPU_DETAIL = [
     "kv_sidecar.server.staged_copies:GpuCopies.__init__",
     "kv_sidecar.server.staged_copies:GpuCopies.synchronize",
 ]
+# --gpu --local: a gpu-direct pull's validation, upload, launch and synchronisation.
+GPU_DIRECT = [
+    "kv_sidecar.server.gpu_direct:pull_direct",
+    "kv_sidecar.execute.gpu:copy_request",
+    "kv_sidecar.execute.gpu:prepare_request",
+    "kv_sidecar.execute.gpu:PreparedCopy.launch",
+    "kv_sidecar.execute.gpu:check_copy",
+    "kv_sidecar.execute.gpu:plan_launch",
+    "kv_sidecar.execute.gpu:_DeviceState.layer_table",
+    "kv_sidecar.execute.gpu_kernels:kv_copy_kernel.run",
+]
 SPANS = {
     "decode": [
         *GRPC,
@@ -195,7 +207,9 @@ def main() -> int:
     args = ap.parse_args()
     extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
     spans_of = {
-        k: v + (STAGED[k] if args.ring or args.gpu else []) + (GPU_DETAIL if args.gpu else [])
+        k: v
+        + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])
+        + ((GPU_DIRECT if args.local else GPU_DETAIL) if args.gpu else [])
         for k, v in SPANS.items()
     }
     tree = baseline.export(args.baseline) if args.baseline else None
@@ -225,7 +239,7 @@ def main() -> int:
             res = dec.pull(params, "tr-d", list(range(spec.num_blocks - n, spec.num_blocks)))
             t1 = time.perf_counter()
             assert res.ok, res
-            assert not args.gpu or res.path == "gpu-staged", res.path
+            assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
             if i >= 20:
                 calls.append((t0, t1))
             time.sleep(0.002)  # keep pulls apart, so late spans (notifications) stay on their pull
@@ -236,7 +250,7 @@ def main() -> int:
         a.stop()
         b.stop()
     print(
-        f"{'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
+        f"{'gpu-direct' if args.gpu and args.local else 'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
         f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms (load {os.getloadavg()[0]:.1f})"
     )
     print(
