@@ -182,6 +182,8 @@ class _Template:
     tables: tuple[torch.Tensor, torch.Tensor]
     anchor: torch.Tensor
     ready: Any  # a CUDA event after the layer tables' upload (None: interpreted)
+    chunks_per_token: int  # a chunk's work items and bytes scale with its tokens
+    bytes_per_token: int
     settled: bool = False  # `ready` has completed: no stream needs to wait for it any more
 
 
@@ -478,14 +480,13 @@ class StagedCopies:
                 f"chunk [{t0}, {t1}) is not block-aligned inside [{self.start_token}, {self.num_tokens})"
             )
         tpl = self._template_for(dst_block_count(bd, t1, t0), slot_address)
-        la, sh = tpl.la, self._shape
-        n_chunks = (t1 - t0) * sh.num_heads * la.constexprs["NC"]
+        la = tpl.la
+        n_chunks = (t1 - t0) * tpl.chunks_per_token
         firsts = (self._engine_first, t0 // bd) if self.into_staging else (t0 // bd, self._engine_first)
         args = (n_chunks, t0, *firsts, *la.args[4:])
         grid = (triton_cdiv(n_chunks, la.rows), la.planes)
         ids = (self._ids, self._stage_ids) if self.into_staging else (self._stage_ids, self._ids)
-        dst_spec = self.staging_spec if self.into_staging else self.engine.spec
-        nbytes = (t1 - t0) * sh.num_heads * geo.row_bytes(dst_spec) * la.planes
+        nbytes = (t1 - t0) * tpl.bytes_per_token
         if self.interpret:
             gpu_kernels.interpreted(gpu_kernels.kv_copy_kernel)[grid](
                 tpl.anchor, *tpl.tables, *ids, *args, **la.constexprs
@@ -531,7 +532,11 @@ class StagedCopies:
         if not self.interpret:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))  # after a layer table's upload
-        return _Template(la, tables, _state.anchor(self.device, la.width), ready, settled=self.interpret)
+        anchor = _state.anchor(self.device, la.width)
+        per_token = sh.num_heads * geo.row_bytes(dst.spec) * la.planes
+        return _Template(
+            la, tables, anchor, ready, la.n_chunks // (k * bd), per_token, settled=self.interpret
+        )
 
 
 def triton_cdiv(a: int, b: int) -> int:
