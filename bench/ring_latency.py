@@ -11,9 +11,12 @@ on both alike.
     python bench/ring_latency.py --baseline HEAD~3            # 1, 16, 256 blocks of 32 KiB
     python bench/ring_latency.py --baseline main --blocks 1 --iters 300 --ring-bytes 8388608
     python bench/ring_latency.py --gpu --baseline-tree DIR    # gpu-staged, 2 MiB model blocks
+    python bench/ring_latency.py --gpu --local --baseline-tree DIR   # gpu-direct: one sidecar per tree
 
 --gpu: the engines' caches on GPUs (decode on cuda:1 where there is one, else on
 cuda:0 with the prefill), the rings at their default size, path gpu-staged.
+--local: one sidecar per revision serving both engines (path gpu-direct with --gpu,
+host-direct without).
 --baseline-tree: an exported tree (python -c "import baseline; print(baseline.export(REF))"
 in bench/) for machines where the checkout has no git history.
 """
@@ -58,6 +61,7 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="GIT_REF", help="revision to compare with (omit: this tree only)")
     ap.add_argument("--baseline-tree", metavar="DIR", help="an exported tree to compare with, instead")
     ap.add_argument("--gpu", action="store_true", help="GPU caches and rings (path gpu-staged)")
+    ap.add_argument("--local", action="store_true", help="one sidecar per tree: gpu-direct / host-direct")
     ap.add_argument("--blocks", default="1,16,256", help="blocks per pull, comma-separated")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
@@ -70,17 +74,20 @@ def main() -> int:
     args = ap.parse_args()
     spec = GPU_SPEC if args.gpu else SPEC
     ring_bytes = args.ring_bytes or (0 if args.gpu else 8 << 20)
-    extra = [] if args.gpu else ["--host-transfer", "ring"]
-    extra += ["--gpu-staging-bytes", str(ring_bytes)] if ring_bytes else []
-    extra += ["--gpu-staging-slots", str(args.slots)] if args.slots else []
-    path = "gpu-staged" if args.gpu else "host-ring"
+    if args.local:  # one sidecar: no ring, no host transfer setting in play
+        path, extra = ("gpu-direct" if args.gpu else "host-direct"), []
+    else:
+        path = "gpu-staged" if args.gpu else "host-ring"
+        extra = [] if args.gpu else ["--host-transfer", "ring"]
+        extra += ["--gpu-staging-bytes", str(ring_bytes)] if ring_bytes else []
+        extra += ["--gpu-staging-slots", str(args.slots)] if args.slots else []
     trees: dict[str, str | None] = {"new": None}
     if args.baseline or args.baseline_tree:
         trees = {"old": args.baseline_tree or baseline.export(args.baseline), "new": None}
     elif args.old_args:
         trees = {"old": None, "new": None}  # this tree twice, with different flags
     env_of = {k: (baseline.env(t) if t else {}) | {"OMP_NUM_THREADS": "1"} for k, t in trees.items()}
-    jobs = [(k, role) for k in trees for role in ("p", "d")]
+    jobs = [(k, role) for k in trees for role in (("p",) if args.local else ("p", "d"))]
     with ThreadPoolExecutor(len(jobs)) as pool:
         procs = dict(
             zip(
@@ -97,6 +104,8 @@ def main() -> int:
                 strict=True,
             )
         )
+    if args.local:  # both engines on the one sidecar of each tree
+        procs.update({(k, "d"): procs[(k, "p")] for k in trees})
     shapes = spec.rank_tensor_shapes()
     if args.gpu:
         from kv_sidecar.refengine.gpu_cache import GpuKVCache
@@ -145,15 +154,15 @@ def main() -> int:
     finally:
         for c in clients.values():
             c.close()
-        for sc in procs.values():
+        for sc in set(procs.values()):
             sc.stop()
         pcache.close()
         dcache.close()
     ref = args.baseline_tree or (baseline.describe(args.baseline) if args.baseline else "")
     print(
         f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
-        f"rings {f'{ring_bytes} B' if ring_bytes else 'default'}"
-        f"{f' / {args.slots} slots' if args.slots else ''}, {args.iters} pulls per row, "
+        f"{'one sidecar' if args.local else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
+        f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} pulls per row, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
     )
     print("| blocks | tree | engine wall p50 ms | p90 ms | sidecar p50 ms | sidecar p90 ms |")

@@ -131,6 +131,7 @@ GPU_DIRECT = [
     "kv_sidecar.execute.gpu:PreparedCopy.launch",
     "kv_sidecar.execute.gpu:check_copy",
     "kv_sidecar.execute.gpu:plan_launch",
+    "kv_sidecar.execute.gpu:_upload_ids",
     "kv_sidecar.execute.gpu:_DeviceState.layer_table",
     "kv_sidecar.execute.gpu_kernels:kv_copy_kernel.run",
 ]

@@ -97,6 +97,40 @@ def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool)
         assert kc.bitwise_equal(g, w)
 
 
+@pytest.mark.parametrize("name", ["homogeneous", "gather_2to1", "block_16_to_32"])
+def test_direct_copies_share_templates_and_stay_exact(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies between the same two views reuse one launch template per read (heads), whatever their
+    ids, token counts and start tokens: each copy fills in its own, and every copy lands bit for bit
+    (a count or position leaking from one copy into the next would write the wrong tokens)."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from kv_sidecar.execute import gpu
+
+    monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
+    c0 = kc.case(name)
+    srcs = {r: kc.random_tensors(c0.src, 200 + r) for r in c0.src_ranks()}
+    out = kc.random_tensors(c0.dst, 4)
+    dview = gpu.gpu_rank_view(c0.dst, c0.dst_rank, out, 0)
+    sviews = {r: gpu.gpu_rank_view(c0.src, r, srcs[r], 0) for r in c0.src_ranks()}
+    bd = c0.dst.block_size
+    # The case as given, a shorter last block, a prefix hit (start past the first block), the case again.
+    shapes = [(c0.num_tokens, 0), (c0.num_tokens - 1, 0), (c0.num_tokens, bd), (c0.num_tokens, 0)]
+    for seed, (num_tokens, start_token) in enumerate(shapes):
+        c = dataclasses.replace(c0, num_tokens=num_tokens, start_token=start_token)
+        src_ids, dst_ids = kc.block_ids(c, 60 + seed)
+        want, want_bytes = kc.reference(c, srcs, out, src_ids, dst_ids)
+        written = 0
+        for r in c.reads:
+            written += gpu.copy_request(
+                sviews[r.src_rank], dview, r.heads, src_ids, dst_ids, num_tokens, start_token, interpret=True
+            )
+        assert written == want_bytes
+        for g, w in zip(out, want, strict=True):
+            assert kc.bitwise_equal(g, w)
+    assert len(gpu._state._direct) == len(c0.reads)  # one template per (source view, heads), reused
+
+
 def test_staging_round_trip_in_interpreter() -> None:
     """Gather into a contiguous staging mini-cache (dst layout), scatter out: same as the direct copy."""
     pytest.importorskip("triton")
@@ -214,7 +248,7 @@ def test_staged_copies_refuse_bad_ids_before_any_launch() -> None:
 
 
 @pytest.mark.parametrize("name", ["homogeneous", "block_16_to_32", "split_1to2"])
-def test_staged_transfers_share_templates_and_stay_exact(name: str) -> None:
+def test_staged_transfers_share_templates_and_stay_exact(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Consecutive transfers through the same slot reuse one launch template per (slot, blocks),
     also when a later request has other ids and fewer tokens in its last block: each launch fills
     in its own ids, positions and token counts, and every transfer lands bit for bit."""
@@ -222,6 +256,9 @@ def test_staged_transfers_share_templates_and_stay_exact(name: str) -> None:
     import dataclasses
 
     from kv_sidecar.execute import gpu
+
+    # Fresh caches: earlier tests' geometries could reach the bound (and clear them) mid-test.
+    monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
 
     c0 = kc.case(name)
     srcs = {r: kc.random_tensors(c0.src, 300 + r) for r in c0.src_ranks()}
@@ -259,6 +296,7 @@ def test_staged_templates_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     from kv_sidecar.execute import gpu
 
+    monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
     monkeypatch.setattr(gpu, "_MAX_TEMPLATES", 2)
     c = kc.case("homogeneous")
     (read,) = c.reads

@@ -13,7 +13,7 @@ tens of thousands of per-block copies.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -126,6 +126,7 @@ class _DeviceState:
         self._anchors: dict[tuple[str, int], torch.Tensor] = {}
         self._tables: dict[tuple[str, int, tuple[int, ...]], torch.Tensor] = {}
         self._templates: dict[tuple[Any, ...], dict[tuple[int, int], _Template]] = {}
+        self._direct: dict[tuple[Any, ...], _Template] = {}
         self._aranges: dict[str, torch.Tensor] = {}
 
     def anchor(self, device: torch.device, width: int) -> torch.Tensor:
@@ -159,6 +160,18 @@ class _DeviceState:
                     self._templates.clear()
                 found = self._templates[geometry] = {}
             return found
+
+    def direct(self, key: tuple[Any, ...], compute: Callable[[], _Template]) -> _Template:
+        """The launch template of one direct copy geometry (source view, destination view, heads)."""
+        with self._lock:
+            found = self._direct.get(key)
+        if found is None:
+            found = compute()
+            with self._lock:
+                if len(self._direct) >= _MAX_TEMPLATES:  # views come and go with engines: stay bounded
+                    self._direct.clear()
+                self._direct[key] = found
+        return found
 
     def arange(self, device: torch.device, n: int) -> torch.Tensor:
         """int32 0..n-1 on the device, a view of one table grown by doubling and ready to read."""
@@ -222,13 +235,21 @@ def copy_request(
 
     Block id conventions are the host executor's: `dst_block_ids` covers tokens
     [start_token, num_tokens); `src_block_ids` covers all tokens or only the
-    blocks from the start token's block on (the length says which). The launch
-    goes on `stream` (default: the current stream of dst's device); with
-    `synchronize` the call returns once the data is in place. `interpret` runs
-    Triton's CPU interpreter over host addresses (tests without a GPU).
+    blocks from the start token's block on (the length says which). The ids go
+    up and the launch goes on `stream` (default: the current stream of dst's
+    device); with `synchronize` the call returns once the data is in place.
+    `interpret` runs Triton's CPU interpreter over host addresses (tests without a GPU).
     """
     prepared = prepare_request(
-        src, dst, heads, src_block_ids, dst_block_ids, num_tokens, start_token, interpret=interpret
+        src,
+        dst,
+        heads,
+        src_block_ids,
+        dst_block_ids,
+        num_tokens,
+        start_token,
+        stream=stream,
+        interpret=interpret,
     )
     prepared.launch(stream)
     if synchronize and not interpret:
@@ -238,14 +259,16 @@ def copy_request(
 
 @dataclass
 class PreparedCopy:
-    """A validated request with its index tables already on the device: `launch()` only enqueues."""
+    """A validated request with its index tables on their way to the device: `launch()` only enqueues."""
 
     launch_args: LaunchArgs
     device: torch.device
     anchor: torch.Tensor
-    tables: tuple[torch.Tensor, ...]
+    tables: tuple[torch.Tensor, ...]  # source and destination layer tables, source and destination ids
     nbytes: int
     interpret: bool = False
+    stream: Any = None  # where the ids went up (None: the device's current stream)
+    ready: Any = None  # an event after the layer tables' upload, while it may still be running
 
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
         from kv_sidecar.execute import gpu_kernels
@@ -260,17 +283,18 @@ class PreparedCopy:
             )
             return
         with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream(self.device)
-            s = stream if stream is not None else current
-            if s != current:
-                s.wait_stream(current)  # the index tables were uploaded on the current stream
+            upload = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+            s = stream if stream is not None else upload
+            if s != upload:
+                s.wait_stream(upload)
+            if self.ready is not None:
+                s.wait_event(self.ready)
             with torch.cuda.stream(s):
                 gpu_kernels.kv_copy_kernel[grid](
                     self.anchor, *self.tables, *la.args, **la.constexprs, num_warps=la.num_warps
                 )
-            if stream is not None:
-                # The tables were uploaded on the current stream; keep their memory until `s` is done.
-                for t in self.tables:
+            if s != upload:
+                for t in self.tables[2:]:  # the ids' memory belongs to the upload stream: keep it for `s`
                     t.record_stream(s)
 
 
@@ -283,9 +307,14 @@ def prepare_request(
     num_tokens: int,
     start_token: int = 0,
     *,
+    stream: torch.cuda.Stream | None = None,
     interpret: bool = False,
 ) -> PreparedCopy:
-    """Validate a request exactly as the host executor does and stage its index tables on the device."""
+    """Validate a request exactly as the host executor does and start its ids' upload on `stream`.
+
+    Everything else a launch needs (tiling, strides, layer tables) is a template kept per (source
+    view, destination view, heads): pull after pull between the same two ranks needs the same.
+    """
     if src.device != dst.device:
         raise PlanError(
             f"both views must be mapped in one device's context (src {src.device}, dst {dst.device})"
@@ -294,27 +323,65 @@ def prepare_request(
     shape = check_copy(
         src.spec, src.rank, dst.spec, dst.rank, heads, src_block_ids, dst_block_ids, num_tokens, start_token
     )
-    s_ids = np.asarray(src_block_ids, dtype=np.int64).reshape(-1).astype(np.int32)
-    d_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1).astype(np.int32)
-    nh, s_h0, d_h0, src_first = shape.num_heads, shape.src_head0, shape.dst_head0, shape.src_first
-    bd = dst.spec.block_size
+    nh, s_h0, d_h0 = shape.num_heads, shape.src_head0, shape.dst_head0
     dev = torch.device("cpu") if interpret else torch.device("cuda", dst.device)
-    la = plan_launch(src, dst, nh, s_h0, d_h0, num_tokens, start_token, src_first, start_token // bd)
-    grid = (triton_cdiv(la.n_chunks, la.rows), la.planes)
-    if grid[0] > 2**31 - 1 or grid[1] > 65535:
-        raise PlanError(f"request too large for one launch (grid {grid})")
-    anchor = _state.anchor(dev, la.width)
-    # Both id lists in one upload; dst's ids start 16-byte aligned so the launch specialises the same way.
-    pad = -len(s_ids) % 4
-    ids = torch.from_numpy(np.concatenate([s_ids, np.zeros(pad, np.int32), d_ids])).to(dev)
+    key = (dev, src.spec, src.layer_ptrs, dst.spec, dst.layer_ptrs, nh, s_h0, d_h0)
+    tpl = _state.direct(key, lambda: _direct_template(src, dst, nh, s_h0, d_h0, dev, interpret))
+    n_chunks = (num_tokens - start_token) * tpl.chunks_per_token
+    args = (n_chunks, start_token, shape.src_first, start_token // dst.spec.block_size, *tpl.la.args[4:])
+    la = replace(tpl.la, n_chunks=n_chunks, args=args)
+    if triton_cdiv(n_chunks, la.rows) > 2**31 - 1 or la.planes > 65535:
+        raise PlanError(
+            f"request too large for one launch (grid {(triton_cdiv(n_chunks, la.rows), la.planes)})"
+        )
+    ids = _upload_ids(src_block_ids, dst_block_ids, dev, stream)
+    ready = None
+    if not tpl.settled:
+        if tpl.ready.query():
+            tpl.settled = True
+        else:
+            ready = tpl.ready
+    n_src = len(src_block_ids)
+    pad = -n_src % 4
+    tables = (*tpl.tables, ids[:n_src], ids[n_src + pad :])
+    nbytes = (num_tokens - start_token) * tpl.bytes_per_token
+    return PreparedCopy(la, dev, tpl.anchor, tables, nbytes, interpret, stream, ready)
+
+
+def _upload_ids(
+    src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dev: torch.device, stream: Any
+) -> torch.Tensor:
+    """Both id lists as one int32 table on `dev`, the destination's starting 16-byte aligned (so the
+    launch specialises the same way); from pinned memory, not waiting for the copy."""
+    n_src, n_dst = len(src_block_ids), len(dst_block_ids)
+    pad = -n_src % 4
+    on_gpu = dev.type == "cuda"
+    host = torch.empty(n_src + pad + n_dst, dtype=torch.int32, pin_memory=on_gpu)
+    view = host.numpy()
+    view[:n_src] = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    view[n_src : n_src + pad] = 0
+    view[n_src + pad :] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    if not on_gpu:
+        return host
+    with torch.cuda.device(dev), torch.cuda.stream(stream or torch.cuda.current_stream(dev)):
+        return host.to(dev, non_blocking=True)
+
+
+def _direct_template(
+    src: GpuRankView, dst: GpuRankView, nh: int, s_h0: int, d_h0: int, dev: torch.device, interpret: bool
+) -> _Template:
+    # One token's launch: `prepare_request` scales the work items and fills in each request's positions.
+    la = plan_launch(src, dst, nh, s_h0, d_h0, 1, 0, 0, 0)
     tables = (
         _state.layer_table(dev, la.width, src.layer_ptrs),
         _state.layer_table(dev, la.width, dst.layer_ptrs),
-        ids[: len(s_ids)],
-        ids[len(s_ids) + pad :],
     )
-    nbytes = (num_tokens - start_token) * nh * geo.row_bytes(dst.spec) * la.planes
-    return PreparedCopy(la, dev, anchor, tables, nbytes, interpret)
+    ready = None
+    if not interpret:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(dev))  # after a layer table's upload
+    per_token = nh * geo.row_bytes(dst.spec) * la.planes
+    return _Template(la, tables, _state.anchor(dev, la.width), ready, la.n_chunks, per_token, interpret)
 
 
 def plan_launch(
@@ -451,14 +518,9 @@ class StagedCopies:
             )
         )
         self._stage_ids = _state.arange(self.device, max(1, total))
-        self.stream: Any = None
-        if interpret:
-            self._ids = torch.from_numpy(ids.astype(np.int32))
-        else:
-            # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
-            self.stream = torch.cuda.Stream(self.device)
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                self._ids = torch.from_numpy(ids.astype(np.int32)).to(self.device)
+        # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
+        self.stream: Any = None if interpret else torch.cuda.Stream(self.device)
+        self._ids = _upload_ids(ids, (), self.device, self.stream)[: len(ids)]
         self._other_streams: set[Any] = set()
 
     def chunk_bytes(self, t0: int, t1: int) -> int:

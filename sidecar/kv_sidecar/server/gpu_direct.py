@@ -7,7 +7,10 @@ GPU's context. Engine memory is never registered with NIXL (DESIGN.md section 1)
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
+
+import torch
 
 from kv_sidecar.execute import gpu
 from kv_sidecar.server.engines import RankEntry
@@ -32,24 +35,41 @@ def require_gpu(entries: list[RankEntry], side: str) -> list[RankEntry]:
 
 
 def pull_direct(job: PullJob, src_ranks: list[RankEntry]) -> int:
-    """Every local decode rank's reads, one launch per source rank on the decode GPU."""
+    """Every local decode rank's reads, one launch per source rank on the decode GPU.
+
+    The launches of a pull go on one stream of the pool per decode GPU (not the legacy default
+    stream, which would wait for every staged transfer's work on that GPU), and the pull waits for
+    them once, at the end: its mappings stay held until then, even when a later launch fails.
+    """
     require_gpu(src_ranks, "prefill")
     nbytes = 0
-    for entry, rplan in zip(require_gpu(job.local, "decode"), job.rank_plans(), strict=True):
-        assert entry.gpu is not None
-        dev = entry.gpu.device
-        for read in rplan.reads:
-            job.remaining()
-            src = src_ranks[read.prefill_rank].gpu
-            assert src is not None
-            with src.in_use(), entry.gpu.in_use():
-                nbytes += gpu.copy_request(
-                    src.view(dev),
-                    entry.gpu.view(dev),
-                    read.heads,
-                    job.src_blocks,
-                    job.dst_blocks,
-                    job.num_tokens,
-                    job.start_token,
-                )
+    streams: dict[int, torch.cuda.Stream] = {}
+    with contextlib.ExitStack() as held:
+        try:
+            for entry, rplan in zip(require_gpu(job.local, "decode"), job.rank_plans(), strict=True):
+                assert entry.gpu is not None
+                dev = entry.gpu.device
+                for read in rplan.reads:
+                    job.remaining()
+                    src = src_ranks[read.prefill_rank].gpu
+                    assert src is not None
+                    held.enter_context(src.in_use())
+                    held.enter_context(entry.gpu.in_use())
+                    stream = streams.get(dev)
+                    if stream is None:
+                        stream = streams[dev] = torch.cuda.Stream(dev)
+                    nbytes += gpu.copy_request(
+                        src.view(dev),
+                        entry.gpu.view(dev),
+                        read.heads,
+                        job.src_blocks,
+                        job.dst_blocks,
+                        job.num_tokens,
+                        job.start_token,
+                        stream=stream,
+                        synchronize=False,
+                    )
+        finally:
+            for stream in streams.values():  # no kernel of ours may write after the pull returns
+                stream.synchronize()
     return nbytes
