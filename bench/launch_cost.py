@@ -5,10 +5,14 @@ reader's scatter) and their set-up; bench/trace_pull.py shows them on the
 critical path. This script times each host step alone, so that the trace's
 spans can be split into what the steps cost and what waiting for the GIL adds:
 
-    python bench/launch_cost.py [--iters 300] [--blocks 1] [--busy]
+    python bench/launch_cost.py [--iters 300] [--blocks 1] [--busy] [--beside-us 30]
 
 --busy adds a thread that wakes every 0.1 ms and runs a little Python, as the
-sidecar's NIXL driver thread does while it polls for notifications.
+sidecar's NIXL driver thread does while it polls for notifications. --beside-us N
+adds one that sleeps 20 us and then holds the GIL for N us, over and over, as
+the driver does while a transfer is in flight (its turn polls transfers,
+notifications and the staged pollers). Every CUDA call gives the GIL up; with
+such a thread beside it, taking it back can wait for the thread's turn to end.
 Medians in microseconds; needs a GPU.
 """
 
@@ -50,6 +54,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--blocks", type=int, default=1)
     ap.add_argument("--busy", action="store_true", help="a thread polling every 0.1 ms alongside")
+    ap.add_argument(
+        "--beside-us", type=float, default=0, help="a thread holding the GIL N us per 20 us sleep"
+    )
     args = ap.parse_args()
     spec = EngineSpec.from_dict(MODEL | {"num_blocks": 64})
     dev = torch.device("cuda", 0)
@@ -69,8 +76,17 @@ def main() -> int:
             time.sleep(0.0001)
             x = sum(range(50)) + x % 7
 
+    def holder() -> None:
+        while not stop.is_set():
+            time.sleep(20e-6)
+            end = time.perf_counter() + args.beside_us * 1e-6
+            while time.perf_counter() < end:
+                pass
+
     if args.busy:
         threading.Thread(target=poller, daemon=True).start()
+    if args.beside_us:
+        threading.Thread(target=holder, daemon=True).start()
     rows: list[tuple[str, float]] = []
 
     def staged(into: bool) -> gpu.StagedCopies:
@@ -132,8 +148,14 @@ def main() -> int:
 
     add("kernel[grid](...) alone", raw)
     s.synchronize()
+    dview = gpu.gpu_rank_view(spec, 0, [torch.zeros_like(t) for t in cache], 0)
+
+    def direct() -> None:  # a gpu-direct pull's copy: as server/gpu_direct.py makes it
+        gpu.copy_request(view, dview, heads, ids, ids, tokens, stream=torch.cuda.Stream(0))
+
+    add("gpu-direct copy_request on a pool stream (whole)", direct)
     stop.set()
-    print(f"blocks {n}, iters {args.iters}, busy thread {args.busy}: median us")
+    print(f"blocks {n}, iters {args.iters}, busy thread {args.busy}, beside {args.beside_us} us: median us")
     print("| step | us |\n|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")
