@@ -13,7 +13,8 @@ adds one that sleeps 20 us and then holds the GIL for N us, over and over, as
 the driver does while a transfer is in flight (its turn polls transfers,
 notifications and the staged pollers). Every CUDA call gives the GIL up; with
 such a thread beside it, taking it back can wait for the thread's turn to end.
-Medians in microseconds; needs a GPU.
+--gap-us N sleeps N us before each timed call: a sidecar's pulls come one at a time,
+each after an idle stretch, not in a hot loop. Medians in microseconds; needs a GPU.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.staged_copies import GpuCopies
 
 
-def timed(fn: Callable[[], Any], iters: int) -> tuple[float, Any]:
+def timed(fn: Callable[[], Any], iters: int, gap_s: float = 0.0) -> tuple[float, Any]:
     out: Any = None
     xs = []
     for _ in range(iters):
+        if gap_s:
+            time.sleep(gap_s)  # idle between calls, as a sidecar is between pulls
         t0 = time.perf_counter()
         out = fn()
         xs.append(time.perf_counter() - t0)
@@ -93,7 +96,7 @@ def main() -> int:
         return gpu.StagedCopies(view, spec, 0, heads, ids, tokens, into_staging=into)
 
     def add(name: str, fn: Callable[[], Any]) -> Any:
-        us, out = timed(fn, args.iters)
+        us, out = timed(fn, args.iters, args.gap_us * 1e-6)
         rows.append((name, us))
         return out
 
@@ -136,26 +139,45 @@ def main() -> int:
     tpl = c._template(n, slot)
     la = tpl.la
     tids = (c._ids, c._stage_ids)
-    args = (n * spec.block_size * la.constexprs["NH"] * la.constexprs["NC"], 0, 0, 0, *la.args[4:])
-    grid = (-(-args[0] // la.rows), la.planes)
+    kargs = (n * spec.block_size * la.constexprs["NH"] * la.constexprs["NC"], 0, 0, 0, *la.args[4:])
+    grid = (-(-kargs[0] // la.rows), la.planes)
     from kv_sidecar.execute import gpu_kernels
 
     def raw() -> None:
         with torch.cuda.stream(s):
             gpu_kernels.kv_copy_kernel[grid](
-                tpl.anchor, *tpl.tables, *tids, *args, **la.constexprs, num_warps=la.num_warps
+                tpl.anchor, *tpl.tables, *tids, *kargs, **la.constexprs, num_warps=la.num_warps
             )
 
     add("kernel[grid](...) alone", raw)
     s.synchronize()
     dview = gpu.gpu_rank_view(spec, 0, [torch.zeros_like(t) for t in cache], 0)
 
-    def direct() -> None:  # a gpu-direct pull's copy: as server/gpu_direct.py makes it
-        gpu.copy_request(view, dview, heads, ids, ids, tokens, stream=torch.cuda.Stream(0))
+    def direct() -> None:  # a gpu-direct pull's copy, as server/gpu_direct.py makes it
+        pool = torch.cuda.Stream(0)
+        with torch.cuda.stream(pool):
+            gpu.copy_request(view, dview, heads, ids, ids, tokens, synchronize=False)
+        pool.synchronize()
 
-    add("gpu-direct copy_request on a pool stream (whole)", direct)
+    add("gpu-direct copy, a pool stream made current (whole)", direct)
+    add(
+        "gpu-direct copy on the default stream (whole)",
+        lambda: gpu.copy_request(view, dview, heads, ids, ids, tokens),
+    )
+    add("ids upload, pageable, on a stream", lambda: gpu._upload_ids(ids, ids, dev, s))
+
+    def pinned() -> torch.Tensor:
+        host = torch.empty(2 * len(ids), dtype=torch.int32, pin_memory=True)
+        host.numpy()[:] = ids + ids
+        with torch.cuda.stream(s):
+            return host.to(dev, non_blocking=True)
+
+    add("ids upload, pinned + non_blocking, on a stream", pinned)
+
     stop.set()
-    print(f"blocks {n}, iters {args.iters}, busy thread {args.busy}, beside {args.beside_us} us: median us")
+    print(
+        f"blocks {n}, iters {args.iters}, busy thread {args.busy}, beside {args.beside_us} us, gap {args.gap_us} us: median us"
+    )
     print("| step | us |\n|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

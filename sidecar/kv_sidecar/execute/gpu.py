@@ -12,6 +12,7 @@ tens of thousands of per-block copies.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -283,13 +284,15 @@ class PreparedCopy:
             )
             return
         with torch.cuda.device(self.device):
-            upload = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+            current = torch.cuda.current_stream(self.device)
+            upload = self.stream if self.stream is not None else current
             s = stream if stream is not None else upload
             if s != upload:
                 s.wait_stream(upload)
             if self.ready is not None:
                 s.wait_event(self.ready)
-            with torch.cuda.stream(s):
+            # Triton launches on the current stream; switching streams costs host calls, so only if needed.
+            with contextlib.nullcontext() if s == current else torch.cuda.stream(s):
                 gpu_kernels.kv_copy_kernel[grid](
                     self.anchor, *self.tables, *la.args, **la.constexprs, num_warps=la.num_warps
                 )
@@ -351,20 +354,17 @@ def prepare_request(
 def _upload_ids(
     src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dev: torch.device, stream: Any
 ) -> torch.Tensor:
-    """Both id lists as one int32 table on `dev`, the destination's starting 16-byte aligned (so the
-    launch specialises the same way); from pinned memory, not waiting for the copy."""
-    n_src, n_dst = len(src_block_ids), len(dst_block_ids)
-    pad = -n_src % 4
-    on_gpu = dev.type == "cuda"
-    host = torch.empty(n_src + pad + n_dst, dtype=torch.int32, pin_memory=on_gpu)
-    view = host.numpy()
-    view[:n_src] = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    view[n_src : n_src + pad] = 0
-    view[n_src + pad :] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-    if not on_gpu:
-        return host
-    with torch.cuda.device(dev), torch.cuda.stream(stream or torch.cuda.current_stream(dev)):
-        return host.to(dev, non_blocking=True)
+    """Both id lists as one int32 table on `dev` (one copy), uploaded on `stream`; the destination's
+    start 16-byte aligned so that the launch specialises the same way. A pageable copy: through
+    torch's pinned-memory allocator the same upload took longer (bench/launch_cost.py)."""
+    n_src = len(src_block_ids)
+    host = np.zeros(n_src + (-n_src % 4) + len(dst_block_ids), dtype=np.int32)
+    host[:n_src] = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    host[n_src + (-n_src % 4) :] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    if dev.type != "cuda" or stream is None:
+        return torch.from_numpy(host).to(dev)  # on dev's current stream
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
+        return torch.from_numpy(host).to(dev)
 
 
 def _direct_template(
