@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--blocks", type=int, default=1)
     ap.add_argument("--busy", action="store_true", help="a thread polling every 0.1 ms alongside")
+    ap.add_argument("--gap-us", type=float, default=0, help="sleep this long before each timed call")
     ap.add_argument(
         "--beside-us", type=float, default=0, help="a thread holding the GIL N us per 20 us sleep"
     )

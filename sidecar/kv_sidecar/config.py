@@ -25,7 +25,6 @@ class Settings:
     gpu_staging_slots: int = 8
     host_transfer: str = "read"
     nixl_busy_poll_us: int = 20
-    gil_switch_us: int = 0
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
@@ -59,8 +58,6 @@ class Settings:
         "ones; what CI uses to run it without GPUs)",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
-        "gil_switch_us": "how long a thread may hold the GIL while another waits for it, in microseconds "
-        "(sys.setswitchinterval; 0: Python's 5000)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",

@@ -37,40 +37,36 @@ def require_gpu(entries: list[RankEntry], side: str) -> list[RankEntry]:
 def pull_direct(job: PullJob, src_ranks: list[RankEntry]) -> int:
     """Every local decode rank's reads, one launch per source rank on the decode GPU.
 
-    A decode GPU's launches go on one stream from torch's pool, made current around them (so the
-    ids' uploads and launches switch no stream), and the pull waits for them once, at the end:
-    concurrent pulls run side by side instead of queueing on one stream, and the mappings stay held
-    until the last launch is done, even when a later one fails.
+    The launches go on the decode GPU's current stream and the pull waits for them once, at the end;
+    the mappings stay held until then, even when a later launch fails. (A stream from torch's pool
+    made current around them cost 0.07-0.15 ms more per pull, side by side on two H200s.)
     """
     require_gpu(src_ranks, "prefill")
     nbytes = 0
-    streams: list[torch.cuda.Stream] = []
+    devices: set[int] = set()
     with contextlib.ExitStack() as held:
         try:
             for entry, rplan in zip(require_gpu(job.local, "decode"), job.rank_plans(), strict=True):
                 assert entry.gpu is not None
                 dev = entry.gpu.device
-                with torch.cuda.device(dev):
-                    stream = torch.cuda.Stream(dev)
-                    streams.append(stream)
-                    with torch.cuda.stream(stream):
-                        for read in rplan.reads:
-                            job.remaining()
-                            src = src_ranks[read.prefill_rank].gpu
-                            assert src is not None
-                            held.enter_context(src.in_use())
-                            held.enter_context(entry.gpu.in_use())
-                            nbytes += gpu.copy_request(
-                                src.view(dev),
-                                entry.gpu.view(dev),
-                                read.heads,
-                                job.src_blocks,
-                                job.dst_blocks,
-                                job.num_tokens,
-                                job.start_token,
-                                synchronize=False,
-                            )
+                for read in rplan.reads:
+                    job.remaining()
+                    src = src_ranks[read.prefill_rank].gpu
+                    assert src is not None
+                    held.enter_context(src.in_use())
+                    held.enter_context(entry.gpu.in_use())
+                    devices.add(dev)
+                    nbytes += gpu.copy_request(
+                        src.view(dev),
+                        entry.gpu.view(dev),
+                        read.heads,
+                        job.src_blocks,
+                        job.dst_blocks,
+                        job.num_tokens,
+                        job.start_token,
+                        synchronize=False,
+                    )
         finally:
-            for stream in streams:  # no kernel of ours may write after the pull returns
-                stream.synchronize()
+            for dev in devices:  # no kernel of ours may write after the pull returns
+                torch.cuda.current_stream(dev).synchronize()
     return nbytes
