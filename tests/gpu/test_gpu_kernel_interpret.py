@@ -8,6 +8,8 @@ strides agree with the host executor's strided views.
 
 from __future__ import annotations
 
+from typing import Any
+
 import kvcases as kc
 import numpy as np
 import pytest
@@ -97,17 +99,25 @@ def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool)
         assert kc.bitwise_equal(g, w)
 
 
-@pytest.mark.parametrize("name", ["homogeneous", "gather_2to1", "block_16_to_32"])
-def test_direct_copies_share_templates_and_stay_exact(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Copies between the same two views reuse one launch template per read (heads), whatever their
-    ids, token counts and start tokens: each copy fills in its own, and every copy lands bit for bit
-    (a count or position leaking from one copy into the next would write the wrong tokens)."""
+@pytest.fixture
+def fresh_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """kv_sidecar.execute.gpu with empty template caches: earlier tests' geometries could reach a
+    bound, and clear the caches, in the middle of a test that counts templates."""
     pytest.importorskip("triton")
-    import dataclasses
-
     from kv_sidecar.execute import gpu
 
     monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
+    return gpu
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "gather_2to1", "block_16_to_32"])
+def test_direct_copies_share_templates_and_stay_exact(name: str, fresh_gpu: Any) -> None:
+    """Copies between the same two views reuse one launch template per read (heads), whatever their
+    ids, token counts and start tokens: each copy fills in its own, and every copy lands bit for bit
+    (a count or position leaking from one copy into the next would write the wrong tokens)."""
+    import dataclasses
+
+    gpu = fresh_gpu
     c0 = kc.case(name)
     srcs = {r: kc.random_tensors(c0.src, 200 + r) for r in c0.src_ranks()}
     out = kc.random_tensors(c0.dst, 4)
@@ -248,18 +258,13 @@ def test_staged_copies_refuse_bad_ids_before_any_launch() -> None:
 
 
 @pytest.mark.parametrize("name", ["homogeneous", "block_16_to_32", "split_1to2"])
-def test_staged_transfers_share_templates_and_stay_exact(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staged_transfers_share_templates_and_stay_exact(name: str, fresh_gpu: Any) -> None:
     """Consecutive transfers through the same slot reuse one launch template per (slot, blocks),
     also when a later request has other ids and fewer tokens in its last block: each launch fills
     in its own ids, positions and token counts, and every transfer lands bit for bit."""
-    pytest.importorskip("triton")
     import dataclasses
 
-    from kv_sidecar.execute import gpu
-
-    # Fresh caches: earlier tests' geometries could reach the bound (and clear them) mid-test.
-    monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
-
+    gpu = fresh_gpu
     c0 = kc.case(name)
     srcs = {r: kc.random_tensors(c0.src, 300 + r) for r in c0.src_ranks()}
     out = kc.random_tensors(c0.dst, 8)
@@ -291,12 +296,9 @@ def test_staged_transfers_share_templates_and_stay_exact(name: str, monkeypatch:
     assert len(templates) == 2 * len(c0.reads)  # one gather and one scatter template per read, reused
 
 
-def test_staged_templates_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staged_templates_stay_bounded(fresh_gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the bound a geometry's templates are dropped and computed again; copies stay exact."""
-    pytest.importorskip("triton")
-    from kv_sidecar.execute import gpu
-
-    monkeypatch.setattr(gpu, "_state", gpu._DeviceState())
+    gpu = fresh_gpu
     monkeypatch.setattr(gpu, "_MAX_TEMPLATES", 2)
     c = kc.case("homogeneous")
     (read,) = c.reads
