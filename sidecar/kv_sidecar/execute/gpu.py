@@ -199,6 +199,9 @@ class _Template:
     chunks_per_token: int  # a chunk's work items and bytes scale with its tokens
     bytes_per_token: int
     settled: bool = False  # `ready` has completed: no stream needs to wait for it any more
+    # Streams its tables are recorded on: allocated on another stream, the memory of a table dropped
+    # from the caches must not be reused while a launch queued here may still read it.
+    streams: set[Any] = field(default_factory=set)
 
 
 _state = _DeviceState()
@@ -296,8 +299,10 @@ class PreparedCopy:
                 gpu_kernels.kv_copy_kernel[grid](
                     self.anchor, *self.tables, *la.args, **la.constexprs, num_warps=la.num_warps
                 )
-            if s != upload:
-                for t in self.tables[2:]:  # the ids' memory belongs to the upload stream: keep it for `s`
+            if s != upload or s != current:
+                # The ids were allocated on the upload stream, the layer tables (typically) on the
+                # current one: keep their memory from reuse until `s` is done with it.
+                for t in self.tables:
                     t.record_stream(s)
 
 
@@ -564,6 +569,10 @@ class StagedCopies:
                     tpl.settled = True
                 else:
                     stream.wait_event(tpl.ready)  # its layer tables are still on their way up
+            if stream not in tpl.streams:
+                for t in tpl.tables:
+                    t.record_stream(stream)
+                tpl.streams.add(stream)
             with torch.cuda.stream(stream):
                 gpu_kernels.kv_copy_kernel[grid](
                     tpl.anchor, *tpl.tables, *ids, *args, **la.constexprs, num_warps=la.num_warps
