@@ -154,7 +154,7 @@ def main() -> int:
     s.synchronize()
     dview = gpu.gpu_rank_view(spec, 0, [torch.zeros_like(t) for t in cache], 0)
 
-    def direct() -> None:  # a gpu-direct pull's copy, as server/gpu_direct.py makes it
+    def direct() -> None:  # the form c226751 tried and e317b26 dropped: a pool stream made current
         pool = torch.cuda.Stream(0)
         with torch.cuda.stream(pool):
             gpu.copy_request(view, dview, heads, ids, ids, tokens, synchronize=False)
