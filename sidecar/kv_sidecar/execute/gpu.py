@@ -190,7 +190,8 @@ class _DeviceState:
 
 @dataclass
 class _Template:
-    """What a staged chunk launch needs besides its ids, first block positions and token counts."""
+    """What a launch needs besides its ids, first block positions and token counts (a direct copy's,
+    or a staged chunk's)."""
 
     la: LaunchArgs
     tables: tuple[torch.Tensor, torch.Tensor]
@@ -202,6 +203,15 @@ class _Template:
     # Streams its tables are recorded on: allocated on another stream, the memory of a table dropped
     # from the caches must not be reused while a launch queued here may still read it.
     streams: set[Any] = field(default_factory=set)
+
+    def pending(self) -> Any:
+        """The event a launch must wait for while the layer tables may still be on their way up, else None."""
+        if self.settled:
+            return None
+        if self.ready.query():
+            self.settled = True
+            return None
+        return self.ready
 
 
 _state = _DeviceState()
@@ -334,48 +344,43 @@ def prepare_request(
     nh, s_h0, d_h0 = shape.num_heads, shape.src_head0, shape.dst_head0
     dev = torch.device("cpu") if interpret else torch.device("cuda", dst.device)
     key = (dev, src.spec, src.layer_ptrs, dst.spec, dst.layer_ptrs, nh, s_h0, d_h0)
-    tpl = _state.direct(key, lambda: _direct_template(src, dst, nh, s_h0, d_h0, dev, interpret))
+    tpl = _state.direct(key, lambda: _template(src, dst, nh, s_h0, d_h0, dev, interpret))
     n_chunks = (num_tokens - start_token) * tpl.chunks_per_token
     args = (n_chunks, start_token, shape.src_first, start_token // dst.spec.block_size, *tpl.la.args[4:])
     la = replace(tpl.la, n_chunks=n_chunks, args=args)
-    if triton_cdiv(n_chunks, la.rows) > 2**31 - 1 or la.planes > 65535:
-        raise PlanError(
-            f"request too large for one launch (grid {(triton_cdiv(n_chunks, la.rows), la.planes)})"
-        )
-    ids = _upload_ids(src_block_ids, dst_block_ids, dev, stream)
-    ready = None
-    if not tpl.settled:
-        if tpl.ready.query():
-            tpl.settled = True
-        else:
-            ready = tpl.ready
-    n_src = len(src_block_ids)
-    pad = -n_src % 4
-    tables = (*tpl.tables, ids[:n_src], ids[n_src + pad :])
+    grid = (triton_cdiv(n_chunks, la.rows), la.planes)
+    if grid[0] > 2**31 - 1 or grid[1] > 65535:
+        raise PlanError(f"request too large for one launch (grid {grid})")
+    tables = (*tpl.tables, *_upload_ids(src_block_ids, dst_block_ids, dev, stream))
     nbytes = (num_tokens - start_token) * tpl.bytes_per_token
-    return PreparedCopy(la, dev, tpl.anchor, tables, nbytes, interpret, stream, ready)
+    return PreparedCopy(la, dev, tpl.anchor, tables, nbytes, interpret, stream, tpl.pending())
 
 
 def _upload_ids(
     src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dev: torch.device, stream: Any
-) -> torch.Tensor:
-    """Both id lists as one int32 table on `dev` (one copy), uploaded on `stream`; the destination's
-    start 16-byte aligned so that the launch specialises the same way. A pageable copy: through
-    torch's pinned-memory allocator the same upload took longer (bench/launch_cost.py)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both id lists as int32 on `dev`, in one copy uploaded on `stream`; the destination's start
+    16-byte aligned so that the launch specialises the same way. A pageable copy: through torch's
+    pinned-memory allocator the same upload took longer (bench/launch_cost.py)."""
     n_src = len(src_block_ids)
-    host = np.zeros(n_src + (-n_src % 4) + len(dst_block_ids), dtype=np.int32)
+    d0 = n_src + (-n_src % 4)
+    host = np.zeros(d0 + len(dst_block_ids), dtype=np.int32)
     host[:n_src] = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    host[n_src + (-n_src % 4) :] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    host[d0:] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     if dev.type != "cuda" or stream is None:
-        return torch.from_numpy(host).to(dev)  # on dev's current stream
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
-        return torch.from_numpy(host).to(dev)
+        ids = torch.from_numpy(host).to(dev)  # on dev's current stream
+    else:
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            ids = torch.from_numpy(host).to(dev)
+    return ids[:n_src], ids[d0:]
 
 
-def _direct_template(
+def _template(
     src: GpuRankView, dst: GpuRankView, nh: int, s_h0: int, d_h0: int, dev: torch.device, interpret: bool
 ) -> _Template:
-    # One token's launch: `prepare_request` scales the work items and fills in each request's positions.
+    """The launch template between two views: a launch's tiling, strides and word width depend on the
+    views and heads only, so it is planned for one token; each launch scales the work items and
+    fills in its own positions."""
     la = plan_launch(src, dst, nh, s_h0, d_h0, 1, 0, 0, 0)
     tables = (
         _state.layer_table(dev, la.width, src.layer_ptrs),
@@ -525,7 +530,7 @@ class StagedCopies:
         self._stage_ids = _state.arange(self.device, max(1, total))
         # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
         self.stream: Any = None if interpret else torch.cuda.Stream(self.device)
-        self._ids = _upload_ids(ids, (), self.device, self.stream)[: len(ids)]
+        self._ids, _ = _upload_ids(ids, (), self.device, self.stream)
         self._other_streams: set[Any] = set()
 
     def chunk_bytes(self, t0: int, t1: int) -> int:
@@ -564,11 +569,9 @@ class StagedCopies:
             if stream is not self.stream and stream not in self._other_streams:
                 stream.wait_stream(self.stream)  # the ids went up on the transfer's stream
                 self._other_streams.add(stream)
-            if not tpl.settled:
-                if tpl.ready.query():
-                    tpl.settled = True
-                else:
-                    stream.wait_event(tpl.ready)  # its layer tables are still on their way up
+            pending = tpl.pending()
+            if pending is not None:
+                stream.wait_event(pending)  # its layer tables are still on their way up
             if stream not in tpl.streams:
                 for t in tpl.tables:
                     t.record_stream(stream)
@@ -589,25 +592,10 @@ class StagedCopies:
         return tpl
 
     def _template(self, k: int, slot_address: int) -> _Template:
-        bd = self.staging_spec.block_size
         stage = staging_view(self.staging_spec, self.staging_rank, slot_address, k, self.engine.device)
-        sh = self._shape
         src, dst = (self.engine, stage) if self.into_staging else (stage, self.engine)
-        # Positions and token counts here are placeholders: `launch` fills in each chunk's.
-        la = plan_launch(src, dst, sh.num_heads, sh.src_head0, sh.dst_head0, k * bd, 0, 0, 0)
-        tables = (
-            _state.layer_table(self.device, la.width, src.layer_ptrs),
-            _state.layer_table(self.device, la.width, dst.layer_ptrs),
-        )
-        ready = None
-        if not self.interpret:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # after a layer table's upload
-        anchor = _state.anchor(self.device, la.width)
-        per_token = sh.num_heads * geo.row_bytes(dst.spec) * la.planes
-        return _Template(
-            la, tables, anchor, ready, la.n_chunks // (k * bd), per_token, settled=self.interpret
-        )
+        sh = self._shape
+        return _template(src, dst, sh.num_heads, sh.src_head0, sh.dst_head0, self.device, self.interpret)
 
 
 def triton_cdiv(a: int, b: int) -> int:
