@@ -31,8 +31,9 @@ TILE_BYTES = 16384
 NUM_WARPS = 4
 
 _WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
-# Staged launch templates kept per device: geometries (engine rank x reader layout) and, per
-# geometry, (slot, blocks) pairs. Past either bound the templates are computed again (~0.1 ms each).
+# Launch templates kept per device: staged geometries (engine rank x reader layout) and, per
+# geometry, (slot, blocks) pairs; direct (source view, destination view, heads) triples, also at
+# most _MAX_TEMPLATES. Past a bound the templates are computed again (~0.1 ms each).
 _MAX_GEOMETRIES = 64
 _MAX_TEMPLATES = 1024
 
