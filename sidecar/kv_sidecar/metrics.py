@@ -47,6 +47,13 @@ class Metrics:
         self.handshake_duration = Histogram(
             "kvsidecar_handshake_duration_seconds", "Handshake latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.push_starts = Counter(
+            "kvsidecar_push_starts",
+            "Staged transfers this sidecar sent, by what started them: the reader's NIXL notification "
+            "or its Push call",
+            ["by"],
+            registry=r,
+        )
         self.lease_expiries = Counter(
             "kvsidecar_lease_expiries", "Published requests whose lease expired", registry=r
         )

@@ -26,11 +26,15 @@ import grpc
 import pytest
 import torch
 
+from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.staged_copies import PUSH_ENDED
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
@@ -177,6 +181,125 @@ def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, Sidec
                 c.close()
         src_cache.close()
         dst_cache.close()
+
+
+def test_later_pushes_start_from_their_notification(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """A reader that got the source's push key sends each Push as a NIXL notification too; the source
+    starts the transfer from whichever copy comes first, and never from both: every pull is bit-exact,
+    consumed once, and counted once among the starts."""
+    a, b = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    n = next(_ids)
+    prefill = EngineProcess(a.socket, f"np-{n}", spec)
+    decode = EngineProcess(b.socket, f"nd-{n}", spec)
+    by = {k: f'{{by="{k}"}}' for k in ("notification", "call")}
+    before = {k: metric(a, "kvsidecar_push_starts_total", v) for k, v in by.items()}
+    pulls = 6
+    try:
+        for r in range(pulls):
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"n{r}",
+                    "block_ids": [40 - r, 2 + r],
+                    "num_tokens": 20,
+                    "seed": r,
+                }
+            )
+            assert pub["ok"], pub
+            res = decode.send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": [9 + r, 30 - r], "seed": r}
+            )
+            assert res["ok"] and res["path"] == "host-ring" and res["verified"], res
+            ev = prefill.send({"cmd": "next_event", "timeout_s": 10})
+            assert (ev["kind"], ev["request_id"]) == ("consumed", f"n{r}"), ev
+            assert not prefill.send({"cmd": "next_event", "timeout_s": 0.2})["ok"]  # exactly once
+        after = {k: metric(a, "kvsidecar_push_starts_total", v) for k, v in by.items()}
+        started = {k: after[k] - before[k] for k in by}
+        assert sum(started.values()) == pulls, started  # each transfer started exactly once
+        # The first Push to a new source is a call (it brings the key); after that the notification
+        # reaches the source's NIXL thread well before the call reaches its handler.
+        assert started["notification"] >= 1, started
+        assert metric(a, "kvsidecar_failures_total", '{reason="push_notification_refused"}') == 0
+    finally:
+        prefill.stop()
+        decode.stop()
+    rings_idle(a, b)
+
+
+def test_a_push_notification_without_the_key_starts_nothing(
+    ring_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """NIXL notifications carry no TLS and no token: one that does not carry the key the source gave
+    its agent over an authenticated Push call is dropped, however well formed its request is."""
+    a, _ = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill = EngineProcess(a.socket, "forged-p", spec)
+    forger = NixlDriver("forger", on_notif=lambda agent, msg: None)  # its polls progress the sends
+    forger.start()
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "f", "block_ids": [1, 2], "num_tokens": 20, "seed": 1}
+        )
+        assert pub["ok"], pub
+        with grpc.insecure_channel(a.peer_address) as ch:
+            hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
+                peer_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    sidecar_id="forger",
+                    agent_name="forger",
+                    agent_metadata=forger.metadata(),
+                    engine_id="forged-p",
+                    reader_engine_id="forger-engine",
+                    reader_spec=spec_to_proto(spec),
+                ),
+                timeout=30,
+            )
+        forger.add_remote(hs.agent_metadata, hs.agent_name)
+        opened = peer_pb2.OpenReadRequest(
+            engine_id="forged-p",
+            request_id="f",
+            reader_engine_id="forger-engine",
+            reader_ranks=[0],
+            plan_hash=hs.plan_hash,
+        )
+        req = peer_pb2.PushRequest(
+            engine_id="forged-p",
+            request_id="f",
+            reader_engine_id="forger-engine",
+            reader_spec=spec_to_proto(spec),
+            plan_hash=hs.plan_hash,
+            transfer_id="0123456789abcdef",
+            reader_agent="forger",
+            memory_kind="DRAM",
+            slots=[peer_pb2.PushSlot(address=4096, length=SLOT)],
+            timeout_ms=5000,
+            open=opened,
+            open_num_tokens=20,
+            notified=True,
+        ).SerializeToString()
+        refused = '{reason="push_notification_refused"}'
+        before = metric(a, "kvsidecar_failures_total", refused)
+        starts = metric(a, "kvsidecar_push_starts_total", '{by="notification"}')
+        for key in (bytes(KEY_BYTES), b"\x01" * KEY_BYTES):
+            forger.send_notif(hs.agent_name, sp.push_notif(key, req))
+        deadline = time.monotonic() + 10
+        while metric(a, "kvsidecar_failures_total", refused) < before + 2:
+            assert time.monotonic() < deadline, "the forged notifications were not refused"
+            time.sleep(0.05)
+        assert metric(a, "kvsidecar_push_starts_total", '{by="notification"}') == starts
+        # Nothing was opened for the forger: a Push call without the open is refused as before.
+        with grpc.insecure_channel(a.peer_address) as ch:
+            plain = peer_pb2.PushRequest.FromString(req)
+            plain.ClearField("open")
+            plain.notified = False
+            with pytest.raises(grpc.RpcError) as info:
+                peer_pb2_grpc.PeerServiceStub(ch).Push(plain, timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
+        assert "OpenRead first" in info.value.details()
+    finally:
+        forger.stop()
+        prefill.stop()
 
 
 # A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way.

@@ -79,6 +79,8 @@ class GpuStaging:
         self._lock = threading.Lock()
         self._rings: dict[tuple[int, str], Ring] = {}
         self._callers: ThreadPoolExecutor | None = None
+        self._sources: ThreadPoolExecutor | None = None
+        self._source_busy = 0
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run a blocking gRPC call (a reader's Push) on a thread kept for that, and return its future.
@@ -104,6 +106,33 @@ class GpuStaging:
             future = self._callers.submit(run)
         started.wait(_CALL_START_WAIT_S)
         return future
+
+    def source_room(self) -> bool:
+        """A kept source thread is free for a transfer a notification starts."""
+        with self._lock:
+            return self._source_busy < self._source_threads()
+
+    def run_source(self, fn: Callable[[], None]) -> None:
+        """Run a source's transfer (its whole Push) on a kept thread: the NIXL thread that received its
+        notification must not block on it."""
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._source_busy -= 1
+
+        with self._lock:
+            if self._sources is None:
+                self._sources = ThreadPoolExecutor(
+                    max_workers=self._source_threads(), thread_name_prefix="push-source"
+                )
+            self._source_busy += 1
+            self._sources.submit(run)
+
+    def _source_threads(self) -> int:
+        return max(8, self._sc.settings.engine_workers // 4)
 
     def ensure(self, device: int) -> None:
         """Allocate and register both rings of `device` (before any peer handshakes for its engines)."""
@@ -140,6 +169,8 @@ class GpuStaging:
     def close(self) -> None:
         with self._lock:
             self._rings.clear()
-            callers, self._callers = self._callers, None
-        if callers is not None:
-            callers.shutdown(wait=False, cancel_futures=True)
+            pools = [self._callers, self._sources]
+            self._callers = self._sources = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -74,6 +74,9 @@ class PeerLink:
         self.stub = peer_pb2_grpc.PeerServiceStub(channel)
         self.engines: dict[tuple[str, str], RemoteEngine] = {}
         self.lock = threading.Lock()
+        # What our staged Push notifications to this peer are signed with (its last Push answer's key;
+        # empty: send the Push by gRPC only).
+        self.push_key = b""
 
 
 # How grpc core words a failed TLS handshake (certificate not trusted, wrong name).

@@ -31,6 +31,9 @@ from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller, parse_notification
+from kv_sidecar.server.push_runs import PushKeys, PushRuns
+from kv_sidecar.server.staged_protocol import PUSH_TAG
+from kv_sidecar.server.staged_source import push_from_notif
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -57,11 +60,17 @@ class Sidecar:
         self.drain = Drain()
         self.transfers = TransferTracker(stale_s=settings.pull_timeout_ms / 1000)
         self.started_at = time.monotonic()
+        # Staged Pushes that readers also send as NIXL notifications (server/push_runs.py).
+        self.push_keys = PushKeys()
+        self.push_runs = PushRuns()
+        recent = self.push_runs.recent if settings.push_notifications else (lambda: False)
         self.nixl = NixlDriver(
             self.sidecar_id,
             on_notif=self._on_notif,
             busy_wait_s=settings.nixl_busy_poll_us / 1e6,
-            serving=self.transfers.any_serving,
+            # Poll at the serving rate while reads are served, or while readers push (a Push
+            # notification waits for our next poll: at the idle rate, 2 ms, it would lose to gRPC).
+            serving=lambda: self.transfers.any_serving() or recent(),
         )
         self.metrics.bind_nixl(self.nixl.counts)
         self.gpu_staging = GpuStaging(self)
@@ -251,6 +260,9 @@ class Sidecar:
 
     # -- callbacks --------------------------------------------------------------
     def _on_notif(self, agent: str, msg: bytes) -> None:
+        if msg.startswith(PUSH_TAG):
+            push_from_notif(self, agent, msg)
+            return
         parsed = parse_notification(msg)
         if parsed is None:
             log.warning("ignoring malformed notification from %s", agent)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -21,7 +22,7 @@ from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_direct import require_gpu
 from kv_sidecar.server.gpu_staging import HOST, Ring
-from kv_sidecar.server.peers import RemoteEngine, rpc_error
+from kv_sidecar.server.peers import PeerLink, RemoteEngine, rpc_error
 from kv_sidecar.server.staged_copies import (
     CANCEL_WAIT_S,
     PUSH_ENDED,
@@ -151,35 +152,41 @@ def read_staged(
     try:
         with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
             try:
+                req = peer_pb2.PushRequest(
+                    engine_id=job.params.engine_id,
+                    request_id=job.params.request_id,
+                    reader_engine_id=entry.engine_id,
+                    reader_spec=spec_to_proto(dst_spec),
+                    reader_rank=entry.rank,
+                    source_rank=src_rank,
+                    plan_hash=job.plan.hash(),
+                    start_token=job.start_token,
+                    transfer_id=tid,
+                    reader_agent=sc.sidecar_id,
+                    reader_agent_metadata=ring.metadata,
+                    memory_kind=ring.mem_type,
+                    device_id=ring.nixl_device,
+                    slots=[
+                        peer_pb2.PushSlot(address=ring.slot_address(s), length=ring.slot_bytes) for s in slots
+                    ],
+                    timeout_ms=max(1, int(job.remaining() * 1000)),
+                    open=open_msg,
+                    open_num_tokens=job.num_tokens if open_msg is not None else 0,
+                    notified=bool(link.push_key),
+                )
+                if req.notified:
+                    # The same request as a NIXL notification: the source's NIXL thread sees it ~0.5 ms
+                    # before the call arrives, and starts the transfer from it (server/push_runs.py).
+                    sc.nixl.notify(agent, sp.push_notif(link.push_key, req.SerializeToString()))
                 call = sc.gpu_staging.call(
                     link.stub.Push,
-                    peer_pb2.PushRequest(
-                        engine_id=job.params.engine_id,
-                        request_id=job.params.request_id,
-                        reader_engine_id=entry.engine_id,
-                        reader_spec=spec_to_proto(dst_spec),
-                        reader_rank=entry.rank,
-                        source_rank=src_rank,
-                        plan_hash=job.plan.hash(),
-                        start_token=job.start_token,
-                        transfer_id=tid,
-                        reader_agent=sc.sidecar_id,
-                        reader_agent_metadata=ring.metadata,
-                        memory_kind=ring.mem_type,
-                        device_id=ring.nixl_device,
-                        slots=[
-                            peer_pb2.PushSlot(address=ring.slot_address(s), length=ring.slot_bytes)
-                            for s in slots
-                        ],
-                        timeout_ms=max(1, int(job.remaining() * 1000)),
-                        open=open_msg,
-                        open_num_tokens=job.num_tokens if open_msg is not None else 0,
-                    ),
+                    req,
                     # Longer than the pull: the source stops at timeout_ms, and its answer says
                     # when nothing is in flight any more, which a timed-out reader still needs.
                     timeout=job.remaining() + CANCEL_WAIT_S + 1,
                     metadata=sc.peer_metadata(),
                 )
+                call.add_done_callback(functools.partial(_learn_key, link))
                 call.add_done_callback(lambda _: inbox.put(_PUSH_DONE))
                 # Validate and upload while the source gathers its first chunk.
                 if entry.gpu is not None:
@@ -283,6 +290,12 @@ def _receive(
         nbytes += moved
         credits.add(marker, slot)
     return nbytes
+
+
+def _learn_key(link: PeerLink, call: Any) -> None:
+    """Keep the key of the source's answer (a restarted source gives a new one; empty: it wants none)."""
+    if not call.cancelled() and call.exception() is None:
+        link.push_key = call.result().push_key
 
 
 def _raise_push_error(call: Any, address: str, request_id: str) -> None:

@@ -9,12 +9,14 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kv_sidecar.execute import gpu
 from kv_sidecar.plan.blocks import check_tokens
@@ -25,6 +27,7 @@ from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import HOST, Ring
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published
+from kv_sidecar.server.push_runs import KEY_BYTES, DuplicateTransfer, PushRun
 from kv_sidecar.server.reads import open_for_reader
 from kv_sidecar.server.staged_copies import (
     CANCEL_WAIT_S,
@@ -138,18 +141,102 @@ class _Pump:
 def serve_push(
     sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext
 ) -> peer_pb2.PushResponse:
-    """Send one source rank's share of an opened request into the reader's receive slots.
+    """Send one source rank's share of an opened request into the reader's receive slots, or, when
+    its notification already started that (`req.notified`), wait for that transfer and answer for it.
 
     Every answer given while nothing of the transfer is in flight (success, a
     refusal, a stop after the WRITEs ended) carries PUSH_ENDED, so that the
     reader may reuse its slots at once.
     """
+    key = sc.push_keys.grant(req.reader_agent, context.peer()) if sc.settings.push_notifications else b""
+    if req.notified:
+        try:
+            run = sc.push_runs.claim_by_call(req.transfer_id)
+        except DuplicateTransfer:
+            raise SidecarError(Code.ALREADY_EXISTS, f"transfer {req.transfer_id} was pushed before") from None
+        if run is not None:
+            return _join(sc, run, context, key)
+    else:
+        sc.push_runs.touch()
+    sc.metrics.push_starts.labels("call").inc()
     quiet = [True]
     try:
-        return _push(sc, req, context, quiet)
+        resp = _push(sc, req, context, quiet)
+        resp.push_key = key
+        return resp
     finally:
         if quiet[0]:
             context.set_trailing_metadata((PUSH_ENDED,))
+
+
+def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
+    """A Push sent as a NIXL notification (driver thread): start its transfer on a source thread,
+    unless its call came first. Refused notifications are dropped; the call then does the work."""
+    parsed = sp.parse_push_notif(msg, KEY_BYTES)
+    peer = sc.push_keys.check(agent, parsed[0]) if parsed is not None else None
+    req = None
+    if peer is not None:
+        with contextlib.suppress(DecodeError):
+            req = peer_pb2.PushRequest.FromString(parsed[1])  # type: ignore[index]
+    if req is None or req.reader_agent != agent or not sp.is_transfer_id(req.transfer_id):
+        # Wrong key (this sidecar restarted since the reader got it, or not a reader at all).
+        sc.metrics.failures.labels("push_notification_refused").inc()
+        log.debug("refused a Push notification from %s", agent)
+        return
+    if not sc.settings.push_notifications or not sc.gpu_staging.source_room():
+        return  # the call starts it
+    run = sc.push_runs.start_by_notif(req.transfer_id)
+    if run is not None:
+        sc.metrics.push_starts.labels("notification").inc()
+        sc.gpu_staging.run_source(functools.partial(_run_push, sc, req, run, peer))
+
+
+class _RunContext:
+    """What `_push` asks of its gRPC context, for a transfer a notification started."""
+
+    def __init__(self, run: PushRun, peer: str) -> None:
+        self._run = run
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None  # the request's own timeout_ms bounds it
+
+    def add_callback(self, fn: Callable[[], None]) -> bool:
+        self._run.add_callback(fn)  # runs if the call that joins goes away first
+        return True
+
+
+def _run_push(sc: Sidecar, req: peer_pb2.PushRequest, run: PushRun, peer: str) -> None:
+    quiet = [True]
+    try:
+        run.finish(_push(sc, req, _RunContext(run, peer), quiet), None, quiet[0])  # type: ignore[arg-type]
+    except BaseException as e:
+        if not isinstance(e, SidecarError):
+            log.exception("push %s started by notification failed", req.transfer_id)
+        run.finish(None, e, quiet[0])
+    finally:
+        sc.push_runs.ended(run)
+
+
+def _join(sc: Sidecar, run: PushRun, context: grpc.ServicerContext, key: bytes) -> peer_pb2.PushResponse:
+    """Answer for a transfer the Push's notification started: its result, once it has one."""
+    context.add_callback(run.cancel)  # the reader went away: stop, as for a call that started it
+    try:
+        if not run.wait(context.time_remaining()):
+            raise SidecarError(Code.DEADLINE_EXCEEDED, f"transfer {run.transfer_id} did not end in time")
+        if run.quiet:
+            context.set_trailing_metadata((PUSH_ENDED,))
+        if run.error is not None:
+            raise run.error
+        resp = peer_pb2.PushResponse()
+        resp.CopyFrom(run.response)
+        resp.push_key = key
+        return resp
+    finally:
+        sc.push_runs.joined(run)
 
 
 def _push(

@@ -1,0 +1,172 @@
+"""The staged Push by notification, its pure part: the message, the keys, and that of a Push's two
+copies (notification and call) exactly one starts the transfer, whatever order they come in."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.push_runs import KEY_BYTES, DuplicateTransfer, PushKeys, PushRun, PushRuns
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_push_notification_round_trips_and_rejects_malformed() -> None:
+    key = bytes(range(KEY_BYTES))
+    body = b"\x1f\x00any proto bytes, separators included\x1f"
+    msg = sp.push_notif(key, body)
+    assert msg.startswith(sp.PUSH_TAG) and not msg.startswith(sp.TAG)
+    assert sp.parse_push_notif(msg, KEY_BYTES) == (key, body)
+    head = len(sp.PUSH_TAG) + 2 + 2 * KEY_BYTES
+    for bad in (
+        b"",
+        msg[:head],  # no request
+        sp.TAG + msg[len(sp.PUSH_TAG) :],  # a chunk notification's tag
+        msg[: len(sp.PUSH_TAG) + 1] + b"zz" + msg[len(sp.PUSH_TAG) + 3 :],  # key not hex
+        msg[: head - 1] + b"!" + msg[head:],  # key of the wrong length
+    ):
+        assert sp.parse_push_notif(bad, KEY_BYTES) is None, bad
+
+
+def test_keys_are_per_agent_stable_and_checked_in_full() -> None:
+    keys = PushKeys()
+    a = keys.grant("reader-a", "ipv4:10.0.0.1:1234")
+    assert len(a) == KEY_BYTES
+    assert keys.grant("reader-a", "ipv4:10.0.0.9:1") == a  # the same key, and the first peer kept
+    b = keys.grant("reader-b", "ipv4:10.0.0.2:1")
+    assert a != b
+    assert keys.check("reader-a", a) == "ipv4:10.0.0.1:1234"
+    assert keys.check("reader-a", b) is None  # another agent's key
+    assert keys.check("reader-a", a[:-1] + bytes([a[-1] ^ 1])) is None
+    assert keys.check("reader-a", a[:8]) is None
+    assert keys.check("stranger", a) is None  # never granted
+
+
+def test_notification_first_the_call_joins() -> None:
+    runs = PushRuns(clock=Clock())
+    run = runs.start_by_notif("t1")
+    assert run is not None
+    assert runs.start_by_notif("t1") is None  # a second copy of the notification starts nothing
+    assert runs.claim_by_call("t1") is run
+    run.finish("answer", None, True)
+    runs.ended(run)
+    runs.joined(run)
+    assert runs.start_by_notif("t1") is None  # replayed after both came: still nothing
+    with pytest.raises(DuplicateTransfer):
+        runs.claim_by_call("t1")
+
+
+def test_call_first_the_notification_starts_nothing() -> None:
+    runs = PushRuns(clock=Clock())
+    assert runs.claim_by_call("t2") is None  # the call starts the transfer itself
+    assert runs.start_by_notif("t2") is None
+    with pytest.raises(DuplicateTransfer):
+        runs.claim_by_call("t2")
+
+
+def test_ids_are_forgotten_only_after_their_transfer_ended_and_time_passed() -> None:
+    clock = Clock()
+    runs = PushRuns(remember_s=60, max_remembered=2, clock=clock)
+    long_run = runs.start_by_notif("long")
+    assert long_run is not None
+    for i in range(5):  # past the bound: the oldest ended entries go, never the running one
+        assert runs.claim_by_call(f"c{i}") is None
+    clock.now += 3600
+    runs.claim_by_call("later")
+    assert runs.start_by_notif("long") is None  # still running: its id is still taken
+    assert runs.claim_by_call("long") is long_run
+    long_run.finish(None, None, True)
+    runs.ended(long_run)
+    clock.now += 59
+    assert runs.start_by_notif("long") is None
+    clock.now += 2
+    assert runs.start_by_notif("long") is not None  # forgotten a minute after it ended
+    assert runs.start_by_notif("c0") is not None  # forgotten long ago
+
+
+def test_recent_follows_the_last_push() -> None:
+    clock = Clock()
+    runs = PushRuns(clock=clock)
+    assert not runs.recent()
+    runs.touch()
+    assert runs.recent()
+    clock.now += 2
+    assert not runs.recent()
+    runs.start_by_notif("x")
+    assert runs.recent()
+
+
+def test_a_run_cancelled_by_its_call_stops_once_and_not_after_it_finished() -> None:
+    run = PushRun("t")
+    fired: list[str] = []
+    run.add_callback(lambda: fired.append("a"))
+    run.cancel()
+    run.cancel()
+    assert fired == ["a"]
+    run.add_callback(lambda: fired.append("late"))  # registered after the cancel: runs at once
+    assert fired == ["a", "late"]
+    done = PushRun("u")
+    done.add_callback(lambda: fired.append("never"))
+    done.finish(None, None, True)
+    done.cancel()  # the call's end after the transfer's end stops nothing
+    assert "never" not in fired and done.wait(0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.booleans()), max_size=60))
+def test_each_id_starts_at_most_once_in_any_order(events: list[tuple[int, bool]]) -> None:
+    """Copies of Pushes in any order, repeated: one start per id, by the first copy that came."""
+    runs = PushRuns(clock=Clock())
+    starts: dict[int, str] = {}
+    for tid, by_call in events:
+        if by_call:
+            try:
+                run = runs.claim_by_call(str(tid))
+            except DuplicateTransfer:
+                assert tid in starts
+                continue
+            if run is None:
+                assert tid not in starts
+                starts[tid] = "call"
+            else:
+                assert starts[tid] == "notif"
+        elif runs.start_by_notif(str(tid)) is not None:
+            assert tid not in starts
+            starts[tid] = "notif"
+
+
+def test_racing_copies_start_each_transfer_exactly_once() -> None:
+    runs = PushRuns()
+    started: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(2)
+
+    def notifs() -> None:
+        barrier.wait()
+        for i in range(2000):
+            if runs.start_by_notif(f"{i}") is not None:
+                with lock:
+                    started.append(f"{i}")
+
+    def calls() -> None:
+        barrier.wait()
+        for i in range(2000):
+            if runs.claim_by_call(f"{i}") is None:
+                with lock:
+                    started.append(f"{i}")
+
+    threads = [threading.Thread(target=notifs), threading.Thread(target=calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(started) == sorted(f"{i}" for i in range(2000))
