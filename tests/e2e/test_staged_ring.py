@@ -336,14 +336,26 @@ def _wait_moving(sc: SidecarProcess) -> None:
     time.sleep(0.2)
 
 
-def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn) -> None:
+@pytest.mark.parametrize("started_by", ["call", "notification"])
+def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, started_by: str) -> None:
     """The reader's deadline passes with chunks in flight: it stops the source, which answers once
     none of its WRITEs is in flight; the reader's scatters end before it answers; nothing outside the
-    request changes; both rings are free at once (no quarantine) and the next pull works."""
+    request changes; both rings are free at once (no quarantine) and the next pull works. The same
+    whether the long transfer was started by its Push call (the first Push to a source) or by its
+    notification (once the reader holds the source's key), which the call then joins."""
     a = spawn(SidecarProcess("ring-long-p", extra=ONE_BLOCK_RING, env=ENV))
     b = spawn(SidecarProcess("ring-long-d", extra=ONE_BLOCK_RING, env=ENV))
     prefill = spawn(EngineProcess(a.socket, "lp", LONG_SRC))
     decode = spawn(EngineProcess(b.socket, "ld", LONG_DST))
+    if started_by == "notification":  # a first pull brings the key
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "first", "block_ids": [1, 2], "num_tokens": 30, "seed": 5}
+        )
+        ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 5})
+        assert ok["ok"] and ok["verified"], ok
+        rings_idle(a, b)
+    by = f'{{by="{started_by}"}}'
+    before = metric(a, "kvsidecar_push_starts_total", by)
     dst = _start_long_pull(prefill, decode, timeout_s=0.3)
     res = json.loads(decode.readline(30))
     assert not res["ok"], "the pull finished within its timeout; make it longer (LONG)"
@@ -353,6 +365,7 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn) -> Non
     assert not res["untouched"], "nothing was written before the deadline: the test proves little"
     rings_idle(a, b, timeout_s=3)
     assert metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == 0
+    assert metric(a, "kvsidecar_push_starts_total", by) == before + 1
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
     )
