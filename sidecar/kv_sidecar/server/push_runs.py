@@ -94,10 +94,6 @@ class PushRun:
         self.response, self.error, self.quiet = response, error, quiet
         self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self, timeout: float | None) -> bool:
         return self._done.wait(timeout)
 
@@ -172,10 +168,6 @@ class PushRuns:
     def recent(self) -> bool:
         """A Push came in the last RECENT_S (cheap, no lock: the NIXL driver's poll loop asks)."""
         return self._clock() - self.last_push < RECENT_S
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
 
     def _set(self, transfer_id: str, entry: Any) -> None:
         self._entries[transfer_id] = entry

@@ -152,6 +152,7 @@ def read_staged(
     try:
         with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
             try:
+                key = link.push_key  # once: another pull's answer may replace it meanwhile
                 req = peer_pb2.PushRequest(
                     engine_id=job.params.engine_id,
                     request_id=job.params.request_id,
@@ -172,12 +173,12 @@ def read_staged(
                     timeout_ms=max(1, int(job.remaining() * 1000)),
                     open=open_msg,
                     open_num_tokens=job.num_tokens if open_msg is not None else 0,
-                    notified=bool(link.push_key),
+                    notified=bool(key),
                 )
                 if req.notified:
                     # The same request as a NIXL notification: the source's NIXL thread sees it ~0.5 ms
                     # before the call arrives, and starts the transfer from it (server/push_runs.py).
-                    sc.nixl.notify(agent, sp.push_notif(link.push_key, req.SerializeToString()))
+                    sc.nixl.notify(agent, sp.push_notif(key, req.SerializeToString()))
                 call = sc.gpu_staging.call(
                     link.stub.Push,
                     req,

@@ -179,11 +179,12 @@ def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
         with contextlib.suppress(DecodeError):
             req = peer_pb2.PushRequest.FromString(parsed[1])  # type: ignore[index]
     if req is None or req.reader_agent != agent or not sp.is_transfer_id(req.transfer_id):
-        # Wrong key (this sidecar restarted since the reader got it, or not a reader at all).
+        # Wrong key (this sidecar restarted since the reader got it, or not a reader at all), or no
+        # key at all: with push_notifications off none is ever given.
         sc.metrics.failures.labels("push_notification_refused").inc()
         log.debug("refused a Push notification from %s", agent)
         return
-    if not sc.settings.push_notifications or not sc.gpu_staging.source_room():
+    if not sc.gpu_staging.source_room():
         return  # the call starts it
     run = sc.push_runs.start_by_notif(req.transfer_id)
     if run is not None:
