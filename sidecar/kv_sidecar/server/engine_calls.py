@@ -52,6 +52,8 @@ def publish(sc: Sidecar, request: engine_pb2.PublishRequest) -> engine_pb2.Publi
     except BaseException:
         sc.published.abort(request.engine_id, request.request_id)
         raise
+    if sc.settings.push_notifications:
+        sc.push_runs.touch()  # its reader's Push notification comes soon: poll at the serving rate
     sc.refresh_gauges()
     params = common_pb2.TransferParams(
         engine_id=request.engine_id,

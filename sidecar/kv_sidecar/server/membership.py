@@ -411,4 +411,6 @@ class Membership:
             (req.lease_ms or sc.settings.lease_ms) / 1000,
             ranks=self.held_here(req.engine_id),
         )
+        if sc.settings.push_notifications:
+            sc.push_runs.touch()  # as a leader's publish does (server/engine_calls.py)
         sc.refresh_gauges()

@@ -68,7 +68,17 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             plan_hash=plan.hash(),
             ranks=[rank_memory(e) for e in ranks],
             members=sc.membership.members(request.engine_id),
+            push_key=self._push_key(request.agent_name, context.peer()),
         )
+
+    def _push_key(self, agent: str, peer: str) -> bytes:
+        """The reader's push key: its first Push may then go as a notification too, which we poll for
+        at the serving rate from now on (server/push_runs.py)."""
+        sc = self._sc
+        if not (sc.settings.push_notifications and agent):
+            return b""
+        sc.push_runs.touch()
+        return sc.push_keys.grant(agent, peer)
 
     @rpc
     def OpenRead(

@@ -74,8 +74,8 @@ class PeerLink:
         self.stub = peer_pb2_grpc.PeerServiceStub(channel)
         self.engines: dict[tuple[str, str], RemoteEngine] = {}
         self.lock = threading.Lock()
-        # What our staged Push notifications to this peer are signed with (its last Push answer's key;
-        # empty: send the Push by gRPC only).
+        # What our staged Push notifications to this peer are signed with (from its handshake or its
+        # last Push answer; empty: send the Push by gRPC only).
         self.push_key = b""
 
 
@@ -213,6 +213,7 @@ class Peers:
                 f"(different kv-sidecar versions?)",
             )
         agent = sc.nixl.add_remote(resp.agent_metadata, resp.agent_name)
+        link.push_key = resp.push_key  # a restarted peer's new key; empty: it wants Pushes by gRPC only
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,
             agent_name=agent,

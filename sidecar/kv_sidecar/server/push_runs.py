@@ -162,7 +162,8 @@ class PushRuns:
                 self._forget.append((self._clock() + self._remember_s, run.transfer_id, run))
 
     def touch(self) -> None:
-        """A Push call came without a notification: readers are pushing."""
+        """Readers are pushing, or soon will: a Push call came without a notification, a reader
+        handshook, or a request was published."""
         self.last_push = self._clock()
 
     def recent(self) -> bool:
