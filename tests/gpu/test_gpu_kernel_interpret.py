@@ -182,9 +182,13 @@ def test_empty_and_prefix_only_requests_launch_nothing() -> None:
 
 @pytest.mark.parametrize("name", [c.name for c in kc.CASES])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-def test_staged_chunks_in_interpreter_match_host_executor(name: str, blocks_per_chunk: int) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["ids-uploaded-here", "ids-uploaded-ahead"])
+def test_staged_chunks_in_interpreter_match_host_executor(
+    name: str, blocks_per_chunk: int, ahead: bool
+) -> None:
     """The staged path's copies (validated once, one launch per chunk) through a 2-slot ring:
-    gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots."""
+    gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots. `ahead`:
+    the gather's ids come uploaded, as a source's published request's do."""
     pytest.importorskip("triton")
     from kv_sidecar.execute import gpu
     from kv_sidecar.server.staged_protocol import plan_chunks
@@ -202,6 +206,7 @@ def test_staged_chunks_in_interpreter_match_host_executor(name: str, blocks_per_
     slots = [base, base + slot_bytes]
     chunks = plan_chunks(c.start_token, c.num_tokens, c.dst.block_size, blocks_per_chunk)
     written = 0
+    up = torch.tensor(src_ids, dtype=torch.int32) if ahead else None
     for r in c.reads:
         sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
         gather = gpu.StagedCopies(
@@ -214,7 +219,9 @@ def test_staged_chunks_in_interpreter_match_host_executor(name: str, blocks_per_
             c.start_token,
             into_staging=True,
             interpret=True,
+            uploaded_ids=up,
         )
+        assert (gather._ids is up) == ahead  # taken as they came, not uploaded again
         scatter = gpu.StagedCopies(
             dview,
             c.dst,
@@ -250,6 +257,34 @@ def test_staged_copies_refuse_bad_ids_before_any_launch() -> None:
         )
     with pytest.raises(PlanError, match="appears twice"):
         gpu.StagedCopies(view, c.dst, 0, (0, 4), [0] * n, c.num_tokens, into_staging=False, interpret=True)
+    ahead = torch.arange(n, dtype=torch.int32)
+    with pytest.raises(PlanError, match="out of range"):  # ids uploaded ahead skip no check
+        gpu.StagedCopies(
+            view,
+            c.dst,
+            0,
+            (0, 4),
+            [*range(n - 1), 999],
+            c.num_tokens,
+            into_staging=True,
+            interpret=True,
+            uploaded_ids=ahead,
+        )
+    short = ahead[:-1]  # not the request's ids: uploaded anew
+    assert (
+        gpu.StagedCopies(
+            view,
+            c.dst,
+            0,
+            (0, 4),
+            list(range(n)),
+            c.num_tokens,
+            into_staging=True,
+            interpret=True,
+            uploaded_ids=short,
+        )._ids
+        is not short
+    )
     ok = gpu.StagedCopies(
         view, c.dst, 0, (0, 4), list(range(n)), c.num_tokens, into_staging=False, interpret=True
     )

@@ -130,6 +130,7 @@ class _DeviceState:
         self._templates: dict[tuple[Any, ...], dict[tuple[int, int], _Template]] = {}
         self._direct: dict[tuple[Any, ...], _Template] = {}
         self._aranges: dict[str, torch.Tensor] = {}
+        self._streams: dict[str, Any] = {}
 
     def anchor(self, device: torch.device, width: int) -> torch.Tensor:
         key = (str(device), width)
@@ -174,6 +175,16 @@ class _DeviceState:
                     self._direct.clear()
                 self._direct[key] = found
         return found
+
+    def side_stream(self, device: torch.device) -> Any:
+        """A kept stream per device for uploads ahead of time (never the legacy default stream, which
+        would wait for every copy on the device)."""
+        key = str(device)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = torch.cuda.Stream(device)
+            return stream
 
     def arange(self, device: torch.device, n: int) -> torch.Tensor:
         """int32 0..n-1 on the device, a view of one table grown by doubling and ready to read."""
@@ -376,6 +387,18 @@ def _upload_ids(
     return ids[:n_src], ids[d0:]
 
 
+def upload_block_ids(block_ids: Sequence[int], device: int) -> torch.Tensor:
+    """A request's block ids as int32 on a GPU, ready for any stream: uploaded ahead of a transfer
+    (a published request, before its reader asks), off the transfer's critical path. On a side stream
+    of its own, waited for here: the caller is a background thread."""
+    dev = torch.device("cuda", device)
+    stream = _state.side_stream(dev)
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
+        ids = torch.from_numpy(np.asarray(block_ids, dtype=np.int32).reshape(-1)).to(dev)
+    stream.synchronize()
+    return ids
+
+
 def _template(
     src: GpuRankView, dst: GpuRankView, nh: int, s_h0: int, d_h0: int, dev: torch.device, interpret: bool
 ) -> _Template:
@@ -467,7 +490,8 @@ class StagedCopies:
 
     The whole request is validated once here exactly as `prepare_request`
     validates one copy (a bad id must never reach the kernel), and the engine
-    side's block ids are uploaded once, on the transfer's own stream; `launch`
+    side's block ids are uploaded once, on the transfer's own stream (unless they
+    come uploaded: a source's published request, `uploaded_ids`); `launch`
     then only fills in a chunk's positions and enqueues the kernel: no per-chunk
     validation, upload or host synchronisation. What a launch needs besides
     (layer tables, tiling, strides) is a template shared by every transfer of the
@@ -487,6 +511,7 @@ class StagedCopies:
         *,
         into_staging: bool,
         interpret: bool = False,
+        uploaded_ids: torch.Tensor | None = None,
     ) -> None:
         self.engine = engine
         self.staging_spec = staging_spec
@@ -531,7 +556,18 @@ class StagedCopies:
         self._stage_ids = _state.arange(self.device, max(1, total))
         # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
         self.stream: Any = None if interpret else torch.cuda.Stream(self.device)
-        self._ids, _ = _upload_ids(ids, (), self.device, self.stream)
+        if (
+            uploaded_ids is not None
+            and uploaded_ids.device == self.device
+            and uploaded_ids.numel() == ids.size
+        ):
+            # `engine_block_ids` uploaded earlier (upload_block_ids), complete: nothing to wait for.
+            # Its memory is the upload stream's; this one reads it too.
+            self._ids = uploaded_ids
+            if self.stream is not None:
+                uploaded_ids.record_stream(self.stream)
+        else:
+            self._ids, _ = _upload_ids(ids, (), self.device, self.stream)
         self._other_streams: set[Any] = set()
 
     def chunk_bytes(self, t0: int, t1: int) -> int:

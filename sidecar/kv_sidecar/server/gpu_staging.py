@@ -23,16 +23,19 @@ one pair of host rings of the same size (device `HOST`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from kv_sidecar.execute import gpu
 from kv_sidecar.server.staged_protocol import SlotPool
 
 if TYPE_CHECKING:
+    from kv_sidecar.server.engines import RankEntry
+    from kv_sidecar.server.published import Published
     from kv_sidecar.server.sidecar import Sidecar
 
 T = TypeVar("T")
@@ -80,6 +83,7 @@ class GpuStaging:
         self._rings: dict[tuple[int, str], Ring] = {}
         self._callers: ThreadPoolExecutor | None = None
         self._sources: ThreadPoolExecutor | None = None
+        self._uploader: ThreadPoolExecutor | None = None
         self._source_busy = 0
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -106,6 +110,24 @@ class GpuStaging:
             future = self._callers.submit(run)
         started.wait(_CALL_START_WAIT_S)
         return future
+
+    def upload_ids(self, item: Published, entries: Iterable[RankEntry]) -> None:
+        """Upload a published request's block ids to the GPU of each of its ranks here (`entries`) on a
+        kept thread, so that a gather need not: the upload costs a source ~0.3 ms on a pull's critical
+        path, and a reader asks only after the prefill engine's Publish has returned, which does not
+        wait for it. A gather that finds it unfinished uploads its own."""
+        devices = {
+            e.gpu.device
+            for e in entries
+            if e.gpu is not None and (item.ranks is None or e.rank in item.ranks)
+        }
+        if not devices:
+            return
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ids-upload")
+            for device in devices:
+                item.uploaded[device] = self._uploader.submit(gpu.upload_block_ids, item.block_ids, device)
 
     def source_room(self) -> bool:
         """A kept source thread is free for a transfer a notification starts."""
@@ -169,8 +191,8 @@ class GpuStaging:
     def close(self) -> None:
         with self._lock:
             self._rings.clear()
-            pools = [self._callers, self._sources]
-            self._callers = self._sources = None
+            pools = [self._callers, self._sources, self._uploader]
+            self._callers = self._sources = self._uploader = None
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

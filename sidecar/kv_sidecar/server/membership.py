@@ -403,7 +403,7 @@ class Membership:
             )
         spec = sc.engines.spec(req.engine_id)
         check_block_ids("prefill", req.block_ids, spec.num_blocks)
-        sc.published.publish(
+        item = sc.published.publish(
             req.engine_id,
             req.request_id,
             list(req.block_ids),
@@ -411,6 +411,7 @@ class Membership:
             (req.lease_ms or sc.settings.lease_ms) / 1000,
             ranks=self.held_here(req.engine_id),
         )
+        sc.gpu_staging.upload_ids(item, sc.engines.engine_ranks(req.engine_id))
         if sc.settings.push_notifications:
             sc.push_runs.touch()  # as a leader's publish does (server/engine_calls.py)
         sc.refresh_gauges()

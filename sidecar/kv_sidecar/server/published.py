@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.errors import Code, SidecarError
@@ -37,6 +38,9 @@ class Published:
     # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
     ranks: list[int] | None = None
     pending: dict[int, set[int]] = field(default_factory=dict)  # prefill rank -> decode ranks not done
+    # block_ids as the executors will want them, made ahead of a read and dropped with the record:
+    # CUDA device -> a future of the ids on it (server/gpu_staging.py).
+    uploaded: dict[int, Any] = field(default_factory=dict)
 
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)

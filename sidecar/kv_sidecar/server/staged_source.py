@@ -336,6 +336,7 @@ def _push(
                         item.num_tokens,
                         req.start_token,
                         into_staging=True,
+                        uploaded_ids=_uploaded(item, src.device),
                     )
                 )
             else:
@@ -378,6 +379,14 @@ def _push(
                 QUARANTINE_S,
             )
             ring.pool.release_later(send_slots, QUARANTINE_S)
+
+
+def _uploaded(item: Published, device: int) -> Any:
+    """The record's block ids on `device` if their upload at Publish time is complete, else None."""
+    fut = item.uploaded.get(device)
+    if fut is None or not fut.done() or fut.exception() is not None:
+        return None
+    return fut.result()
 
 
 def _open_from_push(
