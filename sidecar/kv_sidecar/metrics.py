@@ -54,6 +54,14 @@ class Metrics:
             ["by"],
             registry=r,
         )
+        self.push_calls = Counter(
+            "kvsidecar_push_calls",
+            "Push calls this sidecar made as a reader, by why: no_key (the source gave no push key), "
+            "slow (the notified transfer had not finished CALL_AFTER_S after its notification), stop "
+            "(the reader gave a notified transfer up before its call went out)",
+            ["why"],
+            registry=r,
+        )
         self.lease_expiries = Counter(
             "kvsidecar_lease_expiries", "Published requests whose lease expired", registry=r
         )

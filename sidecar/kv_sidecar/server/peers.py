@@ -77,6 +77,11 @@ class PeerLink:
         # What our staged Push notifications to this peer are signed with (from its handshake or its
         # last Push answer; empty: send the Push by gRPC only).
         self.push_key = b""
+        # A staged transfer from this peer has completed: the NIXL connections both ways are set up.
+        # Until then Pushes go by call only: a first Push by notification makes the two sidecars set up
+        # their connections to each other at once (our notification, the source's first WRITE), and
+        # that WRITE then hung until the pull's deadline in 2 of ~8 runs of tests/e2e/test_staged_ring.py.
+        self.wired = False
 
 
 # How grpc core words a failed TLS handshake (certificate not trusted, wrong name).

@@ -42,6 +42,63 @@ log = logging.getLogger(__name__)
 
 
 _PUSH_DONE = object()  # inbox marker: the Push call ended
+# A Push sent as a notification sends its gRPC call only if the transfer has not finished this long
+# after: a small pull (~2 ms on two GPUs) then never runs a call on either sidecar, whose handler
+# threads competed with the transfer's launches for the GIL (~0.5 ms each side, traced). A larger
+# one gets the call's answer, errors and deadline as before; a refused notification (the source
+# restarted: it no longer knows our key) costs this much once before the call starts the transfer.
+CALL_AFTER_S = 0.005
+
+
+class _PushCall:
+    """A read's Push: its notification (when we hold the source's key) and its gRPC call, sent at once
+    without a key, else only when due (CALL_AFTER_S) or to stop the transfer."""
+
+    def __init__(
+        self, sc: Sidecar, link: PeerLink, req: peer_pb2.PushRequest, job: PullJob, inbox: queue.Queue[Any]
+    ) -> None:
+        self.sc = sc
+        self.link = link
+        self.req = req
+        self.job = job
+        self.inbox = inbox
+        self.call: Any = None
+        self.notified = req.notified
+        self.due = time.monotonic() + CALL_AFTER_S if req.notified else 0.0
+
+    @property
+    def asked(self) -> bool:
+        """The source may be moving the transfer: we sent its notification or its call."""
+        return self.notified or self.call is not None
+
+    def wait_s(self) -> float:
+        """How long until the call is due (inf once it was sent)."""
+        return float("inf") if self.call is not None else max(0.0, self.due - time.monotonic())
+
+    def send_if_due(self) -> None:
+        if self.call is None and time.monotonic() >= self.due:
+            # Longer than the pull: the source stops at timeout_ms, and its answer says when nothing
+            # is in flight any more, which a timed-out reader still needs.
+            self._send(
+                self.req, self.job.remaining() + CANCEL_WAIT_S + 1, "slow" if self.notified else "no_key"
+            )
+
+    def send_stopping(self) -> None:
+        """We gave the transfer up before its call went out: ask the source to stop what the
+        notification started (and start nothing), and to answer once nothing is in flight."""
+        stop = peer_pb2.PushRequest()
+        stop.CopyFrom(self.req)
+        stop.stopping = True
+        self._send(stop, CANCEL_WAIT_S + 1, "stop")
+
+    def _send(self, req: peer_pb2.PushRequest, timeout_s: float, why: str) -> None:
+        sc = self.sc
+        sc.metrics.push_calls.labels(why).inc()
+        self.call = sc.gpu_staging.call(
+            self.link.stub.Push, req, timeout=timeout_s, metadata=sc.peer_metadata()
+        )
+        self.call.add_done_callback(functools.partial(_learn_key, self.link))
+        self.call.add_done_callback(lambda _: self.inbox.put(_PUSH_DONE))
 
 
 class _Credits:
@@ -144,7 +201,7 @@ def read_staged(
         dict.fromkeys(range(len(slots)), ring.slot_bytes),
         lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
     )
-    call: Any = None
+    push: _PushCall | None = None
     copies: GpuCopies | HostCopies | None = None
     credits: _Credits | None = None
     done = confirmed = False
@@ -152,7 +209,8 @@ def read_staged(
     try:
         with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
             try:
-                key = link.push_key  # once: another pull's answer may replace it meanwhile
+                # Once: another pull's answer may replace it meanwhile. None until the link is wired.
+                key = link.push_key if link.wired else b""
                 req = peer_pb2.PushRequest(
                     engine_id=job.params.engine_id,
                     request_id=job.params.request_id,
@@ -175,20 +233,13 @@ def read_staged(
                     open_num_tokens=job.num_tokens if open_msg is not None else 0,
                     notified=bool(key),
                 )
+                push = _PushCall(sc, link, req, job, inbox)
                 if req.notified:
-                    # The same request as a NIXL notification: the source's NIXL thread sees it ~0.5 ms
-                    # before the call arrives, and starts the transfer from it (server/push_runs.py).
+                    # The request as a NIXL notification: the source's NIXL thread starts the transfer
+                    # from it (server/push_runs.py); the call follows only if it is slow.
                     sc.nixl.notify(agent, sp.push_notif(key, req.SerializeToString()))
-                call = sc.gpu_staging.call(
-                    link.stub.Push,
-                    req,
-                    # Longer than the pull: the source stops at timeout_ms, and its answer says
-                    # when nothing is in flight any more, which a timed-out reader still needs.
-                    timeout=job.remaining() + CANCEL_WAIT_S + 1,
-                    metadata=sc.peer_metadata(),
-                )
-                call.add_done_callback(functools.partial(_learn_key, link))
-                call.add_done_callback(lambda _: inbox.put(_PUSH_DONE))
+                else:
+                    push.send_if_due()
                 # Validate and upload while the source gathers its first chunk.
                 if entry.gpu is not None:
                     dev = entry.gpu.device
@@ -216,9 +267,9 @@ def read_staged(
                     copies.first = job.start_token // dst_spec.block_size
                 credits = _Credits(state, copies.ready, ring, slots, agent, tid, inbox)
                 sc.nixl.add_poller(credits.poll)
-                nbytes = _receive(job, state, copies, credits, ring, slots, inbox, call, agent, address)
+                nbytes = _receive(job, state, copies, credits, ring, slots, inbox, push, agent, address)
                 copies.synchronize()  # every byte is in the engine's blocks before we answer
-                done = True
+                done = link.wired = True
                 return nbytes
             except sp.ProtocolError as e:
                 sc.metrics.failures.labels("staged_protocol").inc()
@@ -228,13 +279,13 @@ def read_staged(
             finally:
                 if credits is not None:
                     credits.close()
-                confirmed = done or _stop_source(sc, call, agent, tid)
+                confirmed = done or _stop_source(sc, push, agent, tid)
                 if copies is not None and not done:
                     copies.synchronize()  # no scatter of ours may still write after a failed pull returns
     finally:
         sc.nixl.unlisten(sp.prefix(tid))
         held = [slots[s] for s in state.release_all()]
-        if done or confirmed or call is None:
+        if done or confirmed or push is None or not push.asked:
             ring.pool.release(held)
         else:
             sc.metrics.failures.labels("staging_quarantined").inc()
@@ -248,7 +299,11 @@ def read_staged(
             )
             # The Push call is a blocking call on a caller thread, which nothing can cancel: it ends at
             # its deadline at the latest, and a source whose call ended stops within its cancel wait.
-            ring.pool.release_later(held, QUARANTINE_S, lambda go: call.add_done_callback(lambda _: go()))
+            call = push.call
+            if call is None:  # nothing will say when the source stopped: its timeout bounds it
+                ring.pool.release_later(held, QUARANTINE_S)
+            else:
+                ring.pool.release_later(held, QUARANTINE_S, lambda go: call.add_done_callback(lambda _: go()))
 
 
 def _receive(
@@ -259,7 +314,7 @@ def _receive(
     ring: Ring,
     slots: list[int],
     inbox: queue.Queue[Any],
-    call: Any,
+    push: _PushCall,
     agent: str,
     address: str,
 ) -> int:
@@ -270,12 +325,13 @@ def _receive(
         left = job.remaining()
         if grace is not None and time.monotonic() > grace:
             raise sp.ProtocolError(f"the source answered but sent only part of the {state.count} chunks")
+        push.send_if_due()
         try:
-            item = inbox.get(timeout=min(0.05, left))
+            item = inbox.get(timeout=min(0.05, left, push.wait_s()) or 1e-4)
         except queue.Empty:
             continue
         if item is _PUSH_DONE:
-            _raise_push_error(call, address, job.params.request_id)
+            _raise_push_error(push.call, address, job.params.request_id)
             # It answered OK: every WRITE is done, but their notifications may trail the answer.
             grace = time.monotonic() + CANCEL_WAIT_S
             continue
@@ -314,13 +370,19 @@ def _push_error(e: grpc.RpcError, address: str, request_id: str) -> SidecarError
     return rpc_error(e, address, f"to push request {request_id!r}")
 
 
-def _stop_source(sc: Sidecar, call: Any, agent: str, transfer_id: str) -> bool:
+def _stop_source(sc: Sidecar, push: _PushCall | None, agent: str, transfer_id: str) -> bool:
     """Stop the source and wait until it has nothing in flight; False if it never confirmed."""
-    if call is None:
+    if push is None or not push.asked:
         return True  # it was never asked
-    if not call.done():
+    if push.call is None or not push.call.done():
         with contextlib.suppress(Exception):
             sc.nixl.send_notif(agent, sp.stop_notif(transfer_id))
+    if push.call is None:  # only the notification went: the call confirms the stop (and starts nothing)
+        try:
+            push.send_stopping()
+        except Exception:
+            return False
+    call = push.call
     try:
         call.result(timeout=CANCEL_WAIT_S)
     except FutureTimeout:

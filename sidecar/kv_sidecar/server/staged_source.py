@@ -142,18 +142,26 @@ def serve_push(
     sc: Sidecar, req: peer_pb2.PushRequest, context: grpc.ServicerContext
 ) -> peer_pb2.PushResponse:
     """Send one source rank's share of an opened request into the reader's receive slots, or, when
-    its notification already started that (`req.notified`), wait for that transfer and answer for it.
+    its notification already started that (`req.notified`), wait for that transfer and answer for it
+    (`req.stopping`: stop it first; start nothing).
 
     Every answer given while nothing of the transfer is in flight (success, a
     refusal, a stop after the WRITEs ended) carries PUSH_ENDED, so that the
     reader may reuse its slots at once.
     """
     key = sc.push_keys.grant(req.reader_agent, context.peer()) if sc.settings.push_notifications else b""
-    if req.notified:
+    if req.notified or req.stopping:
         try:
             run = sc.push_runs.claim_by_call(req.transfer_id)
         except DuplicateTransfer:
             raise SidecarError(Code.ALREADY_EXISTS, f"transfer {req.transfer_id} was pushed before") from None
+        if req.stopping:
+            if run is None:  # claimed: its notification, should it still come, starts nothing
+                context.set_trailing_metadata((PUSH_ENDED,))
+                raise SidecarError(
+                    Code.CANCELLED, f"transfer {req.transfer_id}: the reader stopped it before it started"
+                )
+            run.cancel()
         if run is not None:
             return _join(sc, run, context, key)
     else:

@@ -155,7 +155,7 @@ class PushSlot(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified")
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class PushRequest(_message.Message):
     OPEN_FIELD_NUMBER: _ClassVar[int]
     OPEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NOTIFIED_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
@@ -192,7 +193,8 @@ class PushRequest(_message.Message):
     open: OpenReadRequest
     open_num_tokens: int
     notified: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ...) -> None: ...
+    stopping: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("chunks", "bytes", "push_key")
