@@ -473,10 +473,10 @@ class NixlDriver:
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self.call(lambda a: a.send_notif(remote_agent, msg))
 
-    def notify(self, remote_agent: str, msg: bytes) -> None:
+    def notify(self, remote_agent: str, msg: bytes) -> Future[None]:
         """send_notif without waiting for it: the caller's answer does not wait for the driver
         thread. A notification that cannot be sent is logged (the peer then times out or expires
-        the lease, as if it never came)."""
+        the lease, as if it never came). The future is done once it was sent (or failed to be)."""
 
         def send(a: Any) -> None:
             try:
@@ -486,7 +486,9 @@ class NixlDriver:
 
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
-        self._queue.put((send, Future()))
+        fut: Future[None] = Future()
+        self._queue.put((send, fut))
+        return fut
 
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
     def add_poller(self, fn: Callable[[Any], bool]) -> None:
