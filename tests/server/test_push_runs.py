@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_sidecar.server import staged_protocol as sp
-from kv_sidecar.server.push_runs import KEY_BYTES, DuplicateTransfer, PushKeys, PushRun, PushRuns
+from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
 
 
 class Clock:
@@ -104,6 +104,24 @@ def test_recent_follows_the_last_push() -> None:
     assert not runs.recent()
     runs.start_by_notif("x")
     assert runs.recent()
+
+
+def test_readers_lately_follows_readers_not_publishes() -> None:
+    """A publish (touch) polls faster but is no sign of a staged reader; a Push or a handshake is, for
+    READERS_S: only then does a publish get ready for one (GpuStaging.expect_read)."""
+    clock = Clock()
+    runs = PushRuns(clock=clock)
+    runs.touch()
+    assert runs.recent() and not runs.readers_lately()
+    runs.reader_seen()  # a handshake, or a Push call without a notification
+    assert runs.readers_lately()
+    clock.now += READERS_S + 1
+    assert not runs.readers_lately() and not runs.recent()
+    runs.claim_by_call("y")
+    assert runs.readers_lately() and runs.recent()
+    clock.now += READERS_S + 1
+    runs.start_by_notif("z")
+    assert runs.readers_lately()
 
 
 def test_a_run_cancelled_by_its_call_stops_once_and_not_after_it_finished() -> None:

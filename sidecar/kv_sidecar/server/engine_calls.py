@@ -52,9 +52,7 @@ def publish(sc: Sidecar, request: engine_pb2.PublishRequest) -> engine_pb2.Publi
     except BaseException:
         sc.published.abort(request.engine_id, request.request_id)
         raise
-    sc.gpu_staging.upload_ids(item, sc.engines.engine_ranks(request.engine_id))
-    if sc.settings.push_notifications:
-        sc.push_runs.touch()  # its reader's Push notification comes soon: poll at the serving rate
+    sc.gpu_staging.expect_read(item, sc.engines.engine_ranks(request.engine_id))
     sc.refresh_gauges()
     params = common_pb2.TransferParams(
         engine_id=request.engine_id,

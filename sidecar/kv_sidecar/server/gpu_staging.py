@@ -111,6 +111,18 @@ class GpuStaging:
         started.wait(_CALL_START_WAIT_S)
         return future
 
+    def expect_read(self, item: Published, entries: Iterable[RankEntry]) -> None:
+        """`item` was just published here. If staged readers read from this sidecar lately, get ready
+        for one: upload its ids (`upload_ids`) and poll for its Push notification at the serving rate.
+        Otherwise do neither: a sidecar whose readers are all on its node (gpu-direct) would pay for
+        them on every pull, the polling's GIL hand-offs most (~0.1 ms a pull, docs/benchmarks.md)."""
+        runs = self._sc.push_runs
+        if not runs.readers_lately():
+            return
+        self.upload_ids(item, entries)
+        if self._sc.settings.push_notifications:
+            runs.touch()
+
     def upload_ids(self, item: Published, entries: Iterable[RankEntry]) -> None:
         """Upload a published request's block ids to the GPU of each of its ranks here (`entries`) on a
         kept thread, so that a gather need not: the upload costs a source ~0.3 ms on a pull's critical

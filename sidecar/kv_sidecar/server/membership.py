@@ -411,7 +411,5 @@ class Membership:
             (req.lease_ms or sc.settings.lease_ms) / 1000,
             ranks=self.held_here(req.engine_id),
         )
-        sc.gpu_staging.upload_ids(item, sc.engines.engine_ranks(req.engine_id))
-        if sc.settings.push_notifications:
-            sc.push_runs.touch()  # as a leader's publish does (server/engine_calls.py)
+        sc.gpu_staging.expect_read(item, sc.engines.engine_ranks(req.engine_id))
         sc.refresh_gauges()

@@ -73,11 +73,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     def _push_key(self, agent: str, peer: str) -> bytes:
         """The reader's push key: its first Push may then go as a notification too, which we poll for
-        at the serving rate from now on (server/push_runs.py)."""
+        at the serving rate from now on (server/push_runs.py). A reader that handshook may push soon."""
         sc = self._sc
+        sc.push_runs.reader_seen()
         if not (sc.settings.push_notifications and agent):
             return b""
-        sc.push_runs.touch()
         return sc.push_keys.grant(agent, peer)
 
     @rpc

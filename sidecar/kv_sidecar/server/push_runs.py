@@ -29,6 +29,9 @@ KEY_BYTES = 16
 REMEMBER_S = 60.0
 MAX_REMEMBERED = 100_000  # past this, the oldest ended entries are forgotten early (memory bound)
 RECENT_S = 1.0  # after a Push, poll for notifications at the serving rate this long
+# Readers that pushed or handshook this recently may push again: a publish then gets ready for them.
+# Past it, a sidecar serving only same-node (gpu-direct) readers does no such work per publish.
+READERS_S = 60.0
 
 
 class DuplicateTransfer(Exception):
@@ -123,12 +126,13 @@ class PushRuns:
         self._entries: dict[str, Any] = {}  # transfer id -> PushRun | _CLAIMED | _JOINED
         self._forget: deque[tuple[float, str, Any]] = deque()  # (when, id, entry), oldest first
         self.last_push = float("-inf")
+        self.last_reader = float("-inf")
 
     def start_by_notif(self, transfer_id: str) -> PushRun | None:
         """A new run for the notification's transfer, or None: its call came first, or it came before."""
         with self._lock:
             self._expire()
-            self.last_push = self._clock()
+            self.last_push = self.last_reader = self._clock()
             if transfer_id in self._entries:
                 return None
             run = PushRun(transfer_id)
@@ -140,7 +144,7 @@ class PushRuns:
         and its notification, if it comes, starts nothing."""
         with self._lock:
             self._expire()
-            self.last_push = self._clock()
+            self.last_push = self.last_reader = self._clock()
             entry = self._entries.get(transfer_id)
             if isinstance(entry, PushRun):
                 return entry
@@ -162,9 +166,16 @@ class PushRuns:
                 self._forget.append((self._clock() + self._remember_s, run.transfer_id, run))
 
     def touch(self) -> None:
-        """Readers are pushing, or soon will: a Push call came without a notification, a reader
-        handshook, or a request was published."""
+        """A Push is due soon: a request was published while `readers_lately`."""
         self.last_push = self._clock()
+
+    def reader_seen(self) -> None:
+        """A reader handshook, or sent a Push call without a notification: it may push soon, and again."""
+        self.last_push = self.last_reader = self._clock()
+
+    def readers_lately(self) -> bool:
+        """A reader pushed or handshook in the last READERS_S."""
+        return self._clock() - self.last_reader < READERS_S
 
     def recent(self) -> bool:
         """A Push came in the last RECENT_S (cheap, no lock: the NIXL driver's poll loop asks)."""

@@ -165,7 +165,7 @@ def serve_push(
         if run is not None:
             return _join(sc, run, context, key)
     else:
-        sc.push_runs.touch()
+        sc.push_runs.reader_seen()
     sc.metrics.push_starts.labels("call").inc()
     quiet = [True]
     try:
