@@ -43,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## GPU pull (bench/gpu_pull.py)"
 GIB = 1 << 30
+STAGED_TARGET, STAGED_TARGET_2G = 0.51, 0.57  # staged rows' targets, shares of the ceiling (issue 11)
 NOTES = (
     "Notes. Every 'ours' row is one kernel launch per 1 GiB request; 'fragmented' ids are a random "
     "permutation of a pool 1.25x the request. NIXL rows (anchor for what an engine-integrated NIXL "
@@ -55,8 +56,9 @@ NOTES = (
     "(caches on GPU0 and GPU1, registered over CUDA IPC): GB/s is the decode sidecar's own pull duration, "
     "e2e the decode engine's wall clock around pull(); median of the timed pulls; bytes checked by "
     "digest. Their same-node target compares the whole pull (control plane included) with the ceiling; "
-    "the staged target is the fragmented in-engine NIXL anchor of the same segment size (a conversion "
-    "row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
+    "a staged row's target is 51 % of the ceiling (57 % with 2 GiB rings: issue 11's 200 and 225 GB/s "
+    "on 2x H200), and at least the fragmented in-engine NIXL anchor of the same segment size (a "
+    "conversion row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
     "gpu_staging_bytes 512 MiB (8 slots of 32 MiB per ring) unless marked 2 GiB (128 MiB slots).",
 )
 
@@ -435,7 +437,7 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
     rows: list[dict[str, Any]] = []
     node = SidecarProcess("bench-node")
     pre, dec = SidecarProcess("bench-prefill"), SidecarProcess("bench-decode")
-    # The same staged path with larger rings (2 GiB per GPU: 256 MiB slots): fewer, larger chunks.
+    # The same staged path with larger rings (2 GiB per GPU: 128 MiB slots): fewer, larger chunks.
     big = ["--gpu-staging-bytes", str(2 * GIB)]
     pre_big, dec_big = (
         SidecarProcess("bench-prefill-2g", extra=big),
@@ -590,8 +592,12 @@ def section(
         # NIXL cannot convert layouts, so a conversion row is held to the homogeneous anchor.
         anchor = anchors.get(r["config"].replace("nhd->hnd", "homog"))
         if "staged" in r["label"]:
-            target = "-" if anchor is None else ("met" if r["gbps"] >= anchor else "**missed**")
-            target += f" (>= anchor {anchor:.1f})" if anchor is not None else " (no anchor run)"
+            # Issue 11: >= 200 GB/s (default rings) and >= 225 GB/s (2 GiB rings) on 2x H200, whose
+            # ceiling was 393 GB/s: as shares of this run's ceiling, and never below the NIXL anchor.
+            share = STAGED_TARGET_2G if "2 GiB" in r["label"] else STAGED_TARGET
+            floor = max(share * top, anchor or 0.0)
+            target = ("met" if r["gbps"] >= floor else "**missed**") + f" (>= {floor:.1f}"
+            target += f", anchor {anchor:.1f})" if anchor is not None else ", no anchor run)"
         else:
             target = "met" if pct >= 90 else "**missed**"
         note = f"path {r['path']}; " + ("bytes verified (digest)" if r["verified"] else "**MISMATCH**")
