@@ -74,7 +74,7 @@ NOTES = (
     "contiguous ids merge into few descriptors, fragmented ones do not). Concurrent rows: C threads, "
     "each pulling its own 32 blocks per round after one warm-up pull; aggregate = bytes of the timed "
     "rounds over their wall time. Staged rings: the sidecars' gpu_staging_bytes / gpu_staging_slots "
-    "(default 512 MiB per GPU: 8 slots of 32 MiB per ring) unless the command says otherwise."
+    "(default 512 MiB per GPU: 4 slots of 64 MiB per ring) unless the command says otherwise."
 )
 
 

@@ -59,7 +59,7 @@ NOTES = (
     "a staged row's target is 51 % of the ceiling (57 % with 2 GiB rings: issue 11's 200 and 225 GB/s "
     "on 2x H200), and at least the fragmented in-engine NIXL anchor of the same segment size (a "
     "conversion row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
-    "gpu_staging_bytes 512 MiB (8 slots of 32 MiB per ring) unless marked 2 GiB (128 MiB slots).",
+    "gpu_staging_bytes 512 MiB (4 slots of 64 MiB per ring) unless marked 2 GiB (256 MiB slots).",
 )
 
 
@@ -437,7 +437,7 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
     rows: list[dict[str, Any]] = []
     node = SidecarProcess("bench-node")
     pre, dec = SidecarProcess("bench-prefill"), SidecarProcess("bench-decode")
-    # The same staged path with larger rings (2 GiB per GPU: 128 MiB slots): fewer, larger chunks.
+    # The same staged path with larger rings (2 GiB per GPU: 256 MiB slots): fewer, larger chunks.
     big = ["--gpu-staging-bytes", str(2 * GIB)]
     pre_big, dec_big = (
         SidecarProcess("bench-prefill-2g", extra=big),

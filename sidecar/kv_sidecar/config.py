@@ -22,7 +22,7 @@ class Settings:
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
     gpu_staging_bytes: int = 512 << 20
-    gpu_staging_slots: int = 8
+    gpu_staging_slots: int = 4
     host_transfer: str = "read"
     nixl_busy_poll_us: int = 20
     push_notifications: bool = True
