@@ -132,7 +132,7 @@ class PushRuns:
         """A new run for the notification's transfer, or None: its call came first, or it came before."""
         with self._lock:
             self._expire()
-            self.last_push = self.last_reader = self._clock()
+            self.reader_seen()
             if transfer_id in self._entries:
                 return None
             run = PushRun(transfer_id)
@@ -144,7 +144,7 @@ class PushRuns:
         and its notification, if it comes, starts nothing."""
         with self._lock:
             self._expire()
-            self.last_push = self.last_reader = self._clock()
+            self.reader_seen()
             entry = self._entries.get(transfer_id)
             if isinstance(entry, PushRun):
                 return entry
