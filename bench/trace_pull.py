@@ -67,6 +67,7 @@ NIXL = [
     "nixl_cu13._api:nixl_agent.transfer",
     "nixl_cu13._api:nixl_agent.check_xfer_state",
     "nixl_cu13._api:nixl_agent.get_new_notifs",
+    "nixl_cu13._api:nixl_agent.send_notif",
 ]
 GRPC = ["grpc._server:_unary_response_in_pool", "grpc._server:_call_behavior"]
 # The staged protocol (server/staged_reader.py, staged_source.py) on host memory: host_transfer ring.
@@ -78,7 +79,7 @@ STAGED = {
         "kv_sidecar.server.pull:Puller._push_with_open",
         "kv_sidecar.server.pull:open_read_request",
         "kv_sidecar.server.staged_reader:_PushCall.__init__",
-        "kv_sidecar.server.staged_protocol:push_notif",
+        "kv_sidecar.server.staged_protocol:signed_notif",
         "kv_sidecar.transport.nixl_driver:NixlDriver.notify",
         "kv_sidecar.plan.pair:PairPlan.hash",
         "grpc._channel:_UnaryUnaryMultiCallable.future",
@@ -169,7 +170,11 @@ SPANS = {
         "kv_sidecar.server.pull:Puller._copy_direct",
         "kv_sidecar.server.pull:copy_request",
         "kv_sidecar.server.peers:Peers.remote_engine",
-        "kv_sidecar.server.pull:open_reads",
+        "kv_sidecar.server.routing:Opening.__init__",
+        "kv_sidecar.server.routing:open_read_request",
+        "kv_sidecar.server.notified_opens:NotifiedOpen.__init__",
+        "kv_sidecar.server.routing:Opening.finish",
+        "kv_sidecar.server.notified_opens:NotifiedOpen.result",
         "kv_sidecar.server.pull:Puller._job",
         "kv_sidecar.server.pull:Puller._read_identity",
         "kv_sidecar.server.pull:Puller._post_identity",
@@ -189,6 +194,7 @@ SPANS = {
     ],
     "prefill": [
         *GRPC,
+        "kv_sidecar.server.notified_opens:answer",
         "kv_sidecar.server.published:PublishedStore.open_read",
         "kv_sidecar.server.transfers:TransferTracker.begin_serve",
         "kv_sidecar.server.published:PublishedStore.mark_done",

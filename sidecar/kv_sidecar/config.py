@@ -59,9 +59,10 @@ class Settings:
         "ones; what CI uses to run it without GPUs)",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
-        "push_notifications": "let readers send a staged Push as a NIXL notification too, signed with a "
-        "key given over the authenticated Push call: the transfer starts ~0.5 ms sooner; while Pushes "
-        "are recent (1 s) the NIXL thread then polls every 100 us (false: gRPC only, polls as before)",
+        "push_notifications": "let readers send a staged Push, and an OpenRead, as a NIXL notification "
+        "too, signed with a key given over an authenticated Handshake or Push call: a transfer starts "
+        "~0.5 ms sooner, an open is answered by notification; while readers are recent (1 s) the NIXL "
+        "thread then polls every 100 us (false: gRPC only, polls as before)",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",

@@ -47,6 +47,13 @@ class Metrics:
         self.handshake_duration = Histogram(
             "kvsidecar_handshake_duration_seconds", "Handshake latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.opens = Counter(
+            "kvsidecar_peer_opens",
+            "Requests this sidecar opened on a source sidecar before reading them, by how the source "
+            "answered: a NIXL notification, or the OpenRead call",
+            ["by"],
+            registry=r,
+        )
         self.push_starts = Counter(
             "kvsidecar_push_starts",
             "Staged transfers this sidecar sent, by what started them: the reader's NIXL notification "

@@ -285,7 +285,7 @@ def test_a_push_notification_without_the_key_starts_nothing(
         before = metric(a, "kvsidecar_failures_total", refused)
         starts = metric(a, "kvsidecar_push_starts_total", '{by="notification"}')
         for key in (bytes(KEY_BYTES), b"\x01" * KEY_BYTES):
-            forger.send_notif(hs.agent_name, sp.push_notif(key, req))
+            forger.send_notif(hs.agent_name, sp.signed_notif(sp.PUSH_TAG, key, req))
         deadline = time.monotonic() + 10
         while metric(a, "kvsidecar_failures_total", refused) < before + 2:
             assert time.monotonic() < deadline, "the forged notifications were not refused"
@@ -311,7 +311,9 @@ def test_a_push_notification_without_the_key_starts_nothing(
         assert info.value.code() == grpc.StatusCode.CANCELLED, info.value
         assert PUSH_ENDED in tuple(info.value.trailing_metadata())
         stopping.stopping = False
-        forger.send_notif(hs.agent_name, sp.push_notif(hs.push_key, stopping.SerializeToString()))
+        forger.send_notif(
+            hs.agent_name, sp.signed_notif(sp.PUSH_TAG, hs.push_key, stopping.SerializeToString())
+        )
         time.sleep(0.5)
         assert metric(a, "kvsidecar_push_starts_total", '{by="notification"}') == starts
         assert metric(a, "kvsidecar_failures_total", refused) == before + 2  # its key was right

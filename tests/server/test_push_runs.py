@@ -24,9 +24,9 @@ class Clock:
 def test_push_notification_round_trips_and_rejects_malformed() -> None:
     key = bytes(range(KEY_BYTES))
     body = b"\x1f\x00any proto bytes, separators included\x1f"
-    msg = sp.push_notif(key, body)
+    msg = sp.signed_notif(sp.PUSH_TAG, key, body)
     assert msg.startswith(sp.PUSH_TAG) and not msg.startswith(sp.TAG)
-    assert sp.parse_push_notif(msg, KEY_BYTES) == (key, body)
+    assert sp.parse_signed_notif(sp.PUSH_TAG, msg, KEY_BYTES) == (key, body)
     head = len(sp.PUSH_TAG) + 2 + 2 * KEY_BYTES
     for bad in (
         b"",
@@ -35,7 +35,7 @@ def test_push_notification_round_trips_and_rejects_malformed() -> None:
         msg[: len(sp.PUSH_TAG) + 1] + b"zz" + msg[len(sp.PUSH_TAG) + 3 :],  # key not hex
         msg[: head - 1] + b"!" + msg[head:],  # key of the wrong length
     ):
-        assert sp.parse_push_notif(bad, KEY_BYTES) is None, bad
+        assert sp.parse_signed_notif(sp.PUSH_TAG, bad, KEY_BYTES) is None, bad
 
 
 def test_keys_are_per_agent_stable_and_checked_in_full() -> None:

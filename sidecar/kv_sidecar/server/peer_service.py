@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
-from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server import staged_source
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
-from kv_sidecar.server.reads import open_for_reader
+from kv_sidecar.server.reads import open_read
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.status import build_status
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
@@ -29,8 +27,6 @@ log = logging.getLogger(__name__)
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, sidecar: Sidecar) -> None:
         self._sc = sidecar
-        self._plans: dict[str, PairPlan] = {}  # plan hash -> plan agreed in a handshake
-        self._lock = threading.Lock()
 
     @rpc
     def Handshake(
@@ -48,8 +44,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         if not request.HasField("reader_spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "reader_spec is required")
         plan = cached_plan(spec, spec_from_proto(request.reader_spec))
-        with self._lock:
-            self._plans[plan.hash()] = plan
+        sc.read_plans.add(plan)
         sc.transfers.handshake_from(
             request.sidecar_id, context.peer(), request.engine_id, request.reader_engine_id, plan.hash()
         )
@@ -68,15 +63,25 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             plan_hash=plan.hash(),
             ranks=[rank_memory(e) for e in ranks],
             members=sc.membership.members(request.engine_id),
-            push_key=self._push_key(request.agent_name, context.peer()),
+            push_key=self._push_key(request, context.peer()),
         )
 
-    def _push_key(self, agent: str, peer: str) -> bytes:
-        """The reader's push key: its first Push may then go as a notification too, which we poll for
-        at the serving rate from now on (server/push_runs.py). A reader that handshook may push soon."""
+    def _push_key(self, request: peer_pb2.HandshakeRequest, peer: str) -> bytes:
+        """The reader's push key: its Pushes and opens may then go as notifications too, which we poll
+        for at the serving rate from now on (server/push_runs.py). A reader that handshook may read soon.
+        Its agent is loaded here, so that we can answer its opens by notification
+        (server/notified_opens.py); a reader whose agent we cannot load gets no key."""
         sc = self._sc
         sc.push_runs.reader_seen()
-        if not (sc.settings.push_notifications and agent):
+        agent = request.agent_name
+        if not (sc.settings.push_notifications and agent and request.agent_metadata):
+            return b""
+        try:
+            sc.nixl.load_remote(agent, request.agent_metadata)
+        except Exception as e:
+            log.warning(
+                "could not load the NIXL agent of reader %s; it pushes and opens by call: %s", agent, e
+            )
             return b""
         return sc.push_keys.grant(agent, peer)
 
@@ -84,29 +89,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def OpenRead(
         self, request: peer_pb2.OpenReadRequest, context: grpc.ServicerContext
     ) -> peer_pb2.OpenReadResponse:
-        sc = self._sc
-        with self._lock:
-            plan = self._plans.get(request.plan_hash)
-        if plan is None and request.HasField("reader_spec"):
-            # A member of a multi-node engine: the reader handshook with the leader, not with us.
-            plan = cached_plan(sc.engines.spec(request.engine_id), spec_from_proto(request.reader_spec))
-            if plan.hash() != request.plan_hash:
-                raise SidecarError(
-                    Code.FAILED_PRECONDITION,
-                    f"plan mismatch: ours {plan.hash()}, the reader's {request.plan_hash} "
-                    f"(different kv-sidecar versions, or engine {request.engine_id!r} changed; handshake again)",
-                )
-        if plan is None:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION, f"unknown plan {request.plan_hash!r}: handshake before reading"
-            )
-        path = "host-nixl" if plan.is_identity() else "host-nixl-staged"
-        item = open_for_reader(sc, request, plan, context.peer(), path)
-        return peer_pb2.OpenReadResponse(
-            block_ids=item.block_ids,
-            num_tokens=item.num_tokens,
-            lease_deadline_unix_ms=item.deadline_unix_ms(),
-        )
+        return open_read(self._sc, request, context.peer())
 
     @rpc
     def KeepAlive(

@@ -57,6 +57,8 @@ class RemoteEngine:
     dlists: dict[int, int] = field(default_factory=dict)  # prefill rank -> prepared NIXL dlist key
     # prefill rank -> its sidecar; the leader for every rank of a one-node engine
     holders: dict[int, Holder] = field(default_factory=dict)
+    # The fields every OpenRead of this engine pair shares (server/routing.py: open_read_request).
+    open_template: peer_pb2.OpenReadRequest | None = None
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -82,6 +84,11 @@ class PeerLink:
         # their connections to each other at once (our notification, the source's first WRITE), and
         # that WRITE then hung until the pull's deadline in 2 of ~8 runs of tests/e2e/test_staged_ring.py.
         self.wired = False
+        # A pull from this peer has completed (our NIXL connection to it is set up): opens may go as
+        # notifications (server/notified_opens.py), from `notified_opens_from` on (monotonic time).
+        self.reads_done = False
+        self.notified_opens_from = 0.0
+        self.open_misses = 0  # opens in a row whose call answered before their notification
 
 
 # How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
@@ -92,6 +99,11 @@ _TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICA
 def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
     code = e.code() if isinstance(e, grpc.Call) else Code.UNAVAILABLE
     details = e.details() if isinstance(e, grpc.Call) else str(e)
+    return peer_error(code, details or "", peer, what)
+
+
+def peer_error(code: grpc.StatusCode, details: str, peer: str, what: str) -> SidecarError:
+    """What a peer's refusal (a failed call, or a refusal it sent by notification) tells our caller."""
     if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
         # A certificate problem does not heal on retry, unlike a peer that is down.
         return SidecarError(

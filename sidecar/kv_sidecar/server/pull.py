@@ -50,12 +50,12 @@ from kv_sidecar.server.inflight import PullTicket, stopped_error
 from kv_sidecar.server.peers import Holder, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.routing import (
+    Opening,
     by_holder,
     close_reads,
     depends_on,
     holders_needed,
     open_read_request,
-    open_reads,
 )
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
@@ -383,6 +383,7 @@ class Puller:
         ranks = [e.rank for e in local]
         opened_on: list[Holder] = []
         early: list[_Read] = []
+        opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
             _, remote = sc.peers.remote_engine(
@@ -412,13 +413,17 @@ class Puller:
                 )
                 self._notify_done(req, remote, pushed)
                 return nbytes, _ring_path(pushed)
-            # The READ runs while OpenRead is on its way when that is safe (server/lease_view.py).
+            # Opens by notification are queued to the NIXL thread first, then the READ, which runs while
+            # the opens (or OpenRead calls) are on their way when that is safe (server/lease_view.py).
+            # The NIXL thread sends and posts both once this thread waits, in `finish`.
+            opening = Opening(sc, remote, holders, req, ranks)
+            opened_on = opening.touched
             early_job = self._early_job(req, local, remote, cancel, deadline)
             if early_job is not None:
                 early = self._post_identity(early_job, remote)
             # A blocking call: a future that a stop could cancel costs ~0.08 ms more per pull (measured),
             # so a pull stopped while its source hangs in OpenRead ends at its deadline.
-            opened = open_reads(sc, remote, holders, req, ranks, deadline)
+            opened = opening.finish(deadline)
             opened_on = holders
             if early_job is not None:
                 if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
@@ -430,6 +435,8 @@ class Puller:
             return self._read_remote(req, local, remote, opened, cancel, deadline)
         except Exception as e:
             self._abandon(early)  # no byte moves once the engine has its answer
+            if opening is not None:
+                opening.abandon()
             stale = isinstance(e, SidecarError) and (
                 e.code is Code.UNAVAILABLE
                 or (e.code is Code.FAILED_PRECONDITION and "handshake" in e.message)
@@ -546,6 +553,7 @@ class Puller:
                     holder.agent_name,
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
+                sc.peers.link(holder.address).reads_done = True  # later opens may go as notifications
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kv_sidecar.plan.pair import DecodeRankPlan
+from kv_sidecar.server import notified_opens
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.peers import Holder, RemoteEngine, rpc_error
@@ -71,53 +72,96 @@ def open_read_request(
     sc: Sidecar, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int]
 ) -> peer_pb2.OpenReadRequest:
     """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
-    return peer_pb2.OpenReadRequest(
-        sidecar_id=sc.sidecar_id,
-        engine_id=req.params.engine_id,
-        request_id=req.params.request_id,
-        reader_engine_id=req.engine_id,
-        reader_ranks=reader_ranks,
-        plan_hash=remote.plan.hash(),
-        reader_spec=spec_to_proto(remote.plan.decode),
-    )
+    if remote.open_template is None:  # what every open of this engine pair says (~20-40 us to build)
+        remote.open_template = peer_pb2.OpenReadRequest(
+            sidecar_id=sc.sidecar_id,
+            plan_hash=remote.plan.hash(),
+            reader_spec=spec_to_proto(remote.plan.decode),
+        )
+    msg = peer_pb2.OpenReadRequest()
+    msg.CopyFrom(remote.open_template)
+    msg.engine_id = req.params.engine_id
+    msg.request_id = req.params.request_id
+    msg.reader_engine_id = req.engine_id
+    msg.reader_ranks.extend(reader_ranks)
+    return msg
 
 
-def open_reads(
-    sc: Sidecar,
-    remote: RemoteEngine,
-    holders: Sequence[Holder],
-    req: engine_pb2.PullRequest,
-    reader_ranks: list[int],
-    deadline: float,
-) -> peer_pb2.OpenReadResponse:
-    """OpenRead on each holder; they must agree on the request. On failure, close what was opened."""
-    p = req.params
-    msg = open_read_request(sc, remote, req, reader_ranks)
-    first: peer_pb2.OpenReadResponse | None = None
-    opened: list[Holder] = []
-    try:
-        for holder in holders:
-            try:
-                resp = sc.peers.link(holder.address).stub.OpenRead(
-                    msg, timeout=max(0.001, deadline - time.monotonic()), metadata=sc.peer_metadata()
-                )
-            except grpc.RpcError as e:
-                raise rpc_error(e, holder.address, f"to open request {p.request_id!r}") from None
-            opened.append(holder)
-            if first is None:
-                first = resp
-            elif (list(resp.block_ids), resp.num_tokens) != (list(first.block_ids), first.num_tokens):
-                raise SidecarError(
-                    Code.FAILED_PRECONDITION,
-                    f"sidecars of engine {p.engine_id!r} disagree on request {p.request_id!r} "
-                    f"({holders[0].address} and {holder.address})",
-                )
-    except Exception:
-        close_reads(sc, opened, req, reader_ranks, failed=True)
-        raise
-    if first is None:
-        raise SidecarError(Code.INTERNAL, f"request {p.request_id!r}: no source sidecar to read from")
-    return first
+class Opening:
+    """A pull's opens on the holders it reads from: sent at once as notifications where a holder's link
+    allows (server/notified_opens.py), as OpenRead calls in `finish` otherwise or where no answer came.
+    `touched`: the holders that may have opened it, which a failed pull must close."""
+
+    def __init__(
+        self,
+        sc: Sidecar,
+        remote: RemoteEngine,
+        holders: Sequence[Holder],
+        req: engine_pb2.PullRequest,
+        reader_ranks: list[int],
+    ) -> None:
+        self._sc = sc
+        self._req = req
+        self._holders = list(holders)
+        self._msg = open_read_request(sc, remote, req, reader_ranks)
+        self._notified = {h: notified_opens.send(sc, h, self._msg) for h in self._holders}
+        self.touched = [h for h, sent in self._notified.items() if sent is not None]
+
+    def finish(self, deadline: float) -> peer_pb2.OpenReadResponse:
+        """Every holder's answer; they must agree on the request."""
+        p = self._req.params
+        first: peer_pb2.OpenReadResponse | None = None
+        try:
+            for holder in self._holders:
+                resp = self._open(holder, deadline)
+                if first is None:
+                    first = resp
+                elif (list(resp.block_ids), resp.num_tokens) != (list(first.block_ids), first.num_tokens):
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"sidecars of engine {p.engine_id!r} disagree on request {p.request_id!r} "
+                        f"({self._holders[0].address} and {holder.address})",
+                    )
+        finally:
+            self.abandon()
+        if first is None:
+            raise SidecarError(Code.INTERNAL, f"request {p.request_id!r}: no source sidecar to read from")
+        return first
+
+    def abandon(self) -> None:
+        """Stop waiting for answers to notifications (a late one is dropped)."""
+        for sent in self._notified.values():
+            if sent is not None:
+                sent.abandon()
+
+    def _open(self, holder: Holder, deadline: float) -> peer_pb2.OpenReadResponse:
+        stub = self._sc.peers.link(holder.address).stub
+
+        def call() -> grpc.Future:
+            timeout = max(0.001, deadline - time.monotonic())
+            return stub.OpenRead.future(self._msg, timeout=timeout, metadata=self._sc.peer_metadata())
+
+        sent = self._notified.get(holder)
+        try:
+            if sent is not None:
+                resp = sent.result(call, deadline)
+            else:
+                resp = call().result()
+                self._sc.metrics.opens.labels("call").inc()
+        except grpc.RpcError as e:
+            self._not_opened(holder)
+            raise rpc_error(e, holder.address, f"to open request {self._req.params.request_id!r}") from None
+        except SidecarError:
+            self._not_opened(holder)
+            raise
+        if holder not in self.touched:
+            self.touched.append(holder)
+        return resp
+
+    def _not_opened(self, holder: Holder) -> None:
+        """It refused, or did not answer: as before notifications, such a holder is not closed."""
+        if holder in self.touched:
+            self.touched.remove(holder)
 
 
 def close_reads(

@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.security import PeerSecurity
+from kv_sidecar.server import notified_opens
 from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engine_lane import EngineLane
 from kv_sidecar.server.engine_service import EngineServicer
@@ -32,7 +33,8 @@ from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller, parse_notification
 from kv_sidecar.server.push_runs import PushKeys, PushRuns
-from kv_sidecar.server.staged_protocol import PUSH_TAG
+from kv_sidecar.server.reads import ReadPlans
+from kv_sidecar.server.staged_protocol import OPEN_TAG, PUSH_TAG
 from kv_sidecar.server.staged_source import push_from_notif
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -82,6 +84,7 @@ class Sidecar:
             on_ended=self.transfers.end_serves,
         )
         self.peers = Peers(self)
+        self.read_plans = ReadPlans()
         self.membership = Membership(self)
         self.puller = Puller(self)
         self.pulls = InflightPulls()
@@ -262,6 +265,9 @@ class Sidecar:
     def _on_notif(self, agent: str, msg: bytes) -> None:
         if msg.startswith(PUSH_TAG):
             push_from_notif(self, agent, msg)
+            return
+        if msg.startswith(OPEN_TAG):
+            notified_opens.answer(self, agent, msg)
             return
         parsed = parse_notification(msg)
         if parsed is None:

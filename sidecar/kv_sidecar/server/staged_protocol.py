@@ -32,6 +32,7 @@ from typing import Any
 SEP = b"\x1f"
 TAG = b"kvs2"  # the done notifications of pull.py are "kvs1"
 PUSH_TAG = b"kvs3"  # a Push sent as a notification (server/push_runs.py)
+OPEN_TAG = b"kvs4"  # an OpenRead sent as a notification (server/notified_opens.py); answered under TAG
 ID_LEN = 16  # hex characters of a transfer id
 PREFIX_LEN = len(TAG) + 1 + ID_LEN + 1
 
@@ -75,18 +76,18 @@ def stop_notif(transfer_id: str) -> bytes:
     return prefix(transfer_id) + STOP
 
 
-def push_notif(key: bytes, request: bytes) -> bytes:
-    """Reader -> source: a serialized PushRequest, signed with the reader agent's push key."""
-    return PUSH_TAG + SEP + key.hex().encode() + SEP + request
+def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:
+    """Reader -> source: a serialized request (a Push, an OpenRead), signed with the reader agent's push key."""
+    return tag + SEP + key.hex().encode() + SEP + body
 
 
-def parse_push_notif(msg: bytes, key_bytes: int) -> tuple[bytes, bytes] | None:
-    """(key, serialized PushRequest), or None if `msg` is not a well-formed Push notification."""
-    head = len(PUSH_TAG) + 1 + 2 * key_bytes + 1
-    if len(msg) <= head or not msg.startswith(PUSH_TAG + SEP) or msg[head - 1 : head] != SEP:
+def parse_signed_notif(tag: bytes, msg: bytes, key_bytes: int) -> tuple[bytes, bytes] | None:
+    """(key, serialized request), or None if `msg` is not a well-formed notification of kind `tag`."""
+    head = len(tag) + 1 + 2 * key_bytes + 1
+    if len(msg) <= head or not msg.startswith(tag + SEP) or msg[head - 1 : head] != SEP:
         return None
     try:
-        key = bytes.fromhex(msg[len(PUSH_TAG) + 1 : head - 1].decode("ascii"))
+        key = bytes.fromhex(msg[len(tag) + 1 : head - 1].decode("ascii"))
     except ValueError:
         return None
     return key, msg[head:]

@@ -241,7 +241,7 @@ def read_staged(
                 if req.notified:
                     # The request as a NIXL notification: the source's NIXL thread starts the transfer
                     # from it (server/push_runs.py); the call follows only if it is slow.
-                    sent = sc.nixl.notify(agent, sp.push_notif(key, req.SerializeToString()))
+                    sent = sc.nixl.notify(agent, sp.signed_notif(sp.PUSH_TAG, key, req.SerializeToString()))
                     # Let the NIXL thread send it before the preparation below holds the GIL for
                     # ~0.35 ms: the notification otherwise left ~0.2 ms later (traced on a GPU).
                     wait((sent,), timeout=NOTIFY_WAIT_S)

@@ -180,7 +180,7 @@ def serve_push(
 def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
     """A Push sent as a NIXL notification (driver thread): start its transfer on a source thread,
     unless its call came first. Refused notifications are dropped; the call then does the work."""
-    parsed = sp.parse_push_notif(msg, KEY_BYTES)
+    parsed = sp.parse_signed_notif(sp.PUSH_TAG, msg, KEY_BYTES)
     peer = sc.push_keys.check(agent, parsed[0]) if parsed is not None else None
     req = None
     if peer is not None:

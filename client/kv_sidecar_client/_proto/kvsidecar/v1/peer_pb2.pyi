@@ -85,7 +85,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
-    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec")
+    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class OpenReadRequest(_message.Message):
     READER_RANKS_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     READER_SPEC_FIELD_NUMBER: _ClassVar[int]
+    REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     engine_id: str
     request_id: str
@@ -100,7 +101,8 @@ class OpenReadRequest(_message.Message):
     reader_ranks: _containers.RepeatedScalarFieldContainer[int]
     plan_hash: str
     reader_spec: _common_pb2.EngineSpec
-    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ...) -> None: ...
+    reply_id: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reply_id: _Optional[str] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
     __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms")
@@ -111,6 +113,16 @@ class OpenReadResponse(_message.Message):
     num_tokens: int
     lease_deadline_unix_ms: int
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class OpenReadReply(_message.Message):
+    __slots__ = ("response", "code", "message")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    response: OpenReadResponse
+    code: int
+    message: str
+    def __init__(self, response: _Optional[_Union[OpenReadResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PeerKeepAliveRequest(_message.Message):
     __slots__ = ("engine_id", "request_ids")
