@@ -1,5 +1,6 @@
-"""The staged Push by notification, its pure part: the message, the keys, and that of a Push's two
-copies (notification and call) exactly one starts the transfer, whatever order they come in."""
+"""The staged Push by notification, its pure part: the message, the keys, that of a Push's two
+copies (notification and call) exactly one starts the transfer, whatever order they come in, and when
+a Publish gets ready for one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kv_sidecar.config import Settings
 from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
+from kv_sidecar.server.sidecar import Sidecar
 
 
 class Clock:
@@ -188,3 +192,25 @@ def test_racing_copies_start_each_transfer_exactly_once() -> None:
     for t in threads:
         t.join()
     assert sorted(started) == sorted(f"{i}" for i in range(2000))
+
+
+@pytest.mark.parametrize("notifications", [True, False])
+def test_a_publish_gets_ready_for_a_push_only_while_readers_are_about(notifications: bool) -> None:
+    """GpuStaging.expect_read (a Publish) makes the NIXL thread poll for a Push notification only while
+    a reader pushed or handshook within READERS_S, and never with push_notifications off: a sidecar
+    whose readers are all on its node pays nothing per pull (docs/benchmarks.md)."""
+    sc = Sidecar(Settings(push_notifications=notifications))
+    clock = Clock()
+    sc.push_runs = PushRuns(clock=clock)
+    item = Published("e", "r", [1, 2], 20, 30.0, clock.now + 30)
+
+    sc.gpu_staging.expect_read(item, [])  # no reader yet
+    assert not sc.push_runs.recent()
+    sc.push_runs.reader_seen()  # a handshake
+    clock.now += 5  # past RECENT_S: no longer polling for it
+    assert not sc.push_runs.recent()
+    sc.gpu_staging.expect_read(item, [])
+    assert sc.push_runs.recent() is notifications
+    clock.now += READERS_S  # the readers went quiet
+    sc.gpu_staging.expect_read(item, [])
+    assert not sc.push_runs.recent()
