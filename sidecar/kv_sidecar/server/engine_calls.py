@@ -6,6 +6,7 @@ raised SidecarError to their own status.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,8 +18,22 @@ from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
 
+log = logging.getLogger(__name__)
+
 # Registers what to run when the engine goes away mid-call (the gRPC call ends, the lane closes).
 OnHangup = Callable[[Callable[[], None]], None]
+# Work a call leaves for after its answer is sent (a pull's log record, "consumed" events).
+Later = list[Callable[[], None]]
+
+
+def run_later(later: Later) -> None:
+    """Run what a call left for after its answer; one failure neither stops the rest nor the caller."""
+    for fn in later:
+        try:
+            fn()
+        except Exception:
+            log.exception("work after an answer failed")
+    later.clear()
 
 
 def publish(sc: Sidecar, request: engine_pb2.PublishRequest) -> engine_pb2.PublishResponse:
@@ -66,7 +81,11 @@ def publish(sc: Sidecar, request: engine_pb2.PublishRequest) -> engine_pb2.Publi
     return engine_pb2.PublishResponse(params=params)
 
 
-def pull(sc: Sidecar, request: engine_pb2.PullRequest, on_hangup: OnHangup) -> engine_pb2.PullResponse:
+def pull(
+    sc: Sidecar, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None
+) -> engine_pb2.PullResponse:
+    """`later`: where the pull leaves work for after its answer (the caller runs it once the answer is
+    out, then `run_later`); None: it runs before this returns."""
     check_id("engine_id", request.engine_id)
     check_id("params.request_id", request.params.request_id)
     check_id("params.engine_id", request.params.engine_id)
@@ -77,6 +96,6 @@ def pull(sc: Sidecar, request: engine_pb2.PullRequest, on_hangup: OnHangup) -> e
     # The engine went away (or gave up the call): stop, and let the source free its blocks.
     on_hangup(lambda: ticket.stop("the engine's call ended", release_source=True))
     try:
-        return sc.puller.pull(request, ticket)
+        return sc.puller.pull(request, ticket, later)
     finally:
         sc.pulls.end(ticket)

@@ -121,10 +121,12 @@ class EngineLane:
                         self._sc.metrics.failures.labels("engine_lane_bad_frame").inc()
                         log.warning("engine lane: closing a connection: %s", e)
                     return
-                answer, counted = self._answer(conn, data)
+                later: engine_calls.Later = []
+                answer, counted = self._answer(conn, data, later)
                 try:
                     conn.send_bytes(answer.SerializeToString())
                 finally:
+                    engine_calls.run_later(later)  # the pull's log record, "consumed" events
                     if counted:  # a drain waits until the pull's answer is out, then stop() cuts
                         self._sc.drain.leave()
         except OSError:
@@ -137,7 +139,9 @@ class EngineLane:
             self._sc.metrics.engine_lane_connections.dec()
 
     # -- calls ------------------------------------------------------------------------
-    def _answer(self, conn: Connection, data: bytes) -> tuple[engine_pb2.LaneAnswer, bool]:
+    def _answer(
+        self, conn: Connection, data: bytes, later: engine_calls.Later
+    ) -> tuple[engine_pb2.LaneAnswer, bool]:
         """The call's answer, and whether it is a pull the drain counts (until its answer is sent)."""
         counted = False
         try:
@@ -147,7 +151,7 @@ class EngineLane:
                 if not self._sc.drain.enter():
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
                 counted = True
-                return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull)), counted
+                return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull, later)), counted
             if kind == "publish":
                 if self._sc.drain.draining:
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Publish"))
@@ -160,9 +164,11 @@ class EngineLane:
         answer = engine_pb2.LaneAnswer(code=err.code.name, message=err.message, trailers=dict(err.metadata))
         return answer, counted
 
-    def _pull(self, conn: Connection, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+    def _pull(
+        self, conn: Connection, request: engine_pb2.PullRequest, later: engine_calls.Later
+    ) -> engine_pb2.PullResponse:
         try:
-            return engine_calls.pull(self._sc, request, lambda stop: self._set_busy(conn, stop))
+            return engine_calls.pull(self._sc, request, lambda stop: self._set_busy(conn, stop), later)
         finally:
             with self._lock:
                 self._busy.pop(conn, None)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("kv_sidecar.transfer")
@@ -79,7 +79,10 @@ class TransferTracker:
             self._inflight[id(t)] = t
         return t
 
-    def end_pull(self, t: Transfer, nbytes: int, path: str, outcome: str, error: str = "") -> None:
+    def end_pull(
+        self, t: Transfer, nbytes: int, path: str, outcome: str, error: str = ""
+    ) -> Callable[[], None]:
+        """Count the pull as ended now; returns what logs it, which a pull runs after its answer."""
         duration = t.elapsed()
         t.bytes, t.path = nbytes, path
         with self._lock:
@@ -99,9 +102,8 @@ class TransferTracker:
         }
         if error:
             fields["error"] = error
-        log.log(
-            logging.INFO if outcome == "ok" else logging.WARNING, "pull finished", extra={"fields": fields}
-        )
+        level = logging.INFO if outcome == "ok" else logging.WARNING
+        return lambda: log.log(level, "pull finished", extra={"fields": fields})
 
     # -- served reads (prefill side) -----------------------------------------
     def begin_serve(
