@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -240,7 +241,9 @@ class Puller:
             if remote_here:
                 nbytes, path = self._pull_direct(req, local, cancel, time.monotonic() + timeout_s, after)
             else:
-                nbytes, path = self._pull_remote_fresh(req, local, cancel, time.monotonic() + timeout_s)
+                nbytes, path = self._pull_remote_fresh(
+                    req, local, cancel, time.monotonic() + timeout_s, after
+                )
         except Exception as e:
             err = as_sidecar_error(e)
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
@@ -386,7 +389,12 @@ class Puller:
 
     # -- another sidecar ------------------------------------------------------
     def _pull_remote_fresh(
-        self, req: engine_pb2.PullRequest, local: list[RankEntry], cancel: PullTicket, deadline: float
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        cancel: PullTicket,
+        deadline: float,
+        after: Later,
     ) -> tuple[int, str]:
         """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
 
@@ -395,9 +403,9 @@ class Puller:
         failed attempt partly wrote is harmless: OpenRead checks the lease again first.
         """
         try:
-            return self._pull_remote(req, local, cancel, deadline, may_retry=True)
+            return self._pull_remote(req, local, cancel, deadline, after, may_retry=True)
         except _Retry:
-            return self._pull_remote(req, local, cancel, deadline, may_retry=False)
+            return self._pull_remote(req, local, cancel, deadline, after, may_retry=False)
 
     def _pull_remote(
         self,
@@ -405,6 +413,7 @@ class Puller:
         local: list[RankEntry],
         cancel: PullTicket,
         deadline: float,
+        after: Later,
         may_retry: bool,
     ) -> tuple[int, str]:
         sc, p = self._sc, req.params
@@ -439,7 +448,7 @@ class Puller:
                     rplan.reads[0].prefill_rank,
                     open_msg=open_read_request(sc, remote, req, ranks),
                 )
-                self._notify_done(req, remote, pushed)
+                after.append(functools.partial(self._notify_done, req, remote, pushed))
                 return nbytes, _ring_path(pushed)
             # Opens by notification are queued to the NIXL thread first, then the READ, which runs while
             # the opens (or OpenRead calls) are on their way when that is safe (server/lease_view.py).
@@ -456,11 +465,11 @@ class Puller:
             if early_job is not None:
                 if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
                     nbytes = self._finish(early_job, early)
-                    self._notify_done(req, remote, early_job)
+                    after.append(functools.partial(self._notify_done, req, remote, early_job))
                     return nbytes, "host-nixl"
                 self._abandon(early)  # the source holds other blocks than the params say: read those
             early = []
-            return self._read_remote(req, local, remote, opened, cancel, deadline)
+            return self._read_remote(req, local, remote, opened, cancel, deadline, after)
         except Exception as e:
             self._abandon(early)  # no byte moves once the engine has its answer
             if opening is not None:
@@ -544,6 +553,7 @@ class Puller:
         opened: peer_pb2.OpenReadResponse,
         cancel: PullTicket,
         deadline: float,
+        after: Later,
     ) -> tuple[int, str]:
         p = req.params
         job = self._job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
@@ -566,14 +576,15 @@ class Puller:
                         nbytes += staged_reader.read_staged(self, job, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._read_staged(job, remote, entry, read.prefill_rank, read.heads)
-        self._notify_done(req, remote, job)
+        after.append(functools.partial(self._notify_done, req, remote, job))
         if ring:
             return nbytes, _ring_path(job)
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
 
     def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:
-        """Tell each source sidecar which of its ranks each local rank is done with. The answer does
-        not wait for the driver thread to send them (NixlDriver.notify)."""
+        """Tell each source sidecar which of its ranks each local rank is done with. A pull runs this
+        after its answer (`after`), which does not wait for the driver thread to send them either
+        (NixlDriver.notify)."""
         sc, p = self._sc, req.params
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
