@@ -42,9 +42,6 @@ log = logging.getLogger(__name__)
 # How long a reader waits for the answer before it makes the call too. A source polls for notifications
 # every 0.1 ms while readers are recent (server/push_runs.py), and every 50 ms when idle for a while.
 ANSWER_WAIT_S = 0.002
-SEND_WAIT_S = (
-    0.001  # how long a reader waits for its notification to leave; a busier driver is not waited for
-)
 MISSES_TO_BACK_OFF = 3
 BACKOFF_S = 30.0  # then opens to that source go by call only, this long
 OPENED = b"o"  # the answer's kind, after sp.prefix(reply id)

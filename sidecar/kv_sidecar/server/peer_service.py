@@ -76,6 +76,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         agent = request.agent_name
         if not (sc.settings.push_notifications and agent and request.agent_metadata):
             return b""
+        if agent == sc.sidecar_id:
+            return b""  # this sidecar itself (a misrouted pull, refused by the reader): nothing to load
         try:
             sc.nixl.load_remote(agent, request.agent_metadata)
         except Exception as e:

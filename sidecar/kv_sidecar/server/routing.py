@@ -146,7 +146,12 @@ class Opening:
             if sent is not None:
                 resp = sent.result(call, deadline)
             else:
-                resp = call().result()
+                # The blocking form: a future's answer comes through gRPC's own thread, one hand-off more.
+                resp = stub.OpenRead(
+                    self._msg,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                    metadata=self._sc.peer_metadata(),
+                )
                 self._sc.metrics.opens.labels("call").inc()
         except grpc.RpcError as e:
             self._not_opened(holder)
