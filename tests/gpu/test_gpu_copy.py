@@ -135,3 +135,52 @@ def test_bad_requests_rejected_before_launch(setup: Setup) -> None:
     finally:
         for t in (*sview.keepalive, *dview.keepalive):
             t.release()
+
+
+def test_launches_after_the_first_skip_triton_and_stay_exact() -> None:
+    """Once Triton compiled a specialisation, gpu_kernels.launch calls its launcher directly; copies
+    whose token counts, start tokens and ids differ (some crossing what Triton specialises on) land bit
+    for bit either way, and the ones that match a compiled specialisation take the direct way."""
+    import dataclasses
+
+    from kv_sidecar.execute import gpu_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs 1 CUDA GPU(s)")
+    if not triton_direct():
+        pytest.skip(f"Triton {triton_version()} is not one gpu_kernels.Launcher calls directly")
+    c0 = kc.case("homogeneous")
+    srcs = {r: kc.random_tensors(c0.src, 300 + r) for r in c0.src_ranks()}
+    out = kc.random_tensors(c0.dst, 5)
+    on_gpu = {r: [t.cuda(0) for t in ts] for r, ts in srcs.items()}
+    out_gpu = [t.cuda(0) for t in out]
+    dview = gpu.gpu_rank_view(c0.dst, c0.dst_rank, out_gpu, 0)
+    sviews = {r: gpu.gpu_rank_view(c0.src, r, on_gpu[r], 0) for r in c0.src_ranks()}
+    bd = c0.dst.block_size
+    before = gpu_kernels.launch.direct_launches
+    shapes = [(c0.num_tokens, 0), (c0.num_tokens - 1, 0), (c0.num_tokens, bd), (c0.num_tokens, 0), (1, 0)]
+    for seed, (num_tokens, start_token) in enumerate(shapes * 2):
+        c = dataclasses.replace(c0, num_tokens=num_tokens, start_token=start_token)
+        src_ids, dst_ids = kc.block_ids(c, 80 + seed)
+        want, want_bytes = kc.reference(c, srcs, out, src_ids, dst_ids)
+        written = sum(
+            gpu.copy_request(sviews[r.src_rank], dview, r.heads, src_ids, dst_ids, num_tokens, start_token)
+            for r in c.reads
+        )
+        assert written == want_bytes
+        for g, w in zip(out_gpu, want, strict=True):
+            assert kc.bitwise_equal(g.cpu(), w), (num_tokens, start_token)
+        out = want  # what the destination holds now
+    assert gpu_kernels.launch.direct_launches - before >= len(shapes)  # every shape's second round
+
+
+def triton_direct() -> bool:
+    from kv_sidecar.execute import gpu_kernels
+
+    return triton_version().startswith(gpu_kernels.DIRECT_TRITON)
+
+
+def triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)

@@ -357,3 +357,28 @@ def test_staged_templates_stay_bounded(fresh_gpu: Any, monkeypatch: pytest.Monke
         assert len(gather._templates) <= 2 and len(scatter._templates) <= 2
     for g, w in zip(out, want, strict=True):
         assert kc.bitwise_equal(g, w)
+
+
+def test_specialization_key_changes_where_triton_specialises() -> None:
+    """gpu_kernels.launch keeps one compiled kernel per key: the key must differ wherever Triton would
+    compile another kernel (an int becoming 1, leaving 32 bits, or gaining or losing divisibility by 16;
+    a pointer's dtype or 16-byte alignment; a constexpr; num_warps) and only there."""
+    pytest.importorskip("triton")
+    from kv_sidecar.execute.gpu_kernels import _CONSTEXPRS, specialization_key
+
+    words = torch.zeros(64, dtype=torch.int64)
+    ids = torch.zeros(64, dtype=torch.int32)
+    ptrs = (words, words, words, ids, ids)
+    consts = dict.fromkeys(_CONSTEXPRS, 2)
+
+    def key(ints: tuple[int, ...], pointers: tuple[Any, ...] = ptrs, num_warps: int = 4, **c: int) -> Any:
+        return specialization_key(pointers, ints, {**consts, **c}, num_warps)
+
+    base = key((32, 5, 2**20))
+    assert key((48, 7, 2**21)) == base  # other values, same classes
+    for other in ((1, 5, 2**20), (33, 5, 2**20), (32, 16, 2**20), (32, 5, 2**40), (32, 5, 2**63)):
+        assert key(other) != base, other
+    assert key((32, 5, 2**20), pointers=(words, words, words, ids, ids[1:])) != base  # 4-byte aligned
+    assert key((32, 5, 2**20), pointers=(words.view(torch.int32), words, words, ids, ids)) != base
+    assert key((32, 5, 2**20), ROWS=4) != base
+    assert key((32, 5, 2**20), num_warps=8) != base

@@ -12,7 +12,6 @@ tens of thousands of per-block copies.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -316,11 +315,7 @@ class PreparedCopy:
                 s.wait_stream(upload)
             if self.ready is not None:
                 s.wait_event(self.ready)
-            # Triton launches on the current stream; switching streams costs host calls, so only if needed.
-            with contextlib.nullcontext() if s == current else torch.cuda.stream(s):
-                gpu_kernels.kv_copy_kernel[grid](
-                    self.anchor, *self.tables, *la.args, **la.constexprs, num_warps=la.num_warps
-                )
+            gpu_kernels.launch(grid, s, (self.anchor, *self.tables), la.args, la.constexprs, la.num_warps)
             if s != upload or s != current:
                 # The ids were allocated on the upload stream, the layer tables (typically) on the
                 # current one: keep their memory from reuse until `s` is done with it.
@@ -613,10 +608,9 @@ class StagedCopies:
                 for t in tpl.tables:
                     t.record_stream(stream)
                 tpl.streams.add(stream)
-            with torch.cuda.stream(stream):
-                gpu_kernels.kv_copy_kernel[grid](
-                    tpl.anchor, *tpl.tables, *ids, *args, **la.constexprs, num_warps=la.num_warps
-                )
+            gpu_kernels.launch(
+                grid, stream, (tpl.anchor, *tpl.tables, *ids), args, la.constexprs, la.num_warps
+            )
         return nbytes
 
     def _template_for(self, k: int, slot_address: int) -> _Template:
