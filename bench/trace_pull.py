@@ -147,6 +147,7 @@ GPU_DETAIL = [
     "kv_sidecar.execute.gpu:staging_view",
     "kv_sidecar.execute.gpu:_DeviceState.layer_table",
     "kv_sidecar.execute.gpu_kernels:kv_copy_kernel.run",
+    "kv_sidecar.execute.gpu_kernels:Launcher.__call__",
     "kv_sidecar.server.staged_copies:GpuCopies.__init__",
     "kv_sidecar.server.staged_copies:GpuCopies.synchronize",
 ]
@@ -161,6 +162,7 @@ GPU_DIRECT = [
     "kv_sidecar.execute.gpu:_upload_ids",
     "kv_sidecar.execute.gpu:_DeviceState.layer_table",
     "kv_sidecar.execute.gpu_kernels:kv_copy_kernel.run",
+    "kv_sidecar.execute.gpu_kernels:Launcher.__call__",
 ]
 SPANS = {
     "decode": [
