@@ -118,6 +118,7 @@ def interpreted(kernel: Any) -> Any:
 # to Triton (3.6: grid, stream, function, packed metadata, launch metadata, two hooks, then every
 # parameter in order, constexprs included, pointers as tensors or plain addresses).
 DIRECT_TRITON = ("3.6.",)
+_MAX_COMPILED = 1024  # specialisations kept (Triton keeps its compiled kernels itself)
 _N_POINTERS = 5  # anchor, the two layer tables, the two id lists: then the ints, then the constexprs
 _CONSTEXPRS = ("NKV", "NH", "NC", "CHUNK", "ROWS", "ALIGN", "S_BS", "S_KBS", "D_BS", "D_KBS")
 
@@ -190,6 +191,8 @@ class Launcher:
             with contextlib.nullcontext() if current else torch.cuda.stream(stream):
                 compiled = kv_copy_kernel[grid](*pointers, *ints, **constexprs, num_warps=num_warps)
             if direct and compiled is not None:
+                if len(self._compiled) >= _MAX_COMPILED:  # many geometries over time: stay bounded
+                    self._compiled.clear()
                 self._compiled[key] = compiled
             return
         self.direct_launches += 1
