@@ -93,3 +93,17 @@ def test_a_member_waits_only_for_the_reader_ranks_that_read_its_ranks() -> None:
         src.store.mark_done("p", "r", "d", rank, [rank])
         src.tracker.serve_rank_done("p", "r", "d", rank)
         assert (src.in_flight(), src.consumed) == ([], [rank])
+
+
+def test_the_same_open_twice_counts_its_bytes_once() -> None:
+    """An open sent as a notification and then as the call too (server/notified_opens.py) opens the
+    same read twice: one served read, its bytes counted once; a retry after a failure counts again."""
+    tracker = TransferTracker()
+    tracker.begin_serve("p", "r", "d", "peer", [0, 1], 100, "host-nixl")
+    tracker.begin_serve("p", "r", "d", "peer", [0, 1], 100, "host-nixl")
+    (t,) = tracker.inflight()
+    assert (t.bytes, t.pending) == (100, {0, 1})
+    tracker.serve_failed("p", "r", "d", [1])
+    tracker.begin_serve("p", "r", "d", "peer", [1], 50, "host-nixl")
+    (t,) = tracker.inflight()
+    assert (t.bytes, t.pending) == (150, {0, 1})

@@ -123,6 +123,8 @@ class TransferTracker:
                 t = self._serves[key] = Transfer(
                     "serve", request_id, engine_id, reader_engine, peer, path=path
                 )
+            elif set(ranks) <= t.pending:
+                return  # the same open again (its notification and its call both came): nothing new
             t.pending.update(ranks)
             t.failed.difference_update(t.pending)  # a retry
             t.bytes += nbytes
