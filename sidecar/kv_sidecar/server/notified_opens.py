@@ -16,7 +16,6 @@ notifications carry no TLS and no token. A draining sidecar refuses such an open
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import time
@@ -30,7 +29,6 @@ from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.drain import draining_message
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
 from kv_sidecar.server.peers import Holder, PeerLink, peer_error
-from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.reads import open_read
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
@@ -52,16 +50,12 @@ OPEN_READ = "OpenRead"
 def answer(sc: Sidecar, agent: str, msg: bytes) -> None:
     """An OpenRead notification (NIXL thread): open the request and answer. One without the key given
     to `agent`, or malformed, is dropped; its reader then makes the call."""
-    parsed = sp.parse_signed_notif(sp.OPEN_TAG, msg, KEY_BYTES)
-    peer = sc.push_keys.check(agent, parsed[0]) if parsed is not None else None
-    req = None
-    if peer is not None:
-        with contextlib.suppress(DecodeError):
-            req = peer_pb2.OpenReadRequest.FromString(parsed[1])  # type: ignore[index]
-    if req is None or req.sidecar_id != agent or not sp.is_transfer_id(req.reply_id):
+    signed = sc.push_keys.verify(agent, sp.OPEN_TAG, msg, peer_pb2.OpenReadRequest.FromString)
+    if signed is None or signed[1].sidecar_id != agent or not sp.is_transfer_id(signed[1].reply_id):
         sc.metrics.failures.labels("open_notification_refused").inc()
         log.debug("refused an OpenRead notification from %s", agent)
         return
+    peer, req = signed
     sc.push_runs.reader_seen()  # it will open again: poll for its notifications at the serving rate
     reply = peer_pb2.OpenReadReply()
     try:
@@ -92,9 +86,12 @@ def parse_reply(reply_id: str, msg: bytes) -> peer_pb2.OpenReadReply | None:
 class NotifiedOpen:
     """One open sent as a notification, until its answer comes or the reader stops waiting for it."""
 
-    def __init__(self, sc: Sidecar, holder: Holder, key: bytes, msg: peer_pb2.OpenReadRequest) -> None:
+    def __init__(
+        self, sc: Sidecar, holder: Holder, link: PeerLink, key: bytes, msg: peer_pb2.OpenReadRequest
+    ) -> None:
         self._sc = sc
         self._holder = holder
+        self._link = link
         self._what = f"to open request {msg.request_id!r}"
         self.reply_id = sp.new_transfer_id()
         # Answers: the notification's bytes, or the OpenRead call's future where one was made.
@@ -113,7 +110,6 @@ class NotifiedOpen:
     def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
         """The first answer: the notification's, or, where none came within ANSWER_WAIT_S, that of the
         OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
-        link = self._sc.peers.link(self._holder.address)
         try:
             try:
                 got = self._answers.get(timeout=max(0.0, min(ANSWER_WAIT_S, deadline - time.monotonic())))
@@ -126,9 +122,9 @@ class NotifiedOpen:
         finally:
             self.abandon()
         if isinstance(got, grpc.Future):
-            self._missed(link)
+            self._missed()
             return got.result()  # raises its grpc.RpcError
-        link.open_misses = 0
+        self._link.open_misses = 0
         reply = parse_reply(self.reply_id, got)
         if reply is None:
             raise SidecarError(Code.INTERNAL, f"peer sidecar {self._holder.address} sent a malformed answer")
@@ -138,10 +134,11 @@ class NotifiedOpen:
         self._sc.metrics.opens.labels("notification").inc()
         return reply.response
 
-    def _missed(self, link: PeerLink) -> None:
+    def _missed(self) -> None:
         """The call answered first. Once is a slow poll (a source idle for a while polls every 50 ms);
         MISSES_TO_BACK_OFF times in a row, the notifications are not getting through."""
         self._sc.metrics.opens.labels("call_after_notification").inc()
+        link = self._link
         link.open_misses += 1
         if link.open_misses >= MISSES_TO_BACK_OFF:
             link.open_misses = 0
@@ -168,4 +165,4 @@ def send(sc: Sidecar, holder: Holder, msg: peer_pb2.OpenReadRequest) -> Notified
     key = link.push_key
     if not key or not link.reads_done or time.monotonic() < link.notified_opens_from:
         return None
-    return NotifiedOpen(sc, holder, key, msg)
+    return NotifiedOpen(sc, holder, link, key, msg)

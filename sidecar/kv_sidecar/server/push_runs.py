@@ -20,7 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError
+
+from kv_sidecar.server.staged_protocol import parse_signed_notif
+
+T = TypeVar("T")
 
 KEY_BYTES = 16
 # A run or a call's claim is remembered this long after it ended, so that the other copy of its Push,
@@ -53,6 +59,21 @@ class PushKeys:
                 known = (secrets.token_bytes(KEY_BYTES), peer)
                 self._keys[agent] = known
             return known[0]
+
+    def verify(
+        self, agent: str, tag: bytes, msg: bytes, decode: Callable[[bytes], T]
+    ) -> tuple[str, T] | None:
+        """A reader's notification of kind `tag` (a Push, an OpenRead) from `agent`: the peer its key was
+        given to and the decoded request, or None if it is malformed, undecodable or not signed with
+        `agent`'s key."""
+        parsed = parse_signed_notif(tag, msg, KEY_BYTES)
+        peer = self.check(agent, parsed[0]) if parsed is not None else None
+        if parsed is None or peer is None:
+            return None
+        try:
+            return peer, decode(parsed[1])
+        except DecodeError:
+            return None
 
     def check(self, agent: str, key: bytes) -> str | None:
         """The peer `agent`'s key was given to, if `key` is that key; else None."""

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from kv_sidecar.execute import gpu
 from kv_sidecar.plan.blocks import check_tokens
@@ -27,7 +26,7 @@ from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import HOST, Ring
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published
-from kv_sidecar.server.push_runs import KEY_BYTES, DuplicateTransfer, PushRun
+from kv_sidecar.server.push_runs import DuplicateTransfer, PushRun
 from kv_sidecar.server.reads import open_for_reader
 from kv_sidecar.server.staged_copies import (
     CANCEL_WAIT_S,
@@ -180,18 +179,14 @@ def serve_push(
 def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
     """A Push sent as a NIXL notification (driver thread): start its transfer on a source thread,
     unless its call came first. Refused notifications are dropped; the call then does the work."""
-    parsed = sp.parse_signed_notif(sp.PUSH_TAG, msg, KEY_BYTES)
-    peer = sc.push_keys.check(agent, parsed[0]) if parsed is not None else None
-    req = None
-    if peer is not None:
-        with contextlib.suppress(DecodeError):
-            req = peer_pb2.PushRequest.FromString(parsed[1])  # type: ignore[index]
-    if req is None or req.reader_agent != agent or not sp.is_transfer_id(req.transfer_id):
+    signed = sc.push_keys.verify(agent, sp.PUSH_TAG, msg, peer_pb2.PushRequest.FromString)
+    if signed is None or signed[1].reader_agent != agent or not sp.is_transfer_id(signed[1].transfer_id):
         # Wrong key (this sidecar restarted since the reader got it, or not a reader at all), or no
         # key at all: with push_notifications off none is ever given.
         sc.metrics.failures.labels("push_notification_refused").inc()
         log.debug("refused a Push notification from %s", agent)
         return
+    peer, req = signed
     if not sc.gpu_staging.source_room():
         return  # the call starts it
     run = sc.push_runs.start_by_notif(req.transfer_id)
