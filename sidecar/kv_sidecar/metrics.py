@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 PATHS = ("host-direct", "host-nixl", "host-nixl-staged", "host-ring", "gpu-direct", "gpu-staged")
 OUTCOMES = ("ok", "error", "cancelled", "timeout")
@@ -106,7 +108,31 @@ class Metrics:
             registry=r,
         )
 
+    def bind_gpu_launches(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Expose the GPU copy kernel's launches by how they were made (counted by the launcher)."""
+        self.registry.register(_GpuLaunches(counts))
+
     def bind_nixl(self, counts: Callable[[], dict[str, int]]) -> None:
         for kind in ("registrations", "dlists", "remote_agents", "transfers_open"):
             self.nixl_held.labels(kind).set_function(lambda k=kind: counts()[k])
         self.nixl_release_failures.set_function(lambda: counts()["release_failures"])
+
+
+class _GpuLaunches(Collector):
+    """kvsidecar_gpu_launches_total{by}: read from the launcher's own counts at each scrape."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "kvsidecar_gpu_launches",
+            "GPU copy kernel launches, by how they were made: direct (the compiled kernel's launcher) or "
+            "triton (Triton's Python launcher: first launches, launch hooks, Triton releases without direct "
+            "launches)",
+            labels=["by"],
+        )
+        counts = self._counts()
+        for by in ("direct", "triton"):
+            family.add_metric([by], counts.get(by, 0))
+        yield family

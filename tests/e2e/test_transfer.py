@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import urllib.request
 
 import grpc
 import pytest
@@ -100,3 +101,6 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
     assert after == before + 1
     assert metric(b.metrics_port, "kvsidecar_pull_bytes_total", '{path="host-nixl"}') > 0
     assert metric(b.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}') >= 1
+    # Exposed before any GPU copy (zero here: no GPU), without importing Triton for a scrape.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{b.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'kvsidecar_gpu_launches_total{by="direct"} 0.0' in text, text[-2000:]

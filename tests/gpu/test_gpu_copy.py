@@ -174,6 +174,40 @@ def test_launches_after_the_first_skip_triton_and_stay_exact() -> None:
     assert gpu_kernels.launch.direct_launches - before >= len(shapes)  # every shape's second round
 
 
+def test_a_triton_without_direct_launches_warns_once_and_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Triton release the launcher was not written for, every launch goes through Triton: the
+    copies stay exact, the launches are counted as such, and the sidecar says so once in its log."""
+    import logging
+
+    from kv_sidecar.execute import gpu_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs 1 CUDA GPU(s)")
+    monkeypatch.setattr(gpu_kernels, "DIRECT_TRITON", ("0.0.",))  # no release is that
+    launcher = gpu_kernels.Launcher()
+    monkeypatch.setattr(gpu_kernels, "launch", launcher)
+    c = kc.case("homogeneous")
+    srcs = {r: kc.random_tensors(c.src, 400 + r) for r in c.src_ranks()}
+    out = kc.random_tensors(c.dst, 6)
+    out_gpu = [t.cuda(0) for t in out]
+    dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out_gpu, 0)
+    sviews = {r: gpu.gpu_rank_view(c.src, r, [t.cuda(0) for t in ts], 0) for r, ts in srcs.items()}
+    with caplog.at_level(logging.WARNING, logger=gpu_kernels.__name__):
+        for seed in range(3):
+            src_ids, dst_ids = kc.block_ids(c, 90 + seed)
+            want, _ = kc.reference(c, srcs, out, src_ids, dst_ids)
+            for r in c.reads:
+                gpu.copy_request(sviews[r.src_rank], dview, r.heads, src_ids, dst_ids, c.num_tokens)
+            for g, w in zip(out_gpu, want, strict=True):
+                assert kc.bitwise_equal(g.cpu(), w), seed
+            out = want
+    assert launcher.counts() == {"direct": 0, "triton": 3 * len(c.reads)}
+    warnings = [r for r in caplog.records if "Python launcher" in r.getMessage()]
+    assert len(warnings) == 1 and triton_version() in warnings[0].getMessage()
+
+
 def triton_direct() -> bool:
     from kv_sidecar.execute import gpu_kernels
 

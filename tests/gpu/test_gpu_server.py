@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
@@ -165,6 +165,24 @@ def test_ring_too_small_for_one_block_is_a_clear_error(pair: tuple[SidecarProces
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_the_sidecar_counts_its_kernel_launches(node: SidecarProcess) -> None:
+    """Every GPU copy the sidecar launches shows in kvsidecar_gpu_launches_total, by how it was made;
+    on a Triton it launches directly, repeated copies of one shape go direct."""
+    from kv_sidecar.execute import gpu_kernels
+
+    before = {
+        by: _metric(node, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton")
+    }
+    for _ in range(3):
+        run_case(node.socket, node.socket, "homogeneous", "gpu-direct")
+    after = {
+        by: _metric(node, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton")
+    }
+    assert sum(after.values()) >= sum(before.values()) + 3, (before, after)
+    if triton.__version__.startswith(gpu_kernels.DIRECT_TRITON):
+        assert after["direct"] >= before["direct"] + 2, (before, after)  # the 2nd and 3rd copy at least
 
 
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:

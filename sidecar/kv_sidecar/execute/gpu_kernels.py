@@ -21,10 +21,13 @@ loads and stores.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -154,13 +157,18 @@ class Launcher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[Any, ...], Any] = {}
-        self.direct_launches = 0  # launches that skipped Triton's Python (tests, benchmarks)
+        self.direct_launches = 0  # launches that skipped Triton's Python (metrics, tests, benchmarks)
+        self.triton_launches = 0  # launches through `kernel[grid]`: first ones, hooks, other releases
         names = tuple(getattr(kv_copy_kernel, "arg_names", ()))
         self._n_ints = len(names) - _N_POINTERS - len(_CONSTEXPRS)
         # The launcher takes the parameters by position: only for the signature this was written for.
         self._direct = (
             triton.__version__.startswith(DIRECT_TRITON) and names[-len(_CONSTEXPRS) :] == _CONSTEXPRS
         )
+        self._warned = False
+
+    def counts(self) -> dict[str, int]:
+        return {"direct": self.direct_launches, "triton": self.triton_launches}
 
     def __call__(
         self,
@@ -186,6 +194,16 @@ class Launcher:
             key = (stream.device_index, specialization_key(pointers, ints, constexprs, num_warps))
             compiled = self._compiled.get(key)
         if compiled is None:
+            self.triton_launches += 1
+            if not self._direct and not self._warned:
+                self._warned = True  # a newer Triton in the image would otherwise cost every launch silently
+                log.warning(
+                    "Triton %s: GPU copies launch through Triton's Python launcher, ~0.1 ms slower per "
+                    'launch than the direct launch kept for Triton %s (docs/gpu.md, "The kernel"); '
+                    'kvsidecar_gpu_launches_total{by="triton"} counts them',
+                    triton.__version__,
+                    " or ".join(v.rstrip(".") for v in DIRECT_TRITON),
+                )
             # Through Triton, which launches on the current stream: make `stream` current if it is not.
             current = torch.cuda.current_stream(stream.device) == stream
             with contextlib.nullcontext() if current else torch.cuda.stream(stream):

@@ -6,6 +6,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from concurrent import futures
@@ -75,6 +76,7 @@ class Sidecar:
             serving=lambda: self.transfers.any_serving() or recent(),
         )
         self.metrics.bind_nixl(self.nixl.counts)
+        self.metrics.bind_gpu_launches(_gpu_launch_counts)
         self.gpu_staging = GpuStaging(self)
         self.engines = EngineRegistry(self.nixl, on_gpu_device=self.gpu_staging.ensure)
         # A request that ends early (released, aborted, expired) ends the reads of it that were open.
@@ -313,3 +315,10 @@ class Sidecar:
                 self.transfers.expire_stale()  # a reader that never reported keeps none open
             except Exception:
                 log.exception("lease reaper failed")
+
+
+def _gpu_launch_counts() -> dict[str, int]:
+    """The GPU copy kernel's launches in this process; none before its module (and Triton) is loaded,
+    which the first GPU copy does: a scrape must not import Triton."""
+    kernels = sys.modules.get("kv_sidecar.execute.gpu_kernels")
+    return kernels.launch.counts() if kernels is not None else {}
