@@ -325,6 +325,93 @@ def test_a_push_notification_without_the_key_starts_nothing(
         prefill.stop()
 
 
+def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
+    ring_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """A reader that dies between its Push notification and its call (sent 5 ms later when the
+    transfer has not finished) never credits its slot back: the source stops the transfer ALONE_S after
+    it started, instead of holding its send slots until the request's timeout, and serves on."""
+    a, b = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill = EngineProcess(a.socket, "alone-p", spec)
+    decode = EngineProcess(b.socket, "alone-d", spec)
+    reader = NixlDriver("gone-reader", on_notif=lambda agent, msg: None)
+    reader.start()
+    slot = torch.zeros(SLOT, dtype=torch.uint8)  # the one receive slot it grants: chunk 0 lands here
+    try:
+        ring_key = reader.register([(slot.data_ptr(), SLOT, 0)], mem_type="DRAM")
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": "alone",
+                "block_ids": [1, 2, 3, 4, 5],
+                "num_tokens": TOKENS,
+                "seed": 2,
+            }
+        )
+        assert pub["ok"], pub
+        with grpc.insecure_channel(a.peer_address) as ch:
+            hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
+                peer_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    sidecar_id="gone-reader",
+                    agent_name="gone-reader",
+                    agent_metadata=reader.metadata(),
+                    engine_id="alone-p",
+                    reader_engine_id="gone-engine",
+                    reader_spec=spec_to_proto(spec),
+                ),
+                timeout=30,
+            )
+        reader.add_remote(hs.agent_metadata, hs.agent_name)
+        req = peer_pb2.PushRequest(
+            engine_id="alone-p",
+            request_id="alone",
+            reader_engine_id="gone-engine",
+            reader_spec=spec_to_proto(spec),
+            plan_hash=hs.plan_hash,
+            transfer_id="00112233445566aa",
+            reader_agent="gone-reader",
+            reader_agent_metadata=reader.partial_metadata(ring_key),
+            memory_kind="DRAM",
+            slots=[
+                peer_pb2.PushSlot(address=slot.data_ptr(), length=SLOT)
+            ],  # 3 chunks, 1 slot: credits needed
+            timeout_ms=60_000,
+            open=peer_pb2.OpenReadRequest(
+                engine_id="alone-p",
+                request_id="alone",
+                reader_engine_id="gone-engine",
+                reader_ranks=[0],
+                plan_hash=hs.plan_hash,
+            ),
+            open_num_tokens=TOKENS,
+            notified=True,
+        )
+        gone = '{reason="push_call_missing"}'
+        before = metric(a, "kvsidecar_failures_total", gone)
+        starts = metric(a, "kvsidecar_push_starts_total", '{by="notification"}')
+        sent = time.monotonic()
+        reader.send_notif(hs.agent_name, sp.signed_notif(sp.PUSH_TAG, hs.push_key, req.SerializeToString()))
+        while metric(a, "kvsidecar_failures_total", gone) == before:
+            assert time.monotonic() < sent + 10, "the source still waits for a reader that is gone"
+            time.sleep(0.05)
+        assert time.monotonic() - sent >= 0.9  # not before ALONE_S (1 s)
+        assert metric(a, "kvsidecar_push_starts_total", '{by="notification"}') == starts + 1
+        assert slot.any(), "chunk 0 never reached the granted slot: the transfer did not run"
+        rings_idle(a, timeout_s=5)  # its send slots are back long before the request's 60 s
+        # The source serves on: a real reader pulls the same way.
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "next", "block_ids": [6, 7], "num_tokens": 30, "seed": 3}
+        )
+        ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 3})
+        assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+    finally:
+        reader.stop()
+        prefill.stop()
+        decode.stop()
+
+
 # A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way.
 LONG = 600
 LONG_SRC = EngineSpec.from_dict(spec_dict(num_blocks=1000))

@@ -57,11 +57,14 @@ def test_keys_are_per_agent_stable_and_checked_in_full() -> None:
 
 
 def test_notification_first_the_call_joins() -> None:
-    runs = PushRuns(clock=Clock())
+    clock = Clock()
+    runs = PushRuns(clock=clock)
     run = runs.start_by_notif("t1")
-    assert run is not None
+    assert run is not None and run.started == clock.now
+    assert not run.called  # until its call joins, only ALONE_S tells the source its reader lives
     assert runs.start_by_notif("t1") is None  # a second copy of the notification starts nothing
     assert runs.claim_by_call("t1") is run
+    assert run.called
     run.finish("answer", None, True)
     runs.ended(run)
     runs.joined(run)

@@ -87,8 +87,10 @@ class PushKeys:
 class PushRun:
     """A transfer that a notification started; the Push call that follows joins it for the answer."""
 
-    def __init__(self, transfer_id: str) -> None:
+    def __init__(self, transfer_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.transfer_id = transfer_id
+        self.started = clock()
+        self.called = False  # its Push call came and joins it: the call carries the reader's liveness
         self.response: Any = None
         self.error: BaseException | None = None
         self.quiet = True  # nothing of the transfer is in flight any more (the answer may say so)
@@ -156,7 +158,7 @@ class PushRuns:
             self.reader_seen()
             if transfer_id in self._entries:
                 return None
-            run = PushRun(transfer_id)
+            run = PushRun(transfer_id, self._clock)
             self._entries[transfer_id] = run
             return run
 
@@ -168,6 +170,7 @@ class PushRuns:
             self.reader_seen()
             entry = self._entries.get(transfer_id)
             if isinstance(entry, PushRun):
+                entry.called = True
                 return entry
             if entry is not None:
                 raise DuplicateTransfer(transfer_id)

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A reader whose notified transfer has not finished CALL_AFTER_S (5 ms) after its notification sends
+# the Push call, which then carries its liveness. A transfer its call has not joined this long after
+# it started has lost its reader (it died before the call went out): stop it, rather than hold send
+# slots until the request's timeout (30 s by default) waiting for credits that never come.
+ALONE_S = 1.0
+
 
 class _Pump:
     """Driver-thread poller of a source: WRITE each gathered chunk as soon as its gather is done and
@@ -195,6 +201,10 @@ def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
         sc.gpu_staging.run_source(functools.partial(_run_push, sc, req, run, peer))
 
 
+class _ReaderGone(SidecarError):
+    """A notified transfer whose Push call never came (ALONE_S)."""
+
+
 class _RunContext:
     """What `_push` asks of its gRPC context, for a transfer a notification started."""
 
@@ -206,7 +216,18 @@ class _RunContext:
         return self._peer
 
     def time_remaining(self) -> float | None:
-        return None  # the request's own timeout_ms bounds it
+        """None once the call joined (the request's own timeout_ms bounds the transfer); until then,
+        what is left of ALONE_S, and past it the transfer stops."""
+        if self._run.called:
+            return None
+        left = self._run.started + ALONE_S - time.monotonic()
+        if left <= 0:
+            raise _ReaderGone(
+                Code.CANCELLED,
+                f"transfer {self._run.transfer_id}: its reader's Push call did not follow the notification "
+                f"within {ALONE_S:g} s; the reader is taken for gone",
+            )
+        return left
 
     def add_callback(self, fn: Callable[[], None]) -> bool:
         self._run.add_callback(fn)  # runs if the call that joins goes away first
@@ -218,7 +239,10 @@ def _run_push(sc: Sidecar, req: peer_pb2.PushRequest, run: PushRun, peer: str) -
     try:
         run.finish(_push(sc, req, _RunContext(run, peer), quiet), None, quiet[0])  # type: ignore[arg-type]
     except BaseException as e:
-        if not isinstance(e, SidecarError):
+        if isinstance(e, _ReaderGone):
+            sc.metrics.failures.labels("push_call_missing").inc()
+            log.warning("%s", e.message)
+        elif not isinstance(e, SidecarError):
             log.exception("push %s started by notification failed", req.transfer_id)
         run.finish(None, e, quiet[0])
     finally:
@@ -292,7 +316,11 @@ def _push(
         return peer_pb2.PushResponse()
     sc.nixl.load_remote(req.reader_agent, req.reader_agent_metadata)
     left = req.timeout_ms / 1000 if req.timeout_ms else sc.settings.pull_timeout_ms / 1000
-    deadline = time.monotonic() + min(left, context.time_remaining() or left)
+    # A transfer a notification started asks its context at each wait instead (ALONE_S, until its
+    # call joins); its deadline, which its WRITEs get too, is the request's own.
+    alone = context if isinstance(context, _RunContext) else None
+    call_left = None if alone is not None else context.time_remaining()
+    deadline = time.monotonic() + (left if call_left is None else min(left, call_left))
     stopped = threading.Event()
     context.add_callback(stopped.set)  # the call ended: the reader went away (or we answered)
 
@@ -300,6 +328,9 @@ def _push(
         if stopped.is_set():
             raise SidecarError(Code.CANCELLED, f"push of request {req.request_id!r}: the reader went away")
         left = deadline - time.monotonic()
+        alone_left = alone.time_remaining() if alone is not None else None  # raises once past ALONE_S
+        if alone_left is not None:
+            left = min(left, alone_left)
         if left <= 0:
             raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {req.request_id!r} timed out")
         return left
