@@ -57,6 +57,10 @@ SIZES = (1, 16, 256)
 CONCURRENCY = (1, 4, 16)
 CONC_BLOCKS = 32  # 64 MiB of the model rank
 POOL = 640  # blocks per cache: fragmented ids, and 16 x 32 distinct blocks for the concurrent round
+# The decode engine's GPU: 1, or 0 with --one-gpu (both caches on one GPU: compares revisions on a
+# one-GPU machine, not with the two-GPU rows).
+DECODE_GPU = 1
+
 # Issue 11's targets for the engine's p50 (ms): (path, blocks) -> target
 TARGETS = {
     ("staged", 1): 1.5,
@@ -130,7 +134,7 @@ class Rig:
             from kv_sidecar.refengine.gpu_cache import GpuKVCache
 
             self.pcache = GpuKVCache(shapes, dtype, torch.device("cuda", 0))
-            self.dcache = GpuKVCache(shapes, dtype, torch.device("cuda", 1))
+            self.dcache = GpuKVCache(shapes, dtype, torch.device("cuda", DECODE_GPU))
         for t in self.pcache.tensors:
             t.view(torch.uint8).random_()
         self.sync()
@@ -154,7 +158,7 @@ class Rig:
 
         if not self.host:
             torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(DECODE_GPU)
 
     def ids(self, n: int) -> tuple[list[int], list[int]]:
         return self.rng.permutation(POOL)[:n].tolist(), self.rng.permutation(POOL)[:n].tolist()
@@ -314,10 +318,10 @@ def ceilings(rig: Rig, iters: int) -> dict[str, float]:
                 times.append((time.perf_counter() - t0) * 1e3)
         else:
             a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-            b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+            b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{DECODE_GPU}")
             times = []
-            with torch.cuda.device(1):
-                stream = torch.cuda.current_stream(1)
+            with torch.cuda.device(DECODE_GPU):
+                stream = torch.cuda.current_stream(DECODE_GPU)
                 for i in range(iters + 3):
                     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     e0.record(stream)
@@ -455,6 +459,11 @@ def main() -> int:
     p.add_argument("--ring-bytes", type=int, default=0, help="gpu_staging_bytes of the two staged sidecars")
     p.add_argument("--slots", type=int, default=0, help="gpu_staging_slots of the two staged sidecars")
     p.add_argument("--no-nixl", action="store_true", help="skip the in-engine NIXL anchor rows")
+    p.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="both caches on GPU0 (a one-GPU machine: compare revisions only)",
+    )
     p.add_argument("--host", action="store_true", help="dry run on host memory (no GPU): tests the script")
     p.add_argument("--machine", default="", help="machine description to record")
     p.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
@@ -468,7 +477,10 @@ def main() -> int:
         return 0
     import torch
 
-    if not args.host and torch.cuda.device_count() < 2:
+    if args.one_gpu:
+        global DECODE_GPU
+        DECODE_GPU = 0
+    if not args.host and not args.one_gpu and torch.cuda.device_count() < 2:
         print("needs 2 GPUs (or --host for a dry run)", file=sys.stderr)
         return 2
     ring_bytes = args.ring_bytes or (
@@ -489,7 +501,7 @@ def main() -> int:
     finally:
         rig.close()
     res["anchors"] = {}
-    if not args.host and not args.no_nixl:
+    if not args.host and not args.no_nixl and not args.one_gpu:
         res["anchors"] = {str(n): a for n, a in anchors(max(10, args.iters // 4)).items()}
         for a in res["anchors"].values():
             for kind in ("contiguous", "fragmented"):

@@ -12,6 +12,10 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py --ring [--blocks 16]   # other sidecar, the staged protocol (host-ring)
     python bench/trace_pull.py --gpu                  # other sidecar, gpu-staged, 2 MiB model blocks
     python bench/trace_pull.py --gpu --local          # same sidecar, gpu-direct (GPU0 -> GPU1 where there are 2)
+    python bench/trace_pull.py --gpu --blocks 32 --concurrent 4   # one pull at a time, then 4 at once
+
+--concurrent C: spans overlap between pulls in flight together, so instead of placing them on a
+pull the table compares each span's median duration, one pull at a time against C at a time.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import itertools
 import json
+import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +101,8 @@ STAGED = {
         "kv_sidecar.server.staged_protocol:RecvState.arrive",
         "kv_sidecar.transport.nixl_driver:NixlDriver.add_poller",
         "kv_sidecar.transport.nixl_driver:NixlDriver._poll_notifs",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._poll_transfers",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._run_pollers",
         "kv_sidecar.transport.nixl_driver:NixlDriver.send_notif",
         "kv_sidecar.transport.nixl_driver:NixlDriver.load_remote",
         "nixl_cu13._api:nixl_agent.send_notif",
@@ -118,6 +127,8 @@ STAGED = {
         "kv_sidecar.transport.nixl_driver:NixlDriver.write_now",
         "kv_sidecar.transport.nixl_driver:NixlDriver.load_remote",
         "kv_sidecar.transport.nixl_driver:NixlDriver._poll_notifs",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._poll_transfers",
+        "kv_sidecar.transport.nixl_driver:NixlDriver._run_pollers",
         "nixl_cu13._api:nixl_agent.initialize_xfer",
         # the source's host steps between the start and the gather launch
         "kv_sidecar.server.staged_source:_push",
@@ -239,6 +250,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (256 KiB each)")
     ap.add_argument("--small", action="store_true", help="32 KiB blocks instead of 256 KiB")
     ap.add_argument("--ring-bytes", type=int, default=64 << 20, help="--ring: gpu_staging_bytes (host rings)")
+    ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
     args = ap.parse_args()
     extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
     spans_of = {
@@ -265,8 +277,17 @@ def main() -> int:
         ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
         dec = ca if args.local else cb
         spec = GPU_MODEL if args.gpu else SMALL if args.small else SPEC
+        if args.concurrent > 1:  # each puller its own destination blocks
+            spec = dataclasses.replace(
+                spec, num_blocks=max(spec.num_blocks, (args.concurrent + 1) * args.blocks)
+            )
         devices = (0, 1 if torch.cuda.device_count() > 1 else 0) if args.gpu else (None, None)
         caches += [register(ca, "tr-p", spec, devices[0]), register(dec, "tr-d", spec, devices[1])]
+        if args.concurrent > 1:
+            windows = [run_phase(ca, dec, spec, args.blocks, c, args.iters) for c in (1, args.concurrent)]
+            spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
+            compare_phases(windows, spans, args.blocks * block_bytes(spec))
+            return 0
         for i in range(args.iters + 20):
             n = args.blocks
             params = ca.publish("tr-p", f"t{i}", list(range(n)), n * spec.block_size)
@@ -318,6 +339,90 @@ def main() -> int:
             busy = statistics.median(x[3] for x in xs) * 1e3
             print(f"| {side} | {name} | {thread} | {n:g} | {st:.3f} | {en:.3f} | {du:.3f} | {busy:.3f} |")
     return 0
+
+
+def block_bytes(spec: EngineSpec) -> int:
+    import torch
+
+    return (
+        sum(math.prod(s) for s in spec.rank_tensor_shapes())
+        * torch.finfo(torch.bfloat16).bits
+        // 8
+        // spec.num_blocks
+    )
+
+
+def run_phase(
+    ca: SidecarClient, dec: SidecarClient, spec: EngineSpec, n: int, c: int, pulls: int
+) -> tuple[int, float, float, list[float]]:
+    """`pulls` pulls of `n` blocks, `c` in flight at once (after a warm-up round): (c, start, end, walls)."""
+    walls: list[float] = []
+    lock = threading.Lock()
+    rounds = max(2, pulls // c)
+    go = threading.Barrier(c + 1)
+    ids = itertools.count()
+
+    def worker(w: int) -> None:
+        dst = list(range(spec.num_blocks - (w + 1) * n, spec.num_blocks - w * n))
+        for r in range(rounds + 1):
+            if r == 1:
+                go.wait()
+            params = ca.publish("tr-p", f"c{c}-{next(ids)}", list(range(n)), n * spec.block_size)
+            t0 = time.perf_counter()
+            res = dec.pull(params, "tr-d", dst)
+            assert res.ok, res
+            if r:
+                with lock:
+                    walls.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
+    for t in threads:
+        t.start()
+    go.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    end = time.perf_counter()
+    time.sleep(0.5)
+    return c, start, end, walls
+
+
+def compare_phases(
+    windows: list[tuple[int, float, float, list[float]]],
+    spans: dict[str, list[tuple[str, str, float, float]]],
+    pull_bytes: int,
+) -> None:
+    heads = []
+    for c, start, end, walls in windows:
+        gbps = len(walls) * pull_bytes / (end - start) / 1e9
+        heads.append(
+            f"{c} at once: {len(walls)} pulls, engine wall p50 {statistics.median(walls) * 1e3:.3f} ms, {gbps:.2f} GB/s"
+        )
+    print("; ".join(heads) + f" (load {os.getloadavg()[0]:.1f})")
+    cs = [w[0] for w in windows]
+    print(
+        "| side | span | thread | "
+        + " | ".join(f"{c} at once: calls/pull, p50 ms, p90 ms" for c in cs)
+        + " |\n|---|---|---|"
+        + "---|" * len(cs)
+    )
+    for side, recs in spans.items():
+        per: dict[tuple[str, str], list[list[float]]] = {}
+        for thread, name, s, e in recs:
+            kind = "nixl" if thread.startswith("nixl") else thread.rstrip("0123456789_")
+            for i, (_, start, end, _) in enumerate(windows):
+                if start <= s <= end:
+                    per.setdefault((name, kind), [[] for _ in windows])[i].append(e - s)
+        for (name, kind), durs in sorted(per.items(), key=lambda kv: -statistics.median(kv[1][-1] or [0])):
+            if any(len(d) < len(w[3]) // 2 for d, w in zip(durs, windows, strict=True)):
+                continue  # not once per pull in every phase: polls, or another path's spans
+            cells = []
+            for d, w in zip(durs, windows, strict=True):
+                d = sorted(d)
+                cells.append(
+                    f"{len(d) / len(w[3]):.1f}, {statistics.median(d) * 1e3:.3f}, {d[int(0.9 * (len(d) - 1))] * 1e3:.3f}"
+                )
+            print(f"| {side} | {name} | {kind} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
