@@ -325,6 +325,75 @@ def test_a_push_notification_without_the_key_starts_nothing(
         prefill.stop()
 
 
+class _GoneReader:
+    """A reader of the test's own: a NIXL agent with one receive slot, a handshake with a real source
+    for `engine_id` (whose push key it keeps), and Push notifications it sends but never follows with
+    a call or credits: what a reader that died right after asking leaves behind."""
+
+    def __init__(self, source: SidecarProcess, engine_id: str, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.engine_id = engine_id
+        self.driver = NixlDriver("gone-reader", on_notif=lambda agent, msg: None)
+        self.driver.start()
+        self.slot = torch.zeros(SLOT, dtype=torch.uint8)  # chunk 0 of a transfer lands here
+        self.ring_key = self.driver.register([(self.slot.data_ptr(), SLOT, 0)], mem_type="DRAM")
+        with grpc.insecure_channel(source.peer_address) as ch:
+            self.hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
+                peer_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    sidecar_id="gone-reader",
+                    agent_name="gone-reader",
+                    agent_metadata=self.driver.metadata(),
+                    engine_id=engine_id,
+                    reader_engine_id="gone-engine",
+                    reader_spec=spec_to_proto(spec),
+                ),
+                timeout=30,
+            )
+        self.driver.add_remote(self.hs.agent_metadata, self.hs.agent_name)
+
+    def push(self, request_id: str, transfer_id: str) -> None:
+        """Open `request_id` (TOKENS tokens: 3 chunks) and ask for it into the one slot, by notification."""
+        req = peer_pb2.PushRequest(
+            engine_id=self.engine_id,
+            request_id=request_id,
+            reader_engine_id="gone-engine",
+            reader_spec=spec_to_proto(self.spec),
+            plan_hash=self.hs.plan_hash,
+            transfer_id=transfer_id,
+            reader_agent="gone-reader",
+            reader_agent_metadata=self.driver.partial_metadata(self.ring_key),
+            memory_kind="DRAM",
+            slots=[peer_pb2.PushSlot(address=self.slot.data_ptr(), length=SLOT)],  # credits needed
+            timeout_ms=60_000,
+            open=peer_pb2.OpenReadRequest(
+                engine_id=self.engine_id,
+                request_id=request_id,
+                reader_engine_id="gone-engine",
+                reader_ranks=[0],
+                plan_hash=self.hs.plan_hash,
+            ),
+            open_num_tokens=TOKENS,
+            notified=True,
+        )
+        signed = sp.signed_notif(sp.PUSH_TAG, self.hs.push_key, req.SerializeToString())
+        self.driver.send_notif(self.hs.agent_name, signed)
+
+    def stop(self) -> None:
+        self.driver.stop()
+
+
+def _wait_metric(sc: SidecarProcess, name: str, labels: str, at_least: float, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while metric(sc, name, labels) < at_least:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+GONE = '{reason="push_call_missing"}'
+BY_NOTIF = '{by="notification"}'
+
+
 def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
     ring_pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:
@@ -335,11 +404,8 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
     spec = EngineSpec.from_dict(spec_dict())
     prefill = EngineProcess(a.socket, "alone-p", spec)
     decode = EngineProcess(b.socket, "alone-d", spec)
-    reader = NixlDriver("gone-reader", on_notif=lambda agent, msg: None)
-    reader.start()
-    slot = torch.zeros(SLOT, dtype=torch.uint8)  # the one receive slot it grants: chunk 0 lands here
+    reader = _GoneReader(a, "alone-p", spec)
     try:
-        ring_key = reader.register([(slot.data_ptr(), SLOT, 0)], mem_type="DRAM")
         pub = prefill.send(
             {
                 "cmd": "prefill",
@@ -350,55 +416,16 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
             }
         )
         assert pub["ok"], pub
-        with grpc.insecure_channel(a.peer_address) as ch:
-            hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
-                peer_pb2.HandshakeRequest(
-                    protocol_version=PROTOCOL_VERSION,
-                    sidecar_id="gone-reader",
-                    agent_name="gone-reader",
-                    agent_metadata=reader.metadata(),
-                    engine_id="alone-p",
-                    reader_engine_id="gone-engine",
-                    reader_spec=spec_to_proto(spec),
-                ),
-                timeout=30,
-            )
-        reader.add_remote(hs.agent_metadata, hs.agent_name)
-        req = peer_pb2.PushRequest(
-            engine_id="alone-p",
-            request_id="alone",
-            reader_engine_id="gone-engine",
-            reader_spec=spec_to_proto(spec),
-            plan_hash=hs.plan_hash,
-            transfer_id="00112233445566aa",
-            reader_agent="gone-reader",
-            reader_agent_metadata=reader.partial_metadata(ring_key),
-            memory_kind="DRAM",
-            slots=[
-                peer_pb2.PushSlot(address=slot.data_ptr(), length=SLOT)
-            ],  # 3 chunks, 1 slot: credits needed
-            timeout_ms=60_000,
-            open=peer_pb2.OpenReadRequest(
-                engine_id="alone-p",
-                request_id="alone",
-                reader_engine_id="gone-engine",
-                reader_ranks=[0],
-                plan_hash=hs.plan_hash,
-            ),
-            open_num_tokens=TOKENS,
-            notified=True,
-        )
-        gone = '{reason="push_call_missing"}'
-        before = metric(a, "kvsidecar_failures_total", gone)
-        starts = metric(a, "kvsidecar_push_starts_total", '{by="notification"}')
+        before = metric(a, "kvsidecar_failures_total", GONE)
+        starts = metric(a, "kvsidecar_push_starts_total", BY_NOTIF)
         sent = time.monotonic()
-        reader.send_notif(hs.agent_name, sp.signed_notif(sp.PUSH_TAG, hs.push_key, req.SerializeToString()))
-        while metric(a, "kvsidecar_failures_total", gone) == before:
-            assert time.monotonic() < sent + 10, "the source still waits for a reader that is gone"
-            time.sleep(0.05)
+        reader.push("alone", "00112233445566aa")
+        _wait_metric(
+            a, "kvsidecar_failures_total", GONE, before + 1, "the source still waits for a gone reader"
+        )
         assert time.monotonic() - sent >= 0.9  # not before ALONE_S (1 s)
-        assert metric(a, "kvsidecar_push_starts_total", '{by="notification"}') == starts + 1
-        assert slot.any(), "chunk 0 never reached the granted slot: the transfer did not run"
+        assert metric(a, "kvsidecar_push_starts_total", BY_NOTIF) == starts + 1
+        assert reader.slot.any(), "chunk 0 never reached the granted slot: the transfer did not run"
         rings_idle(a, timeout_s=5)  # its send slots are back long before the request's 60 s
         # The source serves on: a real reader pulls the same way.
         pub = prefill.send(
@@ -410,6 +437,48 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
         reader.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_a_notification_finding_every_source_thread_busy_waits_its_turn(spawn: Spawn) -> None:
+    """With all 8 kept source threads busy (engine_workers 8), a Push notification queues for one
+    instead of being dropped: its transfer starts from it once a thread frees, and the reader's call,
+    which goes 5 ms after the notification, joins it rather than starting it."""
+    source = spawn(SidecarProcess("busy-src", extra=[*RING, "--engine-workers", "8"], env=ENV))
+    b = spawn(SidecarProcess("busy-rdr", extra=RING, env=ENV))
+    spec = EngineSpec.from_dict(spec_dict(num_blocks=64))
+    prefill = spawn(EngineProcess(source.socket, "busy-p", spec))
+    decode = spawn(EngineProcess(b.socket, "busy-d", spec))
+    _warm_up(prefill, decode)  # the reader now holds the source's push key
+    reader = _GoneReader(source, "busy-p", spec)
+    try:
+        for i in range(8):  # each holds a source thread until ALONE_S: waiting for credits or slots
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"hold{i}",
+                    "block_ids": [10 + 5 * i + k for k in range(5)],
+                    "num_tokens": TOKENS,
+                    "seed": i,
+                }
+            )
+            assert pub["ok"], pub
+        starts = metric(source, "kvsidecar_push_starts_total", BY_NOTIF)
+        calls = metric(source, "kvsidecar_push_starts_total", '{by="call"}')
+        gone = metric(source, "kvsidecar_failures_total", GONE)
+        for i in range(8):
+            reader.push(f"hold{i}", f"{i:016x}")
+        _wait_metric(source, "kvsidecar_push_starts_total", BY_NOTIF, starts + 8, "the 8 holds did not start")
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "queued", "block_ids": [1, 2, 3], "num_tokens": 40, "seed": 9}
+        )
+        ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [4, 5, 6], "seed": 9})
+        assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+        assert metric(source, "kvsidecar_push_starts_total", BY_NOTIF) == starts + 9
+        assert metric(source, "kvsidecar_push_starts_total", '{by="call"}') == calls
+        _wait_metric(source, "kvsidecar_failures_total", GONE, gone + 8, "the holds did not stop")
+        rings_idle(source, b, timeout_s=5)
+    finally:
+        reader.stop()
 
 
 # A long pull: 600 blocks, one per chunk (one-block slots), converting NHD -> HND on the way.

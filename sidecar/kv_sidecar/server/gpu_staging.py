@@ -84,7 +84,6 @@ class GpuStaging:
         self._callers: ThreadPoolExecutor | None = None
         self._sources: ThreadPoolExecutor | None = None
         self._uploader: ThreadPoolExecutor | None = None
-        self._source_busy = 0
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run a blocking gRPC call (a reader's Push) on a thread kept for that, and return its future.
@@ -141,29 +140,18 @@ class GpuStaging:
             for device in devices:
                 item.uploaded[device] = self._uploader.submit(gpu.upload_block_ids, item.block_ids, device)
 
-    def source_room(self) -> bool:
-        """A kept source thread is free for a transfer a notification starts."""
-        with self._lock:
-            return self._source_busy < self._source_threads()
-
     def run_source(self, fn: Callable[[], None]) -> None:
         """Run a source's transfer (its whole Push) on a kept thread: the NIXL thread that received its
-        notification must not block on it."""
-
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                with self._lock:
-                    self._source_busy -= 1
-
+        notification must not block on it. With every thread busy (most of them waiting for send
+        slots) it waits its turn in the pool's queue, as its call would wait for slots: dropping it
+        instead cost its reader CALL_AFTER_S, after which its call starts it. Only readers holding a
+        push key queue here, each at most as many transfers as its receive slots."""
         with self._lock:
             if self._sources is None:
                 self._sources = ThreadPoolExecutor(
                     max_workers=self._source_threads(), thread_name_prefix="push-source"
                 )
-            self._source_busy += 1
-            self._sources.submit(run)
+            self._sources.submit(fn)
 
     def _source_threads(self) -> int:
         return max(8, self._sc.settings.engine_workers // 4)
