@@ -34,6 +34,7 @@ from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.staged_copies import PUSH_ENDED
+from kv_sidecar.server.staged_source import ALONE_S
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
@@ -423,7 +424,7 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
         _wait_metric(
             a, "kvsidecar_failures_total", GONE, before + 1, "the source still waits for a gone reader"
         )
-        assert time.monotonic() - sent >= 0.9  # not before ALONE_S (1 s)
+        assert time.monotonic() - sent >= ALONE_S - 0.1  # not before
         assert metric(a, "kvsidecar_push_starts_total", BY_NOTIF) == starts + 1
         assert reader.slot.any(), "chunk 0 never reached the granted slot: the transfer did not run"
         rings_idle(a, timeout_s=5)  # its send slots are back long before the request's 60 s

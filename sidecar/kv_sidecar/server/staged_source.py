@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 # A reader whose notified transfer has not finished CALL_AFTER_S (5 ms) after its notification sends
 # the Push call, which then carries its liveness. A transfer its call has not joined this long after
 # it started has lost its reader (it died before the call went out): stop it, rather than hold send
-# slots until the request's timeout (30 s by default) waiting for credits that never come.
-ALONE_S = 1.0
+# slots until the request's timeout (30 s by default) waiting for credits that never come. A live
+# reader's call arrives within milliseconds; the rest is margin for a loaded machine.
+ALONE_S = 2.0
 
 
 class _Pump:
