@@ -281,14 +281,8 @@ def concurrent_round(rig: Rig, c: int, n_rounds: int) -> dict[str, Any]:
                 errors.append(str(e))
                 return
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+    t0, t1 = run_together(worker, c, start)
+    elapsed = t1 - t0
     if errors:
         return {"concurrency": c, "error": errors[0][:300]}
     return {
@@ -299,6 +293,19 @@ def concurrent_round(rig: Rig, c: int, n_rounds: int) -> dict[str, Any]:
         "wall": percentiles(walls),
         "verified": all(rig.same(src, dst) for src, dst in jobs),
     }
+
+
+def run_together(worker: Any, c: int, go: threading.Barrier) -> tuple[float, float]:
+    """Run worker(0..c-1) on threads of their own; each waits at `go` (c + 1 parties) once warmed up.
+    Returns the clock when all were past `go` and when the last one ended."""
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
+    for t in threads:
+        t.start()
+    go.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return start, time.perf_counter()
 
 
 def ceilings(rig: Rig, iters: int) -> dict[str, float]:

@@ -39,7 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import baseline  # noqa: E402
-from gpu_latency import MODEL  # noqa: E402
+from gpu_latency import MODEL, run_together  # noqa: E402
 from latency import SPEC  # noqa: E402
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
@@ -375,14 +375,7 @@ def run_phase(
                 with lock:
                     walls.append(time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
-    for t in threads:
-        t.start()
-    go.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    end = time.perf_counter()
+    start, end = run_together(worker, c, go)
     time.sleep(0.5)
     return c, start, end, walls
 
