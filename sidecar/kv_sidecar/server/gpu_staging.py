@@ -143,9 +143,9 @@ class GpuStaging:
     def run_source(self, fn: Callable[[], None]) -> None:
         """Run a source's transfer (its whole Push) on a kept thread: the NIXL thread that received its
         notification must not block on it. With every thread busy (most of them waiting for send
-        slots) it waits its turn in the pool's queue, as its call would wait for slots: dropping it
-        instead cost its reader CALL_AFTER_S, after which its call starts it. Only readers holding a
-        push key queue here, each at most as many transfers as its receive slots."""
+        slots) it waits its turn in the pool's queue, as its call would wait for slots; dropping it
+        would cost its reader CALL_AFTER_S, until its call started it. Only readers holding a push
+        key queue here, each at most as many transfers as it has receive slots."""
         with self._lock:
             if self._sources is None:
                 self._sources = ThreadPoolExecutor(
