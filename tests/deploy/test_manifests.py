@@ -65,6 +65,7 @@ CONFIG_PATH = "/etc/kv-sidecar/config.yaml"
 CONFIG_KEYS = {f.name for f in dataclasses.fields(Settings)}
 
 # Metric names the sidecar exports (kv_sidecar's metrics module); the dashboard may query nothing else.
+# tests/e2e/test_transfer.py checks this against what a running sidecar exports.
 COUNTERS = {
     "kvsidecar_pulls_total",
     "kvsidecar_pull_bytes_total",
@@ -72,6 +73,10 @@ COUNTERS = {
     "kvsidecar_lease_expiries_total",
     "kvsidecar_failures_total",
     "kvsidecar_ucx_emulation_detected_total",
+    "kvsidecar_push_starts_total",
+    "kvsidecar_push_calls_total",
+    "kvsidecar_peer_opens_total",
+    "kvsidecar_gpu_launches_total",
 }
 HISTOGRAMS = {
     "kvsidecar_pull_duration_seconds",
@@ -87,6 +92,9 @@ GAUGES = {
     "kvsidecar_inflight_transfers",
     "kvsidecar_published_requests",
     "kvsidecar_gpu_memory_bytes",
+    "kvsidecar_nixl_held",
+    "kvsidecar_nixl_release_failures",
+    "kvsidecar_engine_lane_connections",
 }
 METRICS = COUNTERS | HISTOGRAMS | GAUGES
 PATH_VALUES = {"host-direct", "host-nixl", "host-nixl-staged", "gpu-direct", "gpu-staged"}

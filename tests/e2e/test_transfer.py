@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -104,3 +106,10 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
     # Exposed before any GPU copy (zero here: no GPU), without importing Triton for a scrape.
     text = urllib.request.urlopen(f"http://127.0.0.1:{b.metrics_port}/metrics", timeout=5).read().decode()
     assert 'kvsidecar_gpu_launches_total{by="direct"} 0.0' in text, text[-2000:]
+    # Every metric family a sidecar exports has a place on the shipped dashboard.
+    exported = {
+        n for n in re.findall(r"^# TYPE (kvsidecar_\S+) ", text, re.MULTILINE) if not n.endswith("_created")
+    }
+    dashboard = (Path(__file__).resolve().parents[2] / "deploy/grafana/kv-sidecar-dashboard.json").read_text()
+    missing = sorted(n for n in exported if n not in dashboard)
+    assert len(exported) > 20 and not missing, f"not on deploy/grafana's dashboard: {missing}"
