@@ -12,10 +12,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 
+from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.lane import LANE_SUFFIX
 
 P = TypeVar("P", EngineProcess, SidecarProcess)
@@ -32,6 +38,26 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(
         list(a.stderr_tail) + list(b.stderr_tail)
     )
+
+
+def agent_handshake(
+    sc: SidecarProcess, agent: NixlDriver, engine: str, spec: EngineSpec, reader_engine: str = "forger-engine"
+) -> peer_pb2.HandshakeResponse:
+    """A Handshake with `sc` for `engine`, as a reader sidecar whose NIXL agent is the test's own
+    `agent` (an authenticated call: it gets the push key that agent's notifications must carry)."""
+    with grpc.insecure_channel(sc.peer_address) as ch:
+        return peer_pb2_grpc.PeerServiceStub(ch).Handshake(
+            peer_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION,
+                sidecar_id=agent.name,
+                agent_name=agent.name,
+                agent_metadata=agent.metadata(),
+                engine_id=engine,
+                reader_engine_id=reader_engine,
+                reader_spec=spec_to_proto(spec),
+            ),
+            timeout=30,
+        )
 
 
 def spec_dict(**over: object) -> dict[str, object]:

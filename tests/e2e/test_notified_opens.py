@@ -16,17 +16,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.server import notified_opens
 from kv_sidecar.server import staged_protocol as sp
-from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
-from .conftest import metric, spec_dict
+from .conftest import agent_handshake, metric, spec_dict
 
 _ids = itertools.count()
 OPENS = "kvsidecar_peer_opens_total"
@@ -91,24 +89,6 @@ def test_opens_go_as_notifications_once_a_pull_completed(pair: tuple[SidecarProc
         decode.stop()
 
 
-def _handshake(
-    sc: SidecarProcess, forger: NixlDriver, engine: str, spec: EngineSpec
-) -> peer_pb2.HandshakeResponse:
-    with grpc.insecure_channel(sc.peer_address) as ch:
-        return peer_pb2_grpc.PeerServiceStub(ch).Handshake(
-            peer_pb2.HandshakeRequest(
-                protocol_version=PROTOCOL_VERSION,
-                sidecar_id="open-forger",
-                agent_name="open-forger",
-                agent_metadata=forger.metadata(),
-                engine_id=engine,
-                reader_engine_id="forger-engine",
-                reader_spec=spec_to_proto(spec),
-            ),
-            timeout=30,
-        )
-
-
 def test_the_source_answers_signed_opens_and_drops_the_rest(
     pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:
@@ -123,7 +103,7 @@ def test_the_source_answers_signed_opens_and_drops_the_rest(
     forger.start()
     try:
         rid, _ = _publish(prefill, [4, 5], 20)
-        hs = _handshake(a, forger, "forged-np", spec)
+        hs = agent_handshake(a, forger, "forged-np", spec)
         assert len(hs.push_key) == KEY_BYTES
         forger.add_remote(hs.agent_metadata, hs.agent_name)
 

@@ -26,7 +26,6 @@ import grpc
 import pytest
 import torch
 
-from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
@@ -40,7 +39,7 @@ from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import Spawn, spec_dict
+from .conftest import Spawn, agent_handshake, spec_dict
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
@@ -243,19 +242,7 @@ def test_a_push_notification_without_the_key_starts_nothing(
             {"cmd": "prefill", "request_id": "f", "block_ids": [1, 2], "num_tokens": 20, "seed": 1}
         )
         assert pub["ok"], pub
-        with grpc.insecure_channel(a.peer_address) as ch:
-            hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
-                peer_pb2.HandshakeRequest(
-                    protocol_version=PROTOCOL_VERSION,
-                    sidecar_id="forger",
-                    agent_name="forger",
-                    agent_metadata=forger.metadata(),
-                    engine_id="forged-p",
-                    reader_engine_id="forger-engine",
-                    reader_spec=spec_to_proto(spec),
-                ),
-                timeout=30,
-            )
+        hs = agent_handshake(a, forger, "forged-p", spec)
         # Its handshake gave the forger a key of its own (an authenticated call): the forgeries below
         # carry other keys.
         assert len(hs.push_key) == KEY_BYTES
@@ -338,19 +325,7 @@ class _GoneReader:
         self.driver.start()
         self.slot = torch.zeros(SLOT, dtype=torch.uint8)  # chunk 0 of a transfer lands here
         self.ring_key = self.driver.register([(self.slot.data_ptr(), SLOT, 0)], mem_type="DRAM")
-        with grpc.insecure_channel(source.peer_address) as ch:
-            self.hs = peer_pb2_grpc.PeerServiceStub(ch).Handshake(
-                peer_pb2.HandshakeRequest(
-                    protocol_version=PROTOCOL_VERSION,
-                    sidecar_id="gone-reader",
-                    agent_name="gone-reader",
-                    agent_metadata=self.driver.metadata(),
-                    engine_id=engine_id,
-                    reader_engine_id="gone-engine",
-                    reader_spec=spec_to_proto(spec),
-                ),
-                timeout=30,
-            )
+        self.hs = agent_handshake(source, self.driver, engine_id, spec, reader_engine="gone-engine")
         self.driver.add_remote(self.hs.agent_metadata, self.hs.agent_name)
 
     def push(self, request_id: str, transfer_id: str) -> None:
