@@ -64,6 +64,18 @@ def main() -> int:
     ap.add_argument("--local", action="store_true", help="one sidecar per tree: gpu-direct / host-direct")
     ap.add_argument("--blocks", default="1,16,256", help="blocks per pull, comma-separated")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=0.001,
+        help="seconds to sleep after each pull, so each tree's sidecars idle at least this long between "
+        "their pulls (a sidecar quiet for a second polls less often)",
+    )
+    ap.add_argument(
+        "--host-nixl",
+        action="store_true",
+        help="without --gpu or --local: plain NIXL READs (path host-nixl) instead of the staged ring",
+    )
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument(
         "--ring-bytes", type=int, default=0, help="gpu_staging_bytes (0: 8 MiB host, default GPU)"
@@ -77,8 +89,8 @@ def main() -> int:
     if args.local:  # one sidecar: no ring, no host transfer setting in play
         path, extra = ("gpu-direct" if args.gpu else "host-direct"), []
     else:
-        path = "gpu-staged" if args.gpu else "host-ring"
-        extra = [] if args.gpu else ["--host-transfer", "ring"]
+        path = "gpu-staged" if args.gpu else "host-nixl" if args.host_nixl else "host-ring"
+        extra = ["--host-transfer", "ring"] if path == "host-ring" else []
         extra += ["--gpu-staging-bytes", str(ring_bytes)] if ring_bytes else []
         extra += ["--gpu-staging-slots", str(args.slots)] if args.slots else []
     trees: dict[str, str | None] = {"new": None}
@@ -144,7 +156,7 @@ def main() -> int:
                     if i >= args.warmup:
                         results[(k, n)]["wall"].append(wall)
                         results[(k, n)]["side"].append(res.duration_s)
-                    time.sleep(0.001)
+                    time.sleep(args.idle)
             same = all(
                 torch.equal(p[:, src].view(torch.int16), d[:, dst].to(p.device).view(torch.int16))
                 for p, d in zip(pcache.tensors, dcache.tensors, strict=True)
@@ -161,8 +173,9 @@ def main() -> int:
     ref = args.baseline_tree or (baseline.describe(args.baseline) if args.baseline else "")
     print(
         f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
-        f"{'one sidecar' if args.local else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
+        f"{'one sidecar' if args.local else 'two sidecars' if args.host_nixl else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
         f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} pulls per row, "
+        f"{args.idle:g} s idle after each, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
     )
     print("| blocks | tree | engine wall p50 ms | p90 ms | sidecar p50 ms | sidecar p90 ms |")
