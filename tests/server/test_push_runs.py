@@ -113,6 +113,28 @@ def test_recent_follows_the_last_push() -> None:
     assert runs.recent()
 
 
+def test_pushes_becoming_recent_wake_the_poll_loop_once() -> None:
+    """The NIXL loop of a sidecar quiet for a second sleeps 50 ms between polls; a Push notification
+    or an open due now would wait that long (a reader calls after 2 to 5 ms instead). Each time Pushes
+    become recent the loop is woken, once: while they stay recent it already polls every 0.1 ms."""
+    clock = Clock()
+    wakes: list[float] = []
+    runs = PushRuns(clock=clock, on_recent=lambda: wakes.append(clock.now))
+    runs.touch()  # a publish while readers are about
+    runs.touch()
+    clock.now += 0.5
+    runs.reader_seen()
+    runs.start_by_notif("a")
+    assert wakes == [100.0]
+    clock.now += 2  # quiet again
+    runs.reader_seen()  # a handshake
+    clock.now += 2
+    runs.claim_by_call("b")
+    clock.now += 0.9
+    runs.touch()
+    assert wakes == [100.0, 102.5, 104.5]
+
+
 def test_readers_lately_follows_readers_not_publishes() -> None:
     """A publish (touch) polls faster but is no sign of a staged reader; a Push or a handshake is, for
     READERS_S: only then does a publish get ready for one (GpuStaging.expect_read)."""

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How long a reader waits for the answer before it makes the call too. A source polls for notifications
-# every 0.1 ms while readers are recent (server/push_runs.py), and every 50 ms when idle for a while.
+# every 0.1 ms while readers are recent (server/push_runs.py), and every 50 ms when idle for a while;
+# the Publish before a pull wakes it (PushRuns' on_recent).
 ANSWER_WAIT_S = 0.002
 MISSES_TO_BACK_OFF = 3
 BACKOFF_S = 30.0  # then opens to that source go by call only, this long
@@ -110,10 +111,13 @@ class NotifiedOpen:
     def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
         """The first answer: the notification's, or, where none came within ANSWER_WAIT_S, that of the
         OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
+        future: grpc.Future | None = None
         try:
             try:
                 got = self._answers.get(timeout=max(0.0, min(ANSWER_WAIT_S, deadline - time.monotonic())))
             except queue.Empty:
+                # Counted whichever answer comes first: the call's round trip is already paid.
+                self._sc.metrics.opens.labels("call_after_notification").inc()
                 future = call()
                 future.add_done_callback(self._answers.put)
                 got = self._answers.get()  # the call ends by its deadline
@@ -128,16 +132,16 @@ class NotifiedOpen:
         reply = parse_reply(self.reply_id, got)
         if reply is None:
             raise SidecarError(Code.INTERNAL, f"peer sidecar {self._holder.address} sent a malformed answer")
+        if future is None:
+            self._sc.metrics.opens.labels("notification").inc()
         if reply.code != Code.OK.value[0]:
             code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
             raise peer_error(code, reply.message, self._holder.address, self._what)
-        self._sc.metrics.opens.labels("notification").inc()
         return reply.response
 
     def _missed(self) -> None:
         """The call answered first. Once is a slow poll (a source idle for a while polls every 50 ms);
         MISSES_TO_BACK_OFF times in a row, the notifications are not getting through."""
-        self._sc.metrics.opens.labels("call_after_notification").inc()
         link = self._link
         link.open_misses += 1
         if link.open_misses >= MISSES_TO_BACK_OFF:

@@ -141,6 +141,7 @@ class PushRuns:
         remember_s: float = REMEMBER_S,
         max_remembered: int = MAX_REMEMBERED,
         clock: Callable[[], float] = time.monotonic,
+        on_recent: Callable[[], None] | None = None,
     ) -> None:
         self._remember_s = remember_s
         self._max = max_remembered
@@ -150,6 +151,9 @@ class PushRuns:
         self._forget: deque[tuple[float, str, Any]] = deque()  # (when, id, entry), oldest first
         self.last_push = float("-inf")
         self.last_reader = float("-inf")
+        # Called when Pushes become recent after a quiet spell: the NIXL loop, then in a long idle wait
+        # (50 ms once quiet for a second), would hear the coming notification only at its next poll.
+        self._on_recent = on_recent
 
     def start_by_notif(self, transfer_id: str) -> PushRun | None:
         """A new run for the notification's transfer, or None: its call came first, or it came before."""
@@ -191,11 +195,19 @@ class PushRuns:
 
     def touch(self) -> None:
         """A Push is due soon: a request was published while `readers_lately`."""
-        self.last_push = self._clock()
+        self._pushed(self._clock())
 
     def reader_seen(self) -> None:
         """A reader handshook, or sent a Push call without a notification: it may push soon, and again."""
-        self.last_push = self.last_reader = self._clock()
+        now = self._clock()
+        self.last_reader = now
+        self._pushed(now)
+
+    def _pushed(self, now: float) -> None:
+        was_recent = now - self.last_push < RECENT_S
+        self.last_push = now
+        if not was_recent and self._on_recent is not None:
+            self._on_recent()
 
     def readers_lately(self) -> bool:
         """A reader pushed or handshook in the last READERS_S."""

@@ -65,8 +65,9 @@ class Sidecar:
         self.started_at = time.monotonic()
         # Staged Pushes that readers also send as NIXL notifications (server/push_runs.py).
         self.push_keys = PushKeys()
-        self.push_runs = PushRuns()
-        recent = self.push_runs.recent if settings.push_notifications else (lambda: False)
+        notified = settings.push_notifications
+        self.push_runs = PushRuns(on_recent=(lambda: self.nixl.wake()) if notified else None)
+        recent = self.push_runs.recent if notified else (lambda: False)
         self.nixl = NixlDriver(
             self.sidecar_id,
             on_notif=self._on_notif,
