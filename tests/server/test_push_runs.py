@@ -11,10 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_sidecar.config import Settings
+from kv_sidecar.server import notified_opens
 from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.peers import Holder
 from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
 from kv_sidecar.server.sidecar import Sidecar
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 
 class Clock:
@@ -239,3 +242,31 @@ def test_a_publish_gets_ready_for_a_push_only_while_readers_are_about(notificati
     clock.now += READERS_S  # the readers went quiet
     sc.gpu_staging.expect_read(item, [])
     assert not sc.push_runs.recent()
+
+
+def test_a_reader_notifies_only_a_source_that_still_expects_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source gets ready for notifications (polls for them) only for READERS_S after it last heard
+    from a reader; past that a notification would wait 2 or 5 ms for a call that then goes anyway. So a
+    reader that has not read from a source for READERS_S less 10 s opens (and pushes) by call at once."""
+    clock = Clock()
+    monkeypatch.setattr("kv_sidecar.server.peers.time.monotonic", clock)
+    monkeypatch.setattr("kv_sidecar.server.notified_opens.time.monotonic", clock)
+    sc = Sidecar(Settings())
+    holder = Holder("src", "127.0.0.1:1", "src-agent")
+    link = sc.peers.link(holder.address)
+    link.push_key, link.reads_done = b"k" * KEY_BYTES, True
+    assert not link.read_lately()  # never read from it
+    assert notified_opens.send(sc, holder, peer_pb2.OpenReadRequest()) is None
+    link.last_read = clock.now
+    clock.now += READERS_S - 11
+    assert link.read_lately()
+    sc.nixl.start()
+    try:
+        sent = notified_opens.send(sc, holder, peer_pb2.OpenReadRequest())
+        assert sent is not None  # sent (to an agent NIXL does not know: the call would answer)
+        sent.abandon()
+    finally:
+        sc.nixl.stop()
+    clock.now += 2
+    assert not link.read_lately()
+    assert notified_opens.send(sc, holder, peer_pb2.OpenReadRequest()) is None

@@ -167,6 +167,11 @@ def send(sc: Sidecar, holder: Holder, msg: peer_pb2.OpenReadRequest) -> Notified
         return None
     link = sc.peers.link(holder.address)
     key = link.push_key
-    if not key or not link.reads_done or time.monotonic() < link.notified_opens_from:
+    if (
+        not key
+        or not link.reads_done
+        or not link.read_lately()
+        or time.monotonic() < link.notified_opens_from
+    ):
         return None
     return NotifiedOpen(sc, holder, link, key, msg)

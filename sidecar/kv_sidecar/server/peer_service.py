@@ -91,6 +91,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def OpenRead(
         self, request: peer_pb2.OpenReadRequest, context: grpc.ServicerContext
     ) -> peer_pb2.OpenReadResponse:
+        self._sc.push_runs.reader_seen()  # its next opens may come as notifications: poll for them
         return open_read(self._sc, request, context.peer())
 
     @rpc

@@ -592,7 +592,9 @@ class Puller:
                     holder.agent_name,
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
-                sc.peers.link(holder.address).reads_done = True  # later opens may go as notifications
+                link = sc.peers.link(holder.address)
+                link.reads_done = True  # later opens may go as notifications
+                link.last_read = time.monotonic()
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:

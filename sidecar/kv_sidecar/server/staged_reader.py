@@ -213,8 +213,9 @@ def read_staged(
     try:
         with entry.gpu.in_use() if entry.gpu is not None else contextlib.nullcontext():
             try:
-                # Once: another pull's answer may replace it meanwhile. None until the link is wired.
-                key = link.push_key if link.wired else b""
+                # Once: another pull's answer may replace it meanwhile. None until the link is wired, nor
+                # for a source that no longer expects us (it would see the notification only 50 ms on).
+                key = link.push_key if link.wired and link.read_lately() else b""
                 req = peer_pb2.PushRequest(
                     engine_id=job.params.engine_id,
                     request_id=job.params.request_id,
@@ -277,6 +278,7 @@ def read_staged(
                 nbytes = _receive(job, state, copies, credits, ring, slots, inbox, push, agent, address)
                 copies.synchronize()  # every byte is in the engine's blocks before we answer
                 done = link.wired = True
+                link.last_read = time.monotonic()
                 return nbytes
             except sp.ProtocolError as e:
                 sc.metrics.failures.labels("staged_protocol").inc()
