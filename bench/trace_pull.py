@@ -13,6 +13,7 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py --gpu                  # other sidecar, gpu-staged, 2 MiB model blocks
     python bench/trace_pull.py --gpu --local          # same sidecar, gpu-direct (GPU0 -> GPU1 where there are 2)
     python bench/trace_pull.py --gpu --blocks 32 --concurrent 4   # one pull at a time, then 4 at once
+    python bench/trace_pull.py --idle 1.5 --iters 40  # each pull after a quiet spell (default 2 ms)
 
 --concurrent C: spans overlap between pulls in flight together, so instead of placing them on a
 pull the table compares each span's median duration, one pull at a time against C at a time.
@@ -251,6 +252,9 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="32 KiB blocks instead of 256 KiB")
     ap.add_argument("--ring-bytes", type=int, default=64 << 20, help="--ring: gpu_staging_bytes (host rings)")
     ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
+    ap.add_argument(
+        "--idle", type=float, default=0.002, help="seconds between pulls (1.5: each after a quiet second)"
+    )
     args = ap.parse_args()
     extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
     spans_of = {
@@ -298,7 +302,7 @@ def main() -> int:
             assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
             if i >= 20:
                 calls.append((t0, t1))
-            time.sleep(0.002)  # keep pulls apart, so late spans (notifications) stay on their pull
+            time.sleep(args.idle)  # keep pulls apart, so late spans (notifications) stay on their pull
         spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
     finally:
         for c in caches:
@@ -307,7 +311,8 @@ def main() -> int:
         b.stop()
     print(
         f"{'gpu-direct' if args.gpu and args.local else 'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
-        f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms (load {os.getloadavg()[0]:.1f})"
+        f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms, {args.idle:g} s apart "
+        f"(load {os.getloadavg()[0]:.1f})"
     )
     print(
         "| side | span | thread | n/pull | start ms | end ms | duration ms | busy ms |\n"
