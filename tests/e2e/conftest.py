@@ -40,6 +40,51 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     )
 
 
+_quiet_ids = iter(range(10**6))
+
+
+def pulls_after_quiet_spells(
+    prefill: SidecarProcess, decode: SidecarProcess, path: str, count: Callable[[], float], pulls: int = 10
+) -> list[float]:
+    """One-block pulls from `prefill` into `decode`, all but the first two after 1.3 s of quiet (past
+    the second in which both sidecars poll fast after a pull); how much `count()` grew over each.
+
+    The engines are this process's clients, which wait while the sidecars work: engine processes busy
+    beside them on 2 cores stall a sidecar's threads for a scheduler slice (~3 ms) now and then, which
+    is not what these tests are about. Every pull is checked: its blocks arrive, no other block changes."""
+    import torch
+
+    from kv_sidecar_client.shm import ShmKVCache
+
+    spec = EngineSpec.from_dict(spec_dict())
+    n = next(_quiet_ids)
+    src, dst = (ShmKVCache(spec.rank_tensor_shapes(), torch.float16) for _ in range(2))
+    for t in src.tensors:
+        t.copy_(torch.randn_like(t))
+    grew = []
+    try:
+        with SidecarClient(prefill.socket) as pc, SidecarClient(decode.socket) as dc:
+            pc.register_rank(f"quiet-p{n}", 0, spec.to_dict(), src.handles())
+            dc.register_rank(f"quiet-d{n}", 0, spec.to_dict(), dst.handles())
+            for i in range(pulls):
+                if i >= 2:  # two pulls first: the first opens (or pushes) by call
+                    time.sleep(1.3)
+                before = count()
+                params = pc.publish(f"quiet-p{n}", f"q{i}", [3 + i], spec.block_size)
+                res = dc.pull(params, f"quiet-d{n}", [40 + i])
+                assert res.ok and res.path == path, res
+                grew.append(count() - before)
+            pc.unregister_rank(f"quiet-p{n}", 0)
+            dc.unregister_rank(f"quiet-d{n}", 0)
+        for s, d in zip(src.tensors, dst.tensors, strict=True):  # [K/V, block, token, head, dim] per layer
+            assert torch.equal(d[:, 40 : 40 + pulls], s[:, 3 : 3 + pulls])
+            assert not d[:, :40].any() and not d[:, 40 + pulls :].any()
+    finally:
+        src.close()
+        dst.close()
+    return grew
+
+
 def agent_handshake(
     sc: SidecarProcess, agent: NixlDriver, engine: str, spec: EngineSpec, reader_engine: str = "forger-engine"
 ) -> peer_pb2.HandshakeResponse:

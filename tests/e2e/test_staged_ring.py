@@ -39,7 +39,7 @@ from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import Spawn, agent_handshake, spec_dict
+from .conftest import Spawn, agent_handshake, pulls_after_quiet_spells, spec_dict
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
@@ -232,35 +232,11 @@ def test_a_push_after_a_quiet_spell_starts_from_its_notification(
 ) -> None:
     """A source quiet for a second polls NIXL every 50 ms; the Publish before a pull wakes it, so the
     Push notification still starts the transfer. Without the wake-up the reader's call, 5 ms on, started
-    nearly every one (a pull after each quiet spell then paid ~1.5 ms more: docs/benchmarks.md). The
-    engines are this process's clients, which wait while the sidecars work (as in test_notified_opens)."""
+    nearly every one (a pull after each quiet spell then paid ~1.5 ms more: docs/benchmarks.md)."""
     a, b = ring_pair
-    spec = EngineSpec.from_dict(spec_dict())
-    src, dst = (ShmKVCache(spec.rank_tensor_shapes(), torch.float16) for _ in range(2))
-    for t in src.tensors:
-        t.copy_(torch.randn_like(t))
-    n = next(_ids)
-    started = []
-    try:
-        with SidecarClient(a.socket) as prefill, SidecarClient(b.socket) as decode:
-            prefill.register_rank(f"qp-{n}", 0, spec.to_dict(), src.handles())
-            decode.register_rank(f"qd-{n}", 0, spec.to_dict(), dst.handles())
-            for i in range(10):
-                if i >= 2:  # two pulls first: the first Push of a pair goes by call
-                    time.sleep(1.3)  # past the second in which both sidecars poll fast after a pull
-                before = metric(a, "kvsidecar_push_starts_total", BY_NOTIF)
-                params = prefill.publish(f"qp-{n}", f"q{i}", [3 + i], 16)
-                res = decode.pull(params, f"qd-{n}", [40 + i])
-                assert res.ok and res.path == "host-ring", res
-                started.append(metric(a, "kvsidecar_push_starts_total", BY_NOTIF) - before)
-            prefill.unregister_rank(f"qp-{n}", 0)
-            decode.unregister_rank(f"qd-{n}", 0)
-        for s, d in zip(src.tensors, dst.tensors, strict=True):  # [K/V, block, token, head, dim] per layer
-            assert torch.equal(d[:, 40:50], s[:, 3:13])
-            assert not d[:, :40].any() and not d[:, 50:].any()
-    finally:
-        src.close()
-        dst.close()
+    started = pulls_after_quiet_spells(
+        a, b, "host-ring", lambda: metric(a, "kvsidecar_push_starts_total", BY_NOTIF)
+    )
     # 8 of 8 in each run here on 2 cores; 0 of 8 without the wake-up.
     assert sum(started[2:]) >= 6, started
     rings_idle(a, b)
