@@ -35,7 +35,7 @@ KEY_BYTES = 16
 REMEMBER_S = 60.0
 MAX_REMEMBERED = 100_000  # past this, the oldest ended entries are forgotten early (memory bound)
 RECENT_S = 1.0  # after a Push, poll for notifications at the serving rate this long
-# Readers that pushed or handshook this recently may push again: a publish then gets ready for them.
+# Readers that pushed, opened or handshook this recently may again: a publish then gets ready for them.
 # Past it, a sidecar serving only same-node (gpu-direct) readers does no such work per publish.
 READERS_S = 60.0
 
@@ -198,7 +198,8 @@ class PushRuns:
         self._pushed(self._clock())
 
     def reader_seen(self) -> None:
-        """A reader handshook, or sent a Push call without a notification: it may push soon, and again."""
+        """A reader handshook, or sent a Push or an OpenRead (call or notification): it may push or open
+        soon, and again."""
         now = self._clock()
         self.last_reader = now
         self._pushed(now)
@@ -210,7 +211,7 @@ class PushRuns:
             self._on_recent()
 
     def readers_lately(self) -> bool:
-        """A reader pushed or handshook in the last READERS_S."""
+        """A reader pushed, opened or handshook in the last READERS_S."""
         return self._clock() - self.last_reader < READERS_S
 
     def recent(self) -> bool:
