@@ -12,6 +12,8 @@ on both alike.
     python bench/ring_latency.py --baseline main --blocks 1 --iters 300 --ring-bytes 8388608
     python bench/ring_latency.py --gpu --baseline-tree DIR    # gpu-staged, 2 MiB model blocks
     python bench/ring_latency.py --gpu --local --baseline-tree DIR   # gpu-direct: one sidecar per tree
+    python bench/ring_latency.py --host-nixl --idle 1.5 --baseline HEAD~1 --blocks 1 --iters 20
+                                                   # plain READs, each pull after a quiet second
 
 --gpu: the engines' caches on GPUs (decode on cuda:1 where there is one, else on
 cuda:0 with the prefill), the rings at their default size, path gpu-staged.
@@ -173,7 +175,7 @@ def main() -> int:
     ref = args.baseline_tree or (baseline.describe(args.baseline) if args.baseline else "")
     print(
         f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
-        f"{'one sidecar' if args.local else 'two sidecars' if args.host_nixl else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
+        f"{'one sidecar' if args.local else 'two sidecars' if path == 'host-nixl' else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
         f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} pulls per row, "
         f"{args.idle:g} s idle after each, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
