@@ -91,7 +91,8 @@ class Metrics:
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",
-            "GPU READs that failed in UCX while TCP emulation is disabled (the likely cause: no native VRAM path)",
+            "Transfers UCX could not do natively while TCP emulation is disabled: failed VRAM WRITEs (source), "
+            "host pulls whose peer answers but whose READs cannot start (reader)",
             registry=r,
         )
         # What the NIXL agent holds; bound to the driver by bind_nixl (flat under steady load).

@@ -59,6 +59,7 @@ from kv_sidecar.server.routing import (
     holders_needed,
     open_read_request,
 )
+from kv_sidecar.transport.nixl_driver import AgentDisconnected, ucx_emulation_disabled
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -69,6 +70,27 @@ log = logging.getLogger(__name__)
 
 class _Retry(Exception):
     """The first attempt of a remote pull met a stale handshake; try once more."""
+
+
+def _agent_lost(e: BaseException | None) -> bool:
+    """Whether NIXL's "agent disconnected" at the start of a READ is among the causes of `e`."""
+    while e is not None:
+        if isinstance(e, AgentDisconnected):
+            return True
+        e = e.__cause__
+    return False
+
+
+def _no_native_path(address: str) -> SidecarError:
+    return SidecarError(
+        Code.FAILED_PRECONDITION,
+        f"peer sidecar {address} answers, but NIXL cannot READ from it: its agent shows as disconnected "
+        "at every READ, which is what UCX does when no transport reaches the peer's memory without "
+        "emulation (UCX_PROTO_EMULATION_ENABLE=n, the sidecar's default), e.g. two nodes with only TCP "
+        "between them. Give the pods RDMA (deploy/k8s/components/rdma), or set "
+        "UCX_PROTO_EMULATION_ENABLE=y in the sidecars' environment to move host memory over TCP "
+        "(docs/operations.md, 5.9)",
+    )
 
 
 @dataclass
@@ -404,8 +426,15 @@ class Puller:
         """
         try:
             return self._pull_remote(req, local, cancel, deadline, after, may_retry=True)
-        except _Retry:
-            return self._pull_remote(req, local, cancel, deadline, after, may_retry=False)
+        except _Retry as first:
+            try:
+                return self._pull_remote(req, local, cancel, deadline, after, may_retry=False)
+            except SidecarError as again:
+                # The peer answered a new handshake, yet its agent is "disconnected" again at the READ.
+                if _agent_lost(first) and _agent_lost(again) and ucx_emulation_disabled():
+                    self._sc.metrics.ucx_emulation.inc()
+                    raise _no_native_path(req.params.sidecar_address) from again
+                raise
 
     def _pull_remote(
         self,
@@ -613,7 +642,8 @@ class Puller:
             except FutureTimeout:
                 continue
             except Exception as e:
-                raise SidecarError(Code.UNAVAILABLE, f"transfer from peer failed: {e}") from None
+                # The cause stays attached: _pull_remote_fresh tells a lost agent from a missing UCX path.
+                raise SidecarError(Code.UNAVAILABLE, f"transfer from peer failed: {e}") from e
 
     def _local_dlist(self, entry: RankEntry) -> int:
         with self._dlist_lock:

@@ -44,6 +44,22 @@ class TransferError(RuntimeError):
     pass
 
 
+class AgentDisconnected(TransferError):
+    """NIXL found the peer's agent disconnected as the transfer started: the peer is gone, or UCX has no
+    transport that reaches its memory (with emulation off, two nodes with only TCP between them)."""
+
+
+def ucx_emulation_disabled() -> bool:
+    """Whether UCX may not emulate RMA over active messages (import_nixl's default)."""
+    return os.environ.get("UCX_PROTO_EMULATION_ENABLE", "").strip().lower() in (
+        "n",
+        "no",
+        "off",
+        "0",
+        "false",
+    )
+
+
 class _Released:
     """Stands in for a transfer handle NIXL already released."""
 
@@ -113,6 +129,7 @@ class NixlDriver:
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._ready: Future[None] = Future()
         self._agent: Any = None
+        self._disconnected: type[Exception] | tuple[()] = ()  # NIXL's error for it, once loaded
         self._registrations: dict[int, Any] = {}
         self._next_reg = 0
         self._remotes: set[str] = set()
@@ -149,6 +166,7 @@ class NixlDriver:
         try:
             api = import_nixl()
             self._api = api
+            self._disconnected = getattr(getattr(api, "nixlBind", None), "nixlRemoteDisconnectError", ())
             # No NIXL progress thread: it busy-polls a core even when idle, and this
             # thread already drives progress (it spins while transfers are in flight).
             config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -579,7 +597,8 @@ class NixlDriver:
             try:
                 fn(a)
             except Exception as e:
-                done.set_exception(TransferError(f"could not start NIXL transfer: {e}"))
+                kind = AgentDisconnected if isinstance(e, self._disconnected) else TransferError
+                done.set_exception(kind(f"could not start NIXL transfer: {e}"))
 
         self._queue.put((run, carrier))
 
