@@ -49,15 +49,12 @@ class AgentDisconnected(TransferError):
     transport that reaches its memory (with emulation off, two nodes with only TCP between them)."""
 
 
+_UCX_NO = frozenset({"n", "no", "off", "0", "false"})  # how UCX's boolean settings say "no"
+
+
 def ucx_emulation_disabled() -> bool:
     """Whether UCX may not emulate RMA over active messages (import_nixl's default)."""
-    return os.environ.get("UCX_PROTO_EMULATION_ENABLE", "").strip().lower() in (
-        "n",
-        "no",
-        "off",
-        "0",
-        "false",
-    )
+    return os.environ.get("UCX_PROTO_EMULATION_ENABLE", "").strip().lower() in _UCX_NO
 
 
 class _Released:
