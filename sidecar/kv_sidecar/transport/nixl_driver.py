@@ -26,10 +26,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# import_nixl sets it to "n" where the environment does not set it.
+UCX_EMULATION = "UCX_PROTO_EMULATION_ENABLE"
+
+
 def import_nixl() -> Any:
     """The NIXL python API, from the `nixl` meta-package or a CUDA-specific wheel."""
     # Make UCX fail loudly instead of silently emulating over TCP (DESIGN.md section 1).
-    os.environ.setdefault("UCX_PROTO_EMULATION_ENABLE", "n")
+    os.environ.setdefault(UCX_EMULATION, "n")
     try:
         from nixl import _api
     except ImportError:
@@ -54,7 +58,7 @@ _UCX_NO = frozenset({"n", "no", "off", "0", "false"})  # how UCX's boolean setti
 
 def ucx_emulation_disabled() -> bool:
     """Whether UCX may not emulate RMA over active messages (import_nixl's default)."""
-    return os.environ.get("UCX_PROTO_EMULATION_ENABLE", "").strip().lower() in _UCX_NO
+    return os.environ.get(UCX_EMULATION, "").strip().lower() in _UCX_NO
 
 
 class _Released:
