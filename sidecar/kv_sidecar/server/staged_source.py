@@ -41,6 +41,7 @@ from kv_sidecar.server.staged_copies import (
     read_heads,
     route,
 )
+from kv_sidecar.transport.nixl_driver import ucx_emulation_disabled
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 if TYPE_CHECKING:
@@ -125,9 +126,10 @@ class _Pump:
     def _write_error(self, e: BaseException) -> SidecarError:
         if isinstance(e, SidecarError):
             return e
-        if self.ring.mem_type == "VRAM":
+        if self.ring.mem_type == "VRAM" and ucx_emulation_disabled():
             # With UCX_PROTO_EMULATION_ENABLE=n a VRAM WRITE UCX cannot do natively fails here
-            # instead of crawling over TCP; we cannot tell that from other causes.
+            # instead of crawling over TCP; we cannot tell that from other causes. With emulation
+            # allowed such a WRITE crawls instead of failing, so a failure there is something else.
             self.sc.metrics.ucx_emulation.inc()
             log.error(
                 "GPU WRITE to %s failed: if UCX has no native path for VRAM here (cuda_ipc on a node, "
