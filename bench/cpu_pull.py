@@ -7,6 +7,14 @@ two buffers of this process, in the same run: the ceiling.
 
     python bench/cpu_pull.py            # full table, writes docs/benchmarks.md
     python bench/cpu_pull.py --quick    # small sizes only, prints the table
+    python bench/cpu_pull.py --tcp      # UCX over TCP only: emulated READs against host rings
+
+With --tcp every sidecar's UCX may use only TCP (UCX_TLS=tcp), as between two
+nodes without RDMA, where UCX has no native remote read: one pair READs with
+emulation allowed (UCX_PROTO_EMULATION_ENABLE=y), the other keeps the default
+(emulation off) and pulls through host rings (`host_transfer: ring`: the
+source WRITEs, which TCP does natively), pulls alternating
+(docs/operations.md, 5.9).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ BASE: dict[str, Any] = {
     "tp_size": 1,
 }
 TOKEN_BYTES = 8 * 128 * 2
+TCP_ONLY = {"UCX_TLS": "tcp"}
 NOTES = (
     "\nReading the table: small requests are latency-bound (a pull costs a few milliseconds whatever "
     "its size: two gRPC hops, OpenRead on the prefill sidecar, the completion notification). Large "
@@ -51,6 +60,19 @@ NOTES = (
     "segments (per-descriptor cost). The host-nixl-staged rows are bounded by the CPU conversion (torch "
     "advanced indexing on 2 cores), not by the wire. On a 2-core machine the NIXL driver thread, UCX and "
     "the engine processes share the cores; the GPU paths (docs/gpu.md) are the production data plane.\n"
+)
+
+TCP_NOTES = (
+    "\nBoth pairs of sidecars run with UCX_TLS=tcp, as two nodes without RDMA (here over loopback, on the "
+    "same 2 cores). UCX has no native remote read over TCP: 'emulated READ' allows it to emulate one with "
+    "messages (UCX_PROTO_EMULATION_ENABLE=y); 'host ring' keeps the sidecar's default (emulation off) and "
+    "sets `host_transfer: ring` on the decode sidecar, so the source WRITEs each chunk into the reader's "
+    "host ring, which TCP does natively. Both move every byte; emulated READs are the faster of the two "
+    "here, host rings need no change to UCX's settings. Host rings copy each chunk into and out of the "
+    "ring with the host executor's per-token indexing, on top of the wire (docs/operations.md, 5.9): in a py-spy profile "
+    "of 16 MiB host-ring pulls (64 KiB segments, 95 ms p50, 2026-11-25) each side's copy took ~13 ms and the "
+    "source's WRITE post ~11 ms of each pull; the rest was waiting between those steps (not profiled further). "
+    "Neither is the data plane a deployment should run on: that is RDMA between nodes.\n"
 )
 
 
@@ -162,6 +184,11 @@ def main() -> int:
     ap.add_argument(
         "--max-mib", type=int, default=1024, help="largest request to run (and the hetero rows' size)"
     )
+    ap.add_argument(
+        "--tcp",
+        action="store_true",
+        help="UCX over TCP only: emulated READs side by side with host rings (writes its own section)",
+    )
     args = ap.parse_args()
     sizes = [MiB, 16 * MiB] if args.quick else [MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
     sizes = [s for s in sizes if s <= args.max_mib * MiB]
@@ -180,23 +207,29 @@ def main() -> int:
             ("NHD->HND", {}, {"layout": "flash_attn_hnd"}, hetero_size, 64 * 1024),
         ]
     )
-    trees = [("this tree", None)]
-    if args.baseline:
-        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline))))
     staging = ["--staging-bytes", str(512 * MiB)]
+    # (label, environment, the decode sidecar's extra arguments), one pair of sidecars each.
+    trees: list[tuple[str, dict[str, str], list[str]]] = [("this tree", {}, [])]
+    if args.tcp:
+        trees = [
+            ("this tree, emulated READ", {**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}, []),
+            ("this tree, host ring", TCP_ONLY, ["--host-transfer", "ring"]),
+        ]
+    if args.baseline:
+        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), []))
     pairs = [
         (
             SidecarProcess(f"bench-prefill-{k}", extra=staging, env=env),
-            SidecarProcess(f"bench-decode-{k}", extra=staging, env=env),
+            SidecarProcess(f"bench-decode-{k}", extra=staging + decode_extra, env=env),
         )
-        for k, (_, env) in enumerate(trees)
+        for k, (_, env, decode_extra) in enumerate(trees)
     ]
     rows = []
     try:
         for label, pover, dover, size, seg in cases:
             got = run_case(pairs, label, pover, dover, size, seg, args.iters)
             memcpy = memcpy_gbps(got[0]["bytes"], max(args.iters, 20))
-            for (tree, _), row in zip(trees, got, strict=True):
+            for (tree, _, _), row in zip(trees, got, strict=True):
                 row["tree"], row["memcpy_gbps"] = tree, memcpy
                 rows.append(row)
                 print(
@@ -231,11 +264,15 @@ def main() -> int:
             "Segment = one (layer, K/V, block) chunk. Block ids are fragmented (every other block on the "
             "prefill side, reversed on the decode side). The memcpy column copies the same bytes between two "
             "buffers of one process with one thread (numpy copyto), in the same run. 'engine wall' is measured around the client's pull() "
-            "in the engine process; 'sidecar' is the time the decode sidecar reports.\n\n" + table + NOTES
+            "in the engine process; 'sidecar' is the time the decode sidecar reports.\n\n"
+            + table
+            + (TCP_NOTES if args.tcp else NOTES)
         )
         write_section(
             Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md",
-            "CPU pull (bench/cpu_pull.py)",
+            "CPU pull over TCP only (bench/cpu_pull.py --tcp)"
+            if args.tcp
+            else "CPU pull (bench/cpu_pull.py)",
             body,
         )
     return 0 if all(r["verified"] for r in rows) else 1
