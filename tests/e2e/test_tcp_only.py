@@ -1,7 +1,8 @@
 """Two sidecars whose UCX may use only TCP (`UCX_TLS=tcp`), as on two nodes without RDMA. UCX has no
 remote read over TCP, only one emulated with messages, which the sidecar's default
 (UCX_PROTO_EMULATION_ENABLE=n) forbids: the pull must say so by name and lose nothing; with emulation
-allowed on the reader, the same pull moves every byte (docs/operations.md, 5.9)."""
+allowed on the reader, the same pull moves every byte. Remote writes UCX does natively over TCP, so
+host rings (the source WRITEs) need no emulation at all (docs/operations.md, 5.9)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_without_emulation_a_tcp_only_pull_fails_by_name_and_loses_nothing(spawn
     assert not res["ok"]
     assert res["error_code"] == "FAILED_PRECONDITION", res["error"]
     assert f"peer sidecar {a.peer_address} answers, but NIXL cannot READ from it" in res["error"]
-    assert "set UCX_PROTO_EMULATION_ENABLE=y" in res["error"]
+    assert "set UCX_PROTO_EMULATION_ENABLE=y" in res["error"] and "host_transfer: ring" in res["error"]
     assert res["unfilled_blocks"] == [5, 6]
     assert res["untouched"] and res["verified"], res["errors"]  # no byte written anywhere
     assert metric(b.metrics_port, EMULATION) == 1
@@ -58,3 +59,19 @@ def test_with_emulation_allowed_on_the_reader_a_tcp_only_pull_moves_every_byte(s
         assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
         wait_event(prefill, "consumed", f"e{i}")
     assert metric(b.metrics_port, EMULATION) == 0
+
+
+def test_host_rings_need_no_emulation_over_tcp(spawn: Spawn) -> None:
+    """With `host_transfer: ring` on the reader the source WRITEs into the reader's ring, which UCX does
+    natively over TCP: no emulation on either side, and the source needs no setting of its own."""
+    a = spawn(SidecarProcess("tcp-prefill-r", env=TCP_ONLY))
+    b = spawn(SidecarProcess("tcp-decode-r", extra=["--host-transfer", "ring"], env=TCP_ONLY))
+    prefill = spawn(EngineProcess(a.socket, "tcp-pr", SPEC))
+    decode = spawn(EngineProcess(b.socket, "tcp-dr", SPEC))
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "r", "block_ids": [4, 1], "num_tokens": 30, "seed": 5}
+    )
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 7], "seed": 5})
+    assert res["ok"] and res["verified"] and res["path"] == "host-ring", res
+    wait_event(prefill, "consumed", "r")
+    assert metric(a.metrics_port, EMULATION) == metric(b.metrics_port, EMULATION) == 0

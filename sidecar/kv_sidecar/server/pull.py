@@ -87,9 +87,10 @@ def _no_native_path(address: str) -> SidecarError:
         f"peer sidecar {address} answers, but NIXL cannot READ from it: its agent shows as disconnected "
         "at every READ, which is what UCX does when no transport reaches the peer's memory without "
         "emulation (UCX_PROTO_EMULATION_ENABLE=n, the sidecar's default), e.g. two nodes with only TCP "
-        "between them. Give the pods RDMA (deploy/k8s/components/rdma), or set "
-        "UCX_PROTO_EMULATION_ENABLE=y in the sidecars' environment to move host memory over TCP "
-        "(docs/operations.md, 5.9)",
+        "between them. Give the pods RDMA (deploy/k8s/components/rdma), or, to move host memory over "
+        "TCP, set UCX_PROTO_EMULATION_ENABLE=y in this (reading) sidecar's environment, or set "
+        "host_transfer: ring on it (the source then WRITEs, which TCP does natively; "
+        "docs/operations.md, 5.9)",
     )
 
 
