@@ -38,7 +38,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
-from report import write_section
+from report import gpus, write_section
 
 MiB = 1 << 20
 # 8 KV heads x head_dim 128 x bf16 = 2 KiB per token for K (and for V).
@@ -258,7 +258,7 @@ def main() -> int:
             f"Python {platform.python_version()}"
         )
         body = (
-            f"Command: `python {' '.join(sys.argv)}` · machine: {machine} (no GPU) · "
+            f"Command: `python {' '.join(sys.argv)}` · machine: {machine} ({gpus()}) · "
             f"date: {datetime.date.today()} · median of {args.iters} pulls after one warm-up pull\n\n"
             "Request bytes are what the decode engine receives (all layers, K and V, all its ranks). "
             "Segment = one (layer, K/V, block) chunk. Block ids are fragmented (every other block on the "

@@ -7,14 +7,17 @@
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings (gpu_pull.py)    ~3 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
+#   bash bench/gpu_staged_check.sh host        # issue 11's host rows on this machine (latency.py, cpu_pull.py) ~3 min
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
 #
 # Each part prints its results and a summary; logs, JSON and the docs sections land in $OUT:
 #   gpu_tests.log, gpu_tests.xml, cpu_tests.log, gpu_latency.log, gpu_latency.json, gpu_latency_section.md,
-#   throughput/gpu_pull.json, throughput/gpu_pull_section.md, throughput.log
+#   throughput/gpu_pull.json, throughput/gpu_pull_section.md, throughput.log,
+#   host_latency.log, host_cpu_pull.log, benchmarks.md (the checkout's, with the two host sections rewritten)
 # Then, in the checkout: python bench/gpu_latency.py --splice $OUT/gpu_latency_section.md
 #                        python bench/gpu_pull.py --splice $OUT/throughput/gpu_pull_section.md
-# (the gpu_pull section then holds only the rows of this run's --only config).
+# (the gpu_pull section then holds only the rows of this run's --only config); for the host part, copy
+# the sections "Pull latency" and "CPU pull" of $OUT/benchmarks.md into docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvs-staged-out}
@@ -98,6 +101,22 @@ if [[ $part == throughput || $part == bench || $part == all ]]; then
   fi
   echo "gpu_pull exit code: $rc"
   ((rc == 0)) || status=1
+fi
+
+# The host rows of issue 11 (one-block pulls, CPU host-nixl throughput) on this machine's idle cores.
+if [[ $part == host || $part == all ]]; then
+  say "host pulls: one-block latency (bench/latency.py), throughput (bench/cpu_pull.py)"
+  timeout 240 $PY bench/latency.py --iters 300 --first-contact 10 >"$OUT/host_latency.log" 2>&1
+  rc=$?
+  grep -E "^\|" "$OUT/host_latency.log" | tail -n 16
+  echo "latency exit code: $rc"
+  ((rc == 0)) || status=1
+  timeout 240 $PY bench/cpu_pull.py --max-mib 16 --iters 10 >"$OUT/host_cpu_pull.log" 2>&1
+  rc=$?
+  grep -E "^\| homogeneous" "$OUT/host_cpu_pull.log"
+  echo "cpu_pull exit code: $rc"
+  ((rc == 0)) || status=1
+  cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
 say "summary"

@@ -41,7 +41,7 @@ from kv_sidecar_client.shm import ShmKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
-from report import write_section
+from report import gpus, write_section
 
 # One block = 16 tokens x 8 heads x 128 dims x bf16 = 32 KiB per (layer, K/V); 4 layers: 256 KiB.
 SPEC = EngineSpec.from_dict(
@@ -250,7 +250,9 @@ def main() -> int:
     )
     print(table)
     if not args.no_write:
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, no GPU"
+        machine = (
+            f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, {gpus()}"
+        )
         cmd = f"python bench/latency.py --iters {args.iters} --first-contact {args.first_contact}"
         cmd += f" --baseline {args.baseline}" if args.baseline else ""
         body = (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 HEADER = "# Benchmarks\n\nEach section is written by the script named in its title; re-run it to refresh.\n"
@@ -17,3 +20,14 @@ def write_section(path: Path, title: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text)
+
+
+def gpus() -> str:
+    """The machine's GPUs as nvidia-smi names them ("2x NVIDIA H200"), or "no GPU", without starting
+    CUDA in this process (a host benchmark run on the GPU machine says where it ran)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "no GPU"
+    out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    names = collections.Counter(n.strip() for n in out.stdout.splitlines() if n.strip())
+    return ", ".join(f"{k}x {name}" for name, k in names.items()) or "no GPU"
