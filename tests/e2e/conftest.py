@@ -141,9 +141,17 @@ def frozen(sidecar: SidecarProcess) -> Iterator[None]:
     """The sidecar process stopped (SIGSTOP) for the block: alive, but answering nothing."""
     os.kill(sidecar.proc.pid, signal.SIGSTOP)
     try:
+        # kill() returns before every thread has stopped; a call sent at once could still be answered.
+        wait_for("the sidecar to stop", lambda: _state(sidecar.proc.pid) == "T", timeout_s=5)
         yield
     finally:
         os.kill(sidecar.proc.pid, signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    """The process state letter of /proc/<pid>/stat (R, S, T, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def in_background(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
