@@ -232,8 +232,17 @@ class SidecarClient:
 
     # -- prefill ----------------------------------------------------------------------
     def publish(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, lease_ms: int = 0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        lease_ms: int = 0,
+        timeout_s: float | None = None,
     ) -> TransferParams:
+        """`timeout_s`: how long to wait for the answer (default: the client's timeout)."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         req = engine_pb2.PublishRequest(
             engine_id=engine_id,
             request_id=request_id,
@@ -242,10 +251,11 @@ class SidecarClient:
             lease_ms=lease_ms,
         )
         if self.lane is not None:
-            answer = self.lane.call(engine_pb2.LaneCall(publish=req), self.timeout_s)
+            answer = self.lane.call(engine_pb2.LaneCall(publish=req), timeout_s)
             if answer is not None:
                 return raise_for_answer(answer).publish.params
-        return self._call("Publish", req).params
+        # What the lane's wait for a hello left of the timeout (a sidecar that does not answer).
+        return self._call("Publish", req, max(0.001, deadline - time.monotonic())).params
 
     # -- decode -----------------------------------------------------------------------
     def pull(
@@ -291,6 +301,6 @@ class SidecarClient:
         req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
         return self._call("Abort", req).found
 
-    def status(self) -> status_pb2.StatusResponse:
+    def status(self, timeout_s: float | None = None) -> status_pb2.StatusResponse:
         """What the sidecar is doing: registered ranks, peers, transfers in flight (`kv-sidecar status`)."""
-        return self._call("Status", status_pb2.StatusRequest())
+        return self._call("Status", status_pb2.StatusRequest(), timeout_s)

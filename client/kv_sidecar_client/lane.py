@@ -64,11 +64,12 @@ class Lane:
         for conn in idle:
             conn.close()
 
-    def send(self, call: engine_pb2.LaneCall) -> Connection | None:
-        """Send a call on a connection of its own; None: send it over gRPC instead."""
+    def send(self, call: engine_pb2.LaneCall, timeout_s: float = _HELLO_TIMEOUT_S) -> Connection | None:
+        """Send a call on a connection of its own; None: send it over gRPC instead. A new connection waits
+        at most `timeout_s` for the sidecar's hello (a sidecar that does not answer: gRPC then)."""
         data = call.SerializeToString()
         for _ in range(2):  # an idle connection may have gone with a restarted sidecar: once more
-            conn = self._take()
+            conn = self._take(timeout_s)
             if conn is None:
                 return None
             if len(data) > self._max_call_bytes:
@@ -83,10 +84,11 @@ class Lane:
 
     def call(self, call: engine_pb2.LaneCall, timeout_s: float) -> engine_pb2.LaneAnswer | None:
         """Send a call and wait for its answer; None: send it over gRPC instead."""
-        conn = self.send(call)
+        deadline = time.monotonic() + timeout_s
+        conn = self.send(call, timeout_s)
         if conn is None:
             return None
-        answer = read_answer(conn, timeout_s)
+        answer = read_answer(conn, deadline - time.monotonic())
         self.give_back(conn)
         return answer
 
@@ -94,16 +96,16 @@ class Lane:
         with self._lock:
             self._idle.append(conn)
 
-    def _take(self) -> Connection | None:
+    def _take(self, hello_timeout_s: float) -> Connection | None:
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
                 if not conn.poll(0):
                     return conn
                 conn.close()  # something to read on an idle connection: the sidecar closed it
-        return self._connect()
+        return self._connect(hello_timeout_s)
 
-    def _connect(self) -> Connection | None:
+    def _connect(self, hello_timeout_s: float) -> Connection | None:
         now = time.monotonic()
         if self.path is None or now < self._look_at:
             return None
@@ -113,7 +115,7 @@ class Lane:
             self._look_at = now + _LOOK_AGAIN_S
             return None
         try:
-            if not conn.poll(_HELLO_TIMEOUT_S):
+            if not conn.poll(max(0.0, min(_HELLO_TIMEOUT_S, hello_timeout_s))):
                 raise EOFError("no hello")
             hello = engine_pb2.LaneHello.FromString(conn.recv_bytes(1 << 16))
         except (EOFError, OSError, DecodeError):

@@ -196,6 +196,28 @@ def test_a_stale_connection_after_a_restart_is_replaced(spawn: Spawn) -> None:
         assert _lane_connections(again) == 1, "the call did not go over a new lane connection"
 
 
+@pytest.mark.parametrize("idle", [True, False], ids=["idle-connection", "new-connection"])
+def test_a_publish_to_a_silent_sidecar_ends_within_its_timeout(spawn: Spawn, idle: bool) -> None:
+    """The timeout covers the whole call: the wait for a new lane connection's hello and the gRPC call
+    after it (vLLM's scheduler loop waits for a Publish)."""
+    sc = spawn(SidecarProcess("lane-silent"))
+    with SidecarClient(sc.socket) as client:
+        if idle:  # a connection kept from an earlier call: the Publish goes out on it
+            with pytest.raises(KVSidecarError):
+                client.publish("nobody", "r", [0], 1)
+            assert client.lane is not None and len(client.lane._idle) == 1
+        with frozen(sc):
+            t0 = time.monotonic()
+            with pytest.raises(KVSidecarError) as info:
+                client.publish("nobody", "r", [0], 1, timeout_s=0.5)
+            took = time.monotonic() - t0
+        assert info.value.code == "DEADLINE_EXCEEDED", info.value
+        assert took < 1.0, f"a Publish with a 0.5 s timeout took {took:.2f} s"
+        with pytest.raises(KVSidecarError) as info:  # awake again: it answers
+            client.publish("nobody", "r", [0], 1)
+        assert info.value.code == "NOT_FOUND"
+
+
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
 def test_a_cancelled_pull_stops_at_once_even_while_its_source_hangs(
     lane_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, lane: bool
