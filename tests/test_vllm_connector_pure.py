@@ -37,6 +37,7 @@ def test_config_defaults_and_int_for_float() -> None:
         ({"pull_timeout_s": "5"}, r"pull_timeout_s must be a float, got str '5'"),
         ({"lease_ms": True}, r"lease_ms must be a int, got bool"),
         ({"pull_timeout_s": 0}, r"pull_timeout_s must be positive"),
+        ({"publish_timeout_s": -1.0}, r"publish_timeout_s must be positive"),
         ({"sidecar_socket": ""}, r"sidecar_socket must not be empty"),
         (
             {"lease_ms": 2000, "keepalive_interval_s": 3.0},

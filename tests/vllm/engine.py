@@ -158,6 +158,12 @@ class Engine:
             "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
             "held": len(sched.requests),
         }
+        ours = getattr(
+            getattr(sched, "connector", None), "_scheduler", None
+        )  # the connector's scheduler side
+        if ours is not None:
+            state["unpublished"] = ours.unpublished
+            state["publishing_paused"] = ours.publishing_paused
         if has_kv_transfer_group():
             worker = get_kv_transfer_group()._worker
             if worker is not None:

@@ -1,4 +1,5 @@
-"""Failures around real vLLM engines: no sidecar at start, a prefill sidecar killed mid-pull and restarted."""
+"""Failures around real vLLM engines: no sidecar at start, a sidecar killed mid-pull and restarted, a
+Publish while the prefill sidecar is down."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .harness import VllmEngine, start_all, wait_until
 from .test_pd import BLOCK, prompt
 
 PULL_TIMEOUT_S = 8.0
+PUBLISH_TIMEOUT_S = 2.0  # the connector's default
 
 
 class Pair:
@@ -79,6 +81,11 @@ def test_engine_start_fails_naming_an_unknown_config_key(pair: Pair) -> None:
 def _registered_ranks(sidecar: SidecarProcess) -> int:
     with SidecarClient(sidecar.socket) as c:
         return len(c.status().ranks)
+
+
+def _published(sidecar: SidecarProcess) -> int:
+    with SidecarClient(sidecar.socket) as c:
+        return c.status().published_requests
 
 
 def _pulling(sidecar: SidecarProcess) -> bool:
@@ -163,3 +170,75 @@ def test_decode_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
     # The prefill side's first request was released when its reader went away, the second consumed.
     settled = pair.P.settle(40)
     assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
+
+
+def test_publish_fails_while_the_prefill_sidecar_is_gone(pair: Pair) -> None:
+    """A prefill request finishing while its sidecar is down cannot be published: it ends without
+    transfer params and frees its blocks at once (the decode engine computes it), the engine's step
+    does not stall waiting for the sidecar, and publishing works again once the sidecar is back."""
+    p = prompt(300, seed=41)
+    pair.sp.kill()
+    t0 = time.monotonic()
+    out = pair.P.generate({"p5": p}, 1, {"p5": {"do_remote_decode": True}})["p5"]
+    took = time.monotonic() - t0
+    assert out["kv_transfer_params"] is None, out
+    assert pair.P.state()["free_blocks"] == pair.p_free  # nothing held for a reader
+    assert took < 5, f"the prefill request took {took:.1f} s with its sidecar gone"
+    # The decode engine, sent the request without params (as a router does then), computes it itself.
+    assert pair.D.generate({"d5": p}, 6)["d5"]["tokens"] == pair.R.generate({"r5": p}, 6)["r5"]["tokens"]
+    assert not any(pull["request_id"].startswith("d5") for pull in pair.D.state()["pulls"])
+
+    # Back on the same socket: once the engine has registered again (its backoff), it publishes.
+    pair.sp = SidecarProcess("prefill-node", workdir=pair.sp.workdir)
+    wait_until(lambda: _registered_ranks(pair.sp) == 1, 30, "the prefill engine to register again")
+    q = prompt(120, seed=42)
+    params = pair.P.generate({"p6": q}, 1, {"p6": {"do_remote_decode": True}})["p6"]["kv_transfer_params"]
+    assert params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address
+    assert (
+        pair.D.generate({"d6": q}, 6, {"d6": params})["d6"]["tokens"]
+        == pair.R.generate({"r6": q}, 6)["r6"]["tokens"]
+    )
+    assert pair.D.state()["pulls"][-1]["ok"]
+    assert pair.P.settle(30)["free_blocks"] == pair.p_free
+
+
+def test_a_silent_prefill_sidecar_does_not_stall_the_prefill_engine(pair: Pair) -> None:
+    """A prefill sidecar that stops answering (here SIGSTOP; a hung process looks the same) costs vLLM's
+    scheduler one publish_timeout_s, not the client's 30 s per finishing request: later requests skip
+    the Publish at once until the sidecar answers a probe, then publishing resumes."""
+    prompts = {f"s{i}": prompt(100 + 20 * i, seed=50 + i) for i in range(3)}
+    # A request through the pair first: the prefill engine's next Publish goes over the engine lane
+    # connection this one leaves open, so the stopped sidecar reads it, and carries it out, on waking.
+    w = prompt(70, seed=49)
+    params = pair.P.generate({"p8": w}, 1, {"p8": {"do_remote_decode": True}})["p8"]["kv_transfer_params"]
+    pair.D.generate({"d8": w}, 2, {"d8": params})
+    assert pair.P.settle(30)["free_blocks"] == pair.p_free
+    os.kill(pair.sp.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        first = pair.P.generate({"s0": prompts["s0"]}, 1, {"s0": {"do_remote_decode": True}})["s0"]
+        rest = pair.P.generate(
+            {k: prompts[k] for k in ("s1", "s2")}, 1, {k: {"do_remote_decode": True} for k in ("s1", "s2")}
+        )
+        took = time.monotonic() - t0
+        state = pair.P.state()
+    finally:
+        os.kill(pair.sp.proc.pid, signal.SIGCONT)
+    assert first["kv_transfer_params"] is None and all(r["kv_transfer_params"] is None for r in rest.values())
+    # One Publish waited its timeout (2 s by default); the two after it did not wait at all.
+    assert took < PUBLISH_TIMEOUT_S + 3, f"three prefill requests took {took:.1f} s with the sidecar silent"
+    assert state["publishing_paused"] and state["free_blocks"] == pair.p_free, state
+    unpublished = state["unpublished"]
+    # Awake again: the probe hears it and first withdraws the Publish that timed out, which the woken
+    # sidecar carried out (it would hold it for its 30 s lease); then the next request is published.
+    wait_until(lambda: not pair.P.state()["publishing_paused"], 30, "publishing to resume")
+    assert _published(pair.sp) == 0
+    q = prompt(130, seed=59)
+    params = pair.P.generate({"p7": q}, 1, {"p7": {"do_remote_decode": True}})["p7"]["kv_transfer_params"]
+    assert params is not None and pair.P.state()["unpublished"] == unpublished
+    assert (
+        pair.D.generate({"d7": q}, 6, {"d7": params})["d7"]["tokens"]
+        == pair.R.generate({"r7": q}, 6)["r7"]["tokens"]
+    )
+    assert pair.D.state()["pulls"][-1]["ok"]
+    assert pair.P.settle(30)["free_blocks"] == pair.p_free

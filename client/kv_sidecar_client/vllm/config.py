@@ -36,6 +36,10 @@ class ConnectorConfig:
     pull_timeout_s: float = 30.0
     # How long engine start waits for the sidecar's socket before failing.
     connect_timeout_s: float = 10.0
+    # Prefill: how long vLLM's scheduler waits for a Publish (its loop waits with it). A sidecar that
+    # has not answered by then gets no publishes until it answers again; those requests return no
+    # transfer params and their decode engines compute them.
+    publish_timeout_s: float = 2.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -57,7 +61,7 @@ class ConnectorConfig:
     def validate(self) -> None:
         if not self.sidecar_socket:
             raise ConnectorConfigError(f"{CONFIG_KEY}.sidecar_socket must not be empty")
-        for name in ("keepalive_interval_s", "pull_timeout_s", "connect_timeout_s"):
+        for name in ("keepalive_interval_s", "pull_timeout_s", "connect_timeout_s", "publish_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConnectorConfigError(f"{CONFIG_KEY}.{name} must be positive, got {getattr(self, name)}")
         if self.lease_ms < 0:

@@ -17,6 +17,12 @@ Malformed params on a decode request: the request is computed locally (a
 warning names the request and what was wrong); the prefill's blocks are then
 freed by their lease.
 
+A Publish runs in vLLM's scheduler loop, which waits for it. A sidecar that
+does not answer within `publish_timeout_s` (hung, or stopped) is not asked
+again until a probe off the loop hears it answer: meanwhile finishing prefill
+requests return no transfer params at once, and their decode engines compute
+them. A sidecar that is gone refuses at once and needs no pause.
+
 No vLLM import; requests and block lists are duck-typed (request_id,
 kv_transfer_params, prompt_token_ids, num_computed_tokens, status name).
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +52,8 @@ log = logging.getLogger(__name__)
 
 PARAMS_KEY = "kv_sidecar"  # our TransferParams inside vLLM's kv_transfer_params
 PUBLISHED_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+PROBE_INTERVAL_S = 0.5  # how often a paused scheduler asks a silent sidecar whether it answers again
+WITHDRAW_TRIES = 3
 
 
 class BadParams(ValueError):
@@ -83,6 +92,10 @@ class SidecarScheduler:
         self._loading: dict[str, TransferParams] = {}  # pulls ordered, not yet finished
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvs-sched")
         self._stop = threading.Event()
+        # Set while the sidecar has left a Publish unanswered and not answered a probe since.
+        self._silent = threading.Event()
+        self.unpublished = 0  # requests not published because the sidecar was silent or refused
+        self._unanswered: list[str] = []  # Publishes that timed out, withdrawn once the sidecar answers
         self._keepalive = threading.Thread(target=self._keep_alive_loop, name="kvs-keepalive", daemon=True)
         self._keepalive.start()
 
@@ -182,17 +195,28 @@ class SidecarScheduler:
         if status not in PUBLISHED_STATUSES or tokens <= 0 or not block_ids:
             return False, None
         blocks = list(block_ids[: -(-tokens // self.block_size)])
+        if self._silent.is_set():
+            self.unpublished += 1
+            return False, None
         try:
             params = self.client.publish(
-                self.engine_id, request.request_id, blocks, tokens, self.config.lease_ms
+                self.engine_id,
+                request.request_id,
+                blocks,
+                tokens,
+                self.config.lease_ms,
+                timeout_s=self.config.publish_timeout_s,
             )
         except KVSidecarError as e:
+            self.unpublished += 1
             log.error(
                 "KVSidecarConnector: cannot publish request %s to kv-sidecar (%s); its blocks are freed and "
                 "the decode engine must compute it",
                 request.request_id,
                 e,
             )
+            if e.code == "DEADLINE_EXCEEDED":
+                self._went_silent(request.request_id)
             return False, None
         with self._lock:
             self._orders.published.append(request.request_id)
@@ -202,6 +226,57 @@ class SidecarScheduler:
             PARAMS_KEY: json.loads(params_to_json(params)),
         }
         return True, out
+
+    @property
+    def publishing_paused(self) -> bool:
+        """Whether publishes wait for a silent sidecar to answer again (they are skipped meanwhile)."""
+        return self._silent.is_set()
+
+    def _went_silent(self, request_id: str) -> None:
+        """Stop publishing until the sidecar answers a probe; then withdraw the unanswered Publish, which
+        the sidecar may still carry out when it wakes (no reader can know it: its params never left)."""
+        with self._lock:
+            self._unanswered.append(request_id)
+        if self._silent.is_set():
+            return
+        self._silent.set()
+        log.error(
+            "KVSidecarConnector: kv-sidecar at %s did not answer a Publish within %.1f s; finishing prefill "
+            "requests are not published (their decode engines compute them) until it answers again",
+            self.config.sidecar_socket,
+            self.config.publish_timeout_s,
+        )
+        threading.Thread(target=self._probe, name="kvs-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            try:
+                self.client.status(timeout_s=self.config.publish_timeout_s)
+            except KVSidecarError:
+                continue
+            with self._lock:
+                unanswered, self._unanswered = self._unanswered, []
+            for request_id in unanswered:
+                self._withdraw(request_id)
+            self._silent.clear()
+            log.warning(
+                "KVSidecarConnector: kv-sidecar answers again after %.1f s; publishing resumes",
+                time.monotonic() - t0,
+            )
+            return
+
+    def _withdraw(self, request_id: str) -> None:
+        """End a Publish that timed out, if the sidecar carried it out. Its frame may still be on its way
+        through the waking sidecar: look a few times. Whatever is missed, its lease ends."""
+        for attempt in range(WITHDRAW_TRIES):
+            if attempt:
+                time.sleep(PROBE_INTERVAL_S)
+            try:
+                if self.client.abort(self.engine_id, request_id):
+                    return
+            except KVSidecarError:
+                return
 
     def _release(self, params: TransferParams, why: str) -> None:
         def call() -> None:
