@@ -93,6 +93,15 @@ def _pulling(sidecar: SidecarProcess) -> bool:
         return len(c.status().inflight) > 0
 
 
+def _pd_matches(pair: Pair, n: int, tokens: int, seed: int) -> None:
+    """A request prefilled by P through its sidecar and pulled by D gives the tokens R computes alone."""
+    q, p, d, r = prompt(tokens, seed=seed), f"p{n}", f"d{n}", f"r{n}"
+    params = pair.P.generate({p: q}, 1, {p: {"do_remote_decode": True}})[p]["kv_transfer_params"]
+    assert params is not None and params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address, params
+    assert pair.D.generate({d: q}, 6, {d: params})[d]["tokens"] == pair.R.generate({r: q}, 6)[r]["tokens"]
+    assert pair.D.state()["pulls"][-1]["ok"]
+
+
 def test_prefill_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
     p = prompt(600, seed=21)
     want = pair.R.generate({"r1": p}, 8)["r1"]["tokens"]
@@ -124,14 +133,7 @@ def test_prefill_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
     assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
 
     # And the pair works again through the new sidecar.
-    q = prompt(140, seed=22)
-    params = pair.P.generate({"p2": q}, 1, {"p2": {"do_remote_decode": True}})["p2"]["kv_transfer_params"]
-    assert params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address
-    assert (
-        pair.D.generate({"d2": q}, 6, {"d2": params})["d2"]["tokens"]
-        == pair.R.generate({"r2": q}, 6)["r2"]["tokens"]
-    )
-    assert pair.D.state()["pulls"][-1]["ok"]
+    _pd_matches(pair, 2, 140, seed=22)
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
 
 
@@ -157,16 +159,8 @@ def test_decode_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
 
     # A new decode sidecar on the same socket: the decode engine registers again and pulls through it.
     pair.sd = SidecarProcess("decode-node", workdir=pair.sd.workdir)
-    wait_until(
-        lambda: len(SidecarClient(pair.sd.socket).status().ranks) == 1, 30, "the decode engine to re-register"
-    )
-    q = prompt(90, seed=32)
-    params = pair.P.generate({"p4": q}, 1, {"p4": {"do_remote_decode": True}})["p4"]["kv_transfer_params"]
-    assert (
-        pair.D.generate({"d4": q}, 6, {"d4": params})["d4"]["tokens"]
-        == pair.R.generate({"r4": q}, 6)["r4"]["tokens"]
-    )
-    assert pair.D.state()["pulls"][-1]["ok"]
+    wait_until(lambda: _registered_ranks(pair.sd) == 1, 30, "the decode engine to re-register")
+    _pd_matches(pair, 4, 90, seed=32)
     # The prefill side's first request was released when its reader went away, the second consumed.
     settled = pair.P.settle(40)
     assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
@@ -191,14 +185,7 @@ def test_publish_fails_while_the_prefill_sidecar_is_gone(pair: Pair) -> None:
     # Back on the same socket: once the engine has registered again (its backoff), it publishes.
     pair.sp = SidecarProcess("prefill-node", workdir=pair.sp.workdir)
     wait_until(lambda: _registered_ranks(pair.sp) == 1, 30, "the prefill engine to register again")
-    q = prompt(120, seed=42)
-    params = pair.P.generate({"p6": q}, 1, {"p6": {"do_remote_decode": True}})["p6"]["kv_transfer_params"]
-    assert params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address
-    assert (
-        pair.D.generate({"d6": q}, 6, {"d6": params})["d6"]["tokens"]
-        == pair.R.generate({"r6": q}, 6)["r6"]["tokens"]
-    )
-    assert pair.D.state()["pulls"][-1]["ok"]
+    _pd_matches(pair, 6, 120, seed=42)
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
 
 
@@ -209,9 +196,7 @@ def test_a_silent_prefill_sidecar_does_not_stall_the_prefill_engine(pair: Pair) 
     prompts = {f"s{i}": prompt(100 + 20 * i, seed=50 + i) for i in range(3)}
     # A request through the pair first: the prefill engine's next Publish goes over the engine lane
     # connection this one leaves open, so the stopped sidecar reads it, and carries it out, on waking.
-    w = prompt(70, seed=49)
-    params = pair.P.generate({"p8": w}, 1, {"p8": {"do_remote_decode": True}})["p8"]["kv_transfer_params"]
-    pair.D.generate({"d8": w}, 2, {"d8": params})
+    _pd_matches(pair, 8, 70, seed=49)
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
     os.kill(pair.sp.proc.pid, signal.SIGSTOP)
     try:
@@ -233,12 +218,6 @@ def test_a_silent_prefill_sidecar_does_not_stall_the_prefill_engine(pair: Pair) 
     # sidecar carried out (it would hold it for its 30 s lease); then the next request is published.
     wait_until(lambda: not pair.P.state()["publishing_paused"], 30, "publishing to resume")
     assert _published(pair.sp) == 0
-    q = prompt(130, seed=59)
-    params = pair.P.generate({"p7": q}, 1, {"p7": {"do_remote_decode": True}})["p7"]["kv_transfer_params"]
-    assert params is not None and pair.P.state()["unpublished"] == unpublished
-    assert (
-        pair.D.generate({"d7": q}, 6, {"d7": params})["d7"]["tokens"]
-        == pair.R.generate({"r7": q}, 6)["r7"]["tokens"]
-    )
-    assert pair.D.state()["pulls"][-1]["ok"]
+    _pd_matches(pair, 7, 130, seed=59)
+    assert pair.P.state()["unpublished"] == unpublished
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
