@@ -59,7 +59,7 @@ NOTES = (
     "a staged row's target is 51 % of the ceiling (57 % with 2 GiB rings: issue 11's 200 and 225 GB/s "
     "on 2x H200), and at least the fragmented in-engine NIXL anchor of the same segment size (a "
     "conversion row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
-    "gpu_staging_bytes 512 MiB (4 slots of 64 MiB per ring) unless marked 2 GiB (256 MiB slots).",
+    "gpu_staging_bytes 512 MiB (4 slots of 64 MiB per ring) unless marked 2 GiB (slots as the row says).",
 )
 
 
@@ -429,20 +429,31 @@ def nixl_anchor(cfgs: list[Config], iters: int, warmup: int) -> list[dict[str, A
     return rows
 
 
-def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[str, Any]]:
-    """The requests of `cfgs` (fragmented ids) through real sidecar and engine processes."""
+def through_sidecars(
+    cfgs: list[Config], iters: int, warmup: int, big_slots: list[int]
+) -> list[dict[str, Any]]:
+    """The requests of `cfgs` (fragmented ids) through real sidecar and engine processes.
+
+    `big_slots`: the slot counts of the 2 GiB-ring pairs (one pair of sidecars each)."""
     from kv_sidecar.plan.spec import EngineSpec
     from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
     rows: list[dict[str, Any]] = []
     node = SidecarProcess("bench-node")
     pre, dec = SidecarProcess("bench-prefill"), SidecarProcess("bench-decode")
-    # The same staged path with larger rings (2 GiB per GPU: 256 MiB slots): fewer, larger chunks.
-    big = ["--gpu-staging-bytes", str(2 * GIB)]
-    pre_big, dec_big = (
-        SidecarProcess("bench-prefill-2g", extra=big),
-        SidecarProcess("bench-decode-2g", extra=big),
-    )
+    # The same staged path with larger rings (2 GiB per GPU): more bytes in flight, in as many slots
+    # as asked (4: 256 MiB slots, 16: the default's 64 MiB slots).
+    bigs: list[tuple[str, Any, Any]] = []
+    for n in big_slots:
+        extra = ["--gpu-staging-bytes", str(2 * GIB), "--gpu-staging-slots", str(n)]
+        label = f"via sidecars, staged, 2 GiB rings ({n} x {GIB // 2 // n >> 20} MiB slots)"
+        bigs.append(
+            (
+                label,
+                SidecarProcess(f"bench-prefill-2g{n}", extra=extra),
+                SidecarProcess(f"bench-decode-2g{n}", extra=extra),
+            )
+        )
     try:
         for cfg in cfgs:
             pspec, dspec = EngineSpec.from_dict(cfg.src), EngineSpec.from_dict(cfg.dst)
@@ -454,7 +465,7 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
                 ("via sidecars, staged", pre.socket, dec.socket),
             ]
             if cfg.segment == 16384:
-                variants.append(("via sidecars, staged, 2 GiB rings", pre_big.socket, dec_big.socket))
+                variants += [(label, p.socket, d.socket) for label, p, d in bigs]
             for label, psock, dsock in variants:
                 tag = f"{cfg.name}-{label}".replace(" ", "_").replace(",", "").replace(">", "")
                 prefill = EngineProcess(psock, f"p-{tag}", pspec, devices=["cuda:0"], start_timeout_s=300)
@@ -503,7 +514,7 @@ def through_sidecars(cfgs: list[Config], iters: int, warmup: int) -> list[dict[s
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
-        for sc in (node, pre, dec, pre_big, dec_big):
+        for sc in (node, pre, dec, *(sc for _, p, d in bigs for sc in (p, d))):
             sc.stop()
     return rows
 
@@ -631,6 +642,11 @@ def main() -> int:
     p.add_argument(
         "--sidecars", action="store_true", help="add rows through real sidecar and engine processes"
     )
+    p.add_argument(
+        "--big-slots",
+        default="4",
+        help="comma-separated slot counts of the 2 GiB-ring rows (one pair of sidecars each)",
+    )
     p.add_argument("--machine", default="", help="machine description to record (e.g. the device kind)")
     p.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
     args = p.parse_args()
@@ -647,7 +663,11 @@ def main() -> int:
     print(json.dumps(ceil), flush=True)
     rows = ours(cfgs, args.iters, args.warmup, args.sweep)
     nixl_rows = nixl_anchor(cfgs, max(3, args.iters // 2), 2) if args.nixl else []
-    stack_rows = through_sidecars(cfgs, args.iters, args.warmup) if args.sidecars else []
+    stack_rows = (
+        through_sidecars(cfgs, args.iters, args.warmup, [int(n) for n in args.big_slots.split(",")])
+        if args.sidecars
+        else []
+    )
     shown = [
         "$OUT" if args.out and a == str(args.out) else (f'"{a}"' if " " in a else a) for a in sys.argv[1:]
     ]

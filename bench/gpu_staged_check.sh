@@ -5,7 +5,7 @@
 #   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine
 #   bash bench/gpu_staged_check.sh startup     # what a process's start-up costs here (bench/startup_cost.py)
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
-#   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings (gpu_pull.py)    ~3 min
+#   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings of BIG_SLOTS (default 4,8,16) slots ~4 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
 #   bash bench/gpu_staged_check.sh host        # issue 11's host rows on this machine (latency.py, cpu_pull.py) ~3 min
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
@@ -91,7 +91,7 @@ fi
 
 if [[ $part == throughput || $part == bench || $part == all ]]; then
   say "1 GiB staged throughput, 512 MiB and 2 GiB rings (bench/gpu_pull.py --only 'homog 16KiB')"
-  timeout 280 $PY bench/gpu_pull.py --only "homog 16KiB" --sidecars --nixl --iters 10 --warmup 2 \
+  timeout 420 $PY bench/gpu_pull.py --only "homog 16KiB" --sidecars --nixl --iters 10 --warmup 2 --big-slots "${BIG_SLOTS:-4,8,16}" \
     --out "$OUT/throughput" --machine "${MACHINE:-2x H200 (lent)}" >"$OUT/throughput.log" 2>&1
   rc=$?
   if [[ -f $OUT/throughput/gpu_pull_section.md ]]; then
