@@ -13,6 +13,8 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py --gpu                  # other sidecar, gpu-staged, 2 MiB model blocks
     python bench/trace_pull.py --gpu --local          # same sidecar, gpu-direct (GPU0 -> GPU1 where there are 2)
     python bench/trace_pull.py --gpu --blocks 32 --concurrent 4   # one pull at a time, then 4 at once
+    python bench/trace_pull.py --gpu --blocks 512 --gpu-staging-bytes 2147483648 --slots 4 --timeline
+                                                      # a 1 GiB pull through 2 GiB rings, span by span
     python bench/trace_pull.py --idle 1.5 --iters 40  # each pull after a quiet spell (default 2 ms)
 
 --concurrent C: spans overlap between pulls in flight together, so instead of placing them on a
@@ -251,12 +253,23 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (256 KiB each)")
     ap.add_argument("--small", action="store_true", help="32 KiB blocks instead of 256 KiB")
     ap.add_argument("--ring-bytes", type=int, default=64 << 20, help="--ring: gpu_staging_bytes (host rings)")
+    ap.add_argument(
+        "--gpu-staging-bytes", type=int, default=0, help="--gpu: the sidecars' rings (0: their default)"
+    )
+    ap.add_argument("--slots", type=int, default=0, help="--gpu, --ring: slots per ring (0: the default)")
+    ap.add_argument(
+        "--timeline", action="store_true", help="also list every span of the median pull, in order"
+    )
     ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
     ap.add_argument(
         "--idle", type=float, default=0.002, help="seconds between pulls (1.5: each after a quiet second)"
     )
     args = ap.parse_args()
     extra = ["--host-transfer", "ring", "--gpu-staging-bytes", str(args.ring_bytes)] if args.ring else []
+    if args.gpu and args.gpu_staging_bytes:
+        extra += ["--gpu-staging-bytes", str(args.gpu_staging_bytes)]
+    if args.slots:
+        extra += ["--gpu-staging-slots", str(args.slots)]
     spans_of = {
         k: v
         + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])
@@ -281,6 +294,7 @@ def main() -> int:
         ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
         dec = ca if args.local else cb
         spec = GPU_MODEL if args.gpu else SMALL if args.small else SPEC
+        spec = dataclasses.replace(spec, num_blocks=max(spec.num_blocks, args.blocks))
         if args.concurrent > 1:  # each puller its own destination blocks
             spec = dataclasses.replace(
                 spec, num_blocks=max(spec.num_blocks, (args.concurrent + 1) * args.blocks)
@@ -343,7 +357,39 @@ def main() -> int:
             du = statistics.median(x[1] - x[0] for x in xs) * 1e3
             busy = statistics.median(x[3] for x in xs) * 1e3
             print(f"| {side} | {name} | {thread} | {n:g} | {st:.3f} | {en:.3f} | {du:.3f} | {busy:.3f} |")
+    if args.timeline:
+        timeline(spans, calls)
     return 0
+
+
+# Called on every turn of the NIXL thread's loop: counted in the timeline, not listed.
+POLLS = ("_poll_notifs", "_poll_transfers", "_run_pollers", "check_xfer_state", "get_new_notifs", "poll")
+
+
+def timeline(spans: dict[str, list[tuple[str, str, float, float]]], calls: list[tuple[float, float]]) -> None:
+    """Every span of the pull whose engine wall time is the median, in the order they started."""
+    t0, t1 = sorted(calls, key=lambda c: c[1] - c[0])[len(calls) // 2]
+    rows = []
+    polls: dict[tuple[str, str], int] = {}
+    for side, recs in spans.items():
+        for thread, name, s, e in recs:
+            if not t0 <= s <= t1 + 0.002:
+                continue
+            kind = "nixl" if thread.startswith("nixl") else thread
+            if name.rsplit(".", 1)[-1] in POLLS:
+                polls[(side, name)] = polls.get((side, name), 0) + 1
+                continue
+            rows.append((s - t0, e - t0, side, name, kind))
+    print(
+        f"\nTimeline of the median pull ({(t1 - t0) * 1e3:.3f} ms at the engine), ms from the engine's call:"
+    )
+    print("| start | end | side | span | thread |\n|---|---|---|---|---|")
+    for s, e, side, name, kind in sorted(rows):
+        print(f"| {s * 1e3:.3f} | {e * 1e3:.3f} | {side} | {name} | {kind} |")
+    print(
+        "Polls in that window: "
+        + ", ".join(f"{side} {name} x{n}" for (side, name), n in sorted(polls.items()))
+    )
 
 
 def block_bytes(spec: EngineSpec) -> int:
