@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import sys
@@ -258,6 +259,11 @@ def main() -> int:
     )
     ap.add_argument("--slots", type=int, default=0, help="--gpu, --ring: slots per ring (0: the default)")
     ap.add_argument(
+        "--fragmented",
+        action="store_true",
+        help="random block ids in a pool 1.25x the pull (not --concurrent)",
+    )
+    ap.add_argument(
         "--timeline", action="store_true", help="also list every span of the median pull, in order"
     )
     ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
@@ -294,7 +300,18 @@ def main() -> int:
         ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
         dec = ca if args.local else cb
         spec = GPU_MODEL if args.gpu else SMALL if args.small else SPEC
-        spec = dataclasses.replace(spec, num_blocks=max(spec.num_blocks, args.blocks))
+        pool = args.blocks * 5 // 4 if args.fragmented else args.blocks
+        spec = dataclasses.replace(spec, num_blocks=max(spec.num_blocks, pool))
+        rng = random.Random(1)
+        # --fragmented: both sides' ids a random pick of the pool (as bench/gpu_pull.py's sidecar rows).
+        src_ids = (
+            rng.sample(range(spec.num_blocks), args.blocks) if args.fragmented else list(range(args.blocks))
+        )
+        dst_ids = (
+            rng.sample(range(spec.num_blocks), args.blocks)
+            if args.fragmented
+            else list(range(spec.num_blocks - args.blocks, spec.num_blocks))
+        )
         if args.concurrent > 1:  # each puller its own destination blocks
             spec = dataclasses.replace(
                 spec, num_blocks=max(spec.num_blocks, (args.concurrent + 1) * args.blocks)
@@ -308,9 +325,9 @@ def main() -> int:
             return 0
         for i in range(args.iters + 20):
             n = args.blocks
-            params = ca.publish("tr-p", f"t{i}", list(range(n)), n * spec.block_size)
+            params = ca.publish("tr-p", f"t{i}", src_ids, n * spec.block_size)
             t0 = time.perf_counter()
-            res = dec.pull(params, "tr-d", list(range(spec.num_blocks - n, spec.num_blocks)))
+            res = dec.pull(params, "tr-d", dst_ids)
             t1 = time.perf_counter()
             assert res.ok, res
             assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
