@@ -446,7 +446,7 @@ def through_sidecars(
     bigs: list[tuple[str, Any, Any]] = []
     for n in big_slots:
         extra = ["--gpu-staging-bytes", str(2 * GIB), "--gpu-staging-slots", str(n)]
-        label = f"via sidecars, staged, 2 GiB rings ({n} x {GIB // 2 // n >> 20} MiB slots)"
+        label = f"via sidecars, staged, 2 GiB rings ({n} x {2 * GIB // 2 // n >> 20} MiB slots)"
         bigs.append(
             (
                 label,
