@@ -5,13 +5,18 @@ tests/gpu/test_vllm_connector_gpu.py; real vLLM engines: tests/vllm.)"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_to_json
+from kv_sidecar_client.vllm import worker as worker_module
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.kv_layout import VllmKVInfo, describe
+from kv_sidecar_client.vllm.metadata import StepOrders
 from kv_sidecar_client.vllm.worker import SidecarWorker
 from tests.vllm.views import VllmCache, assert_pulled_exactly, pull_through_worker
 
@@ -76,3 +81,34 @@ def test_cpu_cache_outside_the_pool_is_refused_by_name(
     finally:
         w.shutdown()
     assert torch.is_tensor(cache.raw)
+
+
+def test_a_release_no_order_claims_is_dropped_after_a_while(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Publish the scheduler gave up (it timed out there) but the sidecar carried out ends by its lease;
+    no step's orders ever claim its release. The worker keeps such a release only for a while, and one
+    that its orders do claim in that while still frees the request's blocks."""
+    monkeypatch.setattr(worker_module, "RELEASED_EARLY_TTL_S", 0.5)
+    a, _ = sidecar_pair
+    w, _cache = worker(a, "v-early", ("LBHNC", 32, None))
+    try:
+        with SidecarClient(a.socket) as c:
+            c.publish("v-early", "lost", [0], 32, lease_ms=100)  # never in any step's orders
+            _wait_until(lambda: "lost" in w._released_early)
+            time.sleep(0.6)
+            c.publish("v-early", "ordered-late", [1], 32, lease_ms=100)
+            _wait_until(lambda: "ordered-late" in w._released_early)
+        assert "lost" not in w._released_early
+        w.take_orders(StepOrders(published=["ordered-late"]))
+        sending, _ = w.finished()
+        assert sending == {"ordered-late"} and not w._released_early
+    finally:
+        w.shutdown()
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

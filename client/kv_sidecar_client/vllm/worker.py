@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # Events after which the sidecar no longer needs a published request's blocks.
 RELEASING_EVENTS = ("consumed", "lease_expired", "released")
+# A release that beats the step's orders is kept this long for them. The orders follow their Publish
+# within a scheduler step; a release that no order ever claims (a Publish that timed out in the
+# scheduler, which then withdrew it, but that the sidecar carried out) is dropped after that.
+RELEASED_EARLY_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class SidecarWorker:
         # Prefill side: published requests not yet released, and releases that came before
         # the step's orders told us the request was published (the sidecar can be that fast).
         self._holding: set[str] = set()
-        self._released_early: set[str] = set()
+        self._released_early: dict[str, float] = {}  # request id -> when its release came
         self._finished_sending: set[str] = set()
         # Decode side: finished pulls, and the local blocks that failed ones left unfilled.
         self._finished_recving: set[str] = set()
@@ -118,8 +122,7 @@ class SidecarWorker:
     def take_orders(self, orders: StepOrders) -> None:
         with self._lock:
             for req_id in orders.published:
-                if req_id in self._released_early:
-                    self._released_early.discard(req_id)
+                if self._released_early.pop(req_id, None) is not None:
                     self._finished_sending.add(req_id)
                 else:
                     self._holding.add(req_id)
@@ -208,7 +211,7 @@ class SidecarWorker:
                     self._holding.discard(ev.request_id)
                     self._finished_sending.add(ev.request_id)
                 else:
-                    self._released_early.add(ev.request_id)
+                    self._keep_early_release(ev.request_id)
                 if ev.kind != "consumed":
                     log.info("KVSidecarConnector: request %s %s (%s)", ev.request_id, ev.kind, ev.reason)
             elif ev.kind == "reconnected":
@@ -221,6 +224,14 @@ class SidecarWorker:
                     )
                 self._finished_sending |= self._holding
                 self._holding = set()
+
+    def _keep_early_release(self, req_id: str) -> None:
+        """Hold a release until the orders that publish `req_id` arrive, dropping ones no order claimed."""
+        now = time.monotonic()
+        stale = [r for r, at in self._released_early.items() if now - at > RELEASED_EARLY_TTL_S]
+        for r in stale:
+            del self._released_early[r]
+        self._released_early[req_id] = now
 
     def shutdown(self) -> None:
         with self._lock:
