@@ -54,6 +54,9 @@ def _mapped(pid: int, fragment: str) -> list[str]:
         return [line for line in fh if fragment in line]
 
 
+READS = "kvsidecar_nixl_descriptors_per_transfer_count"  # one sample per conversion round's READ
+
+
 def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: float) -> list[int]:
     """Publish BLOCKS blocks and send the decode engine its pull without waiting for the answer."""
     pub = prefill.send(
@@ -74,13 +77,17 @@ def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: f
     return dst
 
 
-def _wait_transfer_started(decode_sidecar: SidecarProcess, timeout_s: float = 30) -> None:
-    """Until the staged conversion holds staging memory: bytes are moving."""
+def _wait_transfer_started(
+    decode_sidecar: SidecarProcess, reads_before: float, timeout_s: float = 30
+) -> None:
+    """Until a conversion round has written into the engine's blocks. Rounds run one after another
+    (READ into staging, then convert), so a second round's READ means the first round's blocks are
+    written. (Staging memory in use only says the first READ went out: on a loaded 32-core machine
+    a kill 50 ms after that still found nothing written.)"""
     deadline = time.monotonic() + timeout_s
-    while metric(decode_sidecar.metrics_port, "kvsidecar_staging_bytes_in_use") == 0:
-        assert time.monotonic() < deadline, "the long pull never started moving bytes"
-        time.sleep(0.02)
-    time.sleep(0.05)
+    while metric(decode_sidecar.metrics_port, READS) < reads_before + 2:
+        assert time.monotonic() < deadline, "the long pull never wrote a block"
+        time.sleep(0.01)
 
 
 def test_prefill_sidecar_killed_mid_transfer(
@@ -91,8 +98,9 @@ def test_prefill_sidecar_killed_mid_transfer(
     other = spawn(EngineProcess(sidecar_pair[0].socket, "kill-p-other", SRC))
     decode = spawn(EngineProcess(slow_decode_sidecar.socket, "kill-d", DST))
     timeout_s = 20
+    reads = metric(slow_decode_sidecar.metrics_port, READS)
     dst = _start_long_pull(prefill, decode, timeout_s)
-    _wait_transfer_started(slow_decode_sidecar)
+    _wait_transfer_started(slow_decode_sidecar, reads)
     doomed.proc.send_signal(signal.SIGKILL)
     res = json.loads(decode.readline(timeout_s + 10))
     assert not res["ok"], "the pull finished before the kill; make it longer (BLOCKS)"
@@ -100,7 +108,7 @@ def test_prefill_sidecar_killed_mid_transfer(
     assert res["wall_s"] < timeout_s, "the pull must fail within its timeout"
     assert res["unfilled_blocks"] == dst
     assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
-    assert not res["untouched"], "the kill came too late: nothing had been written yet"
+    assert not res["untouched"], "the kill came before any block was written"
     # The decode sidecar keeps serving: a pull from another prefill sidecar works.
     assert slow_decode_sidecar.alive and _serving(f"unix:{slow_decode_sidecar.socket}")
     pub = other.send(
@@ -120,8 +128,9 @@ def test_decode_engine_dies_mid_pull(
     pid = decode.proc.pid
     cancelled = metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
     try:
+        reads = metric(sc.metrics_port, READS)
         _start_long_pull(prefill, decode, timeout_s=60)
-        _wait_transfer_started(sc)
+        _wait_transfer_started(sc, reads)
         assert _mapped(sc.proc.pid, f"kvsidecar-{pid}-")
         decode.kill()  # SIGKILL: its Events stream and its Pull call break
         # The prefill side is told at once that its blocks are free (not after the 30 s lease).
