@@ -606,7 +606,7 @@ def test_source_sidecar_killed_mid_transfer(spawn: Spawn) -> None:
     doomed.proc.send_signal(signal.SIGKILL)
     res = json.loads(decode.readline(timeout_s + 15))
     assert not res["ok"], "the pull finished before the kill; make it longer (LONG)"
-    assert res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), res
+    assert res["error_code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), f"{res['error_code']}: {res['error']}"
     assert res["wall_s"] < timeout_s
     assert res["unfilled_blocks"] == dst and res["verified"], res
     # A pull from another source works once the slots are back (at most the quarantine later).

@@ -144,7 +144,7 @@ class _Credits:
                 while self.pending and self.ready(self.pending[0][0]):
                     _, slot = self.pending.popleft()
                     if self.state.scattered(slot):
-                        a.send_notif(self.agent, sp.credit_notif(self.tid, slot))
+                        self._credit(a, slot)
                     else:
                         self.ring.pool.release([self.ring_slots[slot]])
             except Exception as e:  # tell the reader's thread; it stops the transfer
@@ -152,6 +152,16 @@ class _Credits:
                 self.inbox.put(e)
                 return True
             return False
+
+    def _credit(self, a: Any, slot: int) -> None:
+        try:
+            a.send_notif(self.agent, sp.credit_notif(self.tid, slot))
+        except Exception as e:
+            # Where UCX notices a dead peer at once, this send can fail before the Push call does: the
+            # source is gone, which is not an internal error of ours.
+            raise SidecarError(
+                Code.UNAVAILABLE, f"the source sidecar (NIXL agent {self.agent}) is not reachable: {e}"
+            ) from None
 
     def close(self) -> None:
         with self.lock:

@@ -1,0 +1,64 @@
+"""The reader's credit poller (server/staged_reader._Credits) on its own: a scattered slot goes back to the
+source as a credit notification, and a send that fails because the source is gone ends the pull as
+UNAVAILABLE, not as an internal error. The agent here is a stand-in for NIXL's: on the 2-core CPU machine
+UCX does not fail a notification to a killed peer (the Push call's failure ends the pull there), so the
+real failure cannot be made here. On a GPU host a reader whose source was killed answered INTERNAL
+(tests/e2e/test_staged_ring.py, 2026-11-25; its message was not kept); an unmapped NIXL error from this
+send is one way to get that answer."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import torch
+
+from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.gpu_staging import HOST, Ring
+from kv_sidecar.server.staged_reader import _Credits
+
+
+class Agent:
+    """What _Credits calls on the NIXL agent: send_notif, which fails once `gone` is set."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+        self.gone = False
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        if self.gone:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")  # what the binding raises, in kind
+        self.sent.append((agent, msg))
+
+
+def _credits(inbox: queue.Queue[Any]) -> tuple[_Credits, sp.RecvState]:
+    # Four one-block chunks through two slots: each of the first two scatters owes the source a credit.
+    state = sp.RecvState(0, 64, 16, {0: 100, 1: 100}, lambda k: k * 100)
+    ring = Ring(HOST, torch.empty(200, dtype=torch.uint8), 2, 100, sp.SlotPool(2), 0)
+    return _Credits(state, lambda marker: True, ring, [0, 1], "source-agent", "t" * 16, inbox), state
+
+
+def test_a_scattered_slot_is_credited_to_the_source() -> None:
+    inbox: queue.Queue[Any] = queue.Queue()
+    credits, state = _credits(inbox)
+    agent = Agent()
+    state.arrive(0, 4, 0, 0, 16)
+    credits.add("scatter-0", 0)
+    assert credits.poll(agent) is False  # still polling: more chunks to come
+    assert agent.sent == [("source-agent", sp.credit_notif("t" * 16, 0))]
+    assert inbox.empty()
+
+
+def test_a_credit_the_dead_source_cannot_take_ends_the_pull_as_unavailable() -> None:
+    inbox: queue.Queue[Any] = queue.Queue()
+    credits, state = _credits(inbox)
+    agent = Agent()
+    agent.gone = True
+    state.arrive(0, 4, 0, 0, 16)
+    credits.add("scatter-0", 0)
+    assert credits.poll(agent) is True  # done: the reader's thread takes it from here
+    err = inbox.get_nowait()
+    assert isinstance(err, SidecarError) and err.code is Code.UNAVAILABLE, err
+    assert "source sidecar (NIXL agent source-agent) is not reachable" in err.message
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in err.message
