@@ -40,10 +40,13 @@ class Backoff:
 
     Each delay is drawn from [d/2, d] for the current step d, so that the
     engines of a node that lost their sidecar together do not retry in lockstep.
+    The cap is short because until a rank has registered again its engine can
+    neither publish nor pull (a prefill engine's requests go unpublished, and
+    their decode engines compute them), and a try costs one call on a local socket.
     """
 
     initial_s: float = 0.05
-    max_s: float = 5.0
+    max_s: float = 1.0
     multiplier: float = 2.0
 
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:

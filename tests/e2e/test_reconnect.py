@@ -27,6 +27,9 @@ def test_backoff_grows_exponentially_with_jitter_up_to_its_cap() -> None:
     got = [next(delays) for _ in steps]
     assert all(s / 2 <= d <= s for d, s in zip(got, steps, strict=True)), got
     assert len({round(d, 6) for d in got}) == len(got), "jitter: no two delays alike"
+    # By default an engine finds its restarted sidecar within a second of its return.
+    default = Backoff().delays(random.Random(7))
+    assert max(next(default) for _ in range(30)) <= 1.0
 
 
 def test_engine_registers_again_after_its_sidecar_restarts(
