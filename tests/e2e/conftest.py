@@ -17,7 +17,7 @@ import pytest
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
@@ -30,7 +30,7 @@ Spawn = Callable[[P], P]
 
 @pytest.fixture(scope="session")
 def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
-    a, b = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
+    a, b = together(lambda: SidecarProcess("prefill-node"), lambda: SidecarProcess("decode-node"))
     yield a, b
     codes = a.stop(), b.stop()
     left = [p for sc in (a, b) for p in (sc.socket, sc.socket + LANE_SUFFIX) if os.path.exists(p)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
@@ -26,8 +26,10 @@ _ids = itertools.count()
 def valid_traffic(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[Callable[[], list[dict]]]:
     """Keeps pulling a real request a -> b in the background; yields a function returning the results."""
     a, b = sidecar_pair
-    prefill = EngineProcess(a.socket, "bg-prefill", SPEC)
-    decode = EngineProcess(b.socket, "bg-decode", SPEC)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "bg-prefill", SPEC),
+        lambda: EngineProcess(b.socket, "bg-decode", SPEC),
+    )
     results: list[dict] = []
     stop = threading.Event()
 
@@ -289,8 +291,10 @@ def test_incompatible_peer_names_the_field(
 ) -> None:
     a, b = sidecar_pair
     other = EngineSpec.from_dict(spec_dict(head_dim=8))
-    prefill = EngineProcess(a.socket, f"p-{next(_ids)}", SPEC)
-    decode = EngineProcess(b.socket, f"d-{next(_ids)}", other)
+    p_id, d_id = f"p-{next(_ids)}", f"d-{next(_ids)}"
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, p_id, SPEC), lambda: EngineProcess(b.socket, d_id, other)
+    )
     try:
         pub = prefill.send(
             {"cmd": "prefill", "request_id": "x", "block_ids": [1], "num_tokens": 16, "seed": 1}

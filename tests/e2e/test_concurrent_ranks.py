@@ -23,7 +23,7 @@ import pytest
 
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import SidecarClient, params_from_json
 
 from .conftest import (
@@ -44,7 +44,7 @@ DECODE = EngineSpec.from_dict(spec_dict(tp_size=2))
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     """Sidecars of their own: the tests freeze the prefill one."""
-    a, b = SidecarProcess("ranks-prefill"), SidecarProcess("ranks-decode")
+    a, b = together(lambda: SidecarProcess("ranks-prefill"), lambda: SidecarProcess("ranks-decode"))
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
 
@@ -53,12 +53,17 @@ def _engines(
     spawn: Spawn, prefill_socket: str, decode_socket: str, p_tp: int, tag: str
 ) -> tuple[EngineProcess, list[EngineProcess]]:
     n = next(_ids)
-    prefill = spawn(
-        EngineProcess(prefill_socket, f"cr-p-{tag}-{n}", EngineSpec.from_dict(spec_dict(tp_size=p_tp)))
-    )
-    # One decode engine, TP2, one process per rank (like a TP engine's workers).
+    pspec = EngineSpec.from_dict(spec_dict(tp_size=p_tp))
+    # One decode engine, TP2, one process per rank (like a TP engine's workers, which start together).
     did = f"cr-d-{tag}-{n}"
-    workers = [spawn(EngineProcess(decode_socket, did, DECODE, ranks=[r])) for r in (0, 1)]
+    prefill, *workers = map(
+        spawn,
+        together(
+            lambda: EngineProcess(prefill_socket, f"cr-p-{tag}-{n}", pspec),
+            lambda: EngineProcess(decode_socket, did, DECODE, ranks=[0]),
+            lambda: EngineProcess(decode_socket, did, DECODE, ranks=[1]),
+        ),
+    )
     return prefill, workers
 
 

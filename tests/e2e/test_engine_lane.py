@@ -13,7 +13,7 @@ from multiprocessing.connection import Client, Connection
 import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient, TransferParams, params_from_json
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 from kv_sidecar_client.lane import ENV_SWITCH, LANE_SUFFIX, LANE_VERSION
@@ -27,7 +27,10 @@ SPEC = EngineSpec.from_dict(spec_dict())
 @pytest.fixture(scope="module")
 def lane_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     """Sidecars of this module alone, so that their lane gauges count only its connections."""
-    a, b = SidecarProcess("lane-p"), SidecarProcess("lane-d", extra=["--max-message-bytes", "65536"])
+    a, b = together(
+        lambda: SidecarProcess("lane-p"),
+        lambda: SidecarProcess("lane-d", extra=["--max-message-bytes", "65536"]),
+    )
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
     assert not os.path.exists(a.socket + LANE_SUFFIX), "the lane's socket must go with the sidecar"
@@ -55,9 +58,14 @@ def test_pulls_fill_the_same_bytes_over_the_lane_and_over_grpc(
 ) -> None:
     a, b = lane_pair
     before = _lane_connections(b), _lane_connections(a)
-    prefill = spawn(EngineProcess(a.socket, f"lane{lane}-p", SPEC, env={ENV_SWITCH: lane}))
-    decode = spawn(EngineProcess(b.socket, f"lane{lane}-d", SPEC, env={ENV_SWITCH: lane}))
-    local = spawn(EngineProcess(b.socket, f"lane{lane}-dp", SPEC, env={ENV_SWITCH: lane}))
+    prefill, decode, local = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, f"lane{lane}-p", SPEC, env={ENV_SWITCH: lane}),
+            lambda: EngineProcess(b.socket, f"lane{lane}-d", SPEC, env={ENV_SWITCH: lane}),
+            lambda: EngineProcess(b.socket, f"lane{lane}-dp", SPEC, env={ENV_SWITCH: lane}),
+        ),
+    )
     for source, path in ((prefill, "host-nixl"), (local, "host-direct")):
         for i in range(3):  # the second and third reuse the lane connection the first opened
             pub = source.send(
@@ -78,8 +86,13 @@ def test_the_lane_answers_bad_input_as_grpc_does(
     lane_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
     a, b = lane_pair
-    prefill = spawn(EngineProcess(a.socket, "parity-p", SPEC))
-    decode = spawn(EngineProcess(b.socket, "parity-d", SPEC))
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, "parity-p", SPEC),
+            lambda: EngineProcess(b.socket, "parity-d", SPEC),
+        ),
+    )
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "par", "block_ids": [3, 4], "num_tokens": 20, "seed": 1}
     )
@@ -226,8 +239,13 @@ def test_a_cancelled_pull_stops_at_once_even_while_its_source_hangs(
     (the connection closes) as over gRPC (the call is cancelled), the decode sidecar ends the pull at
     once instead of at its timeout, and both sidecars serve on afterwards."""
     a, b = lane_pair
-    prefill = spawn(EngineProcess(a.socket, f"cancel-p{lane}", SPEC))
-    decode = spawn(EngineProcess(b.socket, f"cancel-d{lane}", SPEC))
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, f"cancel-p{lane}", SPEC),
+            lambda: EngineProcess(b.socket, f"cancel-d{lane}", SPEC),
+        ),
+    )
     pub = prefill.send({"cmd": "prefill", "request_id": "c", "block_ids": [1], "num_tokens": 16, "seed": 2})
     pulls = PolledPulls(b.socket, lane=lane)
     try:

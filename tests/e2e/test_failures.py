@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
@@ -199,7 +199,9 @@ def test_garbage_on_the_peer_port_leaves_the_sidecar_serving(
     assert a.alive and _serving(a.peer_address) and _serving(f"unix:{a.socket}")
     # Real work still flows through it.
     spec = EngineSpec.from_dict(spec_dict())
-    prefill, decode = EngineProcess(a.socket, "garbage-p", spec), EngineProcess(b.socket, "garbage-d", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "garbage-p", spec), lambda: EngineProcess(b.socket, "garbage-d", spec)
+    )
     try:
         pub = prefill.send(
             {"cmd": "prefill", "request_id": "g", "block_ids": [1], "num_tokens": 9, "seed": 2}

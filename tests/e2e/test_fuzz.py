@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec, Layout
-from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar.refengine.procs import SidecarProcess, together
 from kv_sidecar_client._proto.kvsidecar.v1 import (
     common_pb2,
     engine_pb2,
@@ -87,7 +87,7 @@ def _register(stub: engine_pb2_grpc.EngineServiceStub, engine_id: str, handles: 
 
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
-    local, remote = SidecarProcess("fuzz-local"), SidecarProcess("fuzz-remote")
+    local, remote = together(lambda: SidecarProcess("fuzz-local"), lambda: SidecarProcess("fuzz-remote"))
     shapes = SPEC.rank_tensor_shapes()
     canary = _cache([*CANARY, *shapes, *CANARY], torch.float16, 0)
     src, remote_src = _cache(shapes, torch.float16, 1), _cache(shapes, torch.float16, 2)

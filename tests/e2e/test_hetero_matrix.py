@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 
 from .conftest import spec_dict
 
@@ -78,8 +78,10 @@ def test_pairing_is_bit_exact(
     dspec = EngineSpec.from_dict(spec_dict(**d_over))
     tokens = 75  # not a multiple of any block size: the last block is partial
     n = next(_ids)
-    prefill = EngineProcess(a.socket, f"p-{case}-{n}", pspec)
-    decode = EngineProcess(a.socket if where == "direct" else b.socket, f"d-{case}-{n}", dspec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, f"p-{case}-{n}", pspec),
+        lambda: EngineProcess(a.socket if where == "direct" else b.socket, f"d-{case}-{n}", dspec),
+    )
     try:
         src = [pspec.num_blocks - 1 - 3 * j for j in range(math.ceil(tokens / pspec.block_size))]
         dst = [5 * j + 1 for j in range(math.ceil(tokens / dspec.block_size) - start // dspec.block_size)]

@@ -10,7 +10,7 @@ import pytest
 
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import SidecarClient, params_from_json
 
 from .conftest import Spawn, spec_dict
@@ -26,9 +26,12 @@ def engines(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[dic
     a, b = sidecar_pair
     procs: dict[str, EngineProcess] = {}
     try:
-        procs["prefill"] = EngineProcess(a.socket, "lease-p", SPEC)
-        procs["nixl"] = EngineProcess(b.socket, "lease-d-remote", SPEC)
-        procs["direct"] = EngineProcess(a.socket, "lease-d-local", SPEC)
+        started = together(
+            lambda: EngineProcess(a.socket, "lease-p", SPEC),
+            lambda: EngineProcess(b.socket, "lease-d-remote", SPEC),
+            lambda: EngineProcess(a.socket, "lease-d-local", SPEC),
+        )
+        procs.update(zip(("prefill", "nixl", "direct"), started, strict=True))
         yield procs
     finally:
         for p in procs.values():
@@ -135,8 +138,13 @@ def test_each_prefill_rank_is_consumed_when_its_decode_ranks_are_done(
     pspec, dspec = EngineSpec.from_dict(spec_dict(**p_over)), EngineSpec.from_dict(spec_dict(**d_over))
     plan = plan_pair(pspec, dspec)
     n = next(_ids)
-    prefill = spawn(EngineProcess(a.socket, f"c-p-{case}-{n}", pspec))
-    decode = spawn(EngineProcess(b.socket, f"c-d-{case}-{n}", dspec))
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, f"c-p-{case}-{n}", pspec),
+            lambda: EngineProcess(b.socket, f"c-d-{case}-{n}", dspec),
+        ),
+    )
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": n}
     )

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar.server import notified_opens
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.push_runs import KEY_BYTES
@@ -33,7 +33,7 @@ REFUSED = "kvsidecar_failures_total"
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
-    a, b = SidecarProcess("open-prefill"), SidecarProcess("open-decode")
+    a, b = together(lambda: SidecarProcess("open-prefill"), lambda: SidecarProcess("open-decode"))
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
 
@@ -54,8 +54,9 @@ def _publish(prefill: EngineProcess, block_ids: list[int], tokens: int) -> tuple
 def test_opens_go_as_notifications_once_a_pull_completed(pair: tuple[SidecarProcess, SidecarProcess]) -> None:
     a, b = pair
     spec = EngineSpec.from_dict(spec_dict(tp_size=2))
-    prefill = EngineProcess(a.socket, "np", spec)
-    decode = EngineProcess(b.socket, "nd", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "np", spec), lambda: EngineProcess(b.socket, "nd", spec)
+    )
     try:
         by_notif = []
         for i in range(6):

@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
@@ -78,8 +78,9 @@ def tls_pair(pki: Pki) -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     """Server-side TLS only (no client certificates), and a small message size limit."""
     flags = _tls_flags(pki.local, pki.ca.ca_file, "--tls-client-auth", "none")
     flags += ["--max-message-bytes", str(MAX_MESSAGE)]
-    a = SidecarProcess("tls-prefill", extra=flags)
-    b = SidecarProcess("tls-decode", extra=flags)
+    a, b = together(
+        lambda: SidecarProcess("tls-prefill", extra=flags), lambda: SidecarProcess("tls-decode", extra=flags)
+    )
     yield a, b
     _stop_all(a, b)
 
@@ -97,10 +98,12 @@ def mtls(pki: Pki) -> Iterator[MtlsGroup]:
     good = _tls_flags(pki.shared, pki.ca.ca_file, "--tls-server-name", SERVER_NAME)
     rogue = _tls_flags(pki.rogue, pki.rogue_ca.ca_file, "--tls-server-name", SERVER_NAME)
     group = MtlsGroup(
-        SidecarProcess("mtls-prefill", extra=[*good, "--token-file", str(pki.token)]),
-        SidecarProcess("mtls-decode", extra=[*good, "--token-file", str(pki.token)]),
-        SidecarProcess("mtls-wrong-token", extra=[*good, "--token-file", str(pki.wrong_token)]),
-        SidecarProcess("mtls-rogue", extra=[*rogue, "--token-file", str(pki.token)]),
+        *together(
+            lambda: SidecarProcess("mtls-prefill", extra=[*good, "--token-file", str(pki.token)]),
+            lambda: SidecarProcess("mtls-decode", extra=[*good, "--token-file", str(pki.token)]),
+            lambda: SidecarProcess("mtls-wrong-token", extra=[*good, "--token-file", str(pki.wrong_token)]),
+            lambda: SidecarProcess("mtls-rogue", extra=[*rogue, "--token-file", str(pki.token)]),
+        )
     )
     yield group
     _stop_all(group.prefill, group.decode, group.wrong_token, group.rogue)

@@ -28,7 +28,7 @@ import torch
 
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
@@ -72,8 +72,10 @@ def rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
 
 @pytest.fixture(scope="module")
 def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
-    a = SidecarProcess("ring-prefill", extra=RING, env=ENV)
-    b = SidecarProcess("ring-decode", extra=RING, env=ENV)
+    a, b = together(
+        lambda: SidecarProcess("ring-prefill", extra=RING, env=ENV),
+        lambda: SidecarProcess("ring-decode", extra=RING, env=ENV),
+    )
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0), "\n".join([*a.stderr_tail, *b.stderr_tail])
 
@@ -102,8 +104,10 @@ def test_pairings_through_the_ring_are_bit_exact(
     pspec = EngineSpec.from_dict(spec_dict(**p_over))
     dspec = EngineSpec.from_dict(spec_dict(**d_over))
     n = next(_ids)
-    prefill = EngineProcess(a.socket, f"rp-{case}-{n}", pspec)
-    decode = EngineProcess(b.socket, f"rd-{case}-{n}", dspec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, f"rp-{case}-{n}", pspec),
+        lambda: EngineProcess(b.socket, f"rd-{case}-{n}", dspec),
+    )
     try:
         for request in range(2):  # the second one reuses the handshake, the rings and the loaded agent
             src = [
@@ -190,8 +194,9 @@ def test_pushes_start_from_their_notification_once(ring_pair: tuple[SidecarProce
     a, b = ring_pair
     spec = EngineSpec.from_dict(spec_dict())
     n = next(_ids)
-    prefill = EngineProcess(a.socket, f"np-{n}", spec)
-    decode = EngineProcess(b.socket, f"nd-{n}", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, f"np-{n}", spec), lambda: EngineProcess(b.socket, f"nd-{n}", spec)
+    )
     by = {k: f'{{by="{k}"}}' for k in ("notification", "call")}
     before = {k: metric(a, "kvsidecar_push_starts_total", v) for k, v in by.items()}
     pulls = 6
@@ -393,8 +398,9 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
     it started, instead of holding its send slots until the request's timeout, and serves on."""
     a, b = ring_pair
     spec = EngineSpec.from_dict(spec_dict())
-    prefill = EngineProcess(a.socket, "alone-p", spec)
-    decode = EngineProcess(b.socket, "alone-d", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "alone-p", spec), lambda: EngineProcess(b.socket, "alone-d", spec)
+    )
     reader = _GoneReader(a, "alone-p", spec)
     try:
         pub = prefill.send(
@@ -434,11 +440,21 @@ def test_a_notification_finding_every_source_thread_busy_waits_its_turn(spawn: S
     """With all 8 kept source threads busy (engine_workers 8), a Push notification queues for one
     instead of being dropped: its transfer starts from it once a thread frees, and the reader's call,
     which goes 5 ms after the notification, joins it rather than starting it."""
-    source = spawn(SidecarProcess("busy-src", extra=[*RING, "--engine-workers", "8"], env=ENV))
-    b = spawn(SidecarProcess("busy-rdr", extra=RING, env=ENV))
+    source, b = map(
+        spawn,
+        together(
+            lambda: SidecarProcess("busy-src", extra=[*RING, "--engine-workers", "8"], env=ENV),
+            lambda: SidecarProcess("busy-rdr", extra=RING, env=ENV),
+        ),
+    )
     spec = EngineSpec.from_dict(spec_dict(num_blocks=64))
-    prefill = spawn(EngineProcess(source.socket, "busy-p", spec))
-    decode = spawn(EngineProcess(b.socket, "busy-d", spec))
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(source.socket, "busy-p", spec),
+            lambda: EngineProcess(b.socket, "busy-d", spec),
+        ),
+    )
     _warm_up(prefill, decode)  # the reader now holds the source's push key
     reader = _GoneReader(source, "busy-p", spec)
     try:
@@ -526,10 +542,19 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, starte
     whether the long transfer was started by its Push call (a source with push notifications off) or
     by its notification, which the call, sent once the transfer is slow, joins."""
     off = ["--push-notifications", "false"] if started_by == "call" else []
-    a = spawn(SidecarProcess("ring-long-p", extra=ONE_BLOCK_RING + off, env=ENV))
-    b = spawn(SidecarProcess("ring-long-d", extra=ONE_BLOCK_RING, env=ENV))
-    prefill = spawn(EngineProcess(a.socket, "lp", LONG_SRC))
-    decode = spawn(EngineProcess(b.socket, "ld", LONG_DST))
+    a, b = map(
+        spawn,
+        together(
+            lambda: SidecarProcess("ring-long-p", extra=ONE_BLOCK_RING + off, env=ENV),
+            lambda: SidecarProcess("ring-long-d", extra=ONE_BLOCK_RING, env=ENV),
+        ),
+    )
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, "lp", LONG_SRC), lambda: EngineProcess(b.socket, "ld", LONG_DST)
+        ),
+    )
     _warm_up(prefill, decode)
     by = f'{{by="{started_by}"}}'
     # The call may still start the transfer first (its notification found no free source thread, or
@@ -563,10 +588,19 @@ def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: S
     before that asks the source to stop by a stopping call, which answers once nothing is in flight:
     both rings are free at once (no quarantine), no byte outside the request changed, and the next
     pull works."""
-    a = spawn(SidecarProcess("ring-early-p", extra=ONE_BLOCK_RING, env=ENV))
-    b = spawn(SidecarProcess("ring-early-d", extra=ONE_BLOCK_RING, env=ENV))
-    prefill = spawn(EngineProcess(a.socket, "ep", LONG_SRC))
-    decode = spawn(EngineProcess(b.socket, "ed", LONG_DST))
+    a, b = map(
+        spawn,
+        together(
+            lambda: SidecarProcess("ring-early-p", extra=ONE_BLOCK_RING, env=ENV),
+            lambda: SidecarProcess("ring-early-d", extra=ONE_BLOCK_RING, env=ENV),
+        ),
+    )
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(a.socket, "ep", LONG_SRC), lambda: EngineProcess(b.socket, "ed", LONG_DST)
+        ),
+    )
     _warm_up(prefill, decode)
     by = '{by="notification"}'
     # The deadline (3 ms) comes before the call would (CALL_AFTER_S, 5 ms after the notification);
@@ -595,11 +629,21 @@ def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: S
 def test_source_sidecar_killed_mid_transfer(spawn: Spawn) -> None:
     """The source dies with chunks in flight: the pull fails cleanly and in time, the reader keeps its
     slots out of the ring until a live source would have stopped, then the ring serves again."""
-    doomed = spawn(SidecarProcess("ring-doomed", extra=ONE_BLOCK_RING, env=ENV))
-    other = spawn(SidecarProcess("ring-other", extra=ONE_BLOCK_RING, env=ENV))
-    b = spawn(SidecarProcess("ring-survivor", extra=ONE_BLOCK_RING, env=ENV))
-    prefill = spawn(EngineProcess(doomed.socket, "kp", LONG_SRC))
-    decode = spawn(EngineProcess(b.socket, "kd", LONG_DST))
+    doomed, other, b = map(
+        spawn,
+        together(
+            lambda: SidecarProcess("ring-doomed", extra=ONE_BLOCK_RING, env=ENV),
+            lambda: SidecarProcess("ring-other", extra=ONE_BLOCK_RING, env=ENV),
+            lambda: SidecarProcess("ring-survivor", extra=ONE_BLOCK_RING, env=ENV),
+        ),
+    )
+    prefill, decode = map(
+        spawn,
+        together(
+            lambda: EngineProcess(doomed.socket, "kp", LONG_SRC),
+            lambda: EngineProcess(b.socket, "kd", LONG_DST),
+        ),
+    )
     timeout_s = 20
     dst = _start_long_pull(prefill, decode, timeout_s)
     _wait_moving(b)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 
 from .conftest import spec_dict
 
@@ -24,9 +24,13 @@ BYTES = 3 * 2 * 2 * 16 * 4 * 16 * 2  # 3 blocks x layers x K/V x tokens x heads 
 @pytest.fixture(scope="module")
 def pulled() -> Iterator[tuple[SidecarProcess, SidecarProcess, str]]:
     """A pair logging JSON (flag on one, environment on the other) after one pull a -> b."""
-    a = SidecarProcess("obs-prefill", extra=["--log-format", "json"])
-    b = SidecarProcess("obs-decode", env={"KV_SIDECAR_LOG_FORMAT": "json"})
-    prefill, decode = EngineProcess(a.socket, "obs-p", SPEC), EngineProcess(b.socket, "obs-d", SPEC)
+    a, b = together(
+        lambda: SidecarProcess("obs-prefill", extra=["--log-format", "json"]),
+        lambda: SidecarProcess("obs-decode", env={"KV_SIDECAR_LOG_FORMAT": "json"}),
+    )
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "obs-p", SPEC), lambda: EngineProcess(b.socket, "obs-d", SPEC)
+    )
     try:
         pub = prefill.send(
             {"cmd": "prefill", "request_id": "obs-1", "block_ids": [4, 5, 6], "num_tokens": 48, "seed": 2}

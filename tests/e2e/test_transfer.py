@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 
 from .conftest import metric, spec_dict
 
@@ -48,8 +48,9 @@ def _transfer(
 def test_pull_across_sidecars_over_nixl(sidecar_pair: tuple[SidecarProcess, SidecarProcess], tp: int) -> None:
     a, b = sidecar_pair
     spec = EngineSpec.from_dict(spec_dict(tp_size=tp))
-    prefill = EngineProcess(a.socket, f"p-tp{tp}", spec)
-    decode = EngineProcess(b.socket, f"d-tp{tp}", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, f"p-tp{tp}", spec), lambda: EngineProcess(b.socket, f"d-tp{tp}", spec)
+    )
     try:
         res = _transfer(prefill, decode, src=[5, 2, 9], dst=[1, 30, 7], tokens=45)
         assert res["path"] == "host-nixl"
@@ -66,8 +67,9 @@ def test_pull_across_sidecars_over_nixl(sidecar_pair: tuple[SidecarProcess, Side
 def test_pull_within_one_sidecar_copies_directly(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
     a, _ = sidecar_pair
     spec = EngineSpec.from_dict(spec_dict(tp_size=2))
-    prefill = EngineProcess(a.socket, "p-local", spec)
-    decode = EngineProcess(a.socket, "d-local", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "p-local", spec), lambda: EngineProcess(a.socket, "d-local", spec)
+    )
     try:
         res = _transfer(prefill, decode, src=[0, 63], dst=[62, 1], tokens=20)
         assert res["path"] == "host-direct"
@@ -93,7 +95,9 @@ def test_health_reflection_and_metrics(sidecar_pair: tuple[SidecarProcess, Sidec
             assert any(n.startswith("kvsidecar.v1.") for n in names)
     before = metric(b.metrics_port, "kvsidecar_pulls_total", '{outcome="ok",path="host-nixl"}')
     spec = EngineSpec.from_dict(spec_dict())
-    prefill, decode = EngineProcess(a.socket, "p-metrics", spec), EngineProcess(b.socket, "d-metrics", spec)
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, "p-metrics", spec), lambda: EngineProcess(b.socket, "d-metrics", spec)
+    )
     try:
         _transfer(prefill, decode, src=[1], dst=[2], tokens=16)
     finally:

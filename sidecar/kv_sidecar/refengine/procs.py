@@ -15,13 +15,33 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kv_sidecar.plan.spec import EngineSpec
 
 
 class ProcessError(RuntimeError):
     pass
+
+
+P = TypeVar("P", bound="_Proc")
+
+
+def together(*makers: Callable[[], P]) -> list[P]:
+    """Start several processes at once and wait until every one is ready; their start-up is mostly
+    imports on one core each, so two take about the time of one where there are two cores. If any
+    fails to start, the others are killed and its error is raised."""
+    with ThreadPoolExecutor(len(makers)) as pool:
+        futures = [pool.submit(m) for m in makers]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().kill()
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 # Directories SidecarProcess made, with how many of them use each: a restarted sidecar reuses its
