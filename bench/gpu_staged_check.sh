@@ -2,7 +2,8 @@
 # The staged GPU path (issue 11) on a machine with 2 GPUs, from the repository root; writes under $OUT.
 #
 #   bash bench/gpu_staged_check.sh tests       # every GPU test (tests/gpu: server, copy, IPC, interpreter) ~6 min
-#   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine
+#   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine;
+#                                              # PYTEST_ARGS="-n 24" (xdist, from scripts/gpu_wheels.sh) ~3.5 min
 #   bash bench/gpu_staged_check.sh startup     # what a process's start-up costs here (bench/startup_cost.py)
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings of BIG_SLOTS (default 4,8,16) slots ~4 min
