@@ -52,7 +52,7 @@ BASE: dict[str, Any] = {
 }
 TOKEN_BYTES = 8 * 128 * 2
 # Where NVIDIA GPUs are present, NIXL refuses a UCX_TLS without CUDA memory support (docs/operations.md 5.9).
-TCP_ONLY = {"UCX_TLS": "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"}
+TCP_ONLY = {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
 NOTES = (
     "\nReading the table: small requests are latency-bound (a pull costs a few milliseconds whatever "
     "its size: two gRPC hops, OpenRead on the prefill sidecar, the completion notification). Large "

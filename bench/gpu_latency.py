@@ -35,7 +35,6 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +107,7 @@ class Rig:
         import torch
 
         from kv_sidecar.plan.spec import EngineSpec
-        from kv_sidecar.refengine.procs import SidecarProcess
+        from kv_sidecar.refengine.procs import SidecarProcess, together
         from kv_sidecar_client import SidecarClient
 
         self.host = host
@@ -119,10 +118,10 @@ class Rig:
         extra = (["--host-transfer", "ring"] if host else []) + ring_args
         env = {"OMP_NUM_THREADS": "1"} if host else {}
         names = [("bench-node", []), ("bench-prefill", extra), ("bench-decode", extra)]
-        with ThreadPoolExecutor(3) as pool:  # NIXL and CUDA start-up dominate: overlap them
-            self.node, self.pre, self.dec = pool.map(
-                lambda ne: SidecarProcess(ne[0], extra=ne[1], env=env, start_timeout_s=180), names
-            )
+        # NIXL and CUDA start-up dominate: overlap them
+        self.node, self.pre, self.dec = together(
+            *(lambda ne=ne: SidecarProcess(ne[0], extra=ne[1], env=env, start_timeout_s=180) for ne in names)
+        )
         dtype = torch.bfloat16
         shapes = self.spec.rank_tensor_shapes()
         if host:

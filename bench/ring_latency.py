@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import baseline
 from gpu_latency import HOST_MODEL, MODEL
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar.refengine.procs import SidecarProcess, together
 from kv_sidecar_client import SidecarClient
 
 # bench/gpu_latency.py's ranks: --host's 32 KiB blocks (4 layers, 2 heads, head_dim 64, bf16, 16 tokens)
@@ -102,22 +101,16 @@ def main() -> int:
         trees = {"old": None, "new": None}  # this tree twice, with different flags
     env_of = {k: (baseline.env(t) if t else {}) | {"OMP_NUM_THREADS": "1"} for k, t in trees.items()}
     jobs = [(k, role) for k in trees for role in (("p",) if args.local else ("p", "d"))]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        procs = dict(
-            zip(
-                jobs,
-                pool.map(
-                    lambda j: SidecarProcess(
-                        f"ring-{j[0]}-{j[1]}",
-                        extra=extra + getattr(args, f"{j[0]}_args").split(),
-                        env=env_of[j[0]],
-                        start_timeout_s=180,
-                    ),
-                    jobs,
-                ),
-                strict=True,
-            )
+    starts = [
+        lambda j=j: SidecarProcess(
+            f"ring-{j[0]}-{j[1]}",
+            extra=extra + getattr(args, f"{j[0]}_args").split(),
+            env=env_of[j[0]],
+            start_timeout_s=180,
         )
+        for j in jobs
+    ]
+    procs = dict(zip(jobs, together(*starts), strict=True))
     if args.local:  # both engines on the one sidecar of each tree
         procs.update({(k, "d"): procs[(k, "p")] for k in trees})
     shapes = spec.rank_tensor_shapes()

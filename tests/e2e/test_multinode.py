@@ -14,14 +14,13 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar.server.membership import REFRESH_S
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
@@ -36,8 +35,8 @@ TOKENS = 75  # not a multiple of the block size: the last block is partial
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
     names = ("a", "b", "c", "d")
-    with ThreadPoolExecutor(len(names)) as pool:  # NIXL start-up dominates; overlap it
-        procs = dict(zip(names, pool.map(lambda n: SidecarProcess(f"node-{n}"), names), strict=True))
+    # NIXL start-up dominates; overlap it
+    procs = dict(zip(names, together(*(lambda n=n: SidecarProcess(f"node-{n}") for n in names)), strict=True))
     yield procs
     codes = {n: p.stop() for n, p in procs.items()}
     assert all(c == 0 for c in codes.values()), f"sidecars exited with {codes}:\n" + "\n".join(
