@@ -113,6 +113,48 @@ def test_pool_waiters_are_served_in_order_and_time_out_cleanly() -> None:
     assert pool.free == 1 and pool.waiting == 0
 
 
+def test_pool_wakes_only_the_waiter_whose_turn_it_is() -> None:
+    """A release lets the first waiter in, and only it looks again: with many pulls queued on a ring,
+    waking every waiter at each release had each of them take the GIL for nothing."""
+    n = 12
+    pool = sp.SlotPool(n)
+    held = pool.acquire(n, forever)
+    looks = [0] * n  # calls of each waiter's `remaining()`: one per time it woke up and looked
+    order: list[int] = []
+    done = threading.Event()
+
+    def waiter(i: int) -> None:
+        def remaining() -> float:
+            looks[i] += 1
+            return 60.0
+
+        s = pool.acquire(1, remaining)
+        order.append(i)
+        done.wait(10)
+        pool.release(s)
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(n)]
+    for i, t in enumerate(threads):
+        t.start()
+        while pool.waiting < i + 1:  # queued in this order
+            time.sleep(0.001)
+    before = sum(looks)
+    for s in held:
+        pool.release([s])
+        time.sleep(0.002)  # time for every woken waiter to look
+    deadline = time.monotonic() + 5
+    while len(order) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done.set()
+    for t in threads:
+        t.join(5)
+    assert order == list(range(n))
+    # Each waiter looks once when its turn comes, plus at most a timed wake-up or two (every 50 ms);
+    # waking all of them at each release makes it ~n * n / 2.
+    assert sum(looks) - before <= 3 * n, looks
+    assert pool.free == n and pool.waiting == 0
+
+
 def test_pool_refuses_double_release_and_delays_quarantined_slots() -> None:
     pool = sp.SlotPool(2)
     s = pool.acquire(2, forever)

@@ -138,6 +138,9 @@ class SlotPool:
     free up to what was asked (at least one slot): a transfer starts as soon
     as one slot is free instead of waiting for the whole ring, and slots a
     transfer gives back (as its last chunks need fewer) go to the next one.
+    Only the first waiter is woken, and only when it may proceed: with many
+    pulls queued on a GPU, waking them all at every release made each take
+    the GIL in turn beside the running pulls.
     """
 
     def __init__(self, slots: int, on_change: Callable[[int], None] | None = None) -> None:
@@ -145,35 +148,40 @@ class SlotPool:
             raise ValueError("a ring has at least one slot")
         self.slots = slots
         self._free: deque[int] = deque(range(slots))
-        self._cond = threading.Condition()
-        self._waiting: deque[object] = deque()
+        self._lock = threading.Lock()
+        self._waiting: deque[threading.Condition] = deque()  # one per waiter, on `_lock`, in arrival order
         self._on_change = on_change  # called with +n / -n slots in use (metrics)
         self.quarantined = 0  # slots waiting out a delayed release (a transfer that did not confirm its end)
 
     @property
     def free(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._free)
 
     @property
     def waiting(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._waiting)
+
+    def _wake_first(self) -> None:
+        """With `_lock` held: the first waiter looks again if a slot is free for it."""
+        if self._waiting and self._free:
+            self._waiting[0].notify()
 
     def acquire(self, want: int, remaining: Callable[[], float]) -> list[int]:
         """Between 1 and `want` slots, in arrival order. `remaining()` returns the seconds left
         to wait, or raises (deadline, cancellation): that exception propagates."""
         want = max(1, min(want, self.slots))
-        ticket = object()
-        with self._cond:
-            self._waiting.append(ticket)
+        with self._lock:
+            me = threading.Condition(self._lock)
+            self._waiting.append(me)
             try:
-                while not (self._free and self._waiting[0] is ticket):
-                    self._cond.wait(max(0.0, min(remaining(), 0.05)))
+                while not (self._free and self._waiting[0] is me):
+                    me.wait(max(0.0, min(remaining(), 0.05)))
                 got = [self._free.popleft() for _ in range(min(want, len(self._free)))]
             finally:
-                self._waiting.remove(ticket)
-                self._cond.notify_all()
+                self._waiting.remove(me)
+                self._wake_first()  # slots left over, or the first waiter gave up: the next one's turn
         if self._on_change is not None:
             self._on_change(len(got))
         return got
@@ -182,12 +190,12 @@ class SlotPool:
         slots = list(slots)
         if not slots:
             return
-        with self._cond:
+        with self._lock:
             for s in slots:
                 if not 0 <= s < self.slots or s in self._free:
                     raise ValueError(f"slot {s} released twice or never acquired")
                 self._free.append(s)
-            self._cond.notify_all()
+            self._wake_first()
         if self._on_change is not None:
             self._on_change(-len(slots))
 
@@ -203,11 +211,11 @@ class SlotPool:
         slots = list(slots)
         if not slots:
             return
-        with self._cond:
+        with self._lock:
             self.quarantined += len(slots)
 
         def back() -> None:
-            with self._cond:
+            with self._lock:
                 self.quarantined -= len(slots)
             self.release(slots)
 
