@@ -5,9 +5,9 @@ it while it "transfers" (HOLD_US asleep, as a pull waits for its GPU work and th
 WORK_US of Python holding the GIL, as its host steps do) and gives it back. With C > S the others
 queue in `SlotPool.acquire`, as pulls on one GPU did in the concurrent rows of bench/gpu_latency.py.
 The table gives rounds per second and the process's CPU time per round: whatever the queue costs
-beyond the work itself.
+beyond the work itself. It is printed and written to docs/benchmarks.md (--no-write: printed only).
 
-    python bench/slot_pool.py [--baseline REV] [--threads 1,4,16] [--rounds 300] [--repeats 3]
+    python bench/slot_pool.py [--baseline REV] [--threads 1,4,16] [--rounds 300] [--repeats 3] [--no-write]
 
 --baseline REV runs REV's `SlotPool` (its server/staged_protocol.py, loaded from git) too, the two
 alternating run by run, so that both see the same machine.
@@ -16,7 +16,10 @@ alternating run by run, so that both see the same machine.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -27,6 +30,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from report import gpus, write_section  # noqa: E402
+
+SECTION = "Slot pool under queueing (bench/slot_pool.py)"
 MODULE = "sidecar/kv_sidecar/server/staged_protocol.py"
 
 
@@ -105,16 +112,20 @@ def main() -> int:
     ap.add_argument("--hold-us", type=float, default=1000, help="asleep while holding a slot")
     ap.add_argument("--work-us", type=float, default=100, help="Python holding the GIL per round")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     pools = {"this tree": load_pool(None)}
     if args.baseline:
         pools[args.baseline] = load_pool(args.baseline)
-    print(
+    setting = (
         f"slots {args.slots}, {args.rounds} rounds per thread, hold {args.hold_us:g} us asleep + "
-        f"{args.work_us:g} us of Python; median of {args.repeats} runs, alternating\n"
+        f"{args.work_us:g} us of Python; median of {args.repeats} runs, alternating"
     )
-    print("| threads | SlotPool | rounds/s | CPU us per round | acquire wait p50 ms |")
-    print("|---|---|---|---|---|")
+    lines = [
+        "| threads | SlotPool | rounds/s | CPU us per round | acquire wait p50 ms |",
+        "|---|---|---|---|---|",
+    ]
+    print(setting + "\n\n" + "\n".join(lines), flush=True)
     for c in (int(x) for x in args.threads.split(",")):
         results: dict[str, list[dict[str, float]]] = {name: [] for name in pools}
         for _ in range(args.repeats):
@@ -122,10 +133,27 @@ def main() -> int:
                 results[name].append(run(cls, args.slots, c, args.rounds, args.hold_us, args.work_us))
         for name, rs in results.items():
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            print(
+            lines.append(
                 f"| {c} | {name} | {med['rounds_per_s']:.0f} | {med['cpu_us_per_round']:.1f} | "
                 f"{med['wait_p50_ms']:.2f} |"
             )
+            print(lines[-1], flush=True)
+    if not args.no_write:
+        command = "python bench/slot_pool.py " + " ".join(sys.argv[1:])
+        machine = (
+            f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()} ({gpus()})"
+        )
+        body = (
+            f"Command: `{command.strip()}` · machine: {machine} · date: {datetime.date.today()}\n\n"
+            f"In one process, C threads share a {args.slots}-slot pool. Each round a thread takes a slot, "
+            f"sleeps {args.hold_us:g} µs holding it (a pull waiting on its GPU work and the wire), spins "
+            f"{args.work_us:g} µs of Python (its host steps) and gives the slot back. "
+            + ("The two trees' pools alternate run by run. " if args.baseline else "")
+            + f"Medians of {args.repeats} runs.\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
+        write_section(ROOT / "docs" / "benchmarks.md", SECTION, body)
     return 0
 
 
