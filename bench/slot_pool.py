@@ -21,9 +21,7 @@ import importlib.util
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import baseline  # noqa: E402
 from report import gpus, write_section  # noqa: E402
 
 SECTION = "Slot pool under queueing (bench/slot_pool.py)"
@@ -38,15 +37,13 @@ MODULE = "sidecar/kv_sidecar/server/staged_protocol.py"
 
 
 def load_pool(ref: str | None) -> Any:
-    """`SlotPool` of this tree, or of git revision `ref`."""
+    """`SlotPool` of this tree, or of git revision `ref` (exported as bench/baseline.py does)."""
     if ref is None:
         sys.path.insert(0, str(ROOT / "sidecar"))
         from kv_sidecar.server.staged_protocol import SlotPool
 
         return SlotPool
-    src = subprocess.run(["git", "show", f"{ref}:{MODULE}"], cwd=ROOT, check=True, capture_output=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="kvs-slot-pool-")) / "staged_protocol_base.py"
-    path.write_bytes(src)
+    path = Path(baseline.export(ref)) / MODULE
     spec = importlib.util.spec_from_file_location("staged_protocol_base", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
