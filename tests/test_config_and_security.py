@@ -31,6 +31,8 @@ def test_precedence_flags_env_yaml_defaults(tmp_path: Path) -> None:
         ("tls_client_auth", "optional", "tls_client_auth must be one of require, none"),
         ("drain_timeout_s", "soon", "drain_timeout_s must be a number, got 'soon'"),
         ("engine_lane", "maybe", "engine_lane must be true or false, got 'maybe'"),
+        ("engine_workers", "4", "engine_workers must be at least 8, got 4"),
+        ("nixl_quiet_poll_ms", "0", "nixl_quiet_poll_ms must be at least 1, got 0"),
     ],
 )
 def test_invalid_values_are_named(key: str, value: str, message: str) -> None:

@@ -25,6 +25,7 @@ class Settings:
     gpu_staging_slots: int = 4
     host_transfer: str = "read"
     nixl_busy_poll_us: int = 20
+    nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
@@ -59,6 +60,9 @@ class Settings:
         "ones; what CI uses to run it without GPUs)",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
+        "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "
+        "milliseconds (at least 1): an idle sidecar's CPU against how late it hears a notification nothing "
+        "announced. A Publish, a reader's Handshake or OpenRead, and a served read wake it at once",
         "push_notifications": "let readers send a staged Push, and an OpenRead, as a NIXL notification "
         "too, signed with a key given over an authenticated Handshake or Push call: a transfer starts "
         "~0.5 ms sooner, an open is answered by notification; while readers are recent (1 s) the NIXL "
@@ -85,12 +89,21 @@ class Settings:
         "log_format": "text (key=value) or json (one object per line)",
     }
 
+    # Below these the sidecar cannot work: event streams would starve the engine API's other calls, or
+    # the NIXL thread's wait would be no wait.
+    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1}
+
     CHOICES = {
         "host_transfer": ("read", "ring"),
         "tls_client_auth": ("require", "none"),
         "log_format": ("text", "json"),
         "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     }
+
+    def __post_init__(self) -> None:
+        for name, least in self.MINIMA.items():
+            if getattr(self, name) < least:
+                raise ConfigError(f"{name} must be at least {least}, got {getattr(self, name)}")
 
 
 class ConfigError(ValueError):

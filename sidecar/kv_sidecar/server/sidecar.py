@@ -72,6 +72,7 @@ class Sidecar:
             self.sidecar_id,
             on_notif=self._on_notif,
             busy_wait_s=settings.nixl_busy_poll_us / 1e6,
+            quiet_wait_s=settings.nixl_quiet_poll_ms / 1e3,
             # Poll at the serving rate while reads are served, or while readers push (a Push
             # notification waits for our next poll: at the idle rate, 2 ms, it would lose to gRPC).
             serving=lambda: self.transfers.any_serving() or recent(),
@@ -111,8 +112,6 @@ class Sidecar:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
-        if s.engine_workers < 8:
-            raise ValueError(f"engine_workers must be at least 8, got {s.engine_workers}")
         # A gRPC sync server runs each call, streams included, on one pool thread; when every thread
         # is taken, new calls wait in a queue. Event streams live as long as their rank, so they may
         # take at most event_stream_limit threads, and unary calls always find one.
