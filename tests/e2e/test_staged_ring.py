@@ -232,18 +232,27 @@ def test_pushes_start_from_their_notification_once(ring_pair: tuple[SidecarProce
     rings_idle(a, b)
 
 
-def test_a_push_after_a_quiet_spell_starts_from_its_notification(
-    ring_pair: tuple[SidecarProcess, SidecarProcess],
-) -> None:
-    """A source quiet for a second polls NIXL every 50 ms; the Publish before a pull wakes it, so the
-    Push notification still starts the transfer. Without the wake-up the reader's call, 5 ms on, started
-    nearly every one (a pull after each quiet spell then paid ~1.5 ms more: docs/benchmarks.md)."""
-    a, b = ring_pair
+def test_a_push_after_a_quiet_spell_starts_from_its_notification(spawn: Spawn) -> None:
+    """A source whose NIXL thread has had nothing to do for a second polls only every
+    nixl_quiet_poll_ms (50 by default); the Publish before a pull wakes it, so the Push notification
+    still starts the transfer. Before that, the reader's call, 5 ms on, started nearly every one (a
+    pull after each quiet spell then paid ~1.5 ms more: docs/benchmarks.md).
+
+    This source polls every 10 s when quiet, so that only the wake-up lets a notification start a
+    transfer: without it, the call starts every one (0 of 8). Woken, the notification wins its 5 ms
+    race with the call nearly every time (8 of 8 in each run here on 2 cores), but not always on a
+    busy machine: the count asked for is the one a source not woken cannot reach."""
+    a, b = map(
+        spawn,
+        together(
+            lambda: SidecarProcess("quiet-ring-src", extra=[*RING, "--nixl-quiet-poll-ms", "10000"], env=ENV),
+            lambda: SidecarProcess("quiet-ring-dst", extra=RING, env=ENV),
+        ),
+    )
     started = pulls_after_quiet_spells(
         a, b, "host-ring", lambda: metric(a, "kvsidecar_push_starts_total", BY_NOTIF)
     )
-    # 8 of 8 in each run here on 2 cores; 0 of 8 without the wake-up.
-    assert sum(started[2:]) >= 6, started
+    assert sum(started[2:]) >= 2, started
     rings_idle(a, b)
 
 
