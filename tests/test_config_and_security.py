@@ -33,6 +33,7 @@ def test_precedence_flags_env_yaml_defaults(tmp_path: Path) -> None:
         ("engine_lane", "maybe", "engine_lane must be true or false, got 'maybe'"),
         ("engine_workers", "4", "engine_workers must be at least 8, got 4"),
         ("nixl_quiet_poll_ms", "0", "nixl_quiet_poll_ms must be at least 1, got 0"),
+        ("open_answer_wait_us", "-1", "open_answer_wait_us must be at least 0, got -1"),
     ],
 )
 def test_invalid_values_are_named(key: str, value: str, message: str) -> None:

@@ -27,6 +27,7 @@ class Settings:
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
+    open_answer_wait_us: int = 2000
     lease_ms: int = 30_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
@@ -67,6 +68,9 @@ class Settings:
         "too, signed with a key given over an authenticated Handshake or Push call: a transfer starts "
         "~0.5 ms sooner, an open is answered by notification; while readers are recent (1 s) the NIXL "
         "thread then polls every 100 us (false: gRPC only, polls as before)",
+        "open_answer_wait_us": "how long a reader waits for the answer to an OpenRead sent as a notification "
+        "before it makes the call too and takes whichever answer comes first: longer spares the source "
+        "duplicate opens where notifications are slow (a loaded host), shorter bounds what a lost one costs",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
@@ -89,9 +93,9 @@ class Settings:
         "log_format": "text (key=value) or json (one object per line)",
     }
 
-    # Below these the sidecar cannot work: event streams would starve the engine API's other calls, or
-    # the NIXL thread's wait would be no wait.
-    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1}
+    # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
+    # idle NIXL thread would spin, a wait would be negative.
+    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0}
 
     CHOICES = {
         "host_transfer": ("read", "ring"),

@@ -5,7 +5,7 @@ Reader: where the source's handshake gave this sidecar a push key (server/push_r
 from that source has completed since (so our NIXL connection to it is set up), the open goes as a
 notification signed with that key. The source's NIXL thread opens the request (server/reads.py) and
 answers with an OpenReadReply notification to our agent, which it loaded from our handshake. An answer
-that has not come within ANSWER_WAIT_S (the source polls slowly after a quiet spell, restarted and
+that has not come within the open_answer_wait_us setting (the source polls slowly after a quiet spell, restarted and
 has another key, or cannot reach us) is not waited for alone: the reader makes the OpenRead call too,
 and takes whichever answer comes first (an open is idempotent for its reader). A link whose calls
 keep winning sends its opens by call only for BACKOFF_S.
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a reader waits for the answer before it makes the call too. A source polls for notifications
-# every 0.1 ms while readers are recent (server/push_runs.py), and every 50 ms when idle for a while;
-# the Publish before a pull wakes it (PushRuns' on_recent).
-ANSWER_WAIT_S = 0.002
+# How long a reader waits for the answer before it makes the call too is the open_answer_wait_us
+# setting (2 ms). A source polls for notifications every 0.1 ms while readers are recent
+# (server/push_runs.py), and every nixl_quiet_poll_ms when idle for a while; the Publish before a pull
+# wakes it (PushRuns' on_recent).
 MISSES_TO_BACK_OFF = 3
 BACKOFF_S = 30.0  # then opens to that source go by call only, this long
 OPENED = b"o"  # the answer's kind, after sp.prefix(reply id)
@@ -109,12 +109,13 @@ class NotifiedOpen:
         sc.nixl.notify(holder.agent_name, sp.signed_notif(sp.OPEN_TAG, key, req.SerializeToString()))
 
     def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
-        """The first answer: the notification's, or, where none came within ANSWER_WAIT_S, that of the
+        """The first answer: the notification's, or, where none came within open_answer_wait_us, that of the
         OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
         future: grpc.Future | None = None
         try:
             try:
-                got = self._answers.get(timeout=max(0.0, min(ANSWER_WAIT_S, deadline - time.monotonic())))
+                wait = min(self._sc.settings.open_answer_wait_us / 1e6, deadline - time.monotonic())
+                got = self._answers.get(timeout=max(0.0, wait))
             except queue.Empty:
                 # Counted whichever answer comes first: the call's round trip is already paid.
                 self._sc.metrics.opens.labels("call_after_notification").inc()
