@@ -25,7 +25,6 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.lane import LANE_SUFFIX
 
 P = TypeVar("P", EngineProcess, SidecarProcess)
-Spawn = Callable[[P], P]
 
 
 @pytest.fixture(scope="session")
@@ -119,21 +118,34 @@ def spec_dict(**over: object) -> dict[str, object]:
     return base | over
 
 
-@pytest.fixture
-def spawn() -> Iterator[Spawn]:
-    """spawn(EngineProcess(...)) stops the process after the test, even when a later start fails."""
-    procs: list[EngineProcess | SidecarProcess] = []
+class Spawn:
+    """Processes a test started, stopped after it (engines first), even when a later start fails."""
 
-    def keep(proc: P) -> P:
-        procs.append(proc)
+    def __init__(self) -> None:
+        self.procs: list[EngineProcess | SidecarProcess] = []
+
+    def __call__(self, proc: P) -> P:
+        self.procs.append(proc)
         return proc
 
-    yield keep
-    for proc in sorted(procs, key=lambda p: isinstance(p, SidecarProcess)):  # engines first
-        if isinstance(proc, EngineProcess):
-            proc.stop()
-        else:
-            proc.stop(10)
+    def together(self, *makers: Callable[[], P]) -> list[P]:
+        """Started at once (refengine.procs.together), each kept like spawn(proc)."""
+        return [self(proc) for proc in together(*makers)]
+
+    def stop_all(self) -> None:
+        for proc in sorted(self.procs, key=lambda p: isinstance(p, SidecarProcess)):
+            if isinstance(proc, EngineProcess):
+                proc.stop()
+            else:
+                proc.stop(10)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """spawn(EngineProcess(...)) or spawn.together(...) stops the processes after the test."""
+    kept = Spawn()
+    yield kept
+    kept.stop_all()
 
 
 @contextmanager

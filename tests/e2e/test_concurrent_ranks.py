@@ -56,13 +56,10 @@ def _engines(
     pspec = EngineSpec.from_dict(spec_dict(tp_size=p_tp))
     # One decode engine, TP2, one process per rank (like a TP engine's workers, which start together).
     did = f"cr-d-{tag}-{n}"
-    prefill, *workers = map(
-        spawn,
-        together(
-            lambda: EngineProcess(prefill_socket, f"cr-p-{tag}-{n}", pspec),
-            lambda: EngineProcess(decode_socket, did, DECODE, ranks=[0]),
-            lambda: EngineProcess(decode_socket, did, DECODE, ranks=[1]),
-        ),
+    prefill, *workers = spawn.together(
+        lambda: EngineProcess(prefill_socket, f"cr-p-{tag}-{n}", pspec),
+        lambda: EngineProcess(decode_socket, did, DECODE, ranks=[0]),
+        lambda: EngineProcess(decode_socket, did, DECODE, ranks=[1]),
     )
     return prefill, workers
 

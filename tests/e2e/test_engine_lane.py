@@ -58,13 +58,10 @@ def test_pulls_fill_the_same_bytes_over_the_lane_and_over_grpc(
 ) -> None:
     a, b = lane_pair
     before = _lane_connections(b), _lane_connections(a)
-    prefill, decode, local = map(
-        spawn,
-        together(
-            lambda: EngineProcess(a.socket, f"lane{lane}-p", SPEC, env={ENV_SWITCH: lane}),
-            lambda: EngineProcess(b.socket, f"lane{lane}-d", SPEC, env={ENV_SWITCH: lane}),
-            lambda: EngineProcess(b.socket, f"lane{lane}-dp", SPEC, env={ENV_SWITCH: lane}),
-        ),
+    prefill, decode, local = spawn.together(
+        lambda: EngineProcess(a.socket, f"lane{lane}-p", SPEC, env={ENV_SWITCH: lane}),
+        lambda: EngineProcess(b.socket, f"lane{lane}-d", SPEC, env={ENV_SWITCH: lane}),
+        lambda: EngineProcess(b.socket, f"lane{lane}-dp", SPEC, env={ENV_SWITCH: lane}),
     )
     for source, path in ((prefill, "host-nixl"), (local, "host-direct")):
         for i in range(3):  # the second and third reuse the lane connection the first opened
@@ -86,12 +83,9 @@ def test_the_lane_answers_bad_input_as_grpc_does(
     lane_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
     a, b = lane_pair
-    prefill, decode = map(
-        spawn,
-        together(
-            lambda: EngineProcess(a.socket, "parity-p", SPEC),
-            lambda: EngineProcess(b.socket, "parity-d", SPEC),
-        ),
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "parity-p", SPEC),
+        lambda: EngineProcess(b.socket, "parity-d", SPEC),
     )
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "par", "block_ids": [3, 4], "num_tokens": 20, "seed": 1}
@@ -239,12 +233,9 @@ def test_a_cancelled_pull_stops_at_once_even_while_its_source_hangs(
     (the connection closes) as over gRPC (the call is cancelled), the decode sidecar ends the pull at
     once instead of at its timeout, and both sidecars serve on afterwards."""
     a, b = lane_pair
-    prefill, decode = map(
-        spawn,
-        together(
-            lambda: EngineProcess(a.socket, f"cancel-p{lane}", SPEC),
-            lambda: EngineProcess(b.socket, f"cancel-d{lane}", SPEC),
-        ),
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"cancel-p{lane}", SPEC),
+        lambda: EngineProcess(b.socket, f"cancel-d{lane}", SPEC),
     )
     pub = prefill.send({"cmd": "prefill", "request_id": "c", "block_ids": [1], "num_tokens": 16, "seed": 2})
     pulls = PolledPulls(b.socket, lane=lane)

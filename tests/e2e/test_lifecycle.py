@@ -138,12 +138,9 @@ def test_each_prefill_rank_is_consumed_when_its_decode_ranks_are_done(
     pspec, dspec = EngineSpec.from_dict(spec_dict(**p_over)), EngineSpec.from_dict(spec_dict(**d_over))
     plan = plan_pair(pspec, dspec)
     n = next(_ids)
-    prefill, decode = map(
-        spawn,
-        together(
-            lambda: EngineProcess(a.socket, f"c-p-{case}-{n}", pspec),
-            lambda: EngineProcess(b.socket, f"c-d-{case}-{n}", dspec),
-        ),
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"c-p-{case}-{n}", pspec),
+        lambda: EngineProcess(b.socket, f"c-d-{case}-{n}", dspec),
     )
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "r", "block_ids": [1, 2], "num_tokens": 20, "seed": n}

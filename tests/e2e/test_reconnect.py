@@ -11,7 +11,7 @@ import torch
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import fill_request, logical_kv
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar_client import Backoff, EngineSession, Event, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 
@@ -86,12 +86,9 @@ def test_pulls_handshake_again_after_the_prefill_sidecar_restarts(
     first = spawn(SidecarProcess("restarting-prefill", extra=fixed))
     port = first.peer_address.rsplit(":", 1)[1]
     reader = spawn(SidecarProcess("restart-reader", extra=mode)) if mode else sidecar_pair[1]
-    decode, prefill = map(
-        spawn,
-        together(
-            lambda: EngineProcess(reader.socket, f"restart2-d-{transfer}", SPEC),
-            lambda: EngineProcess(first.socket, f"restart2-p-{transfer}", SPEC),
-        ),
+    decode, prefill = spawn.together(
+        lambda: EngineProcess(reader.socket, f"restart2-d-{transfer}", SPEC),
+        lambda: EngineProcess(first.socket, f"restart2-p-{transfer}", SPEC),
     )
     for attempt, sidecar in enumerate(("first", "second")):
         pub = prefill.send(

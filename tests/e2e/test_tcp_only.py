@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
 from .conftest import Spawn, metric, no_transfer_in_flight, spec_dict
 from .events import wait_event
@@ -22,20 +22,14 @@ EMULATION = "kvsidecar_ucx_emulation_detected_total"
 
 
 def test_without_emulation_a_tcp_only_pull_fails_by_name_and_loses_nothing(spawn: Spawn) -> None:
-    a, b, fixed = map(
-        spawn,
-        together(
-            lambda: SidecarProcess("tcp-prefill", env=TCP_ONLY),
-            lambda: SidecarProcess("tcp-decode", env=TCP_ONLY),
-            # the fixed reader: emulation allowed (started now, used at the end)
-            lambda: SidecarProcess("tcp-decode-fixed", env={**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}),
-        ),
+    a, b, fixed = spawn.together(
+        lambda: SidecarProcess("tcp-prefill", env=TCP_ONLY),
+        lambda: SidecarProcess("tcp-decode", env=TCP_ONLY),
+        # the fixed reader: emulation allowed (started now, used at the end)
+        lambda: SidecarProcess("tcp-decode-fixed", env={**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}),
     )
-    prefill, decode = map(
-        spawn,
-        together(
-            lambda: EngineProcess(a.socket, "tcp-p", SPEC), lambda: EngineProcess(b.socket, "tcp-d", SPEC)
-        ),
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "tcp-p", SPEC), lambda: EngineProcess(b.socket, "tcp-d", SPEC)
     )
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "t", "block_ids": [1, 2], "num_tokens": 30, "seed": 3}
