@@ -114,7 +114,7 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
         hs = agent_handshake(source, reader, "quiet-np", spec)
         reader.add_remote(hs.agent_metadata, hs.agent_name)
         waited = []
-        for i in range(5):
+        for i in range(3):  # not woken, the first quiet spell fails: one more is for good measure
             if i:  # the first open comes while the handshake's fast polling lasts
                 time.sleep(1.5)
             rid, _ = _publish(prefill, [2 + i], 10)
