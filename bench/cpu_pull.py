@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, tcp_only_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
@@ -51,8 +51,6 @@ BASE: dict[str, Any] = {
     "tp_size": 1,
 }
 TOKEN_BYTES = 8 * 128 * 2
-# Where NVIDIA GPUs are present, NIXL refuses a UCX_TLS without CUDA memory support (docs/operations.md 5.9).
-TCP_ONLY = {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
 NOTES = (
     "\nReading the table: small requests are latency-bound (a pull costs a few milliseconds whatever "
     "its size: two gRPC hops, OpenRead on the prefill sidecar, the completion notification). Large "
@@ -213,8 +211,8 @@ def main() -> int:
     trees: list[tuple[str, dict[str, str], list[str]]] = [("this tree", {}, [])]
     if args.tcp:
         trees = [
-            ("this tree, emulated READ", {**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}, []),
-            ("this tree, host ring", TCP_ONLY, ["--host-transfer", "ring"]),
+            ("this tree, emulated READ", {**tcp_only_env(), "UCX_PROTO_EMULATION_ENABLE": "y"}, []),
+            ("this tree, host ring", tcp_only_env(), ["--host-transfer", "ring"]),
         ]
     if args.baseline:
         trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), []))

@@ -6,17 +6,13 @@ host rings (the source WRITEs) need no emulation at all (docs/operations.md, 5.9
 
 from __future__ import annotations
 
-import torch
-
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, tcp_only_env
 
 from .conftest import Spawn, metric, no_transfer_in_flight, spec_dict
 from .events import wait_event
 
-# Where NVIDIA GPUs are present, NIXL refuses a UCX_TLS without CUDA memory support (seen on a GPU host):
-# cuda_copy adds that, and no path between two processes' host memory.
-TCP_ONLY = {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
+TCP_ONLY = tcp_only_env()
 SPEC = EngineSpec.from_dict(spec_dict())
 EMULATION = "kvsidecar_ucx_emulation_detected_total"
 

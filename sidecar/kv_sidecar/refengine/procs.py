@@ -26,6 +26,15 @@ class ProcessError(RuntimeError):
     pass
 
 
+def tcp_only_env() -> dict[str, str]:
+    """Environment of a sidecar whose UCX may use TCP only (no shared memory): where NVIDIA GPUs are
+    present NIXL refuses a UCX_TLS without CUDA memory support (docs/operations.md 5.9), and cuda_copy
+    adds that and no path between two processes' host memory."""
+    import torch  # only where it is asked for: the demo's processes start without it here
+
+    return {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
+
+
 P = TypeVar("P", bound="_Proc")
 
 
