@@ -24,7 +24,7 @@ from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
-from .conftest import agent_handshake, metric, spec_dict
+from .conftest import Spawn, agent_handshake, metric, spec_dict
 
 _ids = itertools.count()
 OPENS = "kvsidecar_peer_opens_total"
@@ -56,6 +56,30 @@ def _publish(prefill: EngineProcess, block_ids: list[int], tokens: int) -> tuple
     )
     assert pub["ok"], pub
     return rid, pub["params"]
+
+
+def _send_open(
+    agent: NixlDriver,
+    hs: peer_pb2.HandshakeResponse,
+    engine_id: str,
+    request_id: str,
+    key: bytes | None = None,
+    sidecar_id: str | None = None,
+) -> str:
+    """An OpenRead notification from `agent`, a reader whose handshake got `hs`, signed with `key` (the
+    push key it was given unless said) and naming `sidecar_id` (the agent unless said); its reply id."""
+    req = peer_pb2.OpenReadRequest(
+        sidecar_id=sidecar_id or agent.name,
+        engine_id=engine_id,
+        request_id=request_id,
+        reader_engine_id="forger-engine",
+        reader_ranks=[0],
+        plan_hash=hs.plan_hash,
+        reply_id=sp.new_transfer_id(),
+    )
+    signed = sp.signed_notif(sp.OPEN_TAG, hs.push_key if key is None else key, req.SerializeToString())
+    agent.send_notif(hs.agent_name, signed)
+    return req.reply_id
 
 
 def test_opens_go_as_notifications_once_a_pull_completed(pair: tuple[SidecarProcess, SidecarProcess]) -> None:
@@ -95,7 +119,7 @@ def test_opens_go_as_notifications_once_a_pull_completed(pair: tuple[SidecarProc
         decode.stop()
 
 
-def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
+def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open(spawn: Spawn) -> None:
     """A source whose NIXL thread has had nothing to do for a second polls only every
     nixl_quiet_poll_ms (50 by default). The Publish before a pull wakes it: before that, an open
     notification after a quiet spell waited for the next poll, the reader made the call after 2 ms,
@@ -104,9 +128,9 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
     The test's own NIXL agent is the reader, so that no reader's 2 ms race with the call (lost now and
     then on a busy machine) decides the outcome, and the source polls every 10 s when quiet: woken, it
     answers in milliseconds; not woken, ~10 s later."""
-    source = SidecarProcess("quiet-source", extra=["--nixl-quiet-poll-ms", "10000"])
+    source = spawn(SidecarProcess("quiet-source", extra=["--nixl-quiet-poll-ms", "10000"]))
     spec = EngineSpec.from_dict(spec_dict())
-    prefill = EngineProcess(source.socket, "quiet-np", spec)
+    prefill = spawn(EngineProcess(source.socket, "quiet-np", spec))
     answers: queue.Queue[bytes] = queue.Queue()
     reader = NixlDriver("quiet-reader", on_notif=lambda agent, msg: answers.put(msg))
     reader.start()
@@ -118,19 +142,8 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
             if i:  # the first open comes while the handshake's fast polling lasts
                 time.sleep(1.5)
             rid, _ = _publish(prefill, [2 + i], 10)
-            req = peer_pb2.OpenReadRequest(
-                sidecar_id=reader.name,
-                engine_id="quiet-np",
-                request_id=rid,
-                reader_engine_id="forger-engine",
-                reader_ranks=[0],
-                plan_hash=hs.plan_hash,
-                reply_id=sp.new_transfer_id(),
-            )
             sent = time.monotonic()
-            reader.send_notif(
-                hs.agent_name, sp.signed_notif(sp.OPEN_TAG, hs.push_key, req.SerializeToString())
-            )
+            reply_id = _send_open(reader, hs, "quiet-np", rid)
             try:
                 msg = answers.get(timeout=5)
             except queue.Empty:
@@ -138,7 +151,7 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
                     f"open {i} after a quiet spell was not answered within 5 s: the Publish did not wake the source"
                 )
             waited.append(time.monotonic() - sent)
-            reply = notified_opens.parse_reply(req.reply_id, msg)
+            reply = notified_opens.parse_reply(reply_id, msg)
             assert reply is not None and reply.code == 0, reply
             assert list(reply.response.block_ids) == [2 + i]
             # Ends the read it opened (no reader will READ): the source stops polling for it.
@@ -146,8 +159,6 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open() -> None:
         print("answered after", [f"{w * 1e3:.1f} ms" for w in waited])
     finally:
         reader.stop()
-        prefill.stop()
-        assert source.stop() == 0
 
 
 def test_the_source_answers_signed_opens_and_drops_the_rest(
@@ -169,18 +180,7 @@ def test_the_source_answers_signed_opens_and_drops_the_rest(
         forger.add_remote(hs.agent_metadata, hs.agent_name)
 
         def open_by_notif(key: bytes, request_id: str, sidecar_id: str = "open-forger") -> str:
-            reply_id = sp.new_transfer_id()
-            req = peer_pb2.OpenReadRequest(
-                sidecar_id=sidecar_id,
-                engine_id="forged-np",
-                request_id=request_id,
-                reader_engine_id="forger-engine",
-                reader_ranks=[0],
-                plan_hash=hs.plan_hash,
-                reply_id=reply_id,
-            )
-            forger.send_notif(hs.agent_name, sp.signed_notif(sp.OPEN_TAG, key, req.SerializeToString()))
-            return reply_id
+            return _send_open(forger, hs, "forged-np", request_id, key, sidecar_id)
 
         def answer(reply_id: str) -> peer_pb2.OpenReadReply:
             reply = notified_opens.parse_reply(reply_id, answers.get(timeout=10))
