@@ -63,7 +63,8 @@ class Settings:
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
         "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "
         "milliseconds (at least 1): an idle sidecar's CPU against how late it hears a notification nothing "
-        "announced. A Publish, a reader's Handshake or OpenRead, and a served read wake it at once",
+        "announced. A Publish while readers are about, a reader's Handshake or OpenRead, and a served read wake "
+        "it at once",
         "push_notifications": "let readers send a staged Push, and an OpenRead, as a NIXL notification "
         "too, signed with a key given over an authenticated Handshake or Push call: a transfer starts "
         "~0.5 ms sooner, an open is answered by notification; while readers are recent (1 s) the NIXL "

@@ -133,6 +133,7 @@ class Spawn:
         return [self(proc) for proc in together(*makers)]
 
     def stop_all(self) -> None:
+        # Engines first: a sidecar stopping under a registered engine would log it as lost.
         for proc in sorted(self.procs, key=lambda p: isinstance(p, SidecarProcess)):
             if isinstance(proc, EngineProcess):
                 proc.stop()

@@ -5,9 +5,9 @@ Reader: where the source's handshake gave this sidecar a push key (server/push_r
 from that source has completed since (so our NIXL connection to it is set up), the open goes as a
 notification signed with that key. The source's NIXL thread opens the request (server/reads.py) and
 answers with an OpenReadReply notification to our agent, which it loaded from our handshake. An answer
-that has not come within the open_answer_wait_us setting (the source polls slowly after a quiet spell, restarted and
-has another key, or cannot reach us) is not waited for alone: the reader makes the OpenRead call too,
-and takes whichever answer comes first (an open is idempotent for its reader). A link whose calls
+that has not come within the open_answer_wait_us setting (the source polls slowly after a quiet spell,
+restarted and has another key, or cannot reach us) is not waited for alone: the reader makes the
+OpenRead call too, and takes whichever answer comes first (an open is idempotent for its reader). A link whose calls
 keep winning sends its opens by call only for BACKOFF_S.
 
 Source: the key binds a notification to the peer it was given to over an authenticated call; NIXL
@@ -109,8 +109,8 @@ class NotifiedOpen:
         sc.nixl.notify(holder.agent_name, sp.signed_notif(sp.OPEN_TAG, key, req.SerializeToString()))
 
     def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
-        """The first answer: the notification's, or, where none came within open_answer_wait_us, that of the
-        OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
+        """The first answer: the notification's, or, where none came within open_answer_wait_us, that of
+        the OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
         future: grpc.Future | None = None
         try:
             try:

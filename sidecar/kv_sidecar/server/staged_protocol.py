@@ -173,7 +173,7 @@ class SlotPool:
         to wait, or raises (deadline, cancellation): that exception propagates."""
         want = max(1, min(want, self.slots))
         with self._lock:
-            # A Condition costs a pull 5-17 us: only one that has to queue makes one.
+            # Making a Condition cost each pull ~20 us of CPU (bench/slot_pool.py): only one that queues does.
             if self._waiting or not self._free:
                 self._wait_turn(remaining)
             got = [self._free.popleft() for _ in range(min(want, len(self._free)))]
