@@ -133,7 +133,7 @@ class Spawn:
         return [self(proc) for proc in together(*makers)]
 
     def stop_all(self) -> None:
-        # Engines first: a sidecar stopping under a registered engine would log it as lost.
+        # Engines first: each unregisters its ranks from its sidecar as it quits.
         for proc in sorted(self.procs, key=lambda p: isinstance(p, SidecarProcess)):
             if isinstance(proc, EngineProcess):
                 proc.stop()
