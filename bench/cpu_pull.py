@@ -211,7 +211,7 @@ def main() -> int:
     trees: list[tuple[str, dict[str, str], list[str]]] = [("this tree", {}, [])]
     if args.tcp:
         trees = [
-            ("this tree, emulated READ", {**tcp_only_env(), "UCX_PROTO_EMULATION_ENABLE": "y"}, []),
+            ("this tree, emulated READ", tcp_only_env(emulation=True), []),
             ("this tree, host ring", tcp_only_env(), ["--host-transfer", "ring"]),
         ]
     if args.baseline:

@@ -13,6 +13,7 @@ from .conftest import Spawn, metric, no_transfer_in_flight, spec_dict
 from .events import wait_event
 
 TCP_ONLY = tcp_only_env()
+EMULATED = tcp_only_env(emulation=True)
 SPEC = EngineSpec.from_dict(spec_dict())
 EMULATION = "kvsidecar_ucx_emulation_detected_total"
 
@@ -22,7 +23,7 @@ def test_without_emulation_a_tcp_only_pull_fails_by_name_and_loses_nothing(spawn
         lambda: SidecarProcess("tcp-prefill", env=TCP_ONLY),
         lambda: SidecarProcess("tcp-decode", env=TCP_ONLY),
         # the fixed reader: emulation allowed (started now, used at the end)
-        lambda: SidecarProcess("tcp-decode-fixed", env={**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}),
+        lambda: SidecarProcess("tcp-decode-fixed", env=EMULATED),
     )
     prefill, decode = spawn.together(
         lambda: EngineProcess(a.socket, "tcp-p", SPEC), lambda: EngineProcess(b.socket, "tcp-d", SPEC)
@@ -52,7 +53,7 @@ def test_without_emulation_a_tcp_only_pull_fails_by_name_and_loses_nothing(spawn
 
 def test_with_emulation_allowed_on_the_reader_a_tcp_only_pull_moves_every_byte(spawn: Spawn) -> None:
     a = spawn(SidecarProcess("tcp-prefill-e", env=TCP_ONLY))  # the source keeps the default
-    b = spawn(SidecarProcess("tcp-decode-e", env={**TCP_ONLY, "UCX_PROTO_EMULATION_ENABLE": "y"}))
+    b = spawn(SidecarProcess("tcp-decode-e", env=EMULATED))
     prefill = spawn(EngineProcess(a.socket, "tcp-pe", SPEC))
     decode = spawn(EngineProcess(b.socket, "tcp-de", SPEC))
     for i in range(2):  # the second pull rides the kept handshake

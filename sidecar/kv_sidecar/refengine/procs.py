@@ -26,13 +26,15 @@ class ProcessError(RuntimeError):
     pass
 
 
-def tcp_only_env() -> dict[str, str]:
+def tcp_only_env(emulation: bool = False) -> dict[str, str]:
     """Environment of a sidecar whose UCX may use TCP only (no shared memory): where NVIDIA GPUs are
     present NIXL refuses a UCX_TLS without CUDA memory support (docs/operations.md 5.9), and cuda_copy
-    adds that and no path between two processes' host memory."""
+    adds that and no path between two processes' host memory. `emulation`: UCX may also emulate the
+    READs TCP cannot do natively (the sidecar turns that off by default)."""
     import torch  # only where it is asked for: the demo's processes start without it here
 
-    return {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
+    env = {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
+    return {**env, "UCX_PROTO_EMULATION_ENABLE": "y"} if emulation else env
 
 
 P = TypeVar("P", bound="_Proc")
