@@ -26,6 +26,10 @@ from kv_sidecar_client.lane import LANE_SUFFIX
 
 P = TypeVar("P", EngineProcess, SidecarProcess)
 
+# A sidecar whose NIXL thread, once quiet for a second, polls only every 10 s: a notification it was not
+# woken for waits seconds, not the default 50 ms, so no race on a busy machine hides a missing wake-up.
+SLEEPY_WHEN_QUIET = ["--nixl-quiet-poll-ms", "10000"]
+
 
 @pytest.fixture(scope="session")
 def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:

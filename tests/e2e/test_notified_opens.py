@@ -24,7 +24,7 @@ from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
-from .conftest import Spawn, agent_handshake, metric, spec_dict
+from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, metric, spec_dict
 
 _ids = itertools.count()
 OPENS = "kvsidecar_peer_opens_total"
@@ -128,7 +128,7 @@ def test_a_publish_after_a_quiet_spell_wakes_the_source_for_the_open(spawn: Spaw
     The test's own NIXL agent is the reader, so that no reader's 2 ms race with the call (lost now and
     then on a busy machine) decides the outcome, and the source polls every 10 s when quiet: woken, it
     answers in milliseconds; not woken, ~10 s later."""
-    source = spawn(SidecarProcess("quiet-source", extra=["--nixl-quiet-poll-ms", "10000"]))
+    source = spawn(SidecarProcess("quiet-source", extra=SLEEPY_WHEN_QUIET))
     spec = EngineSpec.from_dict(spec_dict())
     prefill = spawn(EngineProcess(source.socket, "quiet-np", spec))
     answers: queue.Queue[bytes] = queue.Queue()

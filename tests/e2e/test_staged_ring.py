@@ -39,7 +39,7 @@ from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import Spawn, agent_handshake, pulls_after_quiet_spells, spec_dict
+from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, pulls_after_quiet_spells, spec_dict
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
@@ -244,7 +244,7 @@ def test_a_push_after_a_quiet_spell_starts_from_its_notification(spawn: Spawn) -
     race with the call nearly every time (8 of 8 in each run here on 2 cores), but not always on a
     busy machine: the count asked for is the one a source not woken cannot reach."""
     a, b = spawn.together(
-        lambda: SidecarProcess("quiet-ring-src", extra=[*RING, "--nixl-quiet-poll-ms", "10000"], env=ENV),
+        lambda: SidecarProcess("quiet-ring-src", extra=[*RING, *SLEEPY_WHEN_QUIET], env=ENV),
         lambda: SidecarProcess("quiet-ring-dst", extra=RING, env=ENV),
     )
     started = pulls_after_quiet_spells(
