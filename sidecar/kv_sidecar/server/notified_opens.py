@@ -7,8 +7,8 @@ notification signed with that key. The source's NIXL thread opens the request (s
 answers with an OpenReadReply notification to our agent, which it loaded from our handshake. An answer
 that has not come within the open_answer_wait_us setting (the source polls slowly after a quiet spell,
 restarted and has another key, or cannot reach us) is not waited for alone: the reader makes the
-OpenRead call too, and takes whichever answer comes first (an open is idempotent for its reader). A link whose calls
-keep winning sends its opens by call only for BACKOFF_S.
+OpenRead call too, and takes whichever answer comes first (an open is idempotent for its reader). A
+link whose calls keep winning sends its opens by call only for BACKOFF_S.
 
 Source: the key binds a notification to the peer it was given to over an authenticated call; NIXL
 notifications carry no TLS and no token. A draining sidecar refuses such an open as it refuses the call.
