@@ -184,7 +184,7 @@ def test_unsupported_caches_are_refused_with_backend_layout_and_shape(
     raw = torch.zeros(2 * 5 * 2 * 16 * 16, dtype=torch.bfloat16)
     with pytest.raises(
         UnsupportedKVCache,
-        match=rf"backend TEST \(vLLM KV cache layout LBHNC\): layer tensor shape .*{message}",
+        match=rf"backend TEST \(vLLM KV cache layout LBHNC\): layer 0: tensor shape .*{message}",
     ):
         describe(make(raw), _info(**info))
 

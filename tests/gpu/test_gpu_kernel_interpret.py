@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.spec import Layout
+from kv_sidecar.plan.spec import K_TRANSPOSED, Layout, PlanError
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("layout", [layout for layout in Layout if layout not in K_TRANSPOSED])
 @pytest.mark.parametrize("cross_layer", [False, True])
 def test_strides_match_host_views(layout: Layout, cross_layer: bool) -> None:
     from kv_sidecar.execute import host
@@ -43,6 +43,12 @@ def test_strides_match_host_views(layout: Layout, cross_layer: bool) -> None:
     assert lay[1] - lay[0] == (
         st.layer * es if cross_layer else tensors[1].data_ptr() - tensors[0].data_ptr()
     )
+
+
+def test_a_transposed_k_plane_is_refused_by_the_gpu_data_plane() -> None:
+    s = kc.spec(layout=Layout.VLLM_CPU)
+    with pytest.raises(PlanError, match="vllm_cpu keeps its K plane transposed"):
+        geo.strides(s)
 
 
 @pytest.mark.parametrize("name", [c.name for c in kc.CASES])

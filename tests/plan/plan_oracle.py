@@ -97,6 +97,11 @@ def head_vector_index(spec: EngineSpec, layer: int, plane: int, kblock: int, slo
         idx, n_pos = [kblock, head, slot, slice(plane * d, plane * d + d)], 0
     elif layout == "packed_nhd":  # [N, B, H, 2D], K then V in the last dim
         idx, n_pos = [kblock, slot, head, slice(plane * d, plane * d + d)], 0
+    elif layout == "vllm_cpu":  # [N, H, 2, B, D]; the K plane's [B, D] tile is stored [D, B]
+        idx, n_pos = (
+            [kblock, head, plane] + ([slice(None), slice(None)] if plane == 0 else [slot, slice(None)]),
+            0,
+        )
     elif layout == "mla":  # [N, B, L]
         assert plane == 0 and head == 0
         idx, n_pos = [kblock, slot, slice(None)], 0
@@ -106,6 +111,17 @@ def head_vector_index(spec: EngineSpec, layer: int, plane: int, kblock: int, slo
         rest = idx[:n_pos] + idx[n_pos + 1 :]
         return 0, tuple([kblock, layer, *rest])
     return layer, tuple(idx)
+
+
+def head_vector(
+    spec: EngineSpec, arrays: Sequence[np.ndarray], layer: int, plane: int, kblock: int, slot: int, head: int
+) -> np.ndarray:
+    """A writable view of one head vector (head_dim elements) in `arrays`, the rank's tensors."""
+    tensor, idx = head_vector_index(spec, layer, plane, kblock, slot, head)
+    view = arrays[tensor][idx]
+    if spec.layout.value == "vllm_cpu" and plane == 0:  # idx named the whole tile: [D, B], column `slot`
+        view = view.reshape(spec.head_dim, -1)[:, slot]
+    return view
 
 
 def write_tokens(
@@ -136,8 +152,8 @@ def write_tokens(
         for layer in range(layers):
             for plane in range(planes):
                 for global_head, local_head in heads:
-                    tensor, idx = head_vector_index(spec, layer, plane, kblock, slot, local_head)
-                    arrays[tensor][idx] = logical[layer, plane, t, global_head]
+                    view = head_vector(spec, arrays, layer, plane, kblock, slot, local_head)
+                    view[...] = logical[layer, plane, t, global_head]
 
 
 def kernel_block_axis(spec: EngineSpec) -> int:

@@ -152,6 +152,14 @@ def test_packed_nhd_pull_matches_logical_kv(case: dict) -> None:
     check_pull_case(case)
 
 
+# vLLM's CPU backend (what its kernels store under LBHNC: K rows, then V rows, per head) against every
+# other layout: the only layout a CPU vLLM engine registers.
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pull_case(pinned=Layout.VLLM_CPU))
+def test_vllm_cpu_pull_matches_logical_kv(case: dict) -> None:
+    check_pull_case(case)
+
+
 def check_pull_case(case: dict) -> None:
     prefill, decode = case["prefill"], case["decode"]
     n, start = case["num_tokens"], case["start_token"]

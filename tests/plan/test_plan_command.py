@@ -96,7 +96,7 @@ def test_packed_nhd_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_layout_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
     assert run("--prefill", json.dumps({**PREFILL, "layout": "lbnhc"}), "--decode", json.dumps(DECODE)) == 2
     err = capsys.readouterr().err
-    assert "unknown layout 'lbnhc'" in err and "'packed', 'packed_nhd', 'mla'" in err
+    assert "unknown layout 'lbnhc'" in err and "'packed', 'packed_nhd', 'vllm_cpu', 'mla'" in err
 
 
 def test_unreadable_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

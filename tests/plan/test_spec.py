@@ -11,7 +11,7 @@ import pytest
 
 from kv_sidecar.plan.chunks import chunk_geometry, descriptors
 from kv_sidecar.plan.spec import LAYOUT_DIMS, EngineSpec, Layout, kv_in_last_dim, kv_planes, tensor_dims
-from tests.plan.plan_oracle import head_vector_index
+from tests.plan.plan_oracle import head_vector, head_vector_index
 
 # Every dim has its own size: K/V 2, H=3 local heads, B=4 slots (kernel blocks of a
 # block of 8), D=5, N=6 kernel blocks (3 logical blocks), L=7 layers. Written out by
@@ -23,6 +23,7 @@ PER_LAYER: dict[Layout, tuple[int, ...]] = {
     Layout.FLASHINFER_HND: (6, 2, 3, 4, 5),
     Layout.PACKED: (6, 3, 4, 10),
     Layout.PACKED_NHD: (6, 4, 3, 10),
+    Layout.VLLM_CPU: (6, 3, 2, 4, 5),
     Layout.MLA: (6, 4, 5),
 }
 CROSS_LAYER: dict[Layout, tuple[int, ...]] = {
@@ -32,6 +33,7 @@ CROSS_LAYER: dict[Layout, tuple[int, ...]] = {
     Layout.FLASHINFER_HND: (6, 7, 2, 3, 4, 5),
     Layout.PACKED: (6, 7, 3, 4, 10),
     Layout.PACKED_NHD: (6, 7, 4, 3, 10),
+    Layout.VLLM_CPU: (6, 7, 3, 2, 4, 5),
     Layout.MLA: (6, 7, 4, 5),
 }
 
@@ -109,8 +111,8 @@ def test_descriptors_cover_exactly_the_blocks_bytes(layout: Layout, cross_layer:
     for block, layer, plane, k, slot, head in itertools.product(
         blocks, range(2), range(kv_planes(s)), range(r), range(4), range(s.heads_per_rank)
     ):
-        region, idx = head_vector_index(s, layer, plane, block * r + k, slot, head)
-        for e in np.ravel(regions[region][idx]):
+        region, _ = head_vector_index(s, layer, plane, block * r + k, slot, head)
+        for e in np.ravel(head_vector(s, regions, layer, plane, block * r + k, slot, head)):
             want.update(range(bases[region] + int(e) * es, bases[region] + int(e) * es + es))
     assert got == want
     assert len(descs) == geo.regions * geo.outer * len(blocks)

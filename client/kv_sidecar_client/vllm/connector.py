@@ -19,7 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from kv_sidecar_client.vllm.config import ConnectorConfig
-from kv_sidecar_client.vllm.kv_layout import VllmKVInfo, describe
+from kv_sidecar_client.vllm.kv_layout import (
+    KVWriter,
+    UnsupportedKVCache,
+    VllmKVInfo,
+    check_covers_allocation,
+    describe,
+    transferred_layers,
+)
 from kv_sidecar_client.vllm.metadata import StepOrders
 from kv_sidecar_client.vllm.scheduler import SidecarScheduler
 from kv_sidecar_client.vllm.worker import SidecarWorker
@@ -89,7 +96,21 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(describe(_ordered_layers(kv_caches), self._kv_info()))
+        info = self._kv_info()
+        attention = _attention_layers(self._vllm_config)
+        sharing = {
+            name: getattr(layer, "kv_sharing_target_layer_name", None) for name, layer in attention.items()
+        }
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
+        names = transferred_layers(
+            kv_caches, sharing, [n for g in groups for n in g.layer_names], _layer_index
+        )
+        # Every layer's page order is checked against its own kernel (MLA pages have one order).
+        writers = None if info.use_mla else [_kernel_writer(name, attention.get(name)) for name in names]
+        desc = describe([kv_caches[n] for n in names], info, names, writers)
+        if self._kv_cache_config is not None:
+            check_covers_allocation(desc, [t.size for t in self._kv_cache_config.kv_cache_tensors])
+        self._worker.register(desc)
 
     def _kv_info(self) -> VllmKVInfo:
         cfg = self._vllm_config
@@ -114,6 +135,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
             head_size_v=getattr(spec, "head_size_v", spec.head_size) or 0,
             tp_size=cfg.parallel_config.tensor_parallel_size,
             use_mla=bool(cfg.model_config.use_mla),
+            model_dtype=cfg.model_config.dtype,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -187,20 +209,28 @@ class KVSidecarConnector(KVConnectorBase_V1):
         return (0,)  # the request's own blocks, one group
 
 
-def _ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """One tensor per distinct layer cache, in model layer order (both engines then agree on it)."""
+def _layer_index(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    out = []
-    for name in sorted(kv_caches, key=extract_layer_index):
-        t = kv_caches[name]
-        key = (t.data_ptr(), tuple(t.stride()))
-        if key in seen:  # a layer that shares another layer's cache (KV sharing)
-            continue
-        seen.add(key)
-        out.append(t)
-    return out
+    return extract_layer_index(name)
+
+
+def _attention_layers(vllm_config: VllmConfig) -> dict[str, Any]:
+    from vllm.config.vllm import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return dict(get_layers_from_vllm_config(vllm_config, AttentionLayerBase))
+
+
+def _kernel_writer(name: str, layer: Any) -> KVWriter:
+    """The layer's own cache write (vLLM's `do_kv_cache_update`), for describe() to check the layout by."""
+    update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+    if update is None:
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector cannot check the KV cache layout of {name}: its attention backend "
+            f"({type(getattr(layer, 'impl', None)).__name__}) has no do_kv_cache_update to write a probe with"
+        )
+    return lambda key, value, cache, slots: update(layer, key, value, cache, slots)
 
 
 def _backend_name(vllm_config: VllmConfig) -> str:

@@ -4,22 +4,29 @@ vLLM (0.32) hands a connector one view per attention layer, logically
 `[blocks, heads, tokens_in_block, content]` where content is K then V
 (`head_size + head_size_v` elements; MLA: the latent, one head). The physical
 order follows vLLM's resolved `KVCacheLayout`, which the attention backends
-choose among: LBHNC (head-major blocks: the CPU backend, FlashInfer HND),
-LBNHC (token-major blocks: FlashAttention, Triton, FlashInfer NHD, the MLA
-backends' default), and their block-outermost, cross-layer forms BLHNC/BLNHC.
+choose among: LBHNC (head-major blocks), LBNHC (token-major blocks:
+FlashAttention, Triton, FlashInfer NHD, the MLA backends' default), and their
+block-outermost, cross-layer forms BLHNC/BLNHC.
 
-The mapping is read off the tensors' shapes and strides, not taken on trust
-from a backend name: whatever a backend declares, the bytes are where the
-strides say. A cache the sidecar cannot address exactly (heads outermost,
-padded pages, quantisation scales inside a page, K and V of different sizes)
-is refused with a message naming the backend, layout, shape and strides.
+The view is vLLM's claim; the attention kernels are the truth, and they need
+not agree: the CPU backend takes an LBHNC page and reads each head's half as
+the block's K rows and the other half as its V rows, not K|V per token
+(kv-sidecar issue 30: a block-size conversion done from the view scrambled
+every such cache, silently). So where the backend's own cache write is at
+hand, `describe` runs it once on a scratch page and takes the layout whose
+byte order matches what the kernel wrote, refusing if none does. Strides
+decide how pages, blocks and layers interleave; a cache the sidecar cannot
+address exactly (heads outermost, padded pages, quantisation scales inside a
+page, K and V of different sizes, layers that overlap) is refused with a
+message naming the layer, backend, layout, shape and strides.
 
-Pure: torch tensors in, plain data out; no vLLM import.
+Pure: torch tensors and callables in, plain data out; no vLLM import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +36,27 @@ if TYPE_CHECKING:
 # Our layout names (kv_sidecar.plan.spec.Layout values) for the page orders vLLM uses.
 HEAD_MAJOR = "packed"  # page [heads, tokens, K|V]
 TOKEN_MAJOR = "packed_nhd"  # page [tokens, heads, K|V]
+KV_PLANES_HEAD_MAJOR = (
+    "vllm_cpu"  # page [heads, K|V, ...]: each head's K as [dim, tokens], then V [tokens, dim]
+)
 MLA = "mla"  # page [tokens, latent]
+
+# One page's dims, outermost first (K: the K/V plane, B: token, H: head, D: element), for every
+# layout a dense page can be (kv_sidecar.plan.spec.LAYOUT_DIMS without the block dim N). The
+# view's own order comes first among equals: with one head several orders are the same bytes.
+# vllm_cpu's K plane holds each head's [B, D] tile transposed (kv_sidecar.plan.spec.K_TRANSPOSED).
+PAGE_DIMS = {
+    HEAD_MAJOR: "HBKD",
+    TOKEN_MAJOR: "BHKD",
+    KV_PLANES_HEAD_MAJOR: "HKBD",
+    "flashinfer_hnd": "KHBD",
+    "flashinfer_nhd": "KBHD",
+}
+
+# The backend's own cache write for one layer: (key, value, kv_cache, slot_mapping), key and value
+# [tokens, heads, head_size] in the model's dtype, slot = kernel block * kernel block size + offset
+# (vLLM's `AttentionImpl.do_kv_cache_update` with its layer bound).
+KVWriter = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], None]
 
 
 class UnsupportedKVCache(ValueError):
@@ -48,6 +75,7 @@ class VllmKVInfo:
     head_size_v: int  # 0 for MLA
     tp_size: int
     use_mla: bool
+    model_dtype: Any = None  # torch dtype of the keys and values the kernels take (None: the cache's)
 
 
 @dataclass(frozen=True)
@@ -56,19 +84,30 @@ class KVDescription:
     regions: list[torch.Tensor]  # contiguous views to register, in order: per layer, or one cross-layer
 
 
-def describe(layers: Sequence[torch.Tensor], info: VllmKVInfo) -> KVDescription:
-    """The spec and registration regions of one rank's KV cache, `layers` in model layer order."""
+def describe(
+    layers: Sequence[torch.Tensor],
+    info: VllmKVInfo,
+    names: Sequence[str] | None = None,
+    writers: Sequence[KVWriter | None] | None = None,
+) -> KVDescription:
+    """The spec and registration regions of one rank's KV cache, `layers` in model layer order.
+
+    `writers[i]`, where given, is layer i's own cache write: the page order is then what it writes,
+    checked on every such layer, not what the view claims.
+    """
     import torch
 
     if not layers:
         raise UnsupportedKVCache("vLLM registered no KV cache tensors (an attention-free model?)")
+    names = list(names) if names is not None else [f"layer {i}" for i in range(len(layers))]
     first = layers[0]
 
-    def refuse(reason: str) -> UnsupportedKVCache:
+    def refuse(reason: str, layer: int = 0) -> UnsupportedKVCache:
+        t = layers[layer]
         return UnsupportedKVCache(
             f"KVSidecarConnector cannot move the KV cache of attention backend {info.backend} "
-            f"(vLLM KV cache layout {info.layout}): layer tensor shape {tuple(first.shape)}, strides "
-            f"{tuple(first.stride())}, dtype {first.dtype}: {reason}"
+            f"(vLLM KV cache layout {info.layout}): {names[layer]}: tensor shape {tuple(t.shape)}, strides "
+            f"{tuple(t.stride())}, dtype {t.dtype}: {reason}"
         )
 
     if first.dim() != 4:
@@ -81,8 +120,9 @@ def describe(layers: Sequence[torch.Tensor], info: VllmKVInfo) -> KVDescription:
             first.device,
         ):
             raise refuse(
-                f"layer {i} differs (shape {tuple(t.shape)}, strides {tuple(t.stride())}, {t.dtype}, "
-                f"{t.device}); all layers must share one geometry"
+                f"differs from {names[0]} (shape {tuple(first.shape)}, strides {tuple(first.stride())}, "
+                f"{first.dtype}, {first.device}); all layers must share one geometry",
+                i,
             )
     kblocks, heads, tokens, content = first.shape
     s_block, s_head, s_token, s_content = first.stride()
@@ -129,6 +169,7 @@ def describe(layers: Sequence[torch.Tensor], info: VllmKVInfo) -> KVDescription:
     ptrs = [t.data_ptr() for t in layers]
     if s_block == page:
         cross_layer = False  # every layer a dense run of pages
+        _check_disjoint(layers, names, kblocks * page * esize, refuse)
     elif (
         nlayers > 1
         and ratio == 1
@@ -143,11 +184,19 @@ def describe(layers: Sequence[torch.Tensor], info: VllmKVInfo) -> KVDescription:
             "cache group's data sit between blocks"
         )
 
-    page_shape = {
-        HEAD_MAJOR: (heads, tokens, content),
-        TOKEN_MAJOR: (tokens, heads, content),
-        MLA: (tokens, content),
-    }[layout]
+    # -- what the kernels really write there ----------------------------------------------
+    if not info.use_mla and writers is not None:
+        found = None
+        for i, write in enumerate(writers):
+            if write is None:
+                continue
+            got = _probe_page_order(layers[i], write, info, layout, lambda r, i=i: refuse(r, i))
+            if found is not None and got != found:
+                raise refuse(f"its kernel writes {got} pages, {names[0]}'s kernel {found}", i)
+            found = got
+        layout = found or layout
+
+    page_shape = _page_shape(layout, heads, tokens, content)
     shape = (kblocks, nlayers, *page_shape) if cross_layer else (kblocks, *page_shape)
     strides = _contiguous(shape)
     bases = layers[:1] if cross_layer else layers
@@ -165,6 +214,144 @@ def describe(layers: Sequence[torch.Tensor], info: VllmKVInfo) -> KVDescription:
         "cross_layer": cross_layer,
     }
     return KVDescription(spec, regions)
+
+
+def transferred_layers(
+    kv_caches: Mapping[str, torch.Tensor],
+    sharing: Mapping[str, str | None],
+    group_layers: Sequence[str],
+    layer_index: Callable[[str], int],
+) -> list[str]:
+    """The layers whose caches the sidecar moves, in model order: every layer vLLM gave a cache,
+    less those vLLM declares as reading another layer's cache (`kv_sharing_target_layer_name`),
+    each checked to be exactly that layer's tensor. A layer of the KV cache groups that has no
+    cache, or a cache nobody can explain, stops registration naming the layer."""
+    missing = sorted(set(group_layers) - set(kv_caches))
+    if missing:
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: vLLM's KV cache groups name layers {missing} but gave the connector no "
+            "cache for them; the sidecar would move an incomplete cache"
+        )
+    names = []
+    for name in sorted(kv_caches, key=layer_index):
+        target = sharing.get(name)
+        if target is None:
+            names.append(name)
+            continue
+        mine, theirs = kv_caches[name], kv_caches.get(target)
+        if theirs is None or (mine.data_ptr(), mine.shape, mine.stride()) != (
+            theirs.data_ptr(),
+            theirs.shape,
+            theirs.stride(),
+        ):
+            raise UnsupportedKVCache(
+                f"KVSidecarConnector: {name} is declared to share {target}'s KV cache, but its tensor is not "
+                f"{target}'s (shape {tuple(mine.shape)}, strides {tuple(mine.stride())}, at {mine.data_ptr():#x})"
+            )
+    return names
+
+
+def check_covers_allocation(desc: KVDescription, allocated: Sequence[int]) -> None:
+    """The regions registered must be every byte vLLM allocated for the KV cache, no more and no less."""
+    registered = sum(r.numel() * r.element_size() for r in desc.regions)
+    if registered != sum(allocated):
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: vLLM allocated {sum(allocated)} bytes of KV cache ({len(allocated)} "
+            f"tensor(s)), but the spec derived from its layers ({desc.spec}) accounts for {registered}: "
+            "some layer's bytes would not be moved, or be moved as another's"
+        )
+
+
+def _page_shape(layout: str, heads: int, tokens: int, content: int) -> tuple[int, ...]:
+    if layout == MLA:
+        return (tokens, content)
+    sizes = {"K": 2, "B": tokens, "H": heads, "D": content // 2}
+    dims = PAGE_DIMS[layout]
+    if dims.endswith("KD"):  # K and V side by side in the last dim
+        return (*(sizes[d] for d in dims[:-2]), content)
+    return tuple(sizes[d] for d in dims)
+
+
+def _pages(layout: str, logical: torch.Tensor) -> torch.Tensor:
+    """[N, page elements] holding `logical` ([N, K, B, H, D]) in `layout`'s page order."""
+    import torch
+
+    n = logical.shape[0]
+    if layout == KV_PLANES_HEAD_MAJOR:
+        k = logical[:, 0].permute(0, 2, 3, 1).reshape(n, logical.shape[3], -1)  # [N, H, D*B]
+        v = logical[:, 1].permute(0, 2, 1, 3).reshape(n, logical.shape[3], -1)  # [N, H, B*D]
+        return torch.cat([k, v], dim=2).reshape(n, -1)
+    dims = PAGE_DIMS[layout]
+    return logical.permute(0, *(1 + "KBHD".index(c) for c in dims)).reshape(n, -1)
+
+
+def _check_disjoint(
+    layers: Sequence[torch.Tensor],
+    names: Sequence[str],
+    nbytes: int,
+    refuse: Callable[[str, int], UnsupportedKVCache],
+) -> None:
+    """Per-layer caches must not share bytes: the sidecar would move one layer's data as another's."""
+    spans = sorted((t.data_ptr(), i) for i, t in enumerate(layers))
+    for (start, i), (next_start, j) in itertools.pairwise(spans):
+        if start + nbytes > next_start:
+            raise refuse(
+                f"its {nbytes} bytes overlap {names[j]}'s (a layer that shares another's cache "
+                "must be left out of the registration, and only a layer vLLM declares as sharing may be)",
+                i,
+            )
+
+
+def _probe_page_order(
+    view: torch.Tensor,
+    write: KVWriter,
+    info: VllmKVInfo,
+    natural: str,
+    refuse: Callable[[str], UnsupportedKVCache],
+) -> str:
+    """Run the backend's cache write on a scratch copy of two pages; the layout whose order it matches.
+
+    Random values in the cache's dtype (upcast to the model's dtype, exactly) go in; the scratch,
+    zero elsewhere, must then hold them bit for bit where one of PAGE_DIMS puts them.
+    """
+    import torch
+
+    _, heads, tokens, content = view.shape
+    d = content // 2
+    nblocks = min(2, view.shape[0])
+    s_block = view.stride(0)
+    span = (nblocks - 1) * s_block + heads * tokens * content
+    scratch_flat = torch.zeros(span, dtype=view.dtype, device=view.device)
+    scratch = torch.as_strided(scratch_flat, (nblocks, *view.shape[1:]), view.stride(), 0)
+    n = nblocks * tokens
+    width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[view.element_size()]
+    g = torch.Generator().manual_seed(30)
+    if view.dtype.is_floating_point:  # normal numbers: a kernel may flush denormals or quiet NaNs
+        kv = torch.randn((2, n, heads, d), generator=g).to(view.dtype)
+    else:
+        kv = torch.randint(-100, 100, (2, n, heads, d), generator=g).to(view.dtype)
+    kv = kv.to(view.device)
+    model_dtype = info.model_dtype or view.dtype
+    slots = torch.arange(n, dtype=torch.int64, device=view.device)
+    try:
+        write(kv[0].to(model_dtype), kv[1].to(model_dtype), scratch, slots)
+    except Exception as e:  # not verifiable: do not register on a guess
+        raise refuse(
+            f"running the backend's own KV cache write on a scratch page (to check where it puts K and V) "
+            f"failed: {type(e).__name__}: {e}"
+        ) from e
+    pages = torch.stack(
+        [scratch_flat[b * s_block : b * s_block + heads * tokens * content] for b in range(nblocks)]
+    )
+    logical = kv.view(2, nblocks, tokens, heads, d).permute(1, 0, 2, 3, 4)  # [N, K, B, H, D]
+    order = [natural] + [name for name in PAGE_DIMS if name != natural]
+    for name in order:
+        if torch.equal(pages.view(width), _pages(name, logical).view(width)):
+            return name
+    raise refuse(
+        "the backend's own KV cache write puts K and V where none of the sidecar's page orders "
+        f"({', '.join(f'{k} {v}' for k, v in PAGE_DIMS.items())}) would"
+    )
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:

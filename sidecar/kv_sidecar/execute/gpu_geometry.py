@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_sidecar.plan.spec import EngineSpec, PlanError, tensor_dims
+from kv_sidecar.plan.spec import K_TRANSPOSED, EngineSpec, PlanError, tensor_dims
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ class Strides:
 
 def strides(spec: EngineSpec) -> Strides:
     """Contiguous element strides of the registered tensors, by dim letter."""
+    if spec.layout in K_TRANSPOSED:
+        raise PlanError(
+            f"layout {spec.layout.value} keeps its K plane transposed (vLLM's CPU backend): "
+            "a host-memory layout, not one the GPU data plane moves"
+        )
     sizes = spec.dim_sizes()
     found: dict[str, int] = {}
     step = 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_sidecar.plan.blocks import check_copy
-from kv_sidecar.plan.spec import EngineSpec, PlanError, kv_in_last_dim, tensor_dims
+from kv_sidecar.plan.spec import K_TRANSPOSED, EngineSpec, PlanError, kv_in_last_dim, tensor_dims
 
 CANONICAL = "LKNBHD"  # layer, K/V, kernel block, token in kernel block, local head, dim
 
@@ -37,11 +37,15 @@ class RankView:
     `layers` is one canonical view `[L, K, N, B, H, D]` when all layers can be
     addressed as one strided tensor (cross-layer, or per-layer tensors equally
     spaced in one storage); otherwise one `[1, K, N, B, H, D]` view per layer.
+    A layout whose K plane is transposed (`K_TRANSPOSED`) has no single strided
+    view of both planes: `layers` then holds the K plane's views and `v_layers`
+    the V plane's, the same way, each with a K dim of size 1.
     """
 
     spec: EngineSpec
     rank: int
     layers: tuple[torch.Tensor, ...]
+    v_layers: tuple[torch.Tensor, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -50,6 +54,23 @@ class RankView:
     @property
     def is_single_view(self) -> bool:
         return len(self.layers) == 1
+
+    @property
+    def split_planes(self) -> bool:
+        return bool(self.v_layers)
+
+    def part(self, layer: int | None, plane: int | None) -> torch.Tensor:
+        """`[l, k, N, B, H, D]` over every layer (None; single views only) or one, every plane (None) or one."""
+        views = self.layers
+        if self.v_layers:
+            if plane is None:
+                raise ValueError("a split-plane view has no view of both planes")
+            views, plane = (self.layers, self.v_layers)[plane], None
+        if layer is None or len(views) == 1:
+            view = views[0] if layer is None else views[0][layer : layer + 1]
+        else:
+            view = views[layer]
+        return view if plane is None else view[:, plane : plane + 1]
 
 
 def rank_view(spec: EngineSpec, rank: int, tensors: Sequence[torch.Tensor]) -> RankView:
@@ -73,14 +94,30 @@ def rank_view(spec: EngineSpec, rank: int, tensors: Sequence[torch.Tensor]) -> R
             raise PlanError(f"rank {rank} tensor {i}: on {tensor.device}, tensor 0 on {tensors[0].device}")
     as_ints = [t.view(_INT_OF_WIDTH[spec.element_size]) for t in tensors]
     canon = [_canonical(spec, t) for t in as_ints]
+    if spec.layout not in K_TRANSPOSED:
+        return RankView(spec, rank, _layer_views(spec, canon))
+    kdim = 1 if spec.cross_layer else 0
+    k_plane = [_transpose_tiles(c.narrow(kdim, 0, 1)) for c in canon]
+    v_plane = [c.narrow(kdim, 1, 1) for c in canon]
+    return RankView(spec, rank, _layer_views(spec, k_plane), _layer_views(spec, v_plane))
+
+
+def _layer_views(spec: EngineSpec, canon: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     if spec.cross_layer:
-        return RankView(spec, rank, (canon[0],))
+        return (canon[0],)
     stacked = _stack_equally_spaced(canon)
     if stacked is not None:
-        return RankView(spec, rank, (stacked,))
+        return (stacked,)
     # Layers in separate allocations (or unevenly spaced) cannot be one view:
     # the copy then loops over layers, one gather + index_put each.
-    return RankView(spec, rank, tuple(c.unsqueeze(0) for c in canon))
+    return tuple(c.unsqueeze(0) for c in canon)
+
+
+def _transpose_tiles(view: torch.Tensor) -> torch.Tensor:
+    """A canonical view (last dims B, H, D) of a plane stored [D, B] per head: B steps by 1, D by B."""
+    strides = list(view.stride())
+    strides[-3], strides[-1] = 1, view.shape[-3]
+    return view.as_strided(view.shape, strides, view.storage_offset())
 
 
 def _canonical(spec: EngineSpec, tensor: torch.Tensor) -> torch.Tensor:
@@ -162,11 +199,10 @@ def copy_request(
 
 
 def _layer_pairs(src: RankView, dst: RankView) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Matching (src, dst) canonical views: one pair if both are single views, else one per layer."""
-    if src.is_single_view and dst.is_single_view:
-        return [(src.layers[0], dst.layers[0])]
-    return [(_layer(src, i), _layer(dst, i)) for i in range(src.spec.num_layers)]
-
-
-def _layer(view: RankView, i: int) -> torch.Tensor:
-    return view.layers[0][i : i + 1] if view.is_single_view else view.layers[i]
+    """Matching (src, dst) canonical views: one pair if both are single views, else one per layer;
+    one per plane too where either side keeps its planes apart."""
+    layers: list[int | None] = (
+        [None] if src.is_single_view and dst.is_single_view else list(range(src.spec.num_layers))
+    )
+    planes: list[int | None] = [0, 1] if src.split_planes or dst.split_planes else [None]
+    return [(src.part(i, p), dst.part(i, p)) for i in layers for p in planes]

@@ -28,6 +28,9 @@ class Layout(str, Enum):
     N: blocks, B: tokens in a block, H: KV heads on this rank, D: head_dim,
     2: K and V, L: MLA latent size. `packed` and `packed_nhd` are vLLM's
     `KVCacheLayout`s LBHNC and LBNHC: K then V in the last dim (docs/pairings.md).
+    `vllm_cpu` is what vLLM's CPU attention backend really stores under LBHNC:
+    its kernels view each head's page as the block's K plane, then its V plane,
+    and keep the K plane transposed ([D, B]: `K_TRANSPOSED`).
     """
 
     FLASH_ATTN_NHD = "flash_attn_nhd"  # [2, N, B, H, D]
@@ -36,6 +39,7 @@ class Layout(str, Enum):
     FLASHINFER_HND = "flashinfer_hnd"  # [N, 2, H, B, D]
     PACKED = "packed"  # [N, H, B, 2*D]  (vLLM LBHNC)
     PACKED_NHD = "packed_nhd"  # [N, B, H, 2*D]  (vLLM LBNHC)
+    VLLM_CPU = "vllm_cpu"  # [N, H, 2, B, D], the K plane as [D, B]  (vLLM's CPU backend, declared LBHNC)
     MLA = "mla"  # [N, B, L]
 
 
@@ -52,8 +56,14 @@ LAYOUT_DIMS: dict[Layout, str] = {
     Layout.FLASHINFER_HND: "NKHBD",
     Layout.PACKED: "NHBKD",
     Layout.PACKED_NHD: "NBHKD",
+    Layout.VLLM_CPU: "NHKBD",
     Layout.MLA: "NBD",
 }
+
+
+# Layouts whose K plane holds each [B, D] tile transposed, as [D, B] (V keeps [B, D]): the
+# physical shape is still LAYOUT_DIMS's, only the K plane's B and D strides are swapped.
+K_TRANSPOSED: frozenset[Layout] = frozenset({Layout.VLLM_CPU})
 
 
 def kv_in_last_dim(layout: Layout) -> bool:

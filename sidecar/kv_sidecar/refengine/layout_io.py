@@ -54,6 +54,9 @@ def _to_physical(spec: EngineSpec, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[:, 0], x[:, 1]], dim=-1).permute(0, 2, 1, 3)  # [r, h, kb, 2d]
     if lay is Layout.PACKED_NHD:
         return torch.cat([x[:, 0], x[:, 1]], dim=-1)  # [r, kb, h, 2d]
+    if lay is Layout.VLLM_CPU:  # [r, h, kv, kb, d] in shape; the K tile holds [d, kb]
+        k = x[:, 0].permute(0, 2, 3, 1).reshape(r, h, 1, kb, d)  # [r, h, d, kb], read as [kb, d]
+        return torch.cat([k, x[:, 1].permute(0, 2, 1, 3)[:, :, None]], dim=2)
     if lay is Layout.MLA:
         return x[:, 0, :, 0, :]  # [r, kb, latent]
     raise AssertionError(f"no reference writer for layout {lay.value}")
@@ -73,6 +76,10 @@ def _from_physical(spec: EngineSpec, y: torch.Tensor) -> torch.Tensor:
     elif lay is Layout.PACKED_NHD:
         d = y.shape[-1] // 2  # y: [r, kb, h, 2d], K in the first half
         x = torch.stack([y[..., :d], y[..., d:]], dim=1)
+    elif lay is Layout.VLLM_CPU:  # y: [r, h, kv, kb, d], the K tile holding [d, kb]
+        r, h, _, kb, d = y.shape
+        k = y[:, :, 0].reshape(r, h, d, kb).permute(0, 3, 1, 2)  # [r, kb, h, d]
+        x = torch.stack([k, y[:, :, 1].permute(0, 2, 1, 3)], dim=1)
     elif lay is Layout.MLA:
         x = y[:, None, :, None, :]
     else:
