@@ -249,11 +249,24 @@ def test_malformed_shared_memory_handles(client: SidecarClient, valid_traffic: C
             "spec needs 2 tensors",
             lambda: client.register_rank("x", 0, SPEC.to_dict(), good[:1]),
         )
+        # Layer 1 over layer 0's bytes (a shared cache described as two layers): refused, not moved twice.
+        expect(
+            "INVALID_ARGUMENT",
+            "tensors 0 and 1 overlap in their memory",
+            _second_over_first(client, good),
+        )
         expect(
             "INVALID_ARGUMENT",
             "unknown layout 'nhd'",
             lambda: client.register_rank("x", 0, SPEC.to_dict() | {"layout": "nhd"}, good),
         )
+
+
+def _second_over_first(client: SidecarClient, good: list) -> Callable[[], object]:
+    handles = [type(h)() for h in good]
+    handles[0].CopyFrom(good[0])
+    handles[1].CopyFrom(good[0])
+    return lambda: client.register_rank(f"bad-{next(_ids)}", 0, SPEC.to_dict(), handles)
 
 
 def test_gpu_tensors_on_a_sidecar_without_gpu(client: SidecarClient, valid_traffic: Callable) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import math
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -183,6 +185,7 @@ class EngineRegistry:
                 tensors.append(self._shm.map_tensor(h.shm.name, h.shm.offset, h.shape, h.strides, h.dtype))
                 names.append(h.shm.name)
             view = rank_view(spec, rank, tensors)
+            _check_disjoint(spec, handles)
         except BaseException:
             for n in names:
                 self._shm.release(n)
@@ -209,6 +212,7 @@ class EngineRegistry:
                 "rank registers CUDA IPC tensors but this sidecar sees no GPU "
                 "(give the sidecar container the engine's GPUs)",
             )
+        _check_disjoint(spec, handles)
         refs = [IpcTensorRef(h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.device_uuid) for h in handles]
         try:
             gpu = GpuRank(spec, rank, refs)
@@ -284,3 +288,23 @@ class EngineRegistry:
         for e in self.all():
             with contextlib.suppress(SidecarError, PlanError):
                 self.unregister(e.engine_id, e.rank)
+
+
+def _check_disjoint(spec: EngineSpec, handles: list[common_pb2.TensorHandle]) -> None:
+    """Refuse a rank whose tensors share bytes: the sidecar would move one layer's data as another's
+    (two layers that share a cache must be registered once: the engine's description is wrong)."""
+    spans = []
+    for i, h in enumerate(handles):
+        memory = h.WhichOneof("memory")
+        where = h.shm.name if memory == "shm" else h.cuda_ipc.handle
+        offset = h.shm.offset if memory == "shm" else h.cuda_ipc.offset
+        size = spec.element_size * math.prod(h.shape)
+        spans.append((where, offset, offset + size, i))
+    spans.sort()
+    for (where, _, end, i), (other, start, _, j) in itertools.pairwise(spans):
+        if where == other and start < end:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"tensors {min(i, j)} and {max(i, j)} overlap in their memory: each tensor the spec "
+                "describes must have bytes of its own",
+            )
