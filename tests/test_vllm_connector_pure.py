@@ -17,7 +17,13 @@ from kv_sidecar.execute.host import rank_view
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar_client.vllm import UnsupportedVllmVersion, check_vllm_version
 from kv_sidecar_client.vllm.config import ConnectorConfig, ConnectorConfigError
-from kv_sidecar_client.vllm.kv_layout import UnsupportedKVCache, VllmKVInfo, describe
+from kv_sidecar_client.vllm.kv_layout import (
+    UnsupportedKVCache,
+    VllmKVInfo,
+    check_covers_allocation,
+    describe,
+    transferred_layers,
+)
 from kv_sidecar_client.vllm.scheduler import BadParams, remote_params
 from kv_sidecar_client.vllm.shm_pool import ShmKVPool
 
@@ -187,6 +193,205 @@ def test_unsupported_caches_are_refused_with_backend_layout_and_shape(
         match=rf"backend TEST \(vLLM KV cache layout LBHNC\): layer 0: tensor shape .*{message}",
     ):
         describe(make(raw), _info(**info))
+
+
+# -- the page order the kernels really write (describe with writers) ------------------------------
+# Writers stand in for vLLM's `do_kv_cache_update`: key/value [tokens, heads, D], the cache a layer's
+# logical [kernel blocks, heads, tokens, K|V] view, slot = kernel block * tokens per kernel block + offset.
+_NAMES = ["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]
+
+
+def _cpu_kernel_writer(
+    key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    # What vLLM's CPU backend does: each head's page is [2B, D], K rows then V rows, and its
+    # kernel keeps the K half transposed ([D, B]) while V stays [B, D].
+    n, h, b, c = cache.shape
+    k_half, v_half = cache.view(n, h, 2 * b, c // 2).chunk(2, dim=2)
+    for t, slot in enumerate(slots.tolist()):
+        block, off = divmod(slot, b)
+        k_half[block].view(h, c // 2, b)[:, :, off] = key[t]
+        v_half[block, :, off] = value[t]
+
+
+def _view_writer(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    # A kernel that means what the view says: K|V in the last dim of each (block, head, token).
+    b = cache.shape[2]
+    for t, slot in enumerate(slots.tolist()):
+        cache[slot // b, :, slot % b] = torch.cat([key[t], value[t]], dim=-1)
+
+
+def _token_major_bytes_writer(
+    key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    # Whatever the (contiguous) view claims, each page is stored [tokens, heads, K|V].
+    n, h, b, c = cache.shape
+    pages = cache.view(n, b, h, c)
+    for t, slot in enumerate(slots.tolist()):
+        pages[slot // b, slot % b] = torch.cat([key[t], value[t]], dim=-1)
+
+
+def _layer_compact_nhc(num_layers: int = 3, blocks: int = 5) -> list[torch.Tensor]:
+    # vLLM LBNHC: [L, B, N, H, C] contiguous, each layer's view permuted to [B, H, N, C].
+    full = torch.zeros(num_layers, blocks, 16, 2, 16, dtype=torch.bfloat16)
+    return [full[i].transpose(1, 2) for i in range(num_layers)]
+
+
+def _hnc_views(kind: str) -> tuple[list[torch.Tensor], VllmKVInfo]:
+    """Head-major views (3 layers, 2 heads/rank, D 8) with kernel blocks as vLLM splits or groups them."""
+    if kind == "whole-blocks":
+        return _layer_compact_hnc()[1], _info()
+    if kind == "kernel-blocks":  # 5 blocks of 16 tokens as 10 kernel blocks of 8
+        full = torch.zeros(3, 10, 2, 8, 16, dtype=torch.bfloat16)
+        return [full[i] for i in range(3)], _info()
+    full = torch.zeros(5, 3, 2, 16, 16, dtype=torch.bfloat16)  # cross-layer BLHNC: [B, L, H, N, C]
+    return [full[:, i] for i in range(3)], _info(layout="BLHNC")
+
+
+@pytest.mark.parametrize("kind", ["whole-blocks", "kernel-blocks", "cross-layer"])
+def test_cpu_kernel_pages_are_vllm_cpu_and_the_sidecar_reads_what_it_wrote(kind: str) -> None:
+    """The layout comes from the writer, not the view, and the sidecar's view of the registered
+    regions then reads back bit for bit what that writer put in the real layer tensors."""
+    layers, info = _hnc_views(kind)
+    desc = describe(layers, info, _NAMES, [_cpu_kernel_writer] * 3)
+    assert desc.spec["layout"] == "vllm_cpu"
+    assert desc.spec["cross_layer"] == (kind == "cross-layer")
+    kblocks, heads, tokens, content = layers[0].shape
+    g = torch.Generator().manual_seed(1)
+    slots = torch.randperm(kblocks * tokens, generator=g)[:12]  # scattered over blocks and offsets
+    written = []
+    for layer in layers:  # different data per layer: a layer mix-up must show
+        kv = torch.randn(2, len(slots), heads, content // 2, generator=g).to(torch.bfloat16)
+        _cpu_kernel_writer(kv[0], kv[1], layer, slots)
+        written.append(kv)
+    view = rank_view(EngineSpec.from_dict(desc.spec), 0, desc.regions)
+    assert view.split_planes
+    for i, kv in enumerate(written):
+        for plane in (0, 1):
+            part = view.part(i, plane)  # [1, 1, N, B, H, D] as int16
+            assert part.dtype == torch.int16
+            got = part[0, 0, slots // tokens, slots % tokens]  # [tokens, H, D]
+            assert torch.equal(got, kv[plane].view(torch.int16)), (i, plane)
+
+
+def test_kv_per_token_writers_give_the_packed_layouts() -> None:
+    """A kernel that stores K|V per token, as the view says, keeps the view's own order."""
+    _, hnc = _layer_compact_hnc()
+    assert describe(hnc, _info(), _NAMES, [_view_writer] * 3).spec["layout"] == "packed"
+    nhc = _layer_compact_nhc()
+    assert describe(nhc, _info(layout="LBNHC"), _NAMES, [_view_writer] * 3).spec["layout"] == "packed_nhd"
+    # What counts is the bytes: a kernel that puts a head-major view's pages token-major is packed_nhd.
+    assert describe(hnc, _info(), _NAMES, [_token_major_bytes_writer] * 3).spec["layout"] == "packed_nhd"
+
+
+def _swaps_k_and_v(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    _cpu_kernel_writer(value, key, cache, slots)
+
+
+def _drops_v(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    _cpu_kernel_writer(key, torch.zeros_like(value), cache, slots)
+
+
+def _raises(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    raise RuntimeError("no ISA for this block size")
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (_swaps_k_and_v, "none of the sidecar's page orders"),
+        (_drops_v, "leaves part of a page unwritten"),
+        (_raises, "failed: RuntimeError: no ISA for this block size"),
+        (_view_writer, "its kernel writes packed pages, model.layers.0.attn's kernel vllm_cpu"),
+    ],
+    ids=["k-v-swapped", "v-dropped", "raises", "disagrees"],
+)
+def test_a_kernel_no_layout_explains_is_refused_naming_its_layer(bad: Any, message: str) -> None:
+    """Only layer 1's kernel misbehaves: the refusal must name it, not layer 0."""
+    _, layers = _layer_compact_hnc()
+    with pytest.raises(
+        UnsupportedKVCache,
+        match=rf"backend TEST \(vLLM KV cache layout LBHNC\): model\.layers\.1\.attn: .*{message}",
+    ):
+        describe(layers, _info(), _NAMES, [_cpu_kernel_writer, bad, _cpu_kernel_writer])
+
+
+# -- which tensors are registered: overlap, KV sharing, coverage ------------------------------------
+def test_layers_over_the_same_bytes_are_refused() -> None:
+    """Two layers registered over one layer's bytes would move one layer's data as the other's."""
+    raw, layers = _layer_compact_hnc()
+    with pytest.raises(
+        UnsupportedKVCache, match=r"model\.layers\.0\.attn: .*overlap model\.layers\.1\.attn's"
+    ):
+        describe([layers[0], layers[0].view(layers[0].shape)], _info(), _NAMES[:2])
+    # Partly overlapping: layer 1 starts two blocks into layer 0.
+    page = 2 * 16 * 16
+    shifted = torch.as_strided(raw, layers[0].shape, layers[0].stride(), 2 * page)
+    with pytest.raises(UnsupportedKVCache, match="overlap"):
+        describe([layers[0], shifted, layers[2]], _info(), _NAMES)
+
+
+def _index(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def test_transferred_layers_drops_declared_sharers_in_model_order() -> None:
+    _, (t0, t1, t2) = _layer_compact_hnc()
+    names = [f"model.layers.{i}.attn" for i in (0, 2, 10, 11)]
+    # Layer 11 reads layer 2's cache: the same bytes, as another tensor object (vLLM re-views it).
+    caches = {names[3]: t2.view(t2.shape), names[2]: t1, names[0]: t0, names[1]: t2}
+    got = transferred_layers(caches, {names[3]: names[1]}, names, _index)
+    assert got == names[:3]  # by layer index (10 after 2), without the sharer
+
+
+@pytest.mark.parametrize(
+    ("caches", "sharing", "message"),
+    [
+        (
+            lambda t: {"model.layers.0.attn": t[0], "model.layers.1.attn": t[1]},
+            {"model.layers.1.attn": "model.layers.0.attn"},
+            r"model\.layers\.1\.attn is declared to share model\.layers\.0\.attn's KV cache, but its tensor is not",
+        ),
+        (
+            lambda t: {"model.layers.0.attn": t[0], "model.layers.1.attn": t[0][1:]},
+            {"model.layers.1.attn": "model.layers.0.attn"},
+            r"model\.layers\.1\.attn is declared to share .* its tensor is not",
+        ),
+        (
+            lambda t: {"model.layers.0.attn": t[0], "model.layers.1.attn": t[0]},
+            {"model.layers.1.attn": "model.layers.7.attn"},
+            r"model\.layers\.1\.attn is declared to share model\.layers\.7\.attn's",
+        ),
+    ],
+    ids=["other-tensor", "offset-view", "absent-target"],
+)
+def test_transferred_layers_refuses_a_sharer_that_is_not_its_target(
+    caches: Any, sharing: dict[str, str], message: str
+) -> None:
+    _, layers = _layer_compact_hnc()
+    kv = caches(layers)
+    with pytest.raises(UnsupportedKVCache, match=message):
+        transferred_layers(kv, sharing, list(kv), _index)
+
+
+def test_transferred_layers_refuses_a_group_layer_without_a_cache() -> None:
+    _, layers = _layer_compact_hnc()
+    caches = {"model.layers.0.attn": layers[0]}
+    with pytest.raises(UnsupportedKVCache, match=r"name layers \['model\.layers\.1\.attn'\] but gave"):
+        transferred_layers(caches, {}, ["model.layers.0.attn", "model.layers.1.attn"], _index)
+
+
+def test_check_covers_allocation_wants_exactly_the_allocated_bytes() -> None:
+    raw, layers = _layer_compact_hnc()
+    desc = describe(layers, _info())
+    allocated = raw.numel() * raw.element_size()
+    check_covers_allocation(desc, [allocated])
+    check_covers_allocation(desc, [allocated // 3] * 3)  # one tensor per layer: the sum counts
+    for wrong in ([allocated + 2], [allocated - 2], [allocated, 4096]):
+        with pytest.raises(
+            UnsupportedKVCache, match=rf"vLLM allocated {sum(wrong)} bytes .* accounts for {allocated}"
+        ):
+            check_covers_allocation(desc, wrong)
 
 
 # -- shared memory for CPU engines -----------------------------------------------------------------

@@ -13,10 +13,14 @@ names the backend, the layout and the shape.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE, get_flashinfer_layout_string
 from vllm.v1.kv_cache_interface import (
@@ -59,12 +63,17 @@ def cases() -> list[Any]:
 
 
 def vllm_views(
-    backend: str, layout: KVCacheLayout, *, tp_size: int, block_size: int, num_blocks: int = 12
+    backend: str,
+    layout: KVCacheLayout,
+    *,
+    tp_size: int,
+    block_size: int,
+    num_blocks: int = 12,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[list[torch.Tensor], VllmKVInfo, Any]:
     mla = backend in MLA_BACKENDS
     total_heads = 1 if mla else 8
     heads = 1 if mla else max(1, total_heads // tp_size)
-    dtype = torch.bfloat16
     if mla:
         spec: Any = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=dtype)
     else:
@@ -113,6 +122,7 @@ def logical(view: torch.Tensor, mla: bool) -> torch.Tensor:
 def test_every_declared_layout_maps_to_the_same_bytes(
     backend: str, layout: KVCacheLayout, tp_size: int
 ) -> None:
+    # Views only: CPU_ATTN's kernel stores its pages otherwise (test_cpu_attention_kernel_pages_are_vllm_cpu).
     views, info, _ = vllm_views(backend, layout, tp_size=tp_size, block_size=64)
     # One MLA head makes the head dim's position immaterial: heads-outer layouts are then plain ones.
     if layout.name not in SUPPORTED and not info.use_mla:
@@ -181,3 +191,86 @@ def test_views_without_vllm_match_vllm(layout: KVCacheLayout, kernel: int | None
             w.storage_offset(),
             w.dtype,
         )
+
+
+# -- CPU_ATTN: what its kernel really writes (kv-sidecar issue 30) ---------------------------------
+def cpu_attention(
+    dtype: torch.dtype, block_size: int, heads: int, kv_cache_dtype: str = "auto"
+) -> tuple[Any, Any]:
+    """vLLM's CPU attention impl and a stand-in for its layer: what `do_kv_cache_update` reads of it."""
+    # The impl's __init__ reads the current config (model dtype, parallel config) but needs no model.
+    config = VllmConfig()
+    config.model_config = SimpleNamespace(dtype=dtype)  # type: ignore[assignment]
+    with set_current_vllm_config(config):
+        impl = CPUAttentionBackendImpl(
+            num_heads=2 * heads,
+            head_size=32,
+            scale=32**-0.5,
+            num_kv_heads=heads,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    # As CPUAttentionMetadataBuilder sets it (from the scheduler's block size), and Attention's scales.
+    layer = SimpleNamespace(
+        isa=_get_attn_isa(dtype, block_size, 32, kv_cache_dtype), _k_scale_float=1.0, _v_scale_float=1.0
+    )
+    return impl, layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_cpu_attention_kernel_pages_are_vllm_cpu(dtype: torch.dtype, block_size: int, tp_size: int) -> None:
+    """describe() asks CPU_ATTN's own cache write where K and V go: vllm_cpu, not the view's packed;
+    then K and V the kernel writes into the real views read back through the sidecar bit for bit."""
+    views, info, _ = vllm_views(
+        "CPU_ATTN", KVCacheLayout.LBHNC, tp_size=tp_size, block_size=block_size, dtype=dtype
+    )
+    kblocks, heads, tokens, content = views[0].shape
+    impl, layer = cpu_attention(dtype, block_size, heads)
+    names = [f"model.layers.{i}.attn" for i in range(len(views))]
+
+    def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+    desc = describe(views, info, names, writers=[write] * len(views))
+    assert desc.spec["layout"] == "vllm_cpu" and not desc.spec["cross_layer"]
+    old = describe(views, info)  # without writers, as before issue 30: the view's claim
+    assert old.spec["layout"] == "packed"
+
+    # Real K/V through the kernel: 20 tokens scattered over blocks and offsets, other data per layer.
+    g = torch.Generator().manual_seed(30)
+    slots = torch.randperm(kblocks * tokens, generator=g)[:20]
+    written = []
+    for view in views:
+        kv = torch.randn(2, len(slots), heads, content // 2, generator=g).to(dtype)
+        impl.do_kv_cache_update(layer, kv[0], kv[1], view, slots)
+        written.append(kv)
+    blocks, offsets = slots // tokens, slots % tokens
+
+    ours = rank_view(EngineSpec.from_dict(desc.spec), 0, desc.regions)
+    as_read = rank_view(EngineSpec.from_dict(old.spec), 0, old.regions).layers  # [L, K, N, B, H, D] ints
+    assert len(as_read) == 1
+    for i, kv in enumerate(written):
+        for plane in (0, 1):
+            want = kv[plane].view(as_read[0].dtype)  # [tokens, H, D], bit for bit
+            got = ours.part(i, plane)[0, 0, blocks, offsets]
+            assert torch.equal(got, want), (i, plane)
+            # Issue 30: registered as packed, the sidecar would have moved other bytes as these tokens.
+            assert not torch.equal(as_read[0][i, plane, blocks, offsets], want), (i, plane)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_an_fp8_cpu_cache_is_probed_through_its_quantising_kernel(scale: float) -> None:
+    """An fp8 cache (uint8 in vLLM's views) holds quantised bytes, never the values written: the probe
+    reads only which elements turn non-zero, so it still finds vllm_cpu, whatever the layer's scale."""
+    views, info, _ = vllm_views("CPU_ATTN", KVCacheLayout.LBHNC, tp_size=1, block_size=32, dtype=torch.uint8)
+    impl, layer = cpu_attention(torch.bfloat16, 32, views[0].shape[1], kv_cache_dtype="fp8")
+    layer._k_scale_float = layer._v_scale_float = scale
+
+    def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+    desc = describe(views, replace(info, model_dtype=torch.bfloat16), writers=[write] * len(views))
+    assert desc.spec["layout"] == "vllm_cpu" and desc.spec["dtype"] == "uint8"

@@ -186,15 +186,15 @@ def describe(
 
     # -- what the kernels really write there ----------------------------------------------
     if not info.use_mla and writers is not None:
-        found = None
+        found: tuple[str, int] | None = None  # (layout, the layer whose kernel wrote it)
         for i, write in enumerate(writers):
             if write is None:
                 continue
             got = _probe_page_order(layers[i], write, info, layout, lambda r, i=i: refuse(r, i))
-            if found is not None and got != found:
-                raise refuse(f"its kernel writes {got} pages, {names[0]}'s kernel {found}", i)
-            found = got
-        layout = found or layout
+            if found is not None and got != found[0]:
+                raise refuse(f"its kernel writes {got} pages, {names[found[1]]}'s kernel {found[0]}", i)
+            found = found or (got, i)
+        layout = found[0] if found else layout
 
     page_shape = _page_shape(layout, heads, tokens, content)
     shape = (kblocks, nlayers, *page_shape) if cross_layer else (kblocks, *page_shape)
@@ -311,8 +311,10 @@ def _probe_page_order(
 ) -> str:
     """Run the backend's cache write on a scratch copy of two pages; the layout whose order it matches.
 
-    Random values in the cache's dtype (upcast to the model's dtype, exactly) go in; the scratch,
-    zero elsewhere, must then hold them bit for bit where one of PAGE_DIMS puts them.
+    Where each logical element (block, K/V, token, head, dim) lands is read off in binary: pass j
+    writes 1 to the elements whose number has bit j set and 0 to the rest, so every page element
+    collects the number of the logical element the kernel put there. Only zero and non-zero are
+    read, so a kernel that converts on the way in (fp8 quantisation, a scale) is probed as well.
     """
     import torch
 
@@ -320,33 +322,42 @@ def _probe_page_order(
     d = content // 2
     nblocks = min(2, view.shape[0])
     s_block = view.stride(0)
-    span = (nblocks - 1) * s_block + heads * tokens * content
+    page = heads * tokens * content
+    span = (nblocks - 1) * s_block + page
     scratch_flat = torch.zeros(span, dtype=view.dtype, device=view.device)
     scratch = torch.as_strided(scratch_flat, (nblocks, *view.shape[1:]), view.stride(), 0)
-    n = nblocks * tokens
     width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[view.element_size()]
-    g = torch.Generator().manual_seed(30)
-    if view.dtype.is_floating_point:  # normal numbers: a kernel may flush denormals or quiet NaNs
-        kv = torch.randn((2, n, heads, d), generator=g).to(view.dtype)
-    else:
-        kv = torch.randint(-100, 100, (2, n, heads, d), generator=g).to(view.dtype)
-    kv = kv.to(view.device)
-    model_dtype = info.model_dtype or view.dtype
+    n = nblocks * tokens
+    # [K, tokens (both blocks), H, D] in the order the kernel takes keys and values.
+    numbers = torch.arange(2 * n * heads * d, dtype=torch.int64).view(2, n, heads, d)
     slots = torch.arange(n, dtype=torch.int64, device=view.device)
-    try:
-        write(kv[0].to(model_dtype), kv[1].to(model_dtype), scratch, slots)
-    except Exception as e:  # not verifiable: do not register on a guess
+    model_dtype = info.model_dtype or (view.dtype if view.dtype.is_floating_point else torch.float32)
+
+    def written(values: torch.Tensor) -> torch.Tensor:
+        """[N, page] booleans: which page elements the kernel left non-zero for these 0/1 inputs."""
+        scratch_flat.zero_()
+        kv = values.to(device=view.device, dtype=model_dtype)
+        try:
+            write(kv[0], kv[1], scratch, slots)
+        except Exception as e:  # not verifiable: do not register on a guess
+            raise refuse(
+                f"running the backend's own KV cache write on a scratch page (to check where it puts "
+                f"K and V) failed: {type(e).__name__}: {e}"
+            ) from e
+        flat = scratch_flat.view(width) != 0
+        return torch.stack([flat[b * s_block : b * s_block + page] for b in range(nblocks)]).cpu()
+
+    if not bool(written(torch.ones(numbers.shape)).all()):
         raise refuse(
-            f"running the backend's own KV cache write on a scratch page (to check where it puts K and V) "
-            f"failed: {type(e).__name__}: {e}"
-        ) from e
-    pages = torch.stack(
-        [scratch_flat[b * s_block : b * s_block + heads * tokens * content] for b in range(nblocks)]
-    )
-    logical = kv.view(2, nblocks, tokens, heads, d).permute(1, 0, 2, 3, 4)  # [N, K, B, H, D]
-    order = [natural] + [name for name in PAGE_DIMS if name != natural]
-    for name in order:
-        if torch.equal(pages.view(width), _pages(name, logical).view(width)):
+            "the backend's own KV cache write of K and V for every token leaves part of a page unwritten"
+        )
+    found = torch.zeros(nblocks, page, dtype=torch.int64)
+    for bit in range(max(1, int(numbers.max()).bit_length())):
+        found |= written(((numbers >> bit) & 1).float()).long() << bit
+    # The same numbers as [N, K, B, H, D], the order _pages takes.
+    logical = numbers.view(2, nblocks, tokens, heads, d).permute(1, 0, 2, 3, 4)
+    for name in [natural] + [name for name in PAGE_DIMS if name != natural]:
+        if torch.equal(found, _pages(name, logical)):
             return name
     raise refuse(
         "the backend's own KV cache write puts K and V where none of the sidecar's page orders "
