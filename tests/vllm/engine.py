@@ -5,7 +5,8 @@ reference): `python -m tests.vllm.engine '<json options>'` prints {"ok": true,
 ...} once the engine is up, then answers one command per line. Engines run
 vLLM's real scheduler, CPU model runner and our connector in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), on a tiny local Llama with dummy weights,
-which are the same in every engine (load_format="dummy", fixed seed).
+which are the same in every engine (load_format="dummy", fixed seed), or on a
+model written with real weights (tests/vllm/models.py, `"load_format": "auto"`).
 
 Commands:
   {"cmd": "add", "id": ..., "prompt": [...], "max_tokens": n, "kv_transfer_params": {...}|null}
@@ -74,7 +75,7 @@ class Engine:
             }
         self.llm = LLM(
             model=opts["model"],
-            load_format="dummy",
+            load_format=opts.get("load_format", "dummy"),
             skip_tokenizer_init=True,
             enforce_eager=True,
             dtype=opts.get("dtype", "float32"),
