@@ -4,9 +4,9 @@ Tests and bench/vllm_pd.py start one per role (prefill, decode, an aggregated
 reference): `python -m tests.vllm.engine '<json options>'` prints {"ok": true,
 ...} once the engine is up, then answers one command per line. Engines run
 vLLM's real scheduler, CPU model runner and our connector in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0), on a tiny local Llama with dummy weights,
-which are the same in every engine (load_format="dummy", fixed seed), or on a
-model written with real weights (tests/vllm/models.py, `"load_format": "auto"`).
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), on a tiny local Llama whose random weights
+write_model saves once (tests/vllm/models.py says why not vLLM's dummy ones: with
+them the output does not depend on the KV cache), the same in every engine.
 
 Commands:
   {"cmd": "add", "id": ..., "prompt": [...], "max_tokens": n, "kv_transfer_params": {...}|null}
@@ -25,6 +25,8 @@ import sys
 import time
 import traceback
 from typing import Any
+
+from tests.vllm.models import write_weights
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -46,10 +48,8 @@ TINY_LLAMA = {
 
 
 def write_model(directory: str, **over: Any) -> str:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA | over, f)
-    return directory
+    """The tiny Llama (config and seeded random weights) in `directory`."""
+    return write_weights(directory, TINY_LLAMA | {"initializer_range": 0.2} | over)
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
             }
         self.llm = LLM(
             model=opts["model"],
-            load_format=opts.get("load_format", "dummy"),
+            load_format=opts.get("load_format", "auto"),
             skip_tokenizer_init=True,
             enforce_eager=True,
             dtype=opts.get("dtype", "float32"),

@@ -90,10 +90,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 
 def write_random_model(directory: str, arch: str, seed: int = 0) -> str:
     """config.json and model.safetensors of `arch` with seeded random weights; returns the directory."""
+    return write_weights(directory, _COMMON | ARCHITECTURES[arch], seed)
+
+
+def write_weights(directory: str, config_dict: dict[str, Any], seed: int = 0) -> str:
+    """A transformers model of this config, seeded, saved as vLLM loads it (load_format "auto")."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict = _COMMON | ARCHITECTURES[arch]
     os.makedirs(directory, exist_ok=True)
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)

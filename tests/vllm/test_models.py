@@ -66,7 +66,7 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     arch = request.param
     model = write_random_model(str(tmp_path_factory.mktemp(f"model-{arch}")), arch)
     sp, sd = SidecarProcess(f"{arch}-prefill-node"), SidecarProcess(f"{arch}-decode-node")
-    common = {"model": model, "load_format": "auto", "prefix_caching": False}
+    common = {"model": model, "prefix_caching": False}
     conn = {"pull_timeout_s": 60.0}
     e32 = VllmEngine(
         f"{arch}-b32",

@@ -1,7 +1,7 @@
 """Two real vLLM engines (prefill, decode) through two real `kv-sidecar serve` processes.
 
 The decode engine's greedy tokens must equal those of one vLLM engine that ran
-the whole request itself (the "reference": no connector, same dummy weights).
+the whole request itself (the "reference": no connector, same weights).
 """
 
 from __future__ import annotations

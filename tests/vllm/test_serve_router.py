@@ -45,7 +45,7 @@ def api_server(
         "kv_connector_extra_config": {"sidecar_socket": sidecar_socket, "engine_id": engine_id},
     }
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
-    argv += ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"]
+    argv += ["--load-format", "auto", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"]
     argv += ["--block-size", "32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20)]
     argv += ["--disable-hybrid-kv-cache-manager", "--seed", "0", "--kv-transfer-config", json.dumps(kv)]
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
