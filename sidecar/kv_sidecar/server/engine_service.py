@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kv_sidecar.server import engine_calls
+from kv_sidecar.server.adapters.grpc_status import rpc, stream_rpc
 from kv_sidecar.server.engines import spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id, rpc, stream_rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id
 from kv_sidecar.server.inflight import wait_finished
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar.server.release import release_source

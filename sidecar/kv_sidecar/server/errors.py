@@ -1,27 +1,46 @@
-"""One exception type that carries a gRPC status, and the adapter that applies it."""
+"""The core's errors: one exception type carrying a status `Code`, and the checks of ids and addresses.
+
+`Code` has gRPC's status names and numbers (they are what engines and peers see), but this module,
+like the rest of the core, does not import grpc: `server/adapters/grpc_status.py` maps a `Code` to a
+gRPC status at the edge, in one place.
+"""
 
 from __future__ import annotations
 
-import functools
+import enum
 import logging
 import re
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-import grpc
 
 from kv_sidecar.memory.shm import HandleError
 from kv_sidecar.plan.spec import PlanError
 
 log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
-Code = grpc.StatusCode
+
+
+class Code(enum.IntEnum):
+    """Status codes, as gRPC numbers them (google.rpc.Code)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class SidecarError(Exception):
-    def __init__(
-        self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()
-    ) -> None:
+    def __init__(self, code: Code, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -44,41 +63,6 @@ def handler_error(e: Exception) -> SidecarError:
     if err.code is Code.INTERNAL:
         log.exception("internal error in handler")
     return err
-
-
-def _abort(context: grpc.ServicerContext, e: Exception) -> None:
-    err = handler_error(e)
-    if err.metadata:
-        context.set_trailing_metadata(err.metadata)
-    context.abort(err.code, err.message)
-
-
-def rpc(fn: F) -> F:
-    """Map exceptions raised by a unary handler to gRPC statuses."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(self, request, context)
-        except Exception as e:
-            if isinstance(e, grpc.RpcError) and not isinstance(e, grpc.Call):
-                raise  # context.abort() already ran
-            _abort(context, e)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def stream_rpc(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from fn(self, request, context)
-        except Exception as e:
-            if isinstance(e, grpc.RpcError) and not isinstance(e, grpc.Call):
-                raise
-            _abort(context, e)
-
-    return wrapper  # type: ignore[return-value]
 
 
 _MAX_ID = 256

@@ -65,7 +65,7 @@ def answer(sc: Sidecar, agent: str, msg: bytes) -> None:
         reply.response.CopyFrom(open_read(sc, req, peer))
     except Exception as e:
         err = handler_error(e)
-        reply.code, reply.message = err.code.value[0], err.message
+        reply.code, reply.message = int(err.code), err.message
     sc.nixl.notify(agent, reply_notif(req.reply_id, reply))
 
 
@@ -135,8 +135,8 @@ class NotifiedOpen:
             raise SidecarError(Code.INTERNAL, f"peer sidecar {self._holder.address} sent a malformed answer")
         if future is None:
             self._sc.metrics.opens.labels("notification").inc()
-        if reply.code != Code.OK.value[0]:
-            code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
+        if reply.code != Code.OK:
+            code = Code(reply.code) if reply.code in set(Code) else Code.UNKNOWN
             raise peer_error(code, reply.message, self._holder.address, self._what)
         return reply.response
 

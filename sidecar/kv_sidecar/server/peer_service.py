@@ -9,8 +9,9 @@ import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.server import staged_source
+from kv_sidecar.server.adapters.grpc_status import rpc
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, rpc
+from kv_sidecar.server.errors import Code, SidecarError, check_id
 from kv_sidecar.server.membership import rank_memory
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.reads import open_read

@@ -17,6 +17,7 @@ from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.adapters.grpc_status import from_grpc
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.push_runs import READERS_S
@@ -107,12 +108,12 @@ _TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICA
 
 
 def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
-    code = e.code() if isinstance(e, grpc.Call) else Code.UNAVAILABLE
+    code = from_grpc(e.code()) if isinstance(e, grpc.Call) else Code.UNAVAILABLE
     details = e.details() if isinstance(e, grpc.Call) else str(e)
     return peer_error(code, details or "", peer, what)
 
 
-def peer_error(code: grpc.StatusCode, details: str, peer: str, what: str) -> SidecarError:
+def peer_error(code: Code, details: str, peer: str, what: str) -> SidecarError:
     """What a peer's refusal (a failed call, or a refusal it sent by notification) tells our caller."""
     if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
         # A certificate problem does not heal on retry, unlike a peer that is down.

@@ -19,6 +19,7 @@ import grpc
 
 from kv_sidecar.execute import gpu
 from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server.adapters.grpc_status import from_grpc
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_direct import require_gpu
@@ -385,7 +386,7 @@ def _push_error(e: grpc.RpcError, address: str, request_id: str) -> SidecarError
     trailing = e.trailing_metadata() if isinstance(e, grpc.Call) else None
     if isinstance(e, grpc.Call) and PUSH_ENDED in tuple(trailing or ()):
         # The source's own verdict (e.g. UNAVAILABLE: its NIXL WRITE failed).
-        return SidecarError(e.code(), f"{e.details()} (peer sidecar {address})")
+        return SidecarError(from_grpc(e.code()), f"{e.details()} (peer sidecar {address})")
     return rpc_error(e, address, f"to push request {request_id!r}")
 
 
