@@ -8,7 +8,7 @@ answers with an OpenReadReply notification to our agent, which it loaded from ou
 that has not come within the open_answer_wait_us setting (the source polls slowly after a quiet spell,
 restarted and has another key, or cannot reach us) is not waited for alone: the reader makes the
 OpenRead call too, and takes whichever answer comes first (an open is idempotent for its reader). A
-link whose calls keep winning sends its opens by call only for BACKOFF_S.
+link whose calls keep winning sends its opens by call only for BACKOFF_S (PeerLink.open_missed).
 
 Source: the key binds a notification to the peer it was given to over an authenticated call; NIXL
 notifications carry no TLS and no token. A draining sidecar refuses such an open as it refuses the call.
@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.drain import draining_message
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
-from kv_sidecar.server.peers import Holder, PeerLink, peer_error
+from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, peer_error
 from kv_sidecar.server.reads import open_read
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 # setting (2 ms). A source polls for notifications every 0.1 ms while readers are recent
 # (server/push_runs.py), and every nixl_quiet_poll_ms when idle for a while; the Publish before a pull
 # wakes it (PushRuns' on_recent).
-MISSES_TO_BACK_OFF = 3
-BACKOFF_S = 30.0  # then opens to that source go by call only, this long
 OPENED = b"o"  # the answer's kind, after sp.prefix(reply id)
 OPEN_READ = "OpenRead"
 
@@ -129,7 +127,7 @@ class NotifiedOpen:
         if isinstance(got, grpc.Future):
             self._missed()
             return got.result()  # raises its grpc.RpcError
-        self._link.open_misses = 0
+        self._link.open_answered_by_notification()
         reply = parse_reply(self.reply_id, got)
         if reply is None:
             raise SidecarError(Code.INTERNAL, f"peer sidecar {self._holder.address} sent a malformed answer")
@@ -143,11 +141,7 @@ class NotifiedOpen:
     def _missed(self) -> None:
         """The call answered first. Once is a slow poll (a source idle for a while polls every 50 ms);
         MISSES_TO_BACK_OFF times in a row, the notifications are not getting through."""
-        link = self._link
-        link.open_misses += 1
-        if link.open_misses >= MISSES_TO_BACK_OFF:
-            link.open_misses = 0
-            link.notified_opens_from = time.monotonic() + BACKOFF_S
+        if self._link.open_missed():
             log.warning(
                 "%d OpenRead notifications to %s in a row were not answered before the call: "
                 "opening by call only for %.0f s",
@@ -167,12 +161,7 @@ def send(sc: Sidecar, holder: Holder, msg: peer_pb2.OpenReadRequest) -> Notified
     if not sc.settings.push_notifications:
         return None
     link = sc.peers.link(holder.address)
-    key = link.push_key
-    if (
-        not key
-        or not link.reads_done
-        or not link.read_lately()
-        or time.monotonic() < link.notified_opens_from
-    ):
+    key = link.push_key_for_open()
+    if not key:
         return None
     return NotifiedOpen(sc, holder, link, key, msg)

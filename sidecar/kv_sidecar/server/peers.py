@@ -71,6 +71,12 @@ class RemoteEngine:
         return set(range(self.spec.tp_size)) <= set(self.regions)
 
 
+# Opens in a row whose call answered before their notification that make a link open by call only
+# (server/notified_opens.py), and for how long.
+MISSES_TO_BACK_OFF = 3
+BACKOFF_S = 30.0
+
+
 class PeerLink:
     def __init__(self, address: str, channel: grpc.Channel) -> None:
         self.address = address
@@ -100,6 +106,52 @@ class PeerLink:
         polls every 50 ms, and a notification would wait 2 ms (open) or 5 ms (Push) for nothing before
         the call went; the call then goes at once. 10 s short of READERS_S: this clock starts later."""
         return time.monotonic() - self.last_read < READERS_S - 10.0
+
+    # -- what happened on this link (the only writers of its flags) -----------------------------------
+    def handshaken(self, push_key: bytes) -> None:
+        """A handshake answered: a restarted peer's new key (empty: it wants Pushes by gRPC only)."""
+        self.push_key = push_key
+        self.last_read = time.monotonic()
+
+    def learn_push_key(self, push_key: bytes) -> None:
+        """A Push answer's key (a restarted source gives a new one; empty: it wants none)."""
+        self.push_key = push_key
+
+    def read_completed(self) -> None:
+        """A pull from this peer completed: our NIXL connection to it is set up."""
+        self.reads_done = True
+        self.last_read = time.monotonic()
+
+    def staged_read_completed(self) -> None:
+        """A staged transfer from this peer completed: the NIXL connections both ways are set up."""
+        self.wired = True
+        self.last_read = time.monotonic()
+
+    def open_answered_by_notification(self) -> None:
+        self.open_misses = 0
+
+    def open_missed(self) -> bool:
+        """An open's call answered before its notification. True when that happened
+        MISSES_TO_BACK_OFF times in a row: opens then go by call only for BACKOFF_S."""
+        self.open_misses += 1
+        if self.open_misses < MISSES_TO_BACK_OFF:
+            return False
+        self.open_misses = 0
+        self.notified_opens_from = time.monotonic() + BACKOFF_S
+        return True
+
+    # -- what the link allows -------------------------------------------------------------------------
+    def push_key_for_push(self) -> bytes:
+        """The key to sign a Push notification with; empty (push by call) until the link is wired, or
+        for a source that no longer expects us (it would see the notification only 50 ms on)."""
+        return self.push_key if self.wired and self.read_lately() else b""
+
+    def push_key_for_open(self) -> bytes:
+        """The key to sign an open notification with; empty (open by call) before a pull from this peer
+        completed, for a source that no longer expects us, and while opens back off."""
+        if not self.reads_done or not self.read_lately() or time.monotonic() < self.notified_opens_from:
+            return b""
+        return self.push_key
 
 
 # How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
@@ -241,8 +293,7 @@ class Peers:
                 f"(different kv-sidecar versions?)",
             )
         agent = sc.nixl.add_remote(resp.agent_metadata, resp.agent_name)
-        link.push_key = resp.push_key  # a restarted peer's new key; empty: it wants Pushes by gRPC only
-        link.last_read = time.monotonic()
+        link.handshaken(resp.push_key)
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,
             agent_name=agent,

@@ -622,9 +622,7 @@ class Puller:
                     holder.agent_name,
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
-                link = sc.peers.link(holder.address)
-                link.reads_done = True  # later opens may go as notifications
-                link.last_read = time.monotonic()
+                sc.peers.link(holder.address).read_completed()  # later opens may go as notifications
 
     def wait(self, fut: Future[None], job: PullJob) -> None:
         while True:

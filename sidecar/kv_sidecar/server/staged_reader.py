@@ -226,7 +226,7 @@ def read_staged(
             try:
                 # Once: another pull's answer may replace it meanwhile. None until the link is wired, nor
                 # for a source that no longer expects us (it would see the notification only 50 ms on).
-                key = link.push_key if link.wired and link.read_lately() else b""
+                key = link.push_key_for_push()
                 req = peer_pb2.PushRequest(
                     engine_id=job.params.engine_id,
                     request_id=job.params.request_id,
@@ -288,8 +288,8 @@ def read_staged(
                 sc.nixl.add_poller(credits.poll)
                 nbytes = _receive(job, state, copies, credits, ring, slots, inbox, push, agent, address)
                 copies.synchronize()  # every byte is in the engine's blocks before we answer
-                done = link.wired = True
-                link.last_read = time.monotonic()
+                done = True
+                link.staged_read_completed()
                 return nbytes
             except sp.ProtocolError as e:
                 sc.metrics.failures.labels("staged_protocol").inc()
@@ -372,7 +372,7 @@ def _receive(
 def _learn_key(link: PeerLink, call: Any) -> None:
     """Keep the key of the source's answer (a restarted source gives a new one; empty: it wants none)."""
     if not call.cancelled() and call.exception() is None:
-        link.push_key = call.result().push_key
+        link.learn_push_key(call.result().push_key)
 
 
 def _raise_push_error(call: Any, address: str, request_id: str) -> None:
