@@ -18,7 +18,7 @@ import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
-from kv_sidecar.server import notified_opens
+from kv_sidecar.server import notifications, notified_opens
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -77,7 +77,9 @@ def _send_open(
         plan_hash=hs.plan_hash,
         reply_id=sp.new_transfer_id(),
     )
-    signed = sp.signed_notif(sp.OPEN_TAG, hs.push_key if key is None else key, req.SerializeToString())
+    signed = notifications.signed_notif(
+        notifications.OPEN_TAG, hs.push_key if key is None else key, req.SerializeToString()
+    )
     agent.send_notif(hs.agent_name, signed)
     return req.reply_id
 
@@ -215,6 +217,9 @@ def test_reply_notifications_round_trip_and_reject_other_ids() -> None:
     assert notified_opens.parse_reply("0123456789abcdef", msg) == reply
     assert notified_opens.parse_reply("fedcba9876543210", msg) is None
     assert notified_opens.parse_reply("0123456789abcdef", msg[: len(sp.prefix("0123456789abcdef"))]) is None
-    signed = sp.signed_notif(sp.OPEN_TAG, bytes(KEY_BYTES), b"body")
-    assert sp.parse_signed_notif(sp.OPEN_TAG, signed, KEY_BYTES) == (bytes(KEY_BYTES), b"body")
-    assert sp.parse_signed_notif(sp.PUSH_TAG, signed, KEY_BYTES) is None
+    signed = notifications.signed_notif(notifications.OPEN_TAG, bytes(KEY_BYTES), b"body")
+    assert notifications.parse_signed_notif(notifications.OPEN_TAG, signed, KEY_BYTES) == (
+        bytes(KEY_BYTES),
+        b"body",
+    )
+    assert notifications.parse_signed_notif(notifications.PUSH_TAG, signed, KEY_BYTES) is None

@@ -29,7 +29,7 @@ import torch
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
-from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server import notifications
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.staged_copies import PUSH_ENDED
@@ -300,7 +300,7 @@ def test_a_push_notification_without_the_key_starts_nothing(
         before = metric(a, "kvsidecar_failures_total", refused)
         starts = metric(a, "kvsidecar_push_starts_total", '{by="notification"}')
         for key in (bytes(KEY_BYTES), b"\x01" * KEY_BYTES):
-            forger.send_notif(hs.agent_name, sp.signed_notif(sp.PUSH_TAG, key, req))
+            forger.send_notif(hs.agent_name, notifications.signed_notif(notifications.PUSH_TAG, key, req))
         deadline = time.monotonic() + 10
         while metric(a, "kvsidecar_failures_total", refused) < before + 2:
             assert time.monotonic() < deadline, "the forged notifications were not refused"
@@ -327,7 +327,8 @@ def test_a_push_notification_without_the_key_starts_nothing(
         assert PUSH_ENDED in tuple(info.value.trailing_metadata())
         stopping.stopping = False
         forger.send_notif(
-            hs.agent_name, sp.signed_notif(sp.PUSH_TAG, hs.push_key, stopping.SerializeToString())
+            hs.agent_name,
+            notifications.signed_notif(notifications.PUSH_TAG, hs.push_key, stopping.SerializeToString()),
         )
         time.sleep(0.5)
         assert metric(a, "kvsidecar_push_starts_total", '{by="notification"}') == starts
@@ -379,7 +380,7 @@ class _GoneReader:
             open_num_tokens=TOKENS,
             notified=True,
         )
-        signed = sp.signed_notif(sp.PUSH_TAG, self.hs.push_key, req.SerializeToString())
+        signed = notifications.signed_notif(notifications.PUSH_TAG, self.hs.push_key, req.SerializeToString())
         self.driver.send_notif(self.hs.agent_name, signed)
 
     def stop(self) -> None:

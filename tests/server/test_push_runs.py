@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_sidecar.config import Settings
-from kv_sidecar.server import notified_opens
+from kv_sidecar.server import notifications, notified_opens
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.peers import Holder
 from kv_sidecar.server.published import Published
@@ -31,18 +31,20 @@ class Clock:
 def test_push_notification_round_trips_and_rejects_malformed() -> None:
     key = bytes(range(KEY_BYTES))
     body = b"\x1f\x00any proto bytes, separators included\x1f"
-    msg = sp.signed_notif(sp.PUSH_TAG, key, body)
-    assert msg.startswith(sp.PUSH_TAG) and not msg.startswith(sp.TAG)
-    assert sp.parse_signed_notif(sp.PUSH_TAG, msg, KEY_BYTES) == (key, body)
-    head = len(sp.PUSH_TAG) + 2 + 2 * KEY_BYTES
+    msg = notifications.signed_notif(notifications.PUSH_TAG, key, body)
+    assert msg.startswith(notifications.PUSH_TAG) and not msg.startswith(sp.TAG)
+    assert notifications.parse_signed_notif(notifications.PUSH_TAG, msg, KEY_BYTES) == (key, body)
+    head = len(notifications.PUSH_TAG) + 2 + 2 * KEY_BYTES
     for bad in (
         b"",
         msg[:head],  # no request
-        sp.TAG + msg[len(sp.PUSH_TAG) :],  # a chunk notification's tag
-        msg[: len(sp.PUSH_TAG) + 1] + b"zz" + msg[len(sp.PUSH_TAG) + 3 :],  # key not hex
+        sp.TAG + msg[len(notifications.PUSH_TAG) :],  # a chunk notification's tag
+        msg[: len(notifications.PUSH_TAG) + 1]
+        + b"zz"
+        + msg[len(notifications.PUSH_TAG) + 3 :],  # key not hex
         msg[: head - 1] + b"!" + msg[head:],  # key of the wrong length
     ):
-        assert sp.parse_signed_notif(sp.PUSH_TAG, bad, KEY_BYTES) is None, bad
+        assert notifications.parse_signed_notif(notifications.PUSH_TAG, bad, KEY_BYTES) is None, bad
 
 
 def test_keys_are_per_agent_stable_and_checked_in_full() -> None:

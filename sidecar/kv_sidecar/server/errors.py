@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
+from collections.abc import Iterable
 
 from kv_sidecar.memory.shm import HandleError
 from kv_sidecar.plan.spec import PlanError
@@ -63,6 +64,11 @@ def handler_error(e: Exception) -> SidecarError:
     if err.code is Code.INTERNAL:
         log.exception("internal error in handler")
     return err
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """Ranks as a message names them: sorted, bracketed."""
+    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
 
 
 _MAX_ID = 256

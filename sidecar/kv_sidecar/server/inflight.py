@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.errors import Code, SidecarError, ranks_text
 
 
 class PullTicket(threading.Event):
@@ -50,10 +50,6 @@ def stopped_error(cancel: threading.Event, request_id: str) -> SidecarError:
     return SidecarError(Code.CANCELLED, f"pull of request {request_id!r} stopped: {why}")
 
 
-def _ranks_text(ranks: Iterable[int]) -> str:
-    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
-
-
 class InflightPulls:
     """The pulls running on this sidecar, by (decode engine, request)."""
 
@@ -71,7 +67,7 @@ class InflightPulls:
                 raise SidecarError(
                     Code.ALREADY_EXISTS,
                     f"a pull of request {request_id!r} into engine {engine_id!r} is already running for "
-                    f"rank(s) {_ranks_text(clash)}",
+                    f"rank(s) {ranks_text(clash)}",
                 )
             running.append(ticket)
         return ticket

@@ -24,7 +24,7 @@ from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id
+from kv_sidecar.server.errors import Code, SidecarError, check_id, ranks_text
 from kv_sidecar.server.peers import rpc_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, peer_pb2
 
@@ -47,10 +47,6 @@ def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
         memory_kind=entry.memory_kind,
         regions=[peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in entry.regions],
     )
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
 
 
 class Membership:
@@ -217,7 +213,7 @@ class Membership:
                 raise SidecarError(code, f"leader sidecar of engine {engine_id!r}: {err.message}") from None
         (log.debug if quiet else log.info)(
             "reported ranks %s of engine %s to leader %s",
-            _ranks_text([e.rank for e in entries]),
+            ranks_text([e.rank for e in entries]),
             engine_id,
             leader,
         )
@@ -286,7 +282,7 @@ class Membership:
         if on_leader:
             raise SidecarError(
                 Code.ALREADY_EXISTS,
-                f"engine {eid!r} rank(s) {_ranks_text(on_leader)} are already registered on the leader",
+                f"engine {eid!r} rank(s) {ranks_text(on_leader)} are already registered on the leader",
             )
         with self._lock:
             members = self._members.setdefault(eid, {})
@@ -300,7 +296,7 @@ class Membership:
                 if clash:
                     raise SidecarError(
                         Code.ALREADY_EXISTS,
-                        f"engine {eid!r} rank(s) {_ranks_text(clash)} are already held by sidecar {sid} "
+                        f"engine {eid!r} rank(s) {ranks_text(clash)} are already held by sidecar {sid} "
                         f"at {other.peer_address}",
                     )
             if members.get(m.sidecar_id) == m:
@@ -325,7 +321,7 @@ class Membership:
         if missing:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
-                f"engine {engine_id!r} rank(s) {_ranks_text(missing)} are registered on no sidecar; "
+                f"engine {engine_id!r} rank(s) {ranks_text(missing)} are registered on no sidecar; "
                 f"register every rank before publishing",
             )
 
@@ -354,7 +350,7 @@ class Membership:
                 err = rpc_error(
                     e,
                     m.peer_address,
-                    f"to hold request {request_id!r} for ranks {_ranks_text([r.rank for r in m.ranks])}",
+                    f"to hold request {request_id!r} for ranks {ranks_text([r.rank for r in m.ranks])}",
                 )
                 raise err from None
             done.append(m)

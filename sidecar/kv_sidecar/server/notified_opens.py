@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.drain import draining_message
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
+from kv_sidecar.server.notifications import OPEN_TAG, SEP, TRANSFER_TAG, signed_notif
 from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, peer_error
 from kv_sidecar.server.reads import open_read
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
@@ -49,7 +50,7 @@ OPEN_READ = "OpenRead"
 def answer(sc: Sidecar, agent: str, msg: bytes) -> None:
     """An OpenRead notification (NIXL thread): open the request and answer. One without the key given
     to `agent`, or malformed, is dropped; its reader then makes the call."""
-    signed = sc.push_keys.verify(agent, sp.OPEN_TAG, msg, peer_pb2.OpenReadRequest.FromString)
+    signed = sc.push_keys.verify(agent, OPEN_TAG, msg, peer_pb2.OpenReadRequest.FromString)
     if signed is None or signed[1].sidecar_id != agent or not sp.is_transfer_id(signed[1].reply_id):
         sc.metrics.failures.labels("open_notification_refused").inc()
         log.debug("refused an OpenRead notification from %s", agent)
@@ -68,11 +69,11 @@ def answer(sc: Sidecar, agent: str, msg: bytes) -> None:
 
 
 def reply_notif(reply_id: str, reply: peer_pb2.OpenReadReply) -> bytes:
-    return sp.prefix(reply_id) + OPENED + sp.SEP + reply.SerializeToString()
+    return sp.prefix(reply_id) + OPENED + SEP + reply.SerializeToString()
 
 
 def parse_reply(reply_id: str, msg: bytes) -> peer_pb2.OpenReadReply | None:
-    head = sp.prefix(reply_id) + OPENED + sp.SEP
+    head = sp.prefix(reply_id) + OPENED + SEP
     if not msg.startswith(head):
         return None
     try:
@@ -99,12 +100,12 @@ class NotifiedOpen:
         req = peer_pb2.OpenReadRequest()
         req.CopyFrom(msg)
         req.reply_id = self.reply_id
-        sc.nixl.route(sp.TAG + sp.SEP)
+        sc.nixl.route(TRANSFER_TAG + SEP)
         sc.nixl.listen(sp.prefix(self.reply_id), lambda _agent, m: self._answers.put(m))
         # Poll at the busy rate while the answer is due (the READ may finish before it).
         sc.nixl.add_poller(lambda _a: not self._waiting)
         # It leaves once the NIXL thread gets the GIL: when this thread next waits (bench/trace_pull.py).
-        sc.nixl.notify(holder.agent_name, sp.signed_notif(sp.OPEN_TAG, key, req.SerializeToString()))
+        sc.nixl.notify(holder.agent_name, signed_notif(OPEN_TAG, key, req.SerializeToString()))
 
     def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
         """The first answer: the notification's, or, where none came within open_answer_wait_us, that of

@@ -49,6 +49,7 @@ from kv_sidecar.server.engine_calls import Later, run_later
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.inflight import PullTicket, stopped_error
+from kv_sidecar.server.notifications import done_notification
 from kv_sidecar.server.peers import Holder, RemoteEngine, cached_plan
 from kv_sidecar.server.release import release_here
 from kv_sidecar.server.routing import (
@@ -109,8 +110,6 @@ class _Read:
 
 
 _CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
-SEP = "\x1f"  # field separator in NIXL notifications; ids may contain anything printable
-NOTIF_TAG = "kvs1"
 
 
 # A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel
@@ -139,23 +138,6 @@ def unfilled_blocks(block_ids: Sequence[int]) -> tuple[str, str]:
     if len(block_ids) <= _NAMED_BLOCKS:
         return f"[{listed}]", trailer
     return f"all {len(block_ids)} requested (first {block_ids[0]}, last {block_ids[-1]})", trailer
-
-
-def done_notification(
-    engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: Sequence[int]
-) -> bytes:
-    ranks = ",".join(str(p) for p in prefill_ranks)
-    return SEP.join((NOTIF_TAG, engine_id, request_id, reader, str(decode_rank), ranks)).encode()
-
-
-def parse_notification(msg: bytes) -> tuple[str, str, str, int, list[int]] | None:
-    parts = msg.decode(errors="replace").split(SEP)
-    if len(parts) != 6 or parts[0] != NOTIF_TAG:
-        return None
-    try:
-        return parts[1], parts[2], parts[3], int(parts[4]), [int(p) for p in parts[5].split(",") if p]
-    except ValueError:
-        return None
 
 
 def copy_blocks(src: RankEntry, dst: RankEntry, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:

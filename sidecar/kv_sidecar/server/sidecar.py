@@ -29,13 +29,13 @@ from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
+from kv_sidecar.server.notifications import OPEN_TAG, PUSH_TAG, parse_done_notification
 from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
-from kv_sidecar.server.pull import Puller, parse_notification
+from kv_sidecar.server.pull import Puller
 from kv_sidecar.server.push_runs import PushKeys, PushRuns
 from kv_sidecar.server.reads import ReadPlans
-from kv_sidecar.server.staged_protocol import OPEN_TAG, PUSH_TAG
 from kv_sidecar.server.staged_source import push_from_notif
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -271,7 +271,7 @@ class Sidecar:
         if msg.startswith(OPEN_TAG):
             notified_opens.answer(self, agent, msg)
             return
-        parsed = parse_notification(msg)
+        parsed = parse_done_notification(msg)
         if parsed is None:
             log.warning("ignoring malformed notification from %s", agent)
             self.metrics.failures.labels("bad_notification").inc()

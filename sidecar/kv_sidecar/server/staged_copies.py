@@ -35,6 +35,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import Ring
+from kv_sidecar.server.notifications import SEP, TRANSFER_TAG
 
 if TYPE_CHECKING:
     from kv_sidecar.server.sidecar import Sidecar
@@ -138,7 +139,7 @@ class HostCopies:
 
 def route(sc: Sidecar) -> None:
     """Staged notifications go to the transfer listening for them, never to the done handler."""
-    sc.nixl.route(sp.TAG + sp.SEP)
+    sc.nixl.route(TRANSFER_TAG + SEP)
 
 
 def block_size_of(copies: GpuCopies | HostCopies) -> int:

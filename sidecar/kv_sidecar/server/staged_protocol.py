@@ -29,10 +29,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-SEP = b"\x1f"
-TAG = b"kvs2"  # the done notifications of pull.py are "kvs1"
-PUSH_TAG = b"kvs3"  # a Push sent as a notification (server/push_runs.py)
-OPEN_TAG = b"kvs4"  # an OpenRead sent as a notification (server/notified_opens.py); answered under TAG
+from kv_sidecar.server.notifications import SEP, TRANSFER_TAG
+
+TAG = TRANSFER_TAG  # every notification of a transfer starts with TAG, SEP, its id, SEP
 ID_LEN = 16  # hex characters of a transfer id
 PREFIX_LEN = len(TAG) + 1 + ID_LEN + 1
 
@@ -74,23 +73,6 @@ def credit_notif(transfer_id: str, slot: int) -> bytes:
 def stop_notif(transfer_id: str) -> bytes:
     """Reader -> source: stop writing (the pull failed); answer the Push once nothing is in flight."""
     return prefix(transfer_id) + STOP
-
-
-def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:
-    """Reader -> source: a serialized request (a Push, an OpenRead), signed with the reader agent's push key."""
-    return tag + SEP + key.hex().encode() + SEP + body
-
-
-def parse_signed_notif(tag: bytes, msg: bytes, key_bytes: int) -> tuple[bytes, bytes] | None:
-    """(key, serialized request), or None if `msg` is not a well-formed notification of kind `tag`."""
-    head = len(tag) + 1 + 2 * key_bytes + 1
-    if len(msg) <= head or not msg.startswith(tag + SEP) or msg[head - 1 : head] != SEP:
-        return None
-    try:
-        key = bytes.fromhex(msg[len(tag) + 1 : head - 1].decode("ascii"))
-    except ValueError:
-        return None
-    return key, msg[head:]
 
 
 def parse_notif(msg: bytes) -> tuple[str, bytes, list[int]] | None:

@@ -24,6 +24,7 @@ from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_direct import require_gpu
 from kv_sidecar.server.gpu_staging import HOST, Ring
+from kv_sidecar.server.notifications import PUSH_TAG, signed_notif
 from kv_sidecar.server.peers import PeerLink, RemoteEngine, rpc_error
 from kv_sidecar.server.staged_copies import (
     CANCEL_WAIT_S,
@@ -253,7 +254,7 @@ def read_staged(
                 if req.notified:
                     # The request as a NIXL notification: the source's NIXL thread starts the transfer
                     # from it (server/push_runs.py); the call follows only if it is slow.
-                    sent = sc.nixl.notify(agent, sp.signed_notif(sp.PUSH_TAG, key, req.SerializeToString()))
+                    sent = sc.nixl.notify(agent, signed_notif(PUSH_TAG, key, req.SerializeToString()))
                     # Let the NIXL thread send it before the preparation below holds the GIL for
                     # ~0.35 ms: the notification otherwise left ~0.2 ms later (traced on a GPU).
                     wait((sent,), timeout=NOTIFY_WAIT_S)

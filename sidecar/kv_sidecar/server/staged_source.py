@@ -24,6 +24,7 @@ from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.engines import spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import HOST, Ring
+from kv_sidecar.server.notifications import PUSH_TAG
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import DuplicateTransfer, PushRun
@@ -188,7 +189,7 @@ def serve_push(
 def push_from_notif(sc: Sidecar, agent: str, msg: bytes) -> None:
     """A Push sent as a NIXL notification (driver thread): start its transfer on a source thread,
     unless its call came first. Refused notifications are dropped; the call then does the work."""
-    signed = sc.push_keys.verify(agent, sp.PUSH_TAG, msg, peer_pb2.PushRequest.FromString)
+    signed = sc.push_keys.verify(agent, PUSH_TAG, msg, peer_pb2.PushRequest.FromString)
     if signed is None or signed[1].reader_agent != agent or not sp.is_transfer_id(signed[1].transfer_id):
         # Wrong key (this sidecar restarted since the reader got it, or not a reader at all), or no
         # key at all: with push_notifications off none is ever given.

@@ -1,0 +1,53 @@
+"""Every NIXL notification's wire format: its tag (one type: bytes) and its fields.
+
+A notification starts with one of the tags below and a separator; the NIXL thread routes it by that
+head (server/sidecar.py). Field values may contain anything printable, never the separator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SEP = b"\x1f"
+DONE_TAG = b"kvs1"  # decode rank -> source: it has read these prefill ranks of a request (server/pull.py)
+TRANSFER_TAG = b"kvs2"  # a staged transfer's chunks, credits and stops, and open answers (staged_protocol)
+PUSH_TAG = b"kvs3"  # a Push sent as a notification (server/push_runs.py)
+OPEN_TAG = (
+    b"kvs4"  # an OpenRead sent as a notification (server/notified_opens.py); answered under TRANSFER_TAG
+)
+
+
+def done_notification(
+    engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: Sequence[int]
+) -> bytes:
+    ranks = ",".join(str(p) for p in prefill_ranks).encode()
+    fields = (engine_id.encode(), request_id.encode(), reader.encode(), str(decode_rank).encode(), ranks)
+    return SEP.join((DONE_TAG, *fields))
+
+
+def parse_done_notification(msg: bytes) -> tuple[str, str, str, int, list[int]] | None:
+    """(engine id, request id, reader engine, decode rank, prefill ranks), or None if malformed."""
+    parts = [p.decode(errors="replace") for p in msg.split(SEP)]
+    if len(parts) != 6 or parts[0] != DONE_TAG.decode():
+        return None
+    try:
+        return parts[1], parts[2], parts[3], int(parts[4]), [int(p) for p in parts[5].split(",") if p]
+    except ValueError:
+        return None
+
+
+def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:
+    """Reader -> source: a serialized request (a Push, an OpenRead), signed with the reader agent's push key."""
+    return tag + SEP + key.hex().encode() + SEP + body
+
+
+def parse_signed_notif(tag: bytes, msg: bytes, key_bytes: int) -> tuple[bytes, bytes] | None:
+    """(key, serialized request), or None if `msg` is not a well-formed notification of kind `tag`."""
+    head = len(tag) + 1 + 2 * key_bytes + 1
+    if len(msg) <= head or not msg.startswith(tag + SEP) or msg[head - 1 : head] != SEP:
+        return None
+    try:
+        key = bytes.fromhex(msg[len(tag) + 1 : head - 1].decode("ascii"))
+    except ValueError:
+        return None
+    return key, msg[head:]

@@ -1,0 +1,31 @@
+"""The NIXL notifications' wire formats (server/notifications.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+from kv_sidecar.server import notifications as n
+
+
+def test_tags_are_distinct_and_none_starts_another() -> None:
+    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG]
+    for a, b in itertools.permutations(tags, 2):
+        assert not (a + n.SEP).startswith(b + n.SEP), (a, b)
+
+
+def test_a_done_notification_round_trips_ids_with_any_printable_character() -> None:
+    msg = n.done_notification("eng:1/ä", "req,with,commas", "decode-engine", 3, [0, 2])
+    assert msg.startswith(n.DONE_TAG + n.SEP)
+    assert n.parse_done_notification(msg) == ("eng:1/ä", "req,with,commas", "decode-engine", 3, [0, 2])
+
+
+def test_malformed_done_notifications_are_none() -> None:
+    good = n.done_notification("e", "r", "d", 1, [0])
+    for bad in (
+        b"",
+        good.replace(n.DONE_TAG, n.TRANSFER_TAG),  # another kind
+        good + n.SEP + b"extra",  # a field too many
+        good.replace(b"\x1f1\x1f", b"\x1fone\x1f"),  # rank not a number
+        n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body"),
+    ):
+        assert n.parse_done_notification(bad) is None, bad
