@@ -17,7 +17,7 @@ from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.errors import Code, SidecarError
 
 if TYPE_CHECKING:
-    from kv_sidecar.server.pull import PullJob
+    from kv_sidecar.server.pull_job import PullJob
 
 
 PATH_DIRECT = "gpu-direct"

@@ -38,7 +38,7 @@ from kv_sidecar.server.staged_copies import (
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 if TYPE_CHECKING:
-    from kv_sidecar.server.pull import Puller, PullJob
+    from kv_sidecar.server.pull_job import PullJob
     from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class _Credits:
 
 
 def read_staged(
-    puller: Puller,
+    sc: Sidecar,
     job: PullJob,
     remote: RemoteEngine,
     entry: RankEntry,
@@ -183,7 +183,6 @@ def read_staged(
     `open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned from
     the params, and the source refuses before any WRITE if its record holds another token count.
     """
-    sc = puller.sidecar
     # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
     holder = remote.holders.get(src_rank)
     address = holder.address if holder is not None else job.params.sidecar_address

@@ -1,0 +1,97 @@
+"""A pull once validated (`PullJob`), how it is built, and how a failed one names its blocks.
+
+Shared by every pull path (server/pull.py chooses among them); knows no gRPC and no `Sidecar`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_sidecar.plan.blocks import check_pull
+from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
+from kv_sidecar.server.engines import RankEntry
+from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.inflight import stopped_error
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
+
+CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
+
+
+# A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel
+# as gRPC headers, which gRPC caps at 8 KiB by default (a longer one turns the answer into
+# RESOURCE_EXHAUSTED): long lists are named by count, and the trailer says "all" of the request's.
+_NAMED_BLOCKS = 32
+_TRAILER_CHARS = 2048
+UNFILLED_ALL = "all"
+
+
+def unfilled_blocks(block_ids: Sequence[int]) -> tuple[str, str]:
+    """(the failed pull's message fragment, its kvsidecar-unfilled-blocks trailer), both short.
+
+    A pull fails whole, so every requested block is unfilled."""
+    listed = ",".join(str(b) for b in block_ids)
+    trailer = listed if len(listed) <= _TRAILER_CHARS else UNFILLED_ALL
+    if len(block_ids) <= _NAMED_BLOCKS:
+        return f"[{listed}]", trailer
+    return f"all {len(block_ids)} requested (first {block_ids[0]}, last {block_ids[-1]})", trailer
+
+
+@dataclass
+class PullJob:
+    """One validated pull, before any byte moves."""
+
+    params: common_pb2.TransferParams
+    local: list[RankEntry]
+    plan: PairPlan
+    src_blocks: np.ndarray  # int64, validated against the plan
+    dst_blocks: np.ndarray
+    num_tokens: int
+    start_token: int
+    deadline: float
+    cancel: threading.Event
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if self.cancel.is_set():
+            raise stopped_error(self.cancel, self.params.request_id)
+        if left <= 0:
+            raise SidecarError(
+                Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out"
+            )
+        return left
+
+    def rank_plans(self) -> list[DecodeRankPlan]:
+        return [self.plan.decode_ranks[e.rank] for e in self.local]
+
+
+def build_job(
+    req: engine_pb2.PullRequest,
+    local: list[RankEntry],
+    plan: PairPlan,
+    src_blocks: list[int],
+    num_tokens: int,
+    cancel: threading.Event,
+    deadline: float,
+) -> PullJob:
+    # Block ids arrive as protobuf repeated uint32 (never bools or negatives): as int64 arrays,
+    # every later check (the executors validate again) takes the vectorised path. As Python
+    # lists, validation was a quarter of a 1 GiB same-node GPU pull (py-spy, 2x H200).
+    src = np.fromiter(src_blocks, dtype=np.int64, count=len(src_blocks))
+    dst = np.fromiter(req.block_ids, dtype=np.int64, count=len(req.block_ids))
+    check_pull(plan, src, num_tokens, dst, req.start_token)
+    return PullJob(
+        req.params,
+        local,
+        plan,
+        src,
+        dst,
+        num_tokens,
+        req.start_token,
+        deadline,
+        cancel,
+    )
