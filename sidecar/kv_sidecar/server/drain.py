@@ -1,10 +1,9 @@
 """Graceful drain: refuse new work, let in-flight work finish up to a deadline.
 
-One `Drain` per sidecar; each gRPC server gets a `gate` interceptor that refuses
-the methods that start new work with UNAVAILABLE once draining began, and counts
-the in-flight calls of the methods the drain waits for. Counting in the
-interceptor (under the same lock as the draining flag) means no call can slip in
-between "checked the flag" and "counted as in flight".
+One `Drain` per sidecar. Each gRPC server gets a gate (server/adapters/drain_gate.py) that refuses
+the methods that start new work with UNAVAILABLE once draining began, and counts the in-flight calls
+of the methods the drain waits for through `enter`/`leave`: under the same lock as the draining flag,
+so no call can slip in between "checked the flag" and "counted as in flight".
 """
 
 from __future__ import annotations
@@ -12,12 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
-
-import grpc
-
-from kv_sidecar.security import refusing_handler
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +30,6 @@ class Drain:
     @property
     def inflight(self) -> int:
         return self._inflight
-
-    def gate(self, refused: Iterable[str], waited: Iterable[str]) -> grpc.ServerInterceptor:
-        return _Gate(self, frozenset(refused), frozenset(waited))
 
     def begin(self) -> None:
         with self._cond:
@@ -81,42 +72,3 @@ class Drain:
 def draining_message(method: str) -> str:
     name = method.rsplit("/", 1)[-1]
     return f"sidecar is draining (shutting down): {name} is refused; retry on another sidecar"
-
-
-class _Gate(grpc.ServerInterceptor):
-    def __init__(self, drain: Drain, refused: frozenset[str], waited: frozenset[str]) -> None:
-        self._drain = drain
-        self._refused = refused
-        self._waited = waited
-
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = continuation(details)
-        method = details.method
-        if handler is None or method not in self._refused | self._waited:
-            return handler
-        drain = self._drain
-
-        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAVAILABLE, draining_message(method))
-
-        if method not in self._waited:
-            return handler if not drain.draining else refusing_handler(handler, refuse)
-        if handler.request_streaming or handler.response_streaming:
-            raise TypeError(f"drain can only wait for unary methods, not {method}")
-        inner = handler.unary_unary
-
-        def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            if not drain.enter():
-                return refuse(request, context)
-            try:
-                return inner(request, context)
-            finally:
-                drain.leave()
-
-        return grpc.unary_unary_rpc_method_handler(
-            counted,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )

@@ -21,16 +21,17 @@ from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server import notified_opens
+from kv_sidecar.server.adapters.drain_gate import drain_gate
+from kv_sidecar.server.adapters.engine_lane import EngineLane
+from kv_sidecar.server.adapters.engine_service import EngineServicer
+from kv_sidecar.server.adapters.peer_service import PeerServicer
 from kv_sidecar.server.drain import Drain
-from kv_sidecar.server.engine_lane import EngineLane
-from kv_sidecar.server.engine_service import EngineServicer
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.notifications import OPEN_TAG, PUSH_TAG, parse_done_notification
-from kv_sidecar.server.peer_service import PeerServicer
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller
@@ -118,7 +119,7 @@ class Sidecar:
         self._engine_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.engine_workers, thread_name_prefix="engine"),
             options=opts,
-            interceptors=[self.drain.gate(DRAIN_REFUSED_ENGINE, DRAIN_WAITED)],
+            interceptors=[drain_gate(self.drain, DRAIN_REFUSED_ENGINE, DRAIN_WAITED)],
         )
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self), self._engine_server)
         self._peer_server = grpc.server(
@@ -128,7 +129,7 @@ class Sidecar:
             options=opts,
             interceptors=[
                 *self.security.interceptors(self._peer_refused),
-                self.drain.gate(DRAIN_REFUSED_PEER, ()),
+                drain_gate(self.drain, DRAIN_REFUSED_PEER, ()),
             ],
         )
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self), self._peer_server)
