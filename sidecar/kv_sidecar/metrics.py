@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -112,6 +113,13 @@ class Metrics:
     def bind_gpu_launches(self, counts: Callable[[], dict[str, int]]) -> None:
         """Expose the GPU copy kernel's launches by how they were made (counted by the launcher)."""
         self.registry.register(_GpuLaunches(counts))
+
+    def bind_registry(self, ranks: Callable[[], list[Any]], published: Callable[[], int]) -> None:
+        """Registered ranks and engines, and published requests, read when scraped: always current,
+        and no component has to remember to refresh them (`ranks()` returns the ranks' entries)."""
+        self.registered_ranks.set_function(lambda: len(ranks()))
+        self.registered_engines.set_function(lambda: len({e.engine_id for e in ranks()}))
+        self.published_requests.set_function(published)
 
     def bind_nixl(self, counts: Callable[[], dict[str, int]]) -> None:
         for kind in ("registrations", "dlists", "remote_agents", "transfers_open"):

@@ -15,7 +15,7 @@ import pytest
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 
-from .conftest import spec_dict
+from .conftest import metric, spec_dict
 
 SPEC = EngineSpec.from_dict(spec_dict())
 BYTES = 3 * 2 * 2 * 16 * 4 * 16 * 2  # 3 blocks x layers x K/V x tokens x heads x dim x fp16
@@ -150,3 +150,35 @@ def test_status_imports_neither_torch_nor_nixl() -> None:
     code = "import sys, kv_sidecar.commands.status; print(sorted({'torch', 'nixl'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out
+
+
+def test_registry_gauges_are_current_at_every_scrape() -> None:
+    """Registered engines and ranks and published requests are read when scraped (bound once), so
+    registration, a publish and an engine's exit all show without anyone refreshing them."""
+    sidecar = SidecarProcess("gauges")
+    engine = None
+    try:
+
+        def gauges() -> tuple[float, float, float]:
+            names = ("engines", "ranks")
+            got = [metric(sidecar.metrics_port, f"kvsidecar_registered_{n}") for n in names]
+            return got[0], got[1], metric(sidecar.metrics_port, "kvsidecar_published_requests")
+
+        assert gauges() == (0, 0, 0)
+        engine = EngineProcess(sidecar.socket, "gauges-p", SPEC)
+        assert gauges() == (1, 1, 0)
+        pub = engine.send(
+            {"cmd": "prefill", "request_id": "g-1", "block_ids": [1, 2], "num_tokens": 20, "seed": 1}
+        )
+        assert pub["ok"], pub
+        assert gauges() == (1, 1, 1)
+        engine.stop()  # it unregisters: its rank and its published request go
+        engine = None
+        deadline = time.monotonic() + 10
+        while gauges() != (0, 0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gauges() == (0, 0, 0)
+    finally:
+        if engine is not None:
+            engine.stop()
+        assert sidecar.stop() == 0

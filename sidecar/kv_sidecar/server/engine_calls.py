@@ -68,7 +68,6 @@ def publish(sc: Sidecar, request: engine_pb2.PublishRequest) -> engine_pb2.Publi
         sc.published.abort(request.engine_id, request.request_id)
         raise
     sc.gpu_staging.expect_read(item, sc.engines.engine_ranks(request.engine_id))
-    sc.refresh_gauges()
     params = common_pb2.TransferParams(
         engine_id=request.engine_id,
         sidecar_address=sc.peer_address,

@@ -408,4 +408,3 @@ class Membership:
             ranks=self.held_here(req.engine_id),
         )
         sc.gpu_staging.expect_read(item, sc.engines.engine_ranks(req.engine_id))
-        sc.refresh_gauges()

@@ -29,7 +29,6 @@ def release_here(sc: Sidecar, engine_id: str, request_id: str, reader: str, reas
     for entry in sc.engines.all():
         if entry.engine_id == engine_id:
             entry.emit(ev)
-    sc.refresh_gauges()
     # A multi-node engine: the members hold the request for their own ranks; they release and tell them.
     for m in sc.membership.members(engine_id):
         _close_released(sc, m.peer_address, engine_id, request_id, reader)

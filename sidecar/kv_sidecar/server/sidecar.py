@@ -88,6 +88,7 @@ class Sidecar:
             self._on_expired,
             on_ended=self.transfers.end_serves,
         )
+        self.metrics.bind_registry(self.engines.all, lambda: len(self.published))
         self.peers = Peers(self)
         self.read_plans = ReadPlans()
         self.membership = Membership(self)
@@ -258,12 +259,6 @@ class Sidecar:
             extra={"fields": {"event": "peer_refused", "method": method, "peer": peer, "reason": reason}},
         )
 
-    def refresh_gauges(self) -> None:
-        entries = self.engines.all()
-        self.metrics.registered_ranks.set(len(entries))
-        self.metrics.registered_engines.set(len({e.engine_id for e in entries}))
-        self.metrics.published_requests.set(len(self.published))
-
     # -- callbacks --------------------------------------------------------------
     def _on_notif(self, agent: str, msg: bytes) -> None:
         if msg.startswith(PUSH_TAG):
@@ -297,7 +292,6 @@ class Sidecar:
             consumed=engine_pb2.RequestConsumed(request_id=item.request_id, block_ids=item.block_ids)
         )
         self._rank_event(engine_id, rank, ev)
-        self.refresh_gauges()
 
     def _on_expired(self, item: Published) -> None:
         self.metrics.lease_expiries.inc()
@@ -307,7 +301,6 @@ class Sidecar:
         for entry in self.engines.all():
             if entry.engine_id == item.engine_id:
                 entry.emit(ev)
-        self.refresh_gauges()
 
     def _reap(self) -> None:
         while not self._stop.wait(0.05):

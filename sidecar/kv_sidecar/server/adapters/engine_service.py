@@ -53,7 +53,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         leader = self._sc.membership.register_rank(
             request.engine_id, request.rank, spec, list(request.tensors), request.leader_address
         )
-        self._sc.refresh_gauges()
         return engine_pb2.RegisterRankResponse(
             sidecar_id=self._sc.sidecar_id, peer_address=self._sc.peer_address, leader_address=leader
         )
@@ -80,7 +79,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             dropped = sc.published.drop_engine(engine_id)
             if dropped:
                 log.info("released %d published requests of engine %s", dropped, engine_id)
-        sc.refresh_gauges()
 
     @stream_rpc
     def Events(
@@ -183,7 +181,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     f"params are for request {request.params.request_id!r}, not {request.request_id!r}",
                 )
             found = release_source(sc, request.params, request.engine_id, "aborted by the reader") or found
-        sc.refresh_gauges()
         return engine_pb2.AbortResponse(found=found)
 
     @rpc

@@ -152,7 +152,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.PeerAbortRequest, context: grpc.ServicerContext
     ) -> peer_pb2.PeerAbortResponse:
         found = self._sc.published.abort(request.engine_id, request.request_id)
-        self._sc.refresh_gauges()
         return peer_pb2.PeerAbortResponse(found=found)
 
     @rpc
