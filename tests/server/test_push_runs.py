@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from kv_sidecar.config import Settings
 from kv_sidecar.server import notifications, notified_opens
-from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.peers import Holder
 from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
@@ -32,13 +31,13 @@ def test_push_notification_round_trips_and_rejects_malformed() -> None:
     key = bytes(range(KEY_BYTES))
     body = b"\x1f\x00any proto bytes, separators included\x1f"
     msg = notifications.signed_notif(notifications.PUSH_TAG, key, body)
-    assert msg.startswith(notifications.PUSH_TAG) and not msg.startswith(sp.TAG)
+    assert msg.startswith(notifications.PUSH_TAG) and not msg.startswith(notifications.TRANSFER_TAG)
     assert notifications.parse_signed_notif(notifications.PUSH_TAG, msg, KEY_BYTES) == (key, body)
     head = len(notifications.PUSH_TAG) + 2 + 2 * KEY_BYTES
     for bad in (
         b"",
         msg[:head],  # no request
-        sp.TAG + msg[len(notifications.PUSH_TAG) :],  # a chunk notification's tag
+        notifications.TRANSFER_TAG + msg[len(notifications.PUSH_TAG) :],  # a chunk notification's tag
         msg[: len(notifications.PUSH_TAG) + 1]
         + b"zz"
         + msg[len(notifications.PUSH_TAG) + 3 :],  # key not hex

@@ -31,9 +31,8 @@ from typing import Any
 
 from kv_sidecar.server.notifications import SEP, TRANSFER_TAG
 
-TAG = TRANSFER_TAG  # every notification of a transfer starts with TAG, SEP, its id, SEP
 ID_LEN = 16  # hex characters of a transfer id
-PREFIX_LEN = len(TAG) + 1 + ID_LEN + 1
+PREFIX_LEN = len(TRANSFER_TAG) + 1 + ID_LEN + 1  # a transfer's notifications: tag, SEP, id, SEP
 
 CHUNK, CREDIT, STOP = b"c", b"k", b"x"
 
@@ -57,7 +56,7 @@ def is_transfer_id(value: str) -> bool:
 
 def prefix(transfer_id: str) -> bytes:
     """What every notification of one transfer starts with (fixed length: a dict key)."""
-    return TAG + SEP + transfer_id.encode() + SEP
+    return TRANSFER_TAG + SEP + transfer_id.encode() + SEP
 
 
 def chunk_notif(transfer_id: str, index: int, count: int, slot: int, t0: int, t1: int) -> bytes:
@@ -77,9 +76,13 @@ def stop_notif(transfer_id: str) -> bytes:
 
 def parse_notif(msg: bytes) -> tuple[str, bytes, list[int]] | None:
     """(transfer id, kind, integer fields), or None if `msg` is not a well-formed staged notification."""
-    if len(msg) < PREFIX_LEN + 1 or not msg.startswith(TAG + SEP) or msg[PREFIX_LEN - 1 : PREFIX_LEN] != SEP:
+    if (
+        len(msg) < PREFIX_LEN + 1
+        or not msg.startswith(TRANSFER_TAG + SEP)
+        or msg[PREFIX_LEN - 1 : PREFIX_LEN] != SEP
+    ):
         return None
-    tid = msg[len(TAG) + 1 : PREFIX_LEN - 1].decode(errors="replace")
+    tid = msg[len(TRANSFER_TAG) + 1 : PREFIX_LEN - 1].decode(errors="replace")
     parts = msg[PREFIX_LEN:].split(SEP)
     kind, fields = parts[0], parts[1:]
     want = {CHUNK: 5, CREDIT: 1, STOP: 0}.get(kind)
