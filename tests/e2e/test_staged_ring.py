@@ -30,9 +30,9 @@ from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar.server import notifications
+from kv_sidecar.server.adapters.peer_client import PUSH_ENDED
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
-from kv_sidecar.server.staged_copies import PUSH_ENDED
 from kv_sidecar.server.staged_source import ALONE_S
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient

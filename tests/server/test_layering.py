@@ -1,66 +1,69 @@
 """The layers of docs/architecture.md, read off the source with an AST walk (imports anywhere in a
 module count: inside functions and under TYPE_CHECKING too).
 
-Issue 31 moves server/ towards a core that imports no grpc. Until every core module is there,
-`GRPC_FREE_CORE` lists the ones that are: a module leaves the list only by a deliberate edit here,
-and each step of the refactor adds the modules it frees.
+- plan/ and the data plane (execute/, memory/, transport/) import neither grpc nor the server;
+- the core (server/*.py but the composition root) imports neither grpc nor the adapters;
+- only the composition root (server/sidecar.py) and commands/serve.py import the composition root;
+- server/ has no import cycle;
+- grpc.StatusCode is named only where the core's codes are mapped to it, and in the drain's gate.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sidecar" / "kv_sidecar"
+SERVER = PACKAGE / "server"
+ROOT = "kv_sidecar.server.sidecar"  # the composition root
+ADAPTERS = "kv_sidecar.server.adapters"
 
 # Pure planning and the data plane: no gRPC, and nothing of the control plane above them.
 LOWER_LAYERS = ("plan", "execute", "memory", "transport")
 
-# server/ modules that decide (the core) and already import no grpc.
-GRPC_FREE_CORE = (
-    "drain",
-    "errors",
-    "engine_calls",
-    "engines",
-    "gpu_direct",
-    "gpu_staging",
-    "inflight",
-    "lease_view",
-    "nixl_reads",
-    "notifications",
-    "published",
-    "pull",
-    "pull_direct",
-    "pull_job",
-    "push_runs",
-    "reads",
-    "staged_copies",
-    "staged_protocol",
-    "status",
-    "transfers",
-)
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PACKAGE.parent / rel).with_suffix(".py").exists() or (
+        PACKAGE.parent / rel / "__init__.py"
+    ).exists()
 
 
 def imports(path: Path) -> set[str]:
-    """Every module name `path` imports (absolute, as written; relative imports resolved in-package)."""
+    """Every module `path` imports, absolute: `from pkg import mod` counts as pkg.mod where mod is a
+    module, relative imports are resolved in-package."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                parts = path.relative_to(PACKAGE.parent).with_suffix("").parts[: -node.level]
-                base = ".".join(parts)
-                names.add(f"{base}.{node.module}" if node.module else base)
-            elif node.module:
-                names.add(node.module)
+                parts = module_name(path).split(".")
+                base = ".".join(parts[: len(parts) - node.level + (path.name == "__init__.py")])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names if is_module(f"{module}.{a.name}"))
     return names
 
 
 def is_grpc(name: str) -> bool:
     return name == "grpc" or name.startswith(("grpc.", "grpc_"))
+
+
+def core_modules() -> Iterator[Path]:
+    for path in sorted(SERVER.glob("*.py")):
+        if module_name(path) != ROOT:
+            yield path
 
 
 @pytest.mark.parametrize("package", LOWER_LAYERS)
@@ -70,18 +73,82 @@ def test_plan_and_data_plane_know_neither_grpc_nor_the_server(package: str) -> N
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", GRPC_FREE_CORE)
-def test_core_modules_import_no_grpc(module: str) -> None:
-    path = PACKAGE / "server" / f"{module}.py"
-    bad = {n for n in imports(path) if is_grpc(n) or n.startswith("kv_sidecar.server.adapters")}
-    assert not bad, f"server/{module}.py imports {sorted(bad)}: gRPC belongs in server/adapters/"
+def test_the_core_imports_neither_grpc_nor_the_adapters() -> None:
+    bad = {
+        path.relative_to(PACKAGE).as_posix(): sorted(
+            n for n in imports(path) if is_grpc(n) or n == ADAPTERS or n.startswith(ADAPTERS + ".")
+        )
+        for path in core_modules()
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"gRPC belongs in server/adapters/: {bad}"
+
+
+def test_only_the_composition_root_knows_the_sidecar() -> None:
+    allowed = {ROOT, "kv_sidecar.commands.serve"}
+    users = sorted(
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if ROOT in imports(path) and module_name(path) not in allowed
+    )
+    assert not users, f"{users} import {ROOT}: give them what they use through their constructors"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or of one that imports itself (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1 or v in graph[v]:
+                out.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_server_has_no_import_cycle() -> None:
+    paths = sorted(SERVER.rglob("*.py"))
+    names = {module_name(p) for p in paths}
+    graph = {
+        module_name(p): {n for n in imports(p) if n in names and n != "kv_sidecar.server"} for p in paths
+    }
+    assert not _cycles(graph), f"import cycles in server/ (TYPE_CHECKING imports count): {_cycles(graph)}"
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"a"}, "b": set()}) == [["a"]]
+    assert not _cycles({"a": {"b"}, "b": set()})
 
 
 def test_the_status_mapping_is_the_adapters_alone() -> None:
     """grpc.StatusCode appears in server/ only where Code is mapped to it, and in the drain's gate."""
     users = {
-        path.relative_to(PACKAGE / "server").as_posix()
-        for path in (PACKAGE / "server").rglob("*.py")
+        path.relative_to(SERVER).as_posix()
+        for path in SERVER.rglob("*.py")
         if "StatusCode" in path.read_text()
     }
     assert users <= {"adapters/grpc_status.py", "adapters/drain_gate.py"}, sorted(users)

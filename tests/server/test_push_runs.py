@@ -11,11 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_sidecar.config import Settings
-from kv_sidecar.server import notifications, notified_opens
-from kv_sidecar.server.peers import Holder
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.server import notifications
+from kv_sidecar.server.gpu_staging import GpuStaging
+from kv_sidecar.server.notified_opens import NotifiedOpens
+from kv_sidecar.server.peers import Holder, Peers
 from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
-from kv_sidecar.server.sidecar import Sidecar
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 
@@ -228,21 +231,34 @@ def test_a_publish_gets_ready_for_a_push_only_while_readers_are_about(notificati
     """GpuStaging.expect_read (a Publish) makes the NIXL thread poll for a Push notification only while
     a reader pushed or handshook within READERS_S, and never with push_notifications off: a sidecar
     whose readers are all on its node pays nothing per pull (docs/benchmarks.md)."""
-    sc = Sidecar(Settings(push_notifications=notifications))
     clock = Clock()
-    sc.push_runs = PushRuns(clock=clock)
+    runs = PushRuns(clock=clock)
+    staging = GpuStaging(Settings(push_notifications=notifications), NixlDriver("t"), Metrics(), runs)
     item = Published("e", "r", [1, 2], 20, 30.0, clock.now + 30)
 
-    sc.gpu_staging.expect_read(item, [])  # no reader yet
-    assert not sc.push_runs.recent()
-    sc.push_runs.reader_seen()  # a handshake
+    staging.expect_read(item, [])  # no reader yet
+    assert not runs.recent()
+    runs.reader_seen()  # a handshake
     clock.now += 5  # past RECENT_S: no longer polling for it
-    assert not sc.push_runs.recent()
-    sc.gpu_staging.expect_read(item, [])
-    assert sc.push_runs.recent() is notifications
+    assert not runs.recent()
+    staging.expect_read(item, [])
+    assert runs.recent() is notifications
     clock.now += READERS_S  # the readers went quiet
-    sc.gpu_staging.expect_read(item, [])
-    assert not sc.push_runs.recent()
+    staging.expect_read(item, [])
+    assert not runs.recent()
+
+
+class _NoCalls:
+    """A peer that is never called: these tests look only at when a link sends notifications."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"no peer call expected, got {name}")
+
+    def close(self) -> None:
+        pass
 
 
 def test_a_reader_notifies_only_a_source_that_still_expects_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,22 +268,25 @@ def test_a_reader_notifies_only_a_source_that_still_expects_it(monkeypatch: pyte
     clock = Clock()
     monkeypatch.setattr("kv_sidecar.server.peers.time.monotonic", clock)
     monkeypatch.setattr("kv_sidecar.server.notified_opens.time.monotonic", clock)
-    sc = Sidecar(Settings())
+    metrics, nixl = Metrics(), NixlDriver("reader")
+    peers = Peers("reader", nixl, metrics, _NoCalls)  # type: ignore[arg-type]
+    opens = NotifiedOpens(True, 0.002, peers, nixl, metrics)
     holder = Holder("src", "127.0.0.1:1", "src-agent")
-    link = sc.peers.link(holder.address)
+    link = peers.link(holder.address)
     link.push_key, link.reads_done = b"k" * KEY_BYTES, True
     assert not link.read_lately()  # never read from it
-    assert notified_opens.send(sc, holder, peer_pb2.OpenReadRequest()) is None
+    assert opens.send(holder, peer_pb2.OpenReadRequest()) is None
     link.last_read = clock.now
     clock.now += READERS_S - 11
     assert link.read_lately()
-    sc.nixl.start()
+    nixl.route(notifications.TRANSFER_TAG + notifications.SEP)
+    nixl.start()
     try:
-        sent = notified_opens.send(sc, holder, peer_pb2.OpenReadRequest())
+        sent = opens.send(holder, peer_pb2.OpenReadRequest())
         assert sent is not None  # sent (to an agent NIXL does not know: the call would answer)
         sent.abandon()
     finally:
-        sc.nixl.stop()
+        nixl.stop()
     clock.now += 2
     assert not link.read_lately()
-    assert notified_opens.send(sc, holder, peer_pb2.OpenReadRequest()) is None
+    assert opens.send(holder, peer_pb2.OpenReadRequest()) is None

@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kv-sidecar: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the engine socket or the peer port cannot be bound
+        logging.getLogger("kv_sidecar").error("could not start: %s", e)
+        return 1
     stop = threading.Event()
 
     def on_signal(*_: Any) -> None:

@@ -30,13 +30,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from kv_sidecar.config import Settings
 from kv_sidecar.execute import gpu
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.server.push_runs import PushRuns
 from kv_sidecar.server.staged_protocol import SlotPool
+from kv_sidecar.transport.nixl_driver import NixlDriver
 
 if TYPE_CHECKING:
     from kv_sidecar.server.engines import RankEntry
     from kv_sidecar.server.published import Published
-    from kv_sidecar.server.sidecar import Sidecar
 
 T = TypeVar("T")
 ALIGN = 4096  # slot starts aligned for the copy kernel's vector accesses and for RDMA
@@ -77,8 +80,13 @@ _CALL_START_WAIT_S = 0.002
 class GpuStaging:
     """Rings per (device, role), allocated on first use and kept until shutdown."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sc = sidecar
+    def __init__(self, settings: Settings, nixl: NixlDriver, metrics: Metrics, push_runs: PushRuns) -> None:
+        """settings: the ring sizes (gpu_staging_bytes, gpu_staging_slots), engine_workers (how many
+        threads call and serve Pushes) and push_notifications."""
+        self._settings = settings
+        self._nixl = nixl
+        self._metrics = metrics
+        self._push_runs = push_runs
         self._lock = threading.Lock()
         self._rings: dict[tuple[int, str], Ring] = {}
         self._callers: ThreadPoolExecutor | None = None
@@ -86,7 +94,7 @@ class GpuStaging:
         self._uploader: ThreadPoolExecutor | None = None
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        """Run a blocking gRPC call (a reader's Push) on a thread kept for that, and return its future.
+        """Run a blocking peer call (a reader's Push) on a thread kept for that, and return its future.
 
         Not `stub.Method.future()`: gRPC starts a new thread for every such call made on a channel
         with no other call of that kind in flight (its "channel spin" thread), which cost a
@@ -104,7 +112,7 @@ class GpuStaging:
         with self._lock:
             if self._callers is None:
                 self._callers = ThreadPoolExecutor(
-                    max_workers=max(8, self._sc.settings.engine_workers), thread_name_prefix="push"
+                    max_workers=max(8, self._settings.engine_workers), thread_name_prefix="push"
                 )
             future = self._callers.submit(run)
         started.wait(_CALL_START_WAIT_S)
@@ -115,11 +123,11 @@ class GpuStaging:
         for one: upload its ids (`upload_ids`) and poll for its Push notification at the serving rate.
         Otherwise do neither: a sidecar whose readers are all on its node (gpu-direct) would pay for
         them on every pull, the polling's GIL hand-offs most (~0.1 ms a pull, docs/benchmarks.md)."""
-        runs = self._sc.push_runs
+        runs = self._push_runs
         if not runs.readers_lately():
             return
         self.upload_ids(item, entries)
-        if self._sc.settings.push_notifications:
+        if self._settings.push_notifications:
             runs.touch()
 
     def upload_ids(self, item: Published, entries: Iterable[RankEntry]) -> None:
@@ -154,7 +162,7 @@ class GpuStaging:
             self._sources.submit(fn)
 
     def _source_threads(self) -> int:
-        return max(8, self._sc.settings.engine_workers // 4)
+        return max(8, self._settings.engine_workers // 4)
 
     def ensure(self, device: int) -> None:
         """Allocate and register both rings of `device` (before any peer handshakes for its engines)."""
@@ -166,7 +174,7 @@ class GpuStaging:
             ring = self._rings.get((device, role))
             if ring is not None:
                 return ring
-            s = self._sc.settings
+            s = self._settings
             slots = max(1, s.gpu_staging_slots)
             slot_bytes = (s.gpu_staging_bytes // 2 // slots) // ALIGN * ALIGN
             if slot_bytes <= 0:
@@ -174,15 +182,15 @@ class GpuStaging:
             where = torch.device("cpu") if device == HOST else torch.device("cuda", device)
             buf = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=where)
             mem = "DRAM" if device == HOST else "VRAM"
-            key = self._sc.nixl.register([(buf.data_ptr(), buf.numel(), max(device, 0))], mem_type=mem)
-            in_use = self._sc.metrics.staging_in_use
+            key = self._nixl.register([(buf.data_ptr(), buf.numel(), max(device, 0))], mem_type=mem)
+            in_use = self._metrics.staging_in_use
             pool = SlotPool(slots, on_change=lambda n, b=slot_bytes: in_use.inc(n * b))
             ring = Ring(device, buf, slots, slot_bytes, pool, key)
             if role == "recv":
-                ring.metadata = self._sc.nixl.partial_metadata(key)
+                ring.metadata = self._nixl.partial_metadata(key)
             self._rings[(device, role)] = ring
-            self._sc.metrics.gpu_memory.set(self.gpu_bytes_locked())
-            self._sc.metrics.staging_capacity.inc(ring.nbytes)
+            self._metrics.gpu_memory.set(self.gpu_bytes_locked())
+            self._metrics.staging_capacity.inc(ring.nbytes)
             return ring
 
     def gpu_bytes_locked(self) -> int:

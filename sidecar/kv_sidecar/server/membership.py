@@ -15,21 +15,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import grpc
+from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.engines import RankEntry, spec_from_proto, spec_to_proto
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError, check_id, ranks_text
-from kv_sidecar.server.peers import rpc_error
+from kv_sidecar.server.identity import Identity
+from kv_sidecar.server.peer_calls import PeerCallError
+from kv_sidecar.server.peers import Peers
+from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, peer_pb2
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +50,24 @@ def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
 class Membership:
     """Leader side: engine -> member sidecars. Member side: engine -> leader address."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sc = sidecar
+    def __init__(
+        self,
+        identity: Identity,
+        engines: EngineRegistry,
+        published: PublishedStore,
+        peers: Peers,
+        nixl: NixlDriver,
+        lease_ms: int,
+        on_published: Callable[[Published, Iterable[RankEntry]], None],
+    ) -> None:
+        """on_published: a request was published here (the leader's, or a member's share)."""
+        self._me = identity
+        self._engines = engines
+        self._published = published
+        self._peers = peers
+        self._nixl = nixl
+        self._lease_ms = lease_ms
+        self._on_published = on_published
         self._lock = threading.Lock()
         self._members: dict[str, dict[str, peer_pb2.SidecarRanks]] = {}  # engine -> sidecar id -> ranks
         self._leaders: dict[str, str] = {}  # engine -> leader address, for engines this sidecar follows
@@ -80,7 +94,7 @@ class Membership:
         """Prefill ranks a published request waits for on this sidecar; None: all (a one-sidecar engine)."""
         if not self.is_split(engine_id):
             return None
-        return [e.rank for e in self._sc.engines.all() if e.engine_id == engine_id]
+        return [e.rank for e in self._engines.all() if e.engine_id == engine_id]
 
     # -- registration (engine API) ---------------------------------------------------
     def register_rank(
@@ -92,8 +106,7 @@ class Membership:
         leader_address: str,
     ) -> str:
         """Register a rank here; as a member also report to the leader. Returns the leader's address."""
-        sc = self._sc
-        if not leader_address or leader_address == sc.peer_address:
+        if not leader_address or leader_address == self._me.peer_address:
             return self._register_as_leader(engine_id, rank, spec, handles)
         with self._lock:
             followed = self._leaders.get(engine_id)
@@ -103,7 +116,7 @@ class Membership:
                     f"engine {engine_id!r} rank {rank} names leader {leader_address}, but its other ranks "
                     f"on this sidecar follow the leader at {followed}",
                 )
-            if followed is None and any(e.engine_id == engine_id for e in sc.engines.all()):
+            if followed is None and any(e.engine_id == engine_id for e in self._engines.all()):
                 raise SidecarError(
                     Code.FAILED_PRECONDITION,
                     f"this sidecar leads engine {engine_id!r} (its ranks here name no leader); "
@@ -111,14 +124,14 @@ class Membership:
                 )
             self._leaders[engine_id] = leader_address
         try:
-            sc.engines.register(engine_id, rank, spec, handles)
+            self._engines.register(engine_id, rank, spec, handles)
         except BaseException:
             self._forget_leader_if_idle(engine_id)
             raise
         try:
             self.report(engine_id)
         except BaseException:
-            sc.engines.unregister(engine_id, rank)
+            self._engines.unregister(engine_id, rank)
             self._forget_leader_if_idle(engine_id)
             raise
         self._ensure_refresher()
@@ -127,7 +140,6 @@ class Membership:
     def _register_as_leader(
         self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
     ) -> str:
-        sc = self._sc
         followed = self._leaders.get(engine_id)
         if followed is not None:
             raise SidecarError(
@@ -141,12 +153,12 @@ class Membership:
                 Code.ALREADY_EXISTS,
                 f"engine {engine_id!r} rank {rank} is already registered on sidecar {holder}",
             )
-        sc.engines.register(engine_id, rank, spec, handles)
-        return sc.peer_address
+        self._engines.register(engine_id, rank, spec, handles)
+        return self._me.peer_address
 
     def _forget_leader_if_idle(self, engine_id: str) -> None:
         with self._lock:
-            if not any(e.engine_id == engine_id for e in self._sc.engines.all()):
+            if not any(e.engine_id == engine_id for e in self._engines.all()):
                 self._leaders.pop(engine_id, None)
 
     def _ensure_refresher(self) -> None:
@@ -176,7 +188,6 @@ class Membership:
 
     def report(self, engine_id: str, quiet: bool = False) -> None:
         """Tell the leader which ranks of `engine_id` this sidecar holds now (none: it left)."""
-        sc = self._sc
         with self._lock:
             lock = self._report_locks.setdefault(engine_id, threading.Lock())
         # One report at a time per engine, so the leader never sees an older rank set last.
@@ -184,26 +195,26 @@ class Membership:
             leader = self._leaders.get(engine_id)
             if leader is None:
                 return
-            entries = sorted((e for e in sc.engines.all() if e.engine_id == engine_id), key=lambda e: e.rank)
+            entries = sorted(
+                (e for e in self._engines.all() if e.engine_id == engine_id), key=lambda e: e.rank
+            )
             req = peer_pb2.ReportRanksRequest(
                 protocol_version=PROTOCOL_VERSION,
                 engine_id=engine_id,
                 member=peer_pb2.SidecarRanks(
-                    sidecar_id=sc.sidecar_id,
-                    peer_address=sc.peer_address,
-                    agent_name=sc.sidecar_id,
-                    agent_metadata=sc.nixl.metadata() if entries else b"",
+                    sidecar_id=self._me.sidecar_id,
+                    peer_address=self._me.peer_address,
+                    agent_name=self._me.sidecar_id,
+                    agent_metadata=self._nixl.metadata() if entries else b"",
                     ranks=[rank_memory(e) for e in entries],
                 ),
             )
             if entries:
                 req.spec.CopyFrom(spec_to_proto(entries[0].spec))
             try:
-                sc.peers.link(leader).stub.ReportRanks(
-                    req, timeout=REPORT_TIMEOUT_S, metadata=sc.peer_metadata()
-                )
-            except grpc.RpcError as e:
-                err = rpc_error(e, leader, f"the ranks of engine {engine_id!r}")
+                self._peers.link(leader).client.report_ranks(req, REPORT_TIMEOUT_S)
+            except PeerCallError as e:
+                err = e.explain(leader, f"the ranks of engine {engine_id!r}")
                 if err.code is Code.UNAVAILABLE:
                     raise SidecarError(
                         Code.UNAVAILABLE, f"leader sidecar of engine {engine_id!r}: {err.message}"
@@ -220,7 +231,7 @@ class Membership:
 
     def after_unregister(self, engine_id: str) -> None:
         """A rank left: a member updates its leader; a leader with no ranks left stops leading."""
-        remaining = any(e.engine_id == engine_id for e in self._sc.engines.all())
+        remaining = any(e.engine_id == engine_id for e in self._engines.all())
         if engine_id in self._leaders:
             try:
                 self.report(engine_id)
@@ -236,7 +247,6 @@ class Membership:
 
     # -- leader side (peer API) ------------------------------------------------------
     def accept_report(self, req: peer_pb2.ReportRanksRequest) -> None:
-        sc = self._sc
         if req.protocol_version != PROTOCOL_VERSION:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
@@ -252,7 +262,7 @@ class Membership:
                 Code.FAILED_PRECONDITION,
                 f"this sidecar does not lead engine {eid!r}: its ranks here follow the leader at {followed}",
             )
-        local = [e for e in sc.engines.all() if e.engine_id == eid]
+        local = [e for e in self._engines.all() if e.engine_id == eid]
         if not m.ranks:
             with self._lock:
                 gone = self._members.get(eid, {}).pop(m.sidecar_id, None)
@@ -315,7 +325,7 @@ class Membership:
                 f"(it holds the request on every sidecar of the engine)",
             )
         held = set(self.member_ranks(engine_id)) | {
-            e.rank for e in self._sc.engines.all() if e.engine_id == engine_id
+            e.rank for e in self._engines.all() if e.engine_id == engine_id
         }
         missing = sorted(set(range(tp_size)) - held)
         if missing:
@@ -329,26 +339,22 @@ class Membership:
         self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, lease_ms: int
     ) -> None:
         """Hold the request on every member; undo everywhere if one refuses."""
-        sc = self._sc
         req = peer_pb2.PeerPublishRequest(
             engine_id=engine_id,
             request_id=request_id,
             block_ids=block_ids,
             num_tokens=num_tokens,
             lease_ms=lease_ms,
-            leader_id=sc.sidecar_id,
+            leader_id=self._me.sidecar_id,
         )
         done: list[peer_pb2.SidecarRanks] = []
         for m in self.members(engine_id):
             try:
-                sc.peers.link(m.peer_address).stub.Publish(
-                    req, timeout=FANOUT_TIMEOUT_S, metadata=sc.peer_metadata()
-                )
-            except grpc.RpcError as e:
+                self._peers.link(m.peer_address).client.publish(req, FANOUT_TIMEOUT_S)
+            except PeerCallError as e:
                 for d in done:
                     self._abort_on(d, engine_id, request_id)
-                err = rpc_error(
-                    e,
+                err = e.explain(
                     m.peer_address,
                     f"to hold request {request_id!r} for ranks {ranks_text([r.rank for r in m.ranks])}",
                 )
@@ -360,36 +366,30 @@ class Membership:
             self._abort_on(m, engine_id, request_id)
 
     def _abort_on(self, m: peer_pb2.SidecarRanks, engine_id: str, request_id: str) -> None:
-        sc = self._sc
         try:
-            sc.peers.link(m.peer_address).stub.Abort(
-                peer_pb2.PeerAbortRequest(engine_id=engine_id, request_id=request_id),
-                timeout=FANOUT_TIMEOUT_S,
-                metadata=sc.peer_metadata(),
+            self._peers.link(m.peer_address).client.abort(
+                peer_pb2.PeerAbortRequest(engine_id=engine_id, request_id=request_id), FANOUT_TIMEOUT_S
             )
-        except grpc.RpcError as e:
+        except PeerCallError as e:
             # Its lease still runs out; the member's ranks then hear "expired".
             log.warning("could not release request %s on member %s: %s", request_id, m.peer_address, e)
 
     def keep_alive(self, engine_id: str, request_ids: Sequence[str]) -> list[int]:
         """Extend leases here and on every member; a request counts as alive only where all hold it."""
-        sc = self._sc
-        out = [sc.published.keep_alive(engine_id, r) for r in request_ids]
+        out = [self._published.keep_alive(engine_id, r) for r in request_ids]
         for m in self.members(engine_id):
             try:
-                resp = sc.peers.link(m.peer_address).stub.KeepAlive(
+                resp = self._peers.link(m.peer_address).client.keep_alive(
                     peer_pb2.PeerKeepAliveRequest(engine_id=engine_id, request_ids=request_ids),
-                    timeout=FANOUT_TIMEOUT_S,
-                    metadata=sc.peer_metadata(),
+                    FANOUT_TIMEOUT_S,
                 )
-            except grpc.RpcError as e:
-                raise rpc_error(e, m.peer_address, "keep-alive") from None
+            except PeerCallError as e:
+                raise e.explain(m.peer_address, "keep-alive") from None
             out = [min(a, b) for a, b in zip(out, resp.lease_deadline_unix_ms, strict=True)]
         return out
 
     # -- member side (peer API) ---------------------------------------------------------
     def accept_publish(self, req: peer_pb2.PeerPublishRequest) -> None:
-        sc = self._sc
         check_id("engine_id", req.engine_id)
         check_id("request_id", req.request_id)
         if req.engine_id not in self._leaders:
@@ -397,14 +397,14 @@ class Membership:
                 Code.FAILED_PRECONDITION,
                 f"this sidecar holds no rank of engine {req.engine_id!r} for a leader",
             )
-        spec = sc.engines.spec(req.engine_id)
+        spec = self._engines.spec(req.engine_id)
         check_block_ids("prefill", req.block_ids, spec.num_blocks)
-        item = sc.published.publish(
+        item = self._published.publish(
             req.engine_id,
             req.request_id,
             list(req.block_ids),
             req.num_tokens,
-            (req.lease_ms or sc.settings.lease_ms) / 1000,
+            (req.lease_ms or self._lease_ms) / 1000,
             ranks=self.held_here(req.engine_id),
         )
-        sc.gpu_staging.expect_read(item, sc.engines.engine_ranks(req.engine_id))
+        self._on_published(item, self._engines.engine_ranks(req.engine_id))

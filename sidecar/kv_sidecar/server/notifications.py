@@ -1,12 +1,17 @@
 """Every NIXL notification's wire format: its tag (one type: bytes) and its fields.
 
 A notification starts with one of the tags below and a separator; the NIXL thread routes it by that
-head (server/sidecar.py). Field values may contain anything printable, never the separator.
+head (`NotificationRoutes`, whose handlers the composition root sets once: server/sidecar.py).
+TRANSFER_TAG messages go to the transfer listening for them (NixlDriver.listen). Field values may
+contain anything printable, never the separator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+Handler = Callable[[str, bytes], None]  # (sending agent, message), on the NIXL thread
 
 SEP = b"\x1f"
 DONE_TAG = b"kvs1"  # decode rank -> source: it has read these prefill ranks of a request (server/pull.py)
@@ -51,3 +56,24 @@ def parse_signed_notif(tag: bytes, msg: bytes, key_bytes: int) -> tuple[bytes, b
     except ValueError:
         return None
     return key, msg[head:]
+
+
+class NotificationRoutes:
+    """The handler of each notification that no transfer listens for: by tag, else `other` (done
+    notifications). Set once, when every handler exists; until then such notifications wait."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self._by_tag: Mapping[bytes, Handler] = {}
+        self._other: Handler = lambda agent, msg: None
+
+    def set(self, by_tag: Mapping[bytes, Handler], other: Handler) -> None:
+        if self._set.is_set():
+            raise RuntimeError("notification routes are set once")
+        self._by_tag, self._other = dict(by_tag), other
+        self._set.set()
+
+    def dispatch(self, agent: str, msg: bytes) -> None:
+        self._set.wait()
+        handler = self._by_tag.get(msg[: msg.find(SEP)] if SEP in msg else msg, self._other)
+        handler(agent, msg)

@@ -20,21 +20,21 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.server import staged_protocol as sp
-from kv_sidecar.server.drain import draining_message
+from kv_sidecar.server.drain import Drain, draining_message
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
-from kv_sidecar.server.notifications import OPEN_TAG, SEP, TRANSFER_TAG, signed_notif
-from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, peer_error
-from kv_sidecar.server.reads import open_read
+from kv_sidecar.server.notifications import OPEN_TAG, SEP, signed_notif
+from kv_sidecar.server.peer_calls import PeerFuture, peer_error
+from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, Peers
+from kv_sidecar.server.push_runs import PushKeys, PushRuns
+from kv_sidecar.server.reads import SourceReads
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +47,44 @@ OPEN_READ = "OpenRead"
 
 
 # -- source ----------------------------------------------------------------------------
-def answer(sc: Sidecar, agent: str, msg: bytes) -> None:
-    """An OpenRead notification (NIXL thread): open the request and answer. One without the key given
-    to `agent`, or malformed, is dropped; its reader then makes the call."""
-    signed = sc.push_keys.verify(agent, OPEN_TAG, msg, peer_pb2.OpenReadRequest.FromString)
-    if signed is None or signed[1].sidecar_id != agent or not sp.is_transfer_id(signed[1].reply_id):
-        sc.metrics.failures.labels("open_notification_refused").inc()
-        log.debug("refused an OpenRead notification from %s", agent)
-        return
-    peer, req = signed
-    sc.push_runs.reader_seen()  # it will open again: poll for its notifications at the serving rate
-    reply = peer_pb2.OpenReadReply()
-    try:
-        if sc.drain.draining:
-            raise SidecarError(Code.UNAVAILABLE, draining_message(OPEN_READ))
-        reply.response.CopyFrom(open_read(sc, req, peer))
-    except Exception as e:
-        err = handler_error(e)
-        reply.code, reply.message = int(err.code), err.message
-    sc.nixl.notify(agent, reply_notif(req.reply_id, reply))
+class OpenAnswers:
+    """The source's end: OpenRead notifications, answered on the NIXL thread."""
+
+    def __init__(
+        self,
+        reads: SourceReads,
+        push_keys: PushKeys,
+        push_runs: PushRuns,
+        drain: Drain,
+        nixl: NixlDriver,
+        metrics: Metrics,
+    ) -> None:
+        self._reads = reads
+        self._push_keys = push_keys
+        self._push_runs = push_runs
+        self._drain = drain
+        self._nixl = nixl
+        self._metrics = metrics
+
+    def answer(self, agent: str, msg: bytes) -> None:
+        """An OpenRead notification: open the request and answer. One without the key given to
+        `agent`, or malformed, is dropped; its reader then makes the call."""
+        signed = self._push_keys.verify(agent, OPEN_TAG, msg, peer_pb2.OpenReadRequest.FromString)
+        if signed is None or signed[1].sidecar_id != agent or not sp.is_transfer_id(signed[1].reply_id):
+            self._metrics.failures.labels("open_notification_refused").inc()
+            log.debug("refused an OpenRead notification from %s", agent)
+            return
+        peer, req = signed
+        self._push_runs.reader_seen()  # it will open again: poll for its notifications at the serving rate
+        reply = peer_pb2.OpenReadReply()
+        try:
+            if self._drain.draining:
+                raise SidecarError(Code.UNAVAILABLE, draining_message(OPEN_READ))
+            reply.response.CopyFrom(self._reads.open_read(req, peer))
+        except Exception as e:
+            err = handler_error(e)
+            reply.code, reply.message = int(err.code), err.message
+        self._nixl.notify(agent, reply_notif(req.reply_id, reply))
 
 
 def reply_notif(reply_id: str, reply: peer_pb2.OpenReadReply) -> bytes:
@@ -83,13 +102,45 @@ def parse_reply(reply_id: str, msg: bytes) -> peer_pb2.OpenReadReply | None:
 
 
 # -- reader ----------------------------------------------------------------------------
+class NotifiedOpens:
+    """The reader's end: opens sent as notifications where a link allows."""
+
+    def __init__(
+        self, enabled: bool, answer_wait_s: float, peers: Peers, nixl: NixlDriver, metrics: Metrics
+    ) -> None:
+        self._enabled = enabled  # the push_notifications setting
+        self._answer_wait_s = answer_wait_s
+        self._peers = peers
+        self._nixl = nixl
+        self._metrics = metrics
+
+    def send(self, holder: Holder, msg: peer_pb2.OpenReadRequest) -> NotifiedOpen | None:
+        """The open sent as a notification, where the link to `holder` allows; else None (make the call)."""
+        if not self._enabled:
+            return None
+        link = self._peers.link(holder.address)
+        key = link.push_key_for_open()
+        if not key:
+            return None
+        return NotifiedOpen(self._nixl, self._metrics, self._answer_wait_s, holder, link, key, msg)
+
+
 class NotifiedOpen:
     """One open sent as a notification, until its answer comes or the reader stops waiting for it."""
 
     def __init__(
-        self, sc: Sidecar, holder: Holder, link: PeerLink, key: bytes, msg: peer_pb2.OpenReadRequest
+        self,
+        nixl: NixlDriver,
+        metrics: Metrics,
+        answer_wait_s: float,
+        holder: Holder,
+        link: PeerLink,
+        key: bytes,
+        msg: peer_pb2.OpenReadRequest,
     ) -> None:
-        self._sc = sc
+        self._nixl = nixl
+        self._metrics = metrics
+        self._answer_wait_s = answer_wait_s
         self._holder = holder
         self._link = link
         self._what = f"to open request {msg.request_id!r}"
@@ -100,24 +151,26 @@ class NotifiedOpen:
         req = peer_pb2.OpenReadRequest()
         req.CopyFrom(msg)
         req.reply_id = self.reply_id
-        sc.nixl.route(TRANSFER_TAG + SEP)
-        sc.nixl.listen(sp.prefix(self.reply_id), lambda _agent, m: self._answers.put(m))
+        nixl.listen(sp.prefix(self.reply_id), lambda _agent, m: self._answers.put(m))
         # Poll at the busy rate while the answer is due (the READ may finish before it).
-        sc.nixl.add_poller(lambda _a: not self._waiting)
+        nixl.add_poller(lambda _a: not self._waiting)
         # It leaves once the NIXL thread gets the GIL: when this thread next waits (bench/trace_pull.py).
-        sc.nixl.notify(holder.agent_name, signed_notif(OPEN_TAG, key, req.SerializeToString()))
+        nixl.notify(holder.agent_name, signed_notif(OPEN_TAG, key, req.SerializeToString()))
 
-    def result(self, call: Callable[[], grpc.Future], deadline: float) -> peer_pb2.OpenReadResponse:
+    def result(
+        self, call: Callable[[], PeerFuture[peer_pb2.OpenReadResponse]], deadline: float
+    ) -> peer_pb2.OpenReadResponse:
         """The first answer: the notification's, or, where none came within open_answer_wait_us, that of
-        the OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a refusal."""
-        future: grpc.Future | None = None
+        the OpenRead call `call()` makes (the open is idempotent, so both may open it). Raises a
+        refusal: PeerCallError for the call's."""
+        future: PeerFuture[peer_pb2.OpenReadResponse] | None = None
         try:
             try:
-                wait = min(self._sc.settings.open_answer_wait_us / 1e6, deadline - time.monotonic())
+                wait = min(self._answer_wait_s, deadline - time.monotonic())
                 got = self._answers.get(timeout=max(0.0, wait))
             except queue.Empty:
                 # Counted whichever answer comes first: the call's round trip is already paid.
-                self._sc.metrics.opens.labels("call_after_notification").inc()
+                self._metrics.opens.labels("call_after_notification").inc()
                 future = call()
                 future.add_done_callback(self._answers.put)
                 got = self._answers.get()  # the call ends by its deadline
@@ -125,15 +178,15 @@ class NotifiedOpen:
                     future.cancel()
         finally:
             self.abandon()
-        if isinstance(got, grpc.Future):
+        if not isinstance(got, bytes):  # the call's future
             self._missed()
-            return got.result()  # raises its grpc.RpcError
+            return got.result()
         self._link.open_answered_by_notification()
         reply = parse_reply(self.reply_id, got)
         if reply is None:
             raise SidecarError(Code.INTERNAL, f"peer sidecar {self._holder.address} sent a malformed answer")
         if future is None:
-            self._sc.metrics.opens.labels("notification").inc()
+            self._metrics.opens.labels("notification").inc()
         if reply.code != Code.OK:
             code = Code(reply.code) if reply.code in set(Code) else Code.UNKNOWN
             raise peer_error(code, reply.message, self._holder.address, self._what)
@@ -154,15 +207,4 @@ class NotifiedOpen:
     def abandon(self) -> None:
         if self._waiting:
             self._waiting = False
-            self._sc.nixl.unlisten(sp.prefix(self.reply_id))
-
-
-def send(sc: Sidecar, holder: Holder, msg: peer_pb2.OpenReadRequest) -> NotifiedOpen | None:
-    """The open sent as a notification, where the link to `holder` allows; else None (make the call)."""
-    if not sc.settings.push_notifications:
-        return None
-    link = sc.peers.link(holder.address)
-    key = link.push_key_for_open()
-    if not key:
-        return None
-    return NotifiedOpen(sc, holder, link, key, msg)
+            self._nixl.unlisten(sp.prefix(self.reply_id))

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.adapters.grpc_status import from_grpc
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.peer_calls import STOP_POLL_S, Connect, PeerCallError, PeerClient, stoppable
 from kv_sidecar.server.push_runs import READERS_S
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
+from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +73,9 @@ BACKOFF_S = 30.0
 
 
 class PeerLink:
-    def __init__(self, address: str, channel: grpc.Channel) -> None:
+    def __init__(self, address: str, client: PeerClient) -> None:
         self.address = address
-        self.channel = channel
-        self.stub = peer_pb2_grpc.PeerServiceStub(channel)
+        self.client = client
         self.engines: dict[tuple[str, str], RemoteEngine] = {}
         self.lock = threading.Lock()
         # What our staged Push notifications to this peer are signed with (from its handshake or its
@@ -154,54 +148,14 @@ class PeerLink:
         return self.push_key
 
 
-# How grpc core words a failed TLS handshake (certificate not trusted, wrong name).
-_STOP_POLL_S = 0.05  # how soon a peer call notices that its pull was stopped
-_TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICATE_VERIFY_FAILED", re.I)
-
-
-def rpc_error(e: grpc.RpcError, peer: str, what: str) -> SidecarError:
-    code = from_grpc(e.code()) if isinstance(e, grpc.Call) else Code.UNAVAILABLE
-    details = e.details() if isinstance(e, grpc.Call) else str(e)
-    return peer_error(code, details or "", peer, what)
-
-
-def peer_error(code: Code, details: str, peer: str, what: str) -> SidecarError:
-    """What a peer's refusal (a failed call, or a refusal it sent by notification) tells our caller."""
-    if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
-        # A certificate problem does not heal on retry, unlike a peer that is down.
-        return SidecarError(
-            Code.UNAUTHENTICATED,
-            f"TLS handshake with peer sidecar {peer} failed ({what}); check tls_ca, tls_server_name and "
-            f"the certificates: {details}",
-        )
-    if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-        return SidecarError(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
-    return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
-
-
-def stoppable_call(
-    method: grpc.UnaryUnaryMultiCallable,
-    msg: Any,
-    timeout_s: float,
-    metadata: tuple[tuple[str, str], ...],
-    stop: threading.Event,
-    on_stop: Callable[[], Exception],
-) -> Any:
-    """A unary peer call that a stopped pull gives up at once (raising on_stop()), not at its deadline:
-    a peer that hangs must not hold the pull, its engine's rank or a drain for the whole timeout."""
-    call = method.future(msg, timeout=timeout_s, metadata=metadata)
-    while True:
-        try:
-            return call.result(timeout=_STOP_POLL_S)  # wakes at the answer, not at the poll
-        except grpc.FutureTimeoutError:
-            if stop.is_set():
-                call.cancel()
-                raise on_stop() from None
-
-
 class Peers:
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sc = sidecar
+    """Our links to peer sidecars, dialled on first use, and the handshakes with their engines."""
+
+    def __init__(self, sidecar_id: str, nixl: NixlDriver, metrics: Metrics, connect: Connect) -> None:
+        self._sidecar_id = sidecar_id
+        self._nixl = nixl
+        self._metrics = metrics
+        self._connect = connect
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -210,7 +164,7 @@ class Peers:
         with self._lock:
             link = self._links.get(address)
             if link is None:
-                link = PeerLink(address, self._sc.peer_channel(address))
+                link = PeerLink(address, self._connect(address))
                 self._links[address] = link
             return link
 
@@ -230,7 +184,7 @@ class Peers:
             raise SidecarError(Code.UNAVAILABLE, f"this sidecar is shutting down; not calling {address}")
         link = self.link(address)
         key = (engine_id, reader_engine)
-        while not link.lock.acquire(timeout=_STOP_POLL_S):
+        while not link.lock.acquire(timeout=STOP_POLL_S):
             if stop.is_set():
                 raise on_stop()
         try:
@@ -254,31 +208,31 @@ class Peers:
         stop: threading.Event,
         on_stop: Callable[[], Exception],
     ) -> RemoteEngine:
-        sc = self._sc
+        me, nixl, metrics = self._sidecar_id, self._nixl, self._metrics
         start = time.perf_counter()
         req = peer_pb2.HandshakeRequest(
             protocol_version=PROTOCOL_VERSION,
-            sidecar_id=sc.sidecar_id,
-            agent_name=sc.sidecar_id,
-            agent_metadata=sc.nixl.metadata(),
+            sidecar_id=me,
+            agent_name=me,
+            agent_metadata=nixl.metadata(),
             engine_id=engine_id,
             reader_engine_id=reader_engine,
             reader_spec=spec_to_proto(reader_spec),
         )
         try:
-            resp = stoppable_call(link.stub.Handshake, req, timeout_s, sc.peer_metadata(), stop, on_stop)
-        except grpc.RpcError as e:
-            sc.metrics.handshakes.labels("error").inc()
-            raise rpc_error(e, link.address, "the handshake") from None
-        if resp.sidecar_id == sc.sidecar_id:  # never NIXL-read from our own agent
-            sc.metrics.handshakes.labels("error").inc()
+            resp = stoppable(link.client.handshake(req, timeout_s), stop, on_stop)
+        except PeerCallError as e:
+            metrics.handshakes.labels("error").inc()
+            raise e.explain(link.address, "the handshake") from None
+        if resp.sidecar_id == me:  # never NIXL-read from our own agent
+            metrics.handshakes.labels("error").inc()
             raise SidecarError(
                 Code.INVALID_ARGUMENT,
                 f"{link.address} is this sidecar itself; params of a request published here must carry "
-                f"its sidecar_id {sc.sidecar_id!r}",
+                f"its sidecar_id {me!r}",
             )
         if resp.protocol_version != PROTOCOL_VERSION:
-            sc.metrics.handshakes.labels("error").inc()
+            metrics.handshakes.labels("error").inc()
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"peer {link.address} speaks protocol {resp.protocol_version}, this sidecar {PROTOCOL_VERSION}",
@@ -286,13 +240,13 @@ class Peers:
         spec = spec_from_proto(resp.spec)
         plan = cached_plan(spec, reader_spec)
         if plan.hash() != resp.plan_hash:
-            sc.metrics.handshakes.labels("error").inc()
+            metrics.handshakes.labels("error").inc()
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"plan mismatch with peer {link.address}: ours {plan.hash()}, theirs {resp.plan_hash} "
                 f"(different kv-sidecar versions?)",
             )
-        agent = sc.nixl.add_remote(resp.agent_metadata, resp.agent_name)
+        agent = nixl.add_remote(resp.agent_metadata, resp.agent_name)
         link.handshaken(resp.push_key)
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,
@@ -308,15 +262,13 @@ class Peers:
         remote.holders = {r.rank: leader for r in resp.ranks}
         for m in resp.members:  # a multi-node engine: the rank->sidecar map (docs/multinode.md)
             # Our own ranks need no NIXL connection; routing refuses to read them over the wire.
-            member_agent = (
-                m.agent_name if m.sidecar_id == sc.sidecar_id else sc.nixl.add_remote(m.agent_metadata)
-            )
+            member_agent = m.agent_name if m.sidecar_id == me else nixl.add_remote(m.agent_metadata)
             holder = Holder(m.sidecar_id, m.peer_address, member_agent)
             for r in m.ranks:
                 remote.holders[r.rank] = holder
                 remote.regions[r.rank] = [g.address for g in r.regions]
-        sc.metrics.handshakes.labels("ok").inc()
-        sc.metrics.handshake_duration.observe(time.perf_counter() - start)
+        metrics.handshakes.labels("ok").inc()
+        metrics.handshake_duration.observe(time.perf_counter() - start)
         log.info(
             "handshake with %s for engine %s: %d ranks on %d sidecars, plan %s",
             link.address,
@@ -344,11 +296,11 @@ class Peers:
         with self._lock:
             link = self._links.pop(address, None)
         if link is not None:
-            link.channel.close()
+            link.client.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             links, self._links = list(self._links.values()), {}
         for link in links:
-            link.channel.close()
+            link.client.close()

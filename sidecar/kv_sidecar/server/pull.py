@@ -25,33 +25,26 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from kv_sidecar.config import Settings
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.spec import PlanError
-from kv_sidecar.server import staged_copies, staged_reader
+from kv_sidecar.server import staged_copies
 from kv_sidecar.server.engine_calls import Later, run_later
-from kv_sidecar.server.engines import RankEntry
+from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
-from kv_sidecar.server.inflight import PullTicket, stopped_error
+from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
+from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.nixl_reads import NixlReads, PostedRead
 from kv_sidecar.server.notifications import done_notification
-from kv_sidecar.server.peers import Holder, RemoteEngine
+from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import DirectPulls
 from kv_sidecar.server.pull_job import PullJob, build_job, unfilled_blocks
-from kv_sidecar.server.release import release_here
-from kv_sidecar.server.routing import (
-    Opening,
-    by_holder,
-    close_reads,
-    depends_on,
-    holders_needed,
-    open_read_request,
-)
-from kv_sidecar.transport.nixl_driver import AgentDisconnected, ucx_emulation_disabled
+from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
+from kv_sidecar.server.staged_reader import StagedReader
+from kv_sidecar.server.transfers import TransferTracker
+from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +85,39 @@ def _ring_path(job: PullJob) -> str:
 
 
 class Puller:
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sc = sidecar
-        self._reads = NixlReads(sidecar.nixl, sidecar.metrics, sidecar.settings.staging_bytes)
-        self._direct = DirectPulls(
-            sidecar.engines,
-            sidecar.membership,
-            sidecar.published,
-            functools.partial(release_here, sidecar),
-        )
+    """Every pull of this sidecar's engines, on whichever path its two engines take."""
+
+    def __init__(
+        self,
+        sidecar_id: str,
+        settings: Settings,
+        engines: EngineRegistry,
+        pulls: InflightPulls,
+        transfers: TransferTracker,
+        lease_view: LeaseView,
+        peers: Peers,
+        opener: Opener,
+        direct: DirectPulls,
+        reads: NixlReads,
+        staged: StagedReader,
+        nixl: NixlDriver,
+        metrics: Metrics,
+    ) -> None:
+        """settings: pull_timeout_ms (a pull's default deadline) and host_transfer (the host paths)."""
+        self._sidecar_id = sidecar_id
+        self._default_timeout_s = settings.pull_timeout_ms / 1000
+        self._host_ring = settings.host_transfer.lower() == "ring"
+        self._engines = engines
+        self._pulls = pulls
+        self._transfers = transfers
+        self._lease_view = lease_view
+        self._peers = peers
+        self._opener = opener
+        self._direct = direct
+        self._reads = reads
+        self._staged_reader = staged
+        self._nixl = nixl
+        self._metrics = metrics
 
     # -- entry point ------------------------------------------------------
     def pull(
@@ -117,13 +134,12 @@ class Puller:
                 run_later(after)
 
     def _pull(self, req: engine_pb2.PullRequest, cancel: PullTicket, after: Later) -> engine_pb2.PullResponse:
-        sc = self._sc
         p = req.params
-        timeout_s = (req.timeout_ms or sc.settings.pull_timeout_ms) / 1000
+        timeout_s = req.timeout_ms / 1000 if req.timeout_ms else self._default_timeout_s
         start = time.perf_counter()
-        remote_here = p.sidecar_id == sc.sidecar_id
+        remote_here = p.sidecar_id == self._sidecar_id
         path = "host-direct" if remote_here else "host-nixl"
-        track = sc.transfers.begin_pull(
+        track = self._transfers.begin_pull(
             req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
         )
         try:
@@ -138,9 +154,9 @@ class Puller:
         except Exception as e:
             err = as_sidecar_error(e)
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
-            sc.metrics.pulls.labels(path, outcome).inc()
-            sc.metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
-            after.append(sc.transfers.end_pull(track, 0, path, outcome, f"{err.code.name}: {err.message}"))
+            self._metrics.pulls.labels(path, outcome).inc()
+            self._metrics.failures.labels(f"pull_{err.code.name.lower()}").inc()
+            after.append(self._transfers.end_pull(track, 0, path, outcome, f"{err.code.name}: {err.message}"))
             named, trailer = unfilled_blocks(req.block_ids)
             raise SidecarError(
                 err.code,
@@ -148,17 +164,18 @@ class Puller:
                 (("kvsidecar-unfilled-blocks", trailer),),
             ) from None
         elapsed = time.perf_counter() - start
-        sc.metrics.pulls.labels(path, "ok").inc()
-        sc.metrics.pull_bytes.labels(path).inc(nbytes)
-        sc.metrics.pull_duration.labels(path).observe(elapsed)
-        sc.metrics.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
-        after.append(sc.transfers.end_pull(track, nbytes, path, "ok"))
+        m = self._metrics
+        m.pulls.labels(path, "ok").inc()
+        m.pull_bytes.labels(path).inc(nbytes)
+        m.pull_duration.labels(path).observe(elapsed)
+        m.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
+        after.append(self._transfers.end_pull(track, nbytes, path, "ok"))
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
     def _local_ranks(self, req: engine_pb2.PullRequest, ranks: Sequence[int]) -> list[RankEntry]:
         """The local ranks to fill: `ranks` as the pull was admitted with (the request's, or every
         rank registered when it arrived)."""
-        reg = self._sc.engines
+        reg = self._engines
         if len(set(ranks)) != len(ranks):
             raise SidecarError(Code.INVALID_ARGUMENT, f"ranks {list(ranks)} contain duplicates")
         if not ranks:
@@ -168,7 +185,7 @@ class Puller:
     def _release_now(self, ticket: PullTicket) -> bool:
         """A failed pull that moves no byte any more: may the source free the request's blocks now?
         Only if the reader is gone for good and no other pull of the request still moves bytes."""
-        last = self._sc.pulls.last_to_end(ticket)
+        last = self._pulls.last_to_end(ticket)
         return ticket.release_source and last
 
     # -- another sidecar ------------------------------------------------------
@@ -194,7 +211,7 @@ class Puller:
             except SidecarError as again:
                 # The peer answered a new handshake, yet its agent is "disconnected" again at the READ.
                 if _agent_lost(first) and _agent_lost(again) and ucx_emulation_disabled():
-                    self._sc.metrics.ucx_emulation.inc()
+                    self._metrics.ucx_emulation.inc()
                     raise _no_native_path(req.params.sidecar_address) from again
                 raise
 
@@ -207,14 +224,14 @@ class Puller:
         after: Later,
         may_retry: bool,
     ) -> tuple[int, str]:
-        sc, p = self._sc, req.params
+        p = req.params
         ranks = [e.rank for e in local]
         opened_on: list[Holder] = []
         early: list[PostedRead] = []
         opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
-            _, remote = sc.peers.remote_engine(
+            _, remote = self._peers.remote_engine(
                 p.sidecar_address,
                 p.engine_id,
                 req.engine_id,
@@ -225,26 +242,25 @@ class Puller:
             )
             # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
             holders = list(
-                holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], sc.sidecar_id)
+                holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
             )
             pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
                 (rplan,) = pushed.rank_plans()
-                nbytes = staged_reader.read_staged(
-                    sc,
+                nbytes = self._staged_reader.read(
                     pushed,
                     remote,
                     pushed.local[0],
                     rplan.reads[0].prefill_rank,
-                    open_msg=open_read_request(sc, remote, req, ranks),
+                    open_msg=self._opener.request(remote, req, ranks),
                 )
                 after.append(functools.partial(self._notify_done, req, remote, pushed))
                 return nbytes, _ring_path(pushed)
             # Opens by notification are queued to the NIXL thread first, then the READ, which runs while
             # the opens (or OpenRead calls) are on their way when that is safe (server/lease_view.py).
             # The NIXL thread sends and posts both once this thread waits, in `finish`.
-            opening = Opening(sc, remote, holders, req, ranks)
+            opening = self._opener.open(remote, holders, req, ranks)
             opened_on = opening.touched
             early_job = self._early_job(req, local, remote, cancel, deadline)
             if early_job is not None:
@@ -270,12 +286,12 @@ class Puller:
                 or (e.code is Code.FAILED_PRECONDITION and "handshake" in e.message)
             )
             if stale:
-                sc.peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
+                self._peers.forget_engine(p.sidecar_address, p.engine_id, req.engine_id)
             retry = stale and may_retry and not cancel.is_set() and time.monotonic() < deadline
             # A pull about to retry still moves bytes: it neither counts as ended nor releases.
             release = not retry and self._release_now(cancel)
             if opened_on:
-                close_reads(sc, opened_on, req, ranks, failed=True, release=release)
+                self._opener.close_reads(opened_on, req, ranks, failed=True, release=release)
             if retry:
                 raise _Retry() from e
             raise
@@ -294,9 +310,9 @@ class Puller:
         p = req.params
         if not remote.plan.is_identity() or remote.memory_kind != "DRAM" or any(e.gpu for e in local):
             return None
-        if self._sc.settings.host_transfer.lower() == "ring":
+        if self._host_ring:
             return None
-        if not self._sc.lease_view.surely_held(
+        if not self._lease_view.surely_held(
             p.sidecar_id, p.engine_id, p.request_id, p.lease_deadline_unix_ms
         ):
             return None
@@ -334,7 +350,7 @@ class Puller:
         """Whether a pull across sidecars runs the staged protocol: always where either side is in GPU
         memory, between host engines only with `host_transfer: ring`."""
         on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
-        return on_gpu or self._sc.settings.host_transfer.lower() == "ring"
+        return on_gpu or self._host_ring
 
     def _read_remote(
         self,
@@ -364,7 +380,7 @@ class Puller:
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
                     if ring:
-                        nbytes += staged_reader.read_staged(self._sc, job, remote, entry, read.prefill_rank)
+                        nbytes += self._staged_reader.read(job, remote, entry, read.prefill_rank)
                     else:
                         nbytes += self._reads.read_staged(job, remote, entry, read.prefill_rank, read.heads)
         after.append(functools.partial(self._notify_done, req, remote, job))
@@ -376,11 +392,11 @@ class Puller:
         """Tell each source sidecar which of its ranks each local rank is done with. A pull runs this
         after its answer (`after`), which does not wait for the driver thread to send them either
         (NixlDriver.notify)."""
-        sc, p = self._sc, req.params
+        p = req.params
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
-            for holder, done in by_holder(remote, depends_on(rplan), sc.sidecar_id).items():
-                sc.nixl.notify(
+            for holder, done in by_holder(remote, depends_on(rplan), self._sidecar_id).items():
+                self._nixl.notify(
                     holder.agent_name,
                     done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
                 )
-                sc.peers.link(holder.address).read_completed()  # later opens may go as notifications
+                self._peers.link(holder.address).read_completed()  # later opens may go as notifications

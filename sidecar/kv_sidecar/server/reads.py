@@ -9,19 +9,23 @@ rank that depends on a rank held here has sent its completion notification.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.server.engines import spec_from_proto
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
 from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.server.notifications import parse_done_notification
 from kv_sidecar.server.peers import cached_plan
-from kv_sidecar.server.published import Published
+from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.transfers import TransferTracker
+from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
+log = logging.getLogger(__name__)
 
 
 class ReadPlans:
@@ -35,12 +39,12 @@ class ReadPlans:
         with self._lock:
             self._plans[plan.hash()] = plan
 
-    def resolve(self, sc: Sidecar, request: peer_pb2.OpenReadRequest) -> PairPlan:
+    def resolve(self, request: peer_pb2.OpenReadRequest, spec_of: Callable[[str], EngineSpec]) -> PairPlan:
         with self._lock:
             plan = self._plans.get(request.plan_hash)
         if plan is None and request.HasField("reader_spec"):
             # A member of a multi-node engine: the reader handshook with the leader, not with us.
-            plan = cached_plan(sc.engines.spec(request.engine_id), spec_from_proto(request.reader_spec))
+            plan = cached_plan(spec_of(request.engine_id), spec_from_proto(request.reader_spec))
             if plan.hash() != request.plan_hash:
                 raise SidecarError(
                     Code.FAILED_PRECONDITION,
@@ -54,48 +58,79 @@ class ReadPlans:
         return plan
 
 
-def open_read(sc: Sidecar, request: peer_pb2.OpenReadRequest, peer: str) -> peer_pb2.OpenReadResponse:
-    """OpenRead, however it came: the plan it names, the open, and what the reader is told."""
-    plan = sc.read_plans.resolve(sc, request)
-    path = "host-nixl" if plan.is_identity() else "host-nixl-staged"
-    item = open_for_reader(sc, request, plan, peer, path)
-    return peer_pb2.OpenReadResponse(
-        block_ids=item.block_ids,
-        num_tokens=item.num_tokens,
-        lease_deadline_unix_ms=item.deadline_unix_ms(),
-    )
+class SourceReads:
+    """Opens of requests published here, for their readers (OpenRead, its notification, a staged Push)."""
 
+    def __init__(
+        self,
+        engines: EngineRegistry,
+        published: PublishedStore,
+        transfers: TransferTracker,
+        nixl: NixlDriver,
+        plans: ReadPlans,
+        pull_timeout_s: float,
+        metrics: Metrics,
+    ) -> None:
+        self._engines = engines
+        self._published = published
+        self._transfers = transfers
+        self._nixl = nixl
+        self.plans = plans
+        self._pull_timeout_s = pull_timeout_s
+        self._metrics = metrics
 
-def open_for_reader(
-    sc: Sidecar, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str
-) -> Published:
-    """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller."""
-    if sc.engines.spec(request.engine_id) != plan.prefill:
-        raise SidecarError(
-            Code.FAILED_PRECONDITION,
-            f"engine {request.engine_id!r} changed since the handshake; handshake again",
+    def open_read(self, request: peer_pb2.OpenReadRequest, peer: str) -> peer_pb2.OpenReadResponse:
+        """OpenRead, however it came: the plan it names, the open, and what the reader is told."""
+        plan = self.plans.resolve(request, self._engines.spec)
+        path = "host-nixl" if plan.is_identity() else "host-nixl-staged"
+        item = self.open_for_reader(request, plan, peer, path)
+        return peer_pb2.OpenReadResponse(
+            block_ids=item.block_ids,
+            num_tokens=item.num_tokens,
+            lease_deadline_unix_ms=item.deadline_unix_ms(),
         )
-    item = sc.published.open_read(
-        request.engine_id,
-        request.request_id,
-        request.reader_engine_id,
-        plan,
-        list(request.reader_ranks),
-        sc.settings.pull_timeout_ms / 1000,
-    )
-    served = item.readers_here(plan, list(request.reader_ranks))
-    if served:
-        sc.transfers.begin_serve(
+
+    def open_for_reader(
+        self, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str
+    ) -> Published:
+        """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller."""
+        if self._engines.spec(request.engine_id) != plan.prefill:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"engine {request.engine_id!r} changed since the handshake; handshake again",
+            )
+        item = self._published.open_read(
             request.engine_id,
             request.request_id,
             request.reader_engine_id,
-            peer,
-            served,
-            opened_bytes(plan, served, len(item.block_ids)),
-            path,
+            plan,
+            list(request.reader_ranks),
+            self._pull_timeout_s,
         )
-    sc.nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
-    return item
+        served = item.readers_here(plan, list(request.reader_ranks))
+        if served:
+            self._transfers.begin_serve(
+                request.engine_id,
+                request.request_id,
+                request.reader_engine_id,
+                peer,
+                served,
+                opened_bytes(plan, served, len(item.block_ids)),
+                path,
+            )
+        self._nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
+        return item
+
+    def reader_done(self, agent: str, msg: bytes) -> None:
+        """A decode rank's done notification (NIXL thread): it has read these ranks of a request."""
+        parsed = parse_done_notification(msg)
+        if parsed is None:
+            log.warning("ignoring malformed notification from %s", agent)
+            self._metrics.failures.labels("bad_notification").inc()
+            return
+        engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
+        self._published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
+        self._transfers.serve_rank_done(engine_id, request_id, reader, decode_rank)
 
 
 def opened_bytes(plan: PairPlan, reader_ranks: Sequence[int], num_blocks: int) -> int:

@@ -13,19 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-import grpc
-
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import DecodeRankPlan
-from kv_sidecar.server import notified_opens
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.peers import Holder, RemoteEngine, rpc_error
+from kv_sidecar.server.notified_opens import NotifiedOpens
+from kv_sidecar.server.peer_calls import PeerCallError, PeerFuture
+from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +64,67 @@ def holders_needed(
     return by_holder(remote, (p for rp in rank_plans for p in depends_on(rp)), own_sidecar_id)
 
 
-def open_read_request(
-    sc: Sidecar, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int]
-) -> peer_pb2.OpenReadRequest:
-    """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
-    if remote.open_template is None:  # what every open of this engine pair says (~20-40 us to build)
-        remote.open_template = peer_pb2.OpenReadRequest(
-            sidecar_id=sc.sidecar_id,
-            plan_hash=remote.plan.hash(),
-            reader_spec=spec_to_proto(remote.plan.decode),
+CLOSE_TIMEOUT_S = 2.0
+
+
+class Opener:
+    """The reader's opens and closes of a request on the sidecars that hold its source ranks."""
+
+    def __init__(self, sidecar_id: str, peers: Peers, notified: NotifiedOpens, metrics: Metrics) -> None:
+        self.sidecar_id = sidecar_id
+        self.peers = peers
+        self.notified = notified
+        self.metrics = metrics
+
+    def open(
+        self,
+        remote: RemoteEngine,
+        holders: Sequence[Holder],
+        req: engine_pb2.PullRequest,
+        reader_ranks: list[int],
+    ) -> Opening:
+        return Opening(self, remote, holders, req, reader_ranks)
+
+    def request(
+        self, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int]
+    ) -> peer_pb2.OpenReadRequest:
+        """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
+        if remote.open_template is None:  # what every open of this engine pair says (~20-40 us to build)
+            remote.open_template = peer_pb2.OpenReadRequest(
+                sidecar_id=self.sidecar_id,
+                plan_hash=remote.plan.hash(),
+                reader_spec=spec_to_proto(remote.plan.decode),
+            )
+        msg = peer_pb2.OpenReadRequest()
+        msg.CopyFrom(remote.open_template)
+        msg.engine_id = req.params.engine_id
+        msg.request_id = req.params.request_id
+        msg.reader_engine_id = req.engine_id
+        msg.reader_ranks.extend(reader_ranks)
+        return msg
+
+    def close_reads(
+        self,
+        holders: Sequence[Holder],
+        req: engine_pb2.PullRequest,
+        reader_ranks: list[int],
+        failed: bool,
+        release: bool = False,
+    ) -> None:
+        """release: the reader is gone for good (abort, dead engine); the holders free the blocks now."""
+        msg = peer_pb2.CloseReadRequest(
+            engine_id=req.params.engine_id,
+            request_id=req.params.request_id,
+            reader_engine_id=req.engine_id,
+            reader_ranks=reader_ranks,
+            failed=failed,
+            release=release,
         )
-    msg = peer_pb2.OpenReadRequest()
-    msg.CopyFrom(remote.open_template)
-    msg.engine_id = req.params.engine_id
-    msg.request_id = req.params.request_id
-    msg.reader_engine_id = req.engine_id
-    msg.reader_ranks.extend(reader_ranks)
-    return msg
+        for holder in holders:
+            try:
+                self.peers.link(holder.address).client.close_read(msg, CLOSE_TIMEOUT_S)
+            except PeerCallError:
+                log.warning("could not tell %s that request %s failed", holder.address, req.params.request_id)
 
 
 class Opening:
@@ -94,17 +134,17 @@ class Opening:
 
     def __init__(
         self,
-        sc: Sidecar,
+        opener: Opener,
         remote: RemoteEngine,
         holders: Sequence[Holder],
         req: engine_pb2.PullRequest,
         reader_ranks: list[int],
     ) -> None:
-        self._sc = sc
+        self._opener = opener
         self._req = req
         self._holders = list(holders)
-        self._msg = open_read_request(sc, remote, req, reader_ranks)
-        self._notified = {h: notified_opens.send(sc, h, self._msg) for h in self._holders}
+        self._msg = opener.request(remote, req, reader_ranks)
+        self._notified = {h: opener.notified.send(h, self._msg) for h in self._holders}
         self.touched = [h for h, sent in self._notified.items() if sent is not None]
 
     def finish(self, deadline: float) -> peer_pb2.OpenReadResponse:
@@ -135,27 +175,21 @@ class Opening:
                 sent.abandon()
 
     def _open(self, holder: Holder, deadline: float) -> peer_pb2.OpenReadResponse:
-        stub = self._sc.peers.link(holder.address).stub
+        client = self._opener.peers.link(holder.address).client
 
-        def call() -> grpc.Future:
-            timeout = max(0.001, deadline - time.monotonic())
-            return stub.OpenRead.future(self._msg, timeout=timeout, metadata=self._sc.peer_metadata())
+        def call() -> PeerFuture[peer_pb2.OpenReadResponse]:
+            return client.open_read_future(self._msg, max(0.001, deadline - time.monotonic()))
 
         sent = self._notified.get(holder)
         try:
             if sent is not None:
                 resp = sent.result(call, deadline)
             else:
-                # The blocking form: a future's answer comes through gRPC's own thread, one hand-off more.
-                resp = stub.OpenRead(
-                    self._msg,
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    metadata=self._sc.peer_metadata(),
-                )
-                self._sc.metrics.opens.labels("call").inc()
-        except grpc.RpcError as e:
+                resp = client.open_read(self._msg, max(0.001, deadline - time.monotonic()))
+                self._opener.metrics.opens.labels("call").inc()
+        except PeerCallError as e:
             self._not_opened(holder)
-            raise rpc_error(e, holder.address, f"to open request {self._req.params.request_id!r}") from None
+            raise e.explain(holder.address, f"to open request {self._req.params.request_id!r}") from None
         except SidecarError:
             self._not_opened(holder)
             raise
@@ -167,27 +201,3 @@ class Opening:
         """It refused, or did not answer: as before notifications, such a holder is not closed."""
         if holder in self.touched:
             self.touched.remove(holder)
-
-
-def close_reads(
-    sc: Sidecar,
-    holders: Sequence[Holder],
-    req: engine_pb2.PullRequest,
-    reader_ranks: list[int],
-    failed: bool,
-    release: bool = False,
-) -> None:
-    """release: the reader is gone for good (abort, dead engine); the holders free the blocks now."""
-    msg = peer_pb2.CloseReadRequest(
-        engine_id=req.params.engine_id,
-        request_id=req.params.request_id,
-        reader_engine_id=req.engine_id,
-        reader_ranks=reader_ranks,
-        failed=failed,
-        release=release,
-    )
-    for holder in holders:
-        try:
-            sc.peers.link(holder.address).stub.CloseRead(msg, timeout=2, metadata=sc.peer_metadata())
-        except grpc.RpcError:
-            log.warning("could not tell %s that request %s failed", holder.address, req.params.request_id)

@@ -23,7 +23,7 @@ rings, which the sidecars own.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,11 +35,6 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import Ring
-from kv_sidecar.server.notifications import SEP, TRANSFER_TAG
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
-
 
 PATH_STAGED = "gpu-staged"
 PATH_HOST_RING = "host-ring"
@@ -50,8 +45,6 @@ CANCEL_WAIT_S = 5.0  # how long a stopped transfer waits for the other side to h
 # within CANCEL_WAIT_S.
 QUARANTINE_S = 2 * CANCEL_WAIT_S
 MAX_SLOTS = 4096
-# Trailing metadata of every Push answer the source gives itself: nothing of it is in flight any more.
-PUSH_ENDED = ("kvsidecar-push-ended", "1")
 
 
 def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int, int] | None:
@@ -135,11 +128,6 @@ class HostCopies:
 
     def synchronize(self) -> None:
         pass
-
-
-def route(sc: Sidecar) -> None:
-    """Staged notifications go to the transfer listening for them, never to the done handler."""
-    sc.nixl.route(TRANSFER_TAG + SEP)
 
 
 def block_size_of(copies: GpuCopies | HostCopies) -> int:

@@ -18,28 +18,38 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.server import engine_calls
-from kv_sidecar.server.drain import draining_message
+from kv_sidecar.server.drain import Drain, draining_message
+from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar.server.errors import Code, SidecarError, handler_error
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 from kv_sidecar_client.lane import LANE_VERSION, shut_down
-
-if TYPE_CHECKING:
-    from kv_sidecar.server.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
 
 class EngineLane:
-    def __init__(self, sc: Sidecar, path: str, max_connections: int) -> None:
-        self._sc = sc
+    def __init__(
+        self,
+        calls: EngineCalls,
+        drain: Drain,
+        metrics: Metrics,
+        sidecar_id: str,
+        path: str,
+        max_connections: int,
+        max_call_bytes: int,
+    ) -> None:
+        self._calls = calls
+        self._drain = drain
+        self._metrics = metrics
+        self._sidecar_id = sidecar_id
         self.path = path
         self._max_connections = max_connections
-        self._max_call_bytes = sc.settings.max_message_bytes
+        self._max_call_bytes = max_call_bytes
         self._listener: Listener | None = None
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()
@@ -90,7 +100,7 @@ class EngineLane:
     def _hello(self, refused: str = "") -> bytes:
         return engine_pb2.LaneHello(
             version=LANE_VERSION,
-            sidecar_id=self._sc.sidecar_id,
+            sidecar_id=self._sidecar_id,
             max_call_bytes=self._max_call_bytes,
             refused=refused,
         ).SerializeToString()
@@ -108,7 +118,7 @@ class EngineLane:
             conn.close()
 
     def _serve(self, conn: Connection) -> None:
-        self._sc.metrics.engine_lane_connections.inc()
+        self._metrics.engine_lane_connections.inc()
         try:
             conn.send_bytes(self._hello())
             while not self._stopped.is_set():
@@ -118,7 +128,7 @@ class EngineLane:
                     return
                 except OSError as e:  # a longer frame than the hello allowed: the stream is lost
                     if not self._stopped.is_set():
-                        self._sc.metrics.failures.labels("engine_lane_bad_frame").inc()
+                        self._metrics.failures.labels("engine_lane_bad_frame").inc()
                         log.warning("engine lane: closing a connection: %s", e)
                     return
                 later: engine_calls.Later = []
@@ -128,7 +138,7 @@ class EngineLane:
                 finally:
                     engine_calls.run_later(later)  # the pull's log record, "consumed" events
                     if counted:  # a drain waits until the pull's answer is out, then stop() cuts
-                        self._sc.drain.leave()
+                        self._drain.leave()
         except OSError:
             pass  # the engine closed the connection before its answer
         finally:
@@ -136,7 +146,7 @@ class EngineLane:
                 self._conns.discard(conn)
                 self._busy.pop(conn, None)
             conn.close()
-            self._sc.metrics.engine_lane_connections.dec()
+            self._metrics.engine_lane_connections.dec()
 
     # -- calls ------------------------------------------------------------------------
     def _answer(
@@ -148,14 +158,14 @@ class EngineLane:
             call = engine_pb2.LaneCall.FromString(data)
             kind = call.WhichOneof("call")
             if kind == "pull":
-                if not self._sc.drain.enter():
+                if not self._drain.enter():
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
                 counted = True
                 return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull, later)), counted
             if kind == "publish":
-                if self._sc.drain.draining:
+                if self._drain.draining:
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Publish"))
-                return engine_pb2.LaneAnswer(publish=engine_calls.publish(self._sc, call.publish)), counted
+                return engine_pb2.LaneAnswer(publish=self._calls.publish(call.publish)), counted
             raise SidecarError(Code.INVALID_ARGUMENT, "a LaneCall must carry pull or publish")
         except DecodeError:
             err = SidecarError(Code.INVALID_ARGUMENT, "not a LaneCall message")
@@ -168,7 +178,7 @@ class EngineLane:
         self, conn: Connection, request: engine_pb2.PullRequest, later: engine_calls.Later
     ) -> engine_pb2.PullResponse:
         try:
-            return engine_calls.pull(self._sc, request, lambda stop: self._set_busy(conn, stop), later)
+            return self._calls.pull(request, lambda stop: self._set_busy(conn, stop), later)
         finally:
             with self._lock:
                 self._busy.pop(conn, None)

@@ -1,0 +1,133 @@
+"""PeerClient over gRPC: one channel and stub per peer sidecar, its failures turned into PeerCallError.
+
+Also the Push call's wire marker (PUSH_ENDED): the source sets it in its answer's trailing metadata
+when nothing of the transfer is in flight any more; here the reader's side reads it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kv_sidecar.config import Settings
+from kv_sidecar.security import PeerSecurity
+from kv_sidecar.server.adapters.grpc_status import from_grpc
+from kv_sidecar.server.errors import Code
+from kv_sidecar.server.peer_calls import Connect, PeerCallError, PeerClient, PeerFuture
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+
+# Trailing metadata of a Push answer given while nothing of its transfer is in flight.
+PUSH_ENDED = ("kvsidecar-push-ended", "1")
+
+
+def call_error(e: grpc.RpcError) -> PeerCallError:
+    if not isinstance(e, grpc.Call):  # e.g. a channel that could not be made
+        return PeerCallError(Code.UNAVAILABLE, str(e))
+    ended = PUSH_ENDED in tuple(e.trailing_metadata() or ())
+    return PeerCallError(from_grpc(e.code()), e.details() or "", ended)
+
+
+class _Future:
+    """A gRPC call's future that raises PeerCallError and TimeoutError, as PeerFuture promises."""
+
+    def __init__(self, future: grpc.Future) -> None:
+        self._f = future
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self._f.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError() from None
+        except grpc.RpcError as e:
+            raise call_error(e) from None
+
+    def cancel(self) -> bool:
+        return bool(self._f.cancel())
+
+    def done(self) -> bool:
+        return bool(self._f.done())
+
+    def add_done_callback(self, fn: Callable[[PeerFuture[Any]], None]) -> None:
+        self._f.add_done_callback(lambda _: fn(self))
+
+
+class GrpcPeerClient:
+    def __init__(self, address: str, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.address = address
+        self._channel = channel
+        self._stub = peer_pb2_grpc.PeerServiceStub(channel)
+        self._md = metadata
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, req: Any, timeout_s: float) -> Any:
+        try:
+            return method(req, timeout=timeout_s, metadata=self._md)
+        except grpc.RpcError as e:
+            raise call_error(e) from None
+
+    def handshake(self, req: peer_pb2.HandshakeRequest, timeout_s: float) -> PeerFuture[Any]:
+        return _Future(self._stub.Handshake.future(req, timeout=timeout_s, metadata=self._md))
+
+    def open_read(self, req: peer_pb2.OpenReadRequest, timeout_s: float) -> peer_pb2.OpenReadResponse:
+        # The blocking form: a future's answer comes through gRPC's own thread, one hand-off more.
+        return self._call(self._stub.OpenRead, req, timeout_s)
+
+    def open_read_future(self, req: peer_pb2.OpenReadRequest, timeout_s: float) -> PeerFuture[Any]:
+        return _Future(self._stub.OpenRead.future(req, timeout=timeout_s, metadata=self._md))
+
+    def close_read(self, req: peer_pb2.CloseReadRequest, timeout_s: float) -> None:
+        self._call(self._stub.CloseRead, req, timeout_s)
+
+    def push(self, req: peer_pb2.PushRequest, timeout_s: float) -> peer_pb2.PushResponse:
+        return self._call(self._stub.Push, req, timeout_s)
+
+    def report_ranks(self, req: peer_pb2.ReportRanksRequest, timeout_s: float) -> None:
+        self._call(self._stub.ReportRanks, req, timeout_s)
+
+    def publish(self, req: peer_pb2.PeerPublishRequest, timeout_s: float) -> None:
+        self._call(self._stub.Publish, req, timeout_s)
+
+    def abort(self, req: peer_pb2.PeerAbortRequest, timeout_s: float) -> None:
+        self._call(self._stub.Abort, req, timeout_s)
+
+    def keep_alive(
+        self, req: peer_pb2.PeerKeepAliveRequest, timeout_s: float
+    ) -> peer_pb2.PeerKeepAliveResponse:
+        return self._call(self._stub.KeepAlive, req, timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def grpc_connect(settings: Settings, security: PeerSecurity) -> Connect:
+    """Dial peers with this sidecar's message limits, TLS and token."""
+    opts = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+    metadata = security.call_metadata()
+
+    def connect(address: str) -> PeerClient:
+        return GrpcPeerClient(address, security.channel(address, opts), metadata)
+
+    return connect
+
+
+class GrpcPushCall:
+    """A Push call as the source's core sees it (staged_source.PushCall)."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    def add_callback(self, fn: Callable[[], None]) -> bool:
+        return bool(self._context.add_callback(fn))
+
+    def ended(self) -> None:
+        self._context.set_trailing_metadata((PUSH_ENDED,))

@@ -1,0 +1,153 @@
+"""The sidecar's listeners: the engine API (gRPC on a unix socket, and the engine lane beside it), the
+peer API (gRPC over TCP, with TLS and the token where configured), gRPC health and reflection on both,
+and the Prometheus endpoint.
+
+Bound first (`bind`), so that the composition root knows the peer address before it builds the core;
+serving once the servicers exist (`serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kv_sidecar.config import Settings
+from kv_sidecar.security import PeerSecurity
+from kv_sidecar.server.adapters.drain_gate import drain_gate
+from kv_sidecar.server.adapters.engine_lane import EngineLane
+from kv_sidecar.server.drain import Drain
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kv_sidecar_client.lane import LANE_SUFFIX
+
+log = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+# Refused with UNAVAILABLE while draining; the drain waits for in-flight Pulls.
+DRAIN_REFUSED_ENGINE = tuple(f"/{ENGINE_SERVICE}/{m}" for m in ("RegisterRank", "Publish", "Pull"))
+DRAIN_REFUSED_PEER = tuple(f"/{PEER_SERVICE}/{m}" for m in ("Handshake", "OpenRead"))
+DRAIN_WAITED = (f"/{ENGINE_SERVICE}/Pull",)
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class Servers:
+    def __init__(
+        self,
+        settings: Settings,
+        security: PeerSecurity,
+        drain: Drain,
+        on_peer_refused: Callable[[str, str, str], None],
+    ) -> None:
+        """on_peer_refused(method, peer, reason): a peer call without the right token."""
+        self._settings = settings
+        self._drain = drain
+        opts = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ]
+        # A gRPC sync server runs each call, streams included, on one pool thread; when every thread
+        # is taken, new calls wait in a queue. Event streams live as long as their rank, so they may
+        # take at most event_stream_limit threads, and unary calls always find one.
+        self._engine = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=settings.engine_workers, thread_name_prefix="engine"),
+            options=opts,
+            interceptors=[drain_gate(drain, DRAIN_REFUSED_ENGINE, DRAIN_WAITED)],
+        )
+        self._peer = grpc.server(
+            # GPU Gather streams hold a thread each (waiting for their ring included): the same
+            # on-demand bound as the engine API keeps them from starving OpenRead and handshakes.
+            futures.ThreadPoolExecutor(max_workers=settings.engine_workers, thread_name_prefix="peer"),
+            options=opts,
+            interceptors=[*security.interceptors(on_peer_refused), drain_gate(drain, DRAIN_REFUSED_PEER, ())],
+        )
+        self._security = security
+        self._health = [health.HealthServicer(), health.HealthServicer()]
+        for server, hs, name in (
+            (self._engine, self._health[0], ENGINE_SERVICE),
+            (self._peer, self._health[1], PEER_SERVICE),
+        ):
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+            reflection.enable_server_reflection((name, _HEALTH, reflection.SERVICE_NAME), server)
+        self.lane: EngineLane | None = None
+        self.metrics_port = 0
+        self._http: Any = None
+
+    def bind(self) -> int:
+        """Listen on the engine socket and the peer port; returns the peer port (for port 0, the one given)."""
+        s = self._settings
+        sock = s.engine_socket
+        os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
+        if os.path.exists(sock):
+            os.unlink(sock)  # a stale socket from a previous run
+        self._engine.add_insecure_port(f"unix:{sock}")
+        address = f"{s.peer_host}:{s.peer_port}"
+        creds = self._security.server_credentials()
+        port = self._peer.add_secure_port(address, creds) if creds else self._peer.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    def serve(
+        self,
+        engine: engine_pb2_grpc.EngineServiceServicer,
+        peer: peer_pb2_grpc.PeerServiceServicer,
+        lane: Callable[[str], EngineLane] | None,
+        registry: CollectorRegistry,
+    ) -> None:
+        """Start serving; `lane(path)`: the engine lane to serve beside the engine socket (None: none)."""
+        s = self._settings
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, self._engine)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, self._peer)
+        self._engine.start()
+        self._peer.start()
+        if lane is not None:
+            self._start_lane(lane)
+        if s.metrics_port >= 0:
+            self._http, _ = start_http_server(
+                s.metrics_port, addr=s.peer_host or "0.0.0.0", registry=registry
+            )
+            self.metrics_port = self._http.server_port
+        self.set_serving(True)
+
+    def _start_lane(self, make: Callable[[str], EngineLane]) -> None:
+        path = self._settings.engine_socket + LANE_SUFFIX
+        lane = make(path)
+        try:
+            lane.start()
+        except OSError as e:  # e.g. a path past the 107 bytes a unix socket takes: gRPC still serves
+            log.warning("engine lane not served at %s: %s; engines use gRPC for every call", path, e)
+            return
+        self.lane = lane
+
+    def lane_state(self) -> tuple[str, int]:
+        lane = self.lane
+        return (lane.path, lane.connections) if lane is not None else ("", 0)
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for hs, name in zip(self._health, (ENGINE_SERVICE, PEER_SERVICE), strict=True):
+            hs.set("", status)
+            hs.set(name, status)
+
+    def stop(self, grace_s: float) -> None:
+        for hs in self._health:
+            hs.enter_graceful_shutdown()
+        if self.lane is not None:
+            self.lane.stop()
+        for ev in [srv.stop(grace_s) for srv in (self._engine, self._peer)]:
+            ev.wait(grace_s + 1)
+        if self._http is not None:
+            self._http.shutdown()
+        sock = self._settings.engine_socket
+        if os.path.exists(sock):
+            os.unlink(sock)
