@@ -11,6 +11,10 @@
 #   bash bench/gpu_staged_check.sh host        # issue 11's host rows on this machine (latency.py, cpu_pull.py) ~3 min
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
 #
+# BASELINE_TREE=.baseline: the latency and throughput parts first run another revision's own script and
+# packages from that directory (made here with `git archive REV sidecar client bench | tar -x -C .baseline`,
+# carried to the GPU machine as an ignored path), into $OUT/baseline/, then this tree's: one run, one machine.
+#
 # Each part prints its results and a summary; logs, JSON and the docs sections land in $OUT:
 #   gpu_tests.log, gpu_tests.xml, cpu_tests.log, gpu_latency.log, gpu_latency.json, gpu_latency_section.md,
 #   throughput/gpu_pull.json, throughput/gpu_pull_section.md, throughput.log,
@@ -78,6 +82,11 @@ if [[ $part == cpu ]]; then
   tail -n 40 "$OUT/cpu_tests.log"
   echo "CPU tests exit code: $rc"
   ((rc == 0)) || status=1
+fi
+
+if [[ -n ${BASELINE_TREE:-} && $part =~ ^(latency|throughput|bench)$ ]]; then
+  say "baseline ($BASELINE_TREE): $part"
+  OUT="$OUT/baseline" bash "$BASELINE_TREE/bench/gpu_staged_check.sh" "$part" | grep -v "NIXL INFO" | tail -n 25
 fi
 
 if [[ $part == latency || $part == bench || $part == all ]]; then
