@@ -1,4 +1,4 @@
-"""Links to peer sidecars: one gRPC channel each, and handshakes cached per engine pair."""
+"""Links to peer sidecars: one PeerClient each (server/peer_calls.py), and handshakes cached per engine pair."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class RemoteEngine:
     dlists: dict[int, int] = field(default_factory=dict)  # prefill rank -> prepared NIXL dlist key
     # prefill rank -> its sidecar; the leader for every rank of a one-node engine
     holders: dict[int, Holder] = field(default_factory=dict)
-    # The fields every OpenRead of this engine pair shares (server/routing.py: open_read_request).
+    # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
 
     def agent_of(self, rank: int) -> str:

@@ -64,11 +64,11 @@ class Sidecar:
         # -- the listeners, bound first: the peer address is part of who we are ----------------------
         self.servers = Servers(s, self.security, self.drain, self._peer_refused)
         try:
-            peer_port = self.servers.bind()
+            self.peer_port = self.servers.bind()
         except BaseException:
             self.servers.stop(0)
             raise
-        me = self.identity = Identity(sidecar_id(s), advertised_address(s, peer_port))
+        me = self.identity = Identity(sidecar_id(s), advertised_address(s, self.peer_port))
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
@@ -204,9 +204,10 @@ class Sidecar:
         )
         self._reaper.start()
         log.info(
-            "sidecar %s up: engine socket %s, peer %s (%s), metrics :%d",
+            "sidecar %s up: engine socket %s, peer %s (advertised %s, %s), metrics :%d",
             self.sidecar_id,
             s.engine_socket,
+            self.peer_port,
             self.peer_address,
             self.security.describe(),
             self.metrics_port,
