@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-vllm lint protos bench clean image image-cpu image-smoke
+.PHONY: setup setup-vllm demo test test-vllm lint protos bench clean image image-cpu image-check image-smoke
 
 $(BIN)/kv-sidecar: pyproject.toml client/pyproject.toml scripts/setup.sh
 	./scripts/setup.sh
@@ -33,6 +33,9 @@ image:  ## the production (CUDA) image from the Dockerfile; prints its size
 
 image-cpu:  ## the same Dockerfile around a CPU build of torch, for the smoke test
 	./scripts/image.sh build cpu
+
+image-check: image  ## inside the CUDA image, no GPU: kv-sidecar --version, import nixl, UCX's CUDA modules load
+	./scripts/image.sh check-cuda
 
 image-smoke: setup image-cpu  ## two sidecar containers from the CPU image, proven end to end (needs buildah)
 	$(BIN)/python scripts/image_smoke.py

@@ -2,6 +2,7 @@
 # Build the kv-sidecar image from the Dockerfile with whatever tool this machine has.
 #
 #   scripts/image.sh build cuda|cpu   build the production (CUDA) or the CPU smoke-test image; prints its size
+#   scripts/image.sh check-cuda       inside the CUDA image: nixl, a UCX agent, UCX's CUDA modules, --version
 #   scripts/image.sh tool             the build tool that would be used
 #   scripts/image.sh name cuda|cpu    the image's name
 #
@@ -12,9 +13,10 @@
 # Base image (PYTHON_IMAGE): as given, else python:3.11-slim-bookworm where it is present or can be
 # pulled (Docker Hub), else a local stand-in made once with debootstrap by scripts/image_base.sh.
 #
-# Behind a TLS-intercepting proxy pip needs the proxy's CA: where PIP_CERT (or BUILD_CA_BUNDLE) names
-# a bundle, podman and buildah mount it over the build's /etc/ssl/certs/ca-certificates.crt for the
-# RUN steps only; it is not in the image. The CPU image takes torch from a local CPU wheel where one
+# Behind a TLS-intercepting proxy pip needs the proxy's CA: podman and buildah mount the host's CA
+# bundle (BUILD_CA_BUNDLE, else PIP_CERT, else /etc/ssl/certs/ca-certificates.crt) over the build's
+# /etc/ssl/certs/ca-certificates.crt for the RUN steps only; it is not in the image. (Debian's pip, in
+# the local base, reads that file; the pip of python:3.11-slim reads its own bundle.) The CPU image takes torch from a local CPU wheel where one
 # lies in TORCH_WHEELS or PIP_FIND_LINKS (mounted the same way), else from PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,8 +104,8 @@ build() {
     args=(build -t "$image" -f Dockerfile --build-arg "PYTHON_IMAGE=$base" --build-arg "VARIANT=$variant")
     if [ "$tool" != docker ]; then
         args+=(--isolation "${BUILDAH_ISOLATION:-chroot}" --layers)
-        ca=${BUILD_CA_BUNDLE:-${PIP_CERT:-}}
-        if [ -n "$ca" ]; then
+        ca=${BUILD_CA_BUNDLE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
+        if [ -f "$ca" ]; then
             args+=(-v "$(realpath "$ca"):/etc/ssl/certs/ca-certificates.crt:ro")
         fi
     elif [ -n "${BUILD_CA_BUNDLE:-${PIP_CERT:-}}" ]; then
@@ -130,6 +132,7 @@ build() {
 
 case ${1:-} in
 build) build "${2:?usage: image.sh build cuda|cpu}" ;;
+check-cuda) exec ./scripts/image_check_cuda.sh "$(pick_tool)" "$(image_name cuda)" ;;
 tool) pick_tool ;;
 name) image_name "${2:?usage: image.sh name cuda|cpu}" ;;
 *)
