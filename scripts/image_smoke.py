@@ -156,7 +156,11 @@ def host_volumes(plan: PodPlan, pod_dir: Path, config: Path = CONFIG) -> list[tu
     """(host path, container path, read-only) for each of the manifest's mounts: the ConfigMap's
     config.yaml is deploy/k8s/base/config.yaml, the optional Secret an empty directory, /dev/shm the
     host's (engine and sidecar share it, as the pod's Memory emptyDir), other emptyDirs fresh
-    directories owned by the container's user (the pod's fsGroup)."""
+    directories owned by the container's user (the pod's fsGroup).
+
+    /dev/shm cannot be anything but the host's here: buildah's chroot isolation (1.28) binds the
+    host's /dev/shm into every container and ignores a volume there. Both pods share it, and a
+    manifest without its /dev/shm mount would pass; tests/deploy/test_manifests.py checks that."""
     out = []
     for m in plan.mounts:
         if m.kind == "configMap":
