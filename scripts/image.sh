@@ -16,8 +16,10 @@
 # Behind a TLS-intercepting proxy pip needs the proxy's CA: podman and buildah mount the host's CA
 # bundle (BUILD_CA_BUNDLE, else PIP_CERT, else /etc/ssl/certs/ca-certificates.crt) over the build's
 # /etc/ssl/certs/ca-certificates.crt for the RUN steps only; it is not in the image. (Debian's pip, in
-# the local base, reads that file; the pip of python:3.11-slim reads its own bundle.) The CPU image takes torch from a local CPU wheel where one
-# lies in TORCH_WHEELS or PIP_FIND_LINKS (mounted the same way), else from PyTorch's CPU index.
+# the local base, reads that file; the pip of python:3.11-slim reads its own bundle.)
+#
+# The CPU image takes torch from a local CPU wheel where one lies in TORCH_WHEELS, PIP_FIND_LINKS or
+# pip's find-links setting (mounted the same way), else from PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,7 +91,9 @@ pick_base() { # tool -> base image name (builds the local stand-in if needed)
 
 torch_wheel() { # a local CPU torch wheel for this Python and machine, if any
     local d
-    for d in ${TORCH_WHEELS:-} ${PIP_FIND_LINKS:-}; do
+    local pip_conf
+    pip_conf=$(python3 -m pip config get global.find-links 2>/dev/null || true)
+    for d in ${TORCH_WHEELS:-} ${PIP_FIND_LINKS:-} $pip_conf; do
         d=${d#file://}
         [ -d "$d" ] || continue
         find "$d" -maxdepth 1 -name "torch-*+cpu-cp311-cp311-*_$(uname -m).whl" | sort -V | tail -1
