@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-vllm lint protos bench clean
+.PHONY: setup setup-vllm demo test test-vllm lint protos bench clean image image-cpu image-check image-smoke
 
 $(BIN)/kv-sidecar: pyproject.toml client/pyproject.toml scripts/setup.sh
 	./scripts/setup.sh
@@ -25,6 +25,20 @@ setup-vllm: $(VENV)-vllm/.ready
 
 test-vllm: setup-vllm  ## vLLM prefill + decode engines through two sidecars (CPU, a few minutes)
 	$(VENV)-vllm/bin/python -m pytest -q tests/vllm
+
+# The container image (docs/operations.md, 6). Docker, podman or buildah, whichever is there; without
+# Docker Hub the base is made once with debootstrap (scripts/image_base.sh). Run as root.
+image:  ## the production (CUDA) image from the Dockerfile; prints its size
+	./scripts/image.sh build cuda
+
+image-cpu:  ## the same Dockerfile around a CPU build of torch, for the smoke test
+	./scripts/image.sh build cpu
+
+image-check: image  ## inside the CUDA image, no GPU: kv-sidecar --version, import nixl, UCX's CUDA modules load
+	./scripts/image.sh check-cuda
+
+image-smoke: setup image-cpu  ## two sidecar containers from the CPU image, proven end to end (needs buildah)
+	$(BIN)/python scripts/image_smoke.py
 
 lint: setup
 	$(BIN)/ruff check sidecar client tests scripts bench examples

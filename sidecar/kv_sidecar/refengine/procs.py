@@ -208,11 +208,14 @@ class EngineProcess(_Proc):
         devices: list[str] | None = None,
         leader: str = "",
         env: dict[str, str] | None = None,
+        python: list[str] | None = None,
     ) -> None:
         """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars.
-        `env`: added to the engine's environment (e.g. KV_SIDECAR_ENGINE_LANE=0)."""
+        `env`: added to the engine's environment (e.g. KV_SIDECAR_ENGINE_LANE=0).
+        `python`: the command that runs Python (default: this interpreter), e.g. one in a container
+        (scripts/image_smoke.py)."""
         argv = [
-            sys.executable,
+            *(python or [sys.executable]),
             "-m",
             "kv_sidecar.refengine",
             "--socket",
