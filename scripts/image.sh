@@ -23,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -1)
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | sed -n 1p)
 repo=${IMAGE_REPO:-ghcr.io/kv-sidecar/kv-sidecar}
 hub_base=python:3.11-slim-bookworm
 local_base=localhost/kv-sidecar-python:3.11-bookworm
@@ -64,7 +64,7 @@ size_of() { # tool image -> "1.2 GB (1234567890 bytes)" or the tool's own words
         if command -v podman >/dev/null; then
             bytes=$(podman image inspect --format '{{.Size}}' "$2")
         else
-            buildah images --format '{{.Size}}' "$2" | head -1
+            buildah images --format '{{.Size}}' "$2" | sed -n 1p
             return
         fi
         ;;
@@ -89,15 +89,20 @@ pick_base() { # tool -> base image name (builds the local stand-in if needed)
     echo "$local_base"
 }
 
-torch_wheel() { # a local CPU torch wheel for this Python and machine, if any
-    local d
-    local pip_conf
+torch_wheel() { # a local CPU torch wheel for this Python and machine, if any (the first place that has one)
+    local d found pip_conf
     pip_conf=$(python3 -m pip config get global.find-links 2>/dev/null || true)
     for d in ${TORCH_WHEELS:-} ${PIP_FIND_LINKS:-} $pip_conf; do
         d=${d#file://}
         [ -d "$d" ] || continue
-        find "$d" -maxdepth 1 -name "torch-*+cpu-cp311-cp311-*_$(uname -m).whl" | sort -V | tail -1
-    done | head -1
+        # No `| head` after the loop: with pipefail, a later find writing into the closed pipe
+        # (SIGPIPE, 141) failed the whole build whenever two places were configured.
+        found=$(find "$d" -maxdepth 1 -name "torch-*+cpu-cp311-cp311-*_$(uname -m).whl" | sort -V | tail -n 1)
+        if [ -n "$found" ]; then
+            echo "$found"
+            return
+        fi
+    done
 }
 
 build() {
