@@ -8,8 +8,9 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
     from kv_sidecar.memory.gpu_rank import GpuRank
+    from kv_sidecar.transport.nixl_driver import NixlDriver
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class RankEntry:
 class EngineRegistry:
     """Thread-safe map of (engine_id, rank) to RankEntry."""
 
-    def __init__(self, nixl: Any | None, on_gpu_device: Any = None) -> None:
+    def __init__(self, nixl: NixlDriver | None, on_gpu_device: Callable[[int], None] | None = None) -> None:
         self._nixl = nixl
         self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
         self._lock = threading.Lock()

@@ -15,12 +15,12 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from kv_sidecar.execute.host import copy_request, rank_view
+from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import needed_src_blocks
 from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
 from kv_sidecar.server.engines import RankEntry
@@ -38,7 +38,7 @@ class PostedRead:
     nbytes: int
     counted: bool = True
 
-    def settle(self, metrics: Any) -> None:
+    def settle(self, metrics: Metrics) -> None:
         if self.counted:
             self.counted = False
             metrics.inflight.dec()
@@ -47,7 +47,7 @@ class PostedRead:
 class Staging:
     """Sidecar-owned memory for conversions: allocated and NIXL-registered once, used by one pull at a time."""
 
-    def __init__(self, nixl: NixlDriver, metrics: Any, nbytes: int) -> None:
+    def __init__(self, nixl: NixlDriver, metrics: Metrics, nbytes: int) -> None:
         self._nixl, self._metrics = nixl, metrics
         self.nbytes = nbytes
         self.lock = threading.Lock()
@@ -65,7 +65,7 @@ class NixlReads:
     """Posts, waits for and abandons a pull's READs; one per sidecar (descriptor lists are cached on
     the ranks and remote engines they describe)."""
 
-    def __init__(self, nixl: NixlDriver, metrics: Any, staging_bytes: int) -> None:
+    def __init__(self, nixl: NixlDriver, metrics: Metrics, staging_bytes: int) -> None:
         self._nixl, self._metrics = nixl, metrics
         self._staging = Staging(nixl, metrics, staging_bytes)
         self._dlist_lock = threading.Lock()
