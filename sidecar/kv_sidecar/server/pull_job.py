@@ -19,7 +19,9 @@ from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.inflight import stopped_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
-CANCEL_WAIT_S = 5.0  # how long a stopped pull waits for NIXL to end its transfer
+# How long a stopped transfer waits for what it started to end: its NIXL READs (server/nixl_reads.py),
+# or, in the staged protocol, the other side to have nothing in flight (server/staged_copies.py).
+CANCEL_WAIT_S = 5.0
 
 
 # A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel

@@ -35,11 +35,11 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.gpu_staging import Ring
+from kv_sidecar.server.pull_job import CANCEL_WAIT_S
 
 PATH_STAGED = "gpu-staged"
 PATH_HOST_RING = "host-ring"
 
-CANCEL_WAIT_S = 5.0  # how long a stopped transfer waits for the other side to have nothing in flight
 # Slots a peer may still write into (it never confirmed the end of its transfer) rejoin their pool
 # this long after the Push call ended: a source whose call went away stops and cancels its WRITEs
 # within CANCEL_WAIT_S.

@@ -24,9 +24,8 @@ from kv_sidecar.server.gpu_staging import HOST, GpuStaging, Ring
 from kv_sidecar.server.notifications import PUSH_TAG, signed_notif
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
-from kv_sidecar.server.pull_job import PullJob
+from kv_sidecar.server.pull_job import CANCEL_WAIT_S, PullJob
 from kv_sidecar.server.staged_copies import (
-    CANCEL_WAIT_S,
     QUARANTINE_S,
     GpuCopies,
     HostCopies,

@@ -26,10 +26,10 @@ from kv_sidecar.server.gpu_staging import HOST, GpuStaging, Ring
 from kv_sidecar.server.notifications import PUSH_TAG
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.pull_job import CANCEL_WAIT_S
 from kv_sidecar.server.push_runs import DuplicateTransfer, PushKeys, PushRun, PushRuns
 from kv_sidecar.server.reads import SourceReads
 from kv_sidecar.server.staged_copies import (
-    CANCEL_WAIT_S,
     MAX_SLOTS,
     PATH_HOST_RING,
     PATH_STAGED,
