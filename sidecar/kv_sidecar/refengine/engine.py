@@ -13,6 +13,17 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
       (sha256 of the blocks in logical token order: equal across layouts for equal block sizes)
   {"cmd": "next_event", "timeout_s": 10} -> {"ok": true, "rank": r, "kind": .., "request_id": ..}
   {"cmd": "abort", "request_id": ..} -> {"ok": true, "found": ..}
+  {"cmd": "publish_batch", "prefix": "b0-", "block_ids": [[..], ..], "num_tokens": N, "lease_ms": 0}
+      -> {"ok": true, "params": [{...}, ..]}   (request prefix+i of block_ids[i], filled before)
+  {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S}, ..], "concurrency": C,
+   "num_tokens": N}
+      -> {"ok": .., "lat": [..], "wall_s": .., "paths": {..}, "errors": [..]}
+      (C threads pull the items in turn, each into blocks no other item shares)
+  {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..]}
+      (every byte the last pull_batch's pulls wrote, against their seeds)
+  {"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": N}
+      -> {"ok": true, "count": n}   (events of that kind taken off the queue, waiting up to
+      timeout_s for `expect` of them)
   {"cmd": "quit"}
 """
 
@@ -60,6 +71,7 @@ class RefEngine:
         self.client.wait_ready()
         self.caches: dict[int, ShmKVCache | GpuKVCache] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._batch: tuple[list[dict[str, Any]], list[Any], int] = ([], [], 0)
         dtype = getattr(torch, spec.dtype)
         for r in ranks:
             cache: ShmKVCache | GpuKVCache
@@ -183,6 +195,81 @@ class RefEngine:
     def abort(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "found": self.client.abort(self.engine_id, cmd["request_id"])}
 
+    def publish_batch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Publish request prefix+i of block_ids[i] for each i (blocks filled before, e.g. by prefill
+        with publish false): a load bench's publishes, outside the pulls it times."""
+        out = []
+        for i, ids in enumerate(cmd["block_ids"]):
+            params = self.client.publish(
+                self.engine_id, f"{cmd['prefix']}{i}", ids, cmd["num_tokens"], cmd.get("lease_ms", 0)
+            )
+            out.append(json.loads(params_to_json(params)))
+        return {"ok": True, "params": out}
+
+    def pull_batch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Pull `items` with `concurrency` threads, as an engine's workers would: each thread takes the
+        next item and pulls it into that item's blocks, which no other item shares (verify_batch checks
+        them afterwards: a check costs more than a small pull). Latency: each pull call alone."""
+        items = cmd["items"]
+        lat = [0.0] * len(items)
+        results: list[Any] = [None] * len(items)
+        lock = threading.Lock()
+        order = iter(range(len(items)))
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                results[i] = self.client.pull(
+                    params_from_json(items[i]["params"]), self.engine_id, items[i]["block_ids"]
+                )
+                lat[i] = time.perf_counter() - t0
+
+        workers = [threading.Thread(target=worker) for _ in range(cmd["concurrency"])]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - t0
+        self._batch = (items, results, cmd["num_tokens"])
+        paths: dict[str, int] = {}
+        for res in results:
+            paths[res.path or "failed"] = paths.get(res.path or "failed", 0) + 1
+        failed = [f"pull {i}: {r.error_code}: {r.error}" for i, r in enumerate(results) if not r.ok]
+        return {"ok": not failed, "lat": lat, "wall_s": wall, "paths": paths, "errors": failed[:20]}
+
+    def verify_batch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Check every byte the last pull_batch's successful pulls wrote against their seeds."""
+        items, results, num_tokens = self._batch
+        errors: list[str] = []
+        expected: dict[int, torch.Tensor] = {}
+        for it, res in zip(items, results, strict=True):
+            if not res.ok:
+                continue
+            if it["seed"] not in expected:
+                expected[it["seed"]] = logical_kv(self.spec, num_tokens, it["seed"])
+            for r, cache in self.caches.items():
+                errors += check_request(self.spec, r, cache.tensors, it["block_ids"], expected[it["seed"]])[
+                    :3
+                ]
+        return {"ok": not errors, "checked": sum(r.ok for r in results), "errors": errors[:20]}
+
+    def count_events(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Take events of `kind` off the queue (others are dropped), waiting up to timeout_s for `expect`."""
+        deadline = time.monotonic() + cmd.get("timeout_s", 10)
+        count = 0
+        while count < cmd.get("expect", 0) or not self.events.empty():
+            try:
+                ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            count += ev["kind"] == cmd["kind"]
+        return {"ok": True, "count": count}
+
     def close(self) -> None:
         for r in list(self.caches):
             # The sidecar may be gone already.
@@ -223,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         "randomize": engine.randomize,
         "digest": engine.digest,
         "abort": engine.abort,
+        "publish_batch": engine.publish_batch,
+        "pull_batch": engine.pull_batch,
+        "verify_batch": engine.verify_batch,
+        "count_events": engine.count_events,
     }
     try:
         for line in sys.stdin:

@@ -1,0 +1,58 @@
+"""The reference engine's batch commands, which bench/node_load.py drives: N requests published, pulled
+by C threads of a separate engine process, every byte checked afterwards, and exactly N "consumed"
+events; a pull that lands on wrong bytes is caught by the check."""
+
+from __future__ import annotations
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+
+from .conftest import Spawn, spec_dict
+
+SPEC = EngineSpec.from_dict(spec_dict())
+
+
+def _setup(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> tuple[EngineProcess, EngineProcess]:
+    a, b = sidecar_pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "batch-p", SPEC), lambda: EngineProcess(b.socket, "batch-d", SPEC)
+    )
+    for block in range(4):
+        got = prefill.send(
+            {"cmd": "prefill", "block_ids": [block], "num_tokens": 16, "seed": block, "publish": False}
+        )
+        assert got["ok"], got
+    return prefill, decode
+
+
+def _publish(prefill: EngineProcess, n: int, prefix: str) -> list[dict[str, object]]:
+    got = prefill.send(
+        {"cmd": "publish_batch", "prefix": prefix, "block_ids": [[i % 4] for i in range(n)], "num_tokens": 16}
+    )
+    assert got["ok"], got
+    return [{"params": p, "block_ids": [10 + i], "seed": i % 4} for i, p in enumerate(got["params"])]
+
+
+def test_a_batch_is_pulled_checked_and_consumed(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    prefill, decode = _setup(spawn, sidecar_pair)
+    items = _publish(prefill, 12, "ok-")
+    got = decode.send({"cmd": "pull_batch", "items": items, "concurrency": 3, "num_tokens": 16})
+    assert got["ok"] and got["paths"] == {"host-nixl": 12} and len(got["lat"]) == 12, got
+    checked = decode.send({"cmd": "verify_batch"})
+    assert checked == {"ok": True, "checked": 12, "errors": []}
+    assert prefill.send({"cmd": "count_events", "kind": "consumed", "expect": 12})["count"] == 12
+
+
+def test_the_check_catches_bytes_that_are_not_the_seeds(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    prefill, decode = _setup(spawn, sidecar_pair)
+    items = _publish(prefill, 2, "bad-")
+    items[1]["seed"] = 3  # it was published from block 1, filled from seed 1
+    assert decode.send({"cmd": "pull_batch", "items": items, "concurrency": 2, "num_tokens": 16})["ok"]
+    checked = decode.send({"cmd": "verify_batch"})
+    assert not checked["ok"] and checked["checked"] == 2 and checked["errors"]
