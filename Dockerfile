@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # kv-sidecar image.
 #
 #   docker build -t ghcr.io/kv-sidecar/kv-sidecar:0.1.0 .
@@ -40,6 +38,9 @@
 # The nixl-cuXX wheel bundles UCX, libibverbs and the mlx5 provider; do not
 # install the distribution's rdma-core into this image: a second libibverbs in
 # the process breaks provider registration.
+#
+# No `# syntax=` directive: docker would fetch that frontend from Docker Hub, which a build from a
+# local base (PYTHON_IMAGE, docs/operations.md section 6) must not need; nothing here needs it.
 #
 # No HEALTHCHECK: Kubernetes ignores Docker HEALTHCHECKs; the pod uses native
 # gRPC probes against grpc.health.v1 on the peer port (deploy/k8s).
