@@ -89,6 +89,12 @@ class Metrics:
             "kvsidecar_engine_lane_connections", "Open connections to the engine lane", registry=r
         )
         self.failures = Counter("kvsidecar_failures", "Failed operations by reason", ["reason"], registry=r)
+        self.publishes_refused = Counter(
+            "kvsidecar_publishes_refused",
+            "Publishes refused, by the status code (lower case): requests their decode engines compute",
+            ["reason"],
+            registry=r,
+        )
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",

@@ -20,6 +20,7 @@ from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.notified_opens import NotifiedOpens
 from kv_sidecar.server.peer_calls import PeerCallError, peer_error, stoppable
 from kv_sidecar.server.peers import Holder, Peers
+from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import PublishedStore
 from kv_sidecar.server.release import Releases
 from kv_sidecar.server.routing import Opener
@@ -94,6 +95,7 @@ class World:
             self.peers,
             self.lease_view,
             lambda item, ranks: None,
+            PublishRefusals(self.metrics),
         )
 
 

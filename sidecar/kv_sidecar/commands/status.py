@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 import grpc
@@ -106,6 +107,15 @@ def render(st: status_pb2.StatusResponse) -> str:
         f"{window_gbps:.3g} GB/s over the window, {busy_gbps:.3g} GB/s while pulling; "
         f"{r.served_reads} reads served"
     )
+    refused = sum(p.count for p in st.publish_refusals)
+    lines.append(
+        f"publishes refused: {refused}" + (" (their decode engines compute them)" if refused else "")
+    )
+    lines += [
+        f"  {p.engine_id or '(no engine id)'}  {p.reason}  x{p.count}  last "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(p.last_unix_s))}: {p.last_message[:200]}"
+        for p in st.publish_refusals
+    ]
     return "\n".join(lines)
 
 

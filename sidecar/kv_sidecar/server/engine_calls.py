@@ -12,13 +12,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_address, check_id
+from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
+from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.release import Releases
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
@@ -63,8 +64,10 @@ class EngineCalls:
         peers: Peers,
         lease_view: LeaseView,
         on_published: Callable[[Published, Iterable[RankEntry]], None],
+        refusals: PublishRefusals,
     ) -> None:
-        """on_published: a request was just published here (GpuStaging.expect_read)."""
+        """on_published: a request was just published here (GpuStaging.expect_read); refusals: where a
+        refused Publish is counted."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -77,6 +80,7 @@ class EngineCalls:
         self._peers = peers
         self._lease_view = lease_view
         self._on_published = on_published
+        self._refusals = refusals
 
     # -- registration ------------------------------------------------------------------
     def register_rank(
@@ -118,6 +122,13 @@ class EngineCalls:
 
     # -- a request's life ----------------------------------------------------------------
     def publish(self, request: engine_pb2.PublishRequest) -> engine_pb2.PublishResponse:
+        try:
+            return self._publish(request)
+        except Exception as e:
+            self._refusals.record(request.engine_id, as_sidecar_error(e))
+            raise
+
+    def _publish(self, request: engine_pb2.PublishRequest) -> engine_pb2.PublishResponse:
         check_id("engine_id", request.engine_id)
         check_id("request_id", request.request_id)
         spec = self._engines.spec(request.engine_id)

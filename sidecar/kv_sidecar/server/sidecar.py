@@ -38,6 +38,7 @@ from kv_sidecar.server.notifications import (
 from kv_sidecar.server.notified_opens import NotifiedOpens, OpenAnswers
 from kv_sidecar.server.peer_requests import PeerRequests
 from kv_sidecar.server.peers import Peers
+from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller
 from kv_sidecar.server.pull_direct import DirectPulls
@@ -108,6 +109,7 @@ class Sidecar:
         membership = Membership(me, engines, published, peers, nixl, s.lease_ms, staging.expect_read)
         releases = Releases(me.sidecar_id, published, engines, membership, peers, lease_view)
         pull_timeout_s = s.pull_timeout_ms / 1000
+        refusals = PublishRefusals(metrics)
         reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics)
         staged_source = StagedSource(
             engines, published, reads, staging, nixl, metrics, push_keys, push_runs, notified, pull_timeout_s
@@ -147,6 +149,7 @@ class Sidecar:
             peers,
             lease_view,
             staging.expect_read,
+            refusals,
         )
         self.peer_requests = PeerRequests(
             me,
@@ -172,6 +175,7 @@ class Sidecar:
             peers,
             transfers,
             self.servers.lane_state,
+            refusals,
         )
         # Staged transfers' notifications go to the transfer listening for them; the rest by tag.
         nixl.route(TRANSFER_TAG + SEP)

@@ -10,6 +10,7 @@ from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.peers import Peers
+from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import PublishedStore
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar_client._proto.kvsidecar.v1 import status_pb2
@@ -29,6 +30,7 @@ class StatusReport:
         peers: Peers,
         transfers: TransferTracker,
         lane: LaneState,
+        refusals: PublishRefusals,
     ) -> None:
         """security: how the peer API is secured, in words (PeerSecurity.describe)."""
         self._me = identity
@@ -39,6 +41,7 @@ class StatusReport:
         self._peers = peers
         self._transfers = transfers
         self._lane = lane
+        self._refusals = refusals
         self._started_at = time.monotonic()
 
     def build(self) -> status_pb2.StatusResponse:
@@ -112,4 +115,14 @@ class StatusReport:
                 busy_s=recent.busy_s,
                 served_reads=recent.served,
             ),
+            publish_refusals=[
+                status_pb2.PublishRefusal(
+                    engine_id=r.engine_id,
+                    reason=r.reason,
+                    count=r.count,
+                    last_message=r.last_message,
+                    last_unix_s=r.last_unix_s,
+                )
+                for r in self._refusals.snapshot()
+            ],
         )

@@ -80,8 +80,22 @@ class RecentThroughput(_message.Message):
     served_reads: int
     def __init__(self, window_s: _Optional[float] = ..., pulls: _Optional[int] = ..., failed_pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_s: _Optional[float] = ..., served_reads: _Optional[int] = ...) -> None: ...
 
+class PublishRefusal(_message.Message):
+    __slots__ = ("engine_id", "reason", "count", "last_message", "last_unix_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAST_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    reason: str
+    count: int
+    last_message: str
+    last_unix_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ..., last_message: _Optional[str] = ..., last_unix_s: _Optional[float] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections")
+    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +109,7 @@ class StatusResponse(_message.Message):
     RECENT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LANE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     version: str
     peer_address: str
@@ -108,4 +123,5 @@ class StatusResponse(_message.Message):
     recent: RecentThroughput
     engine_lane: str
     engine_lane_connections: int
-    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ...) -> None: ...
+    publish_refusals: _containers.RepeatedCompositeFieldContainer[PublishRefusal]
+    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ..., publish_refusals: _Optional[_Iterable[_Union[PublishRefusal, _Mapping]]] = ...) -> None: ...
