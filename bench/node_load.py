@@ -22,6 +22,7 @@ measured side by side mean anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -31,28 +32,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
+import latency
 from report import write_section
 
-# One block = 16 tokens x 8 heads x 128 dims x bf16 = 32 KiB per (layer, K/V); 4 layers: 256 KiB
-# (bench/latency.py's). 512 blocks (128 MiB a cache): a row's pulls each land in blocks of their own,
-# checked after the row; the sources are the first SOURCES blocks, each filled from its own seed.
-SPEC = EngineSpec.from_dict(
-    {
-        "tp_size": 1,
-        "num_layers": 4,
-        "num_kv_heads": 8,
-        "head_dim": 128,
-        "dtype": "bfloat16",
-        "block_size": 16,
-        "num_blocks": 512,
-        "layout": "flash_attn_nhd",
-    }
-)
+# bench/latency.py's one-block rank (256 KiB a block), with 512 blocks (128 MiB a cache): a row's pulls
+# each land in blocks of their own, checked after the row; the sources are the first SOURCES blocks,
+# each filled from its own seed.
+SPEC = dataclasses.replace(latency.SPEC, num_blocks=512)
 TOKENS = SPEC.block_size  # one-block requests: what a pull costs, not how fast bytes move
 SOURCES = 64
 HZ = os.sysconf("SC_CLK_TCK")

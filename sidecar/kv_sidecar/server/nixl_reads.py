@@ -101,12 +101,7 @@ class NixlReads:
     def _remote_dlist(self, remote: RemoteEngine, rank: int) -> int:
         with self._dlist_lock:
             if rank not in remote.dlists:
-                if rank not in remote.regions:
-                    raise SidecarError(
-                        Code.FAILED_PRECONDITION,
-                        f"peer does not hold rank {rank} of engine {remote.engine_id!r}",
-                    )
-                table = descriptor_table(remote.geometry, remote.regions[rank])
+                table = descriptor_table(remote.geometry, _regions(remote, rank))
                 remote.dlists[rank] = self._nixl.prep_dlist(remote.agent_of(rank), table)
             return remote.dlists[rank]
 
@@ -170,10 +165,7 @@ class NixlReads:
     ) -> int:
         """READ the needed source blocks into staging (source layout), then convert into the destination."""
         geo = remote.geometry
-        if src_rank not in remote.regions:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION, f"peer does not hold rank {src_rank} of engine {remote.engine_id!r}"
-            )
+        _regions(remote, src_rank)  # refused before any staging is taken
         block_bytes = geo.regions * geo.outer * geo.chunk
         cap = self._staging.nbytes // block_bytes
         bs, bd = job.plan.prefill.block_size, job.plan.decode.block_size
@@ -225,7 +217,7 @@ class NixlReads:
         bases = [t.data_ptr() for t in tensors]
         src_ids = np.asarray([job.src_blocks[i] for i in positions], dtype=np.int64)
         local = descriptors(mini_geo, bases, np.arange(k))
-        remote_descs = descriptors(geo, remote.regions[src_rank], src_ids)
+        remote_descs = descriptors(geo, _regions(remote, src_rank), src_ids)
         fut = self._nixl.read(remote.agent_of(src_rank), local, remote_descs, b"", job.remaining())
         self._metrics.nixl_descriptors.observe(len(local))
         self._metrics.inflight.inc()
@@ -242,3 +234,12 @@ class NixlReads:
         return copy_request(
             view, entry.host_view, heads, staged_ids, job.dst_blocks[first_dst:last_dst], t1, t0
         )
+
+
+def _regions(remote: RemoteEngine, rank: int) -> list[int]:
+    """The base addresses of a source rank's regions, as its holder told us."""
+    if rank not in remote.regions:
+        raise SidecarError(
+            Code.FAILED_PRECONDITION, f"peer does not hold rank {rank} of engine {remote.engine_id!r}"
+        )
+    return remote.regions[rank]

@@ -100,12 +100,17 @@ class GrpcPeerClient:
         self._channel.close()
 
 
-def grpc_connect(settings: Settings, security: PeerSecurity) -> Connect:
-    """Dial peers with this sidecar's message limits, TLS and token."""
-    opts = [
+def message_limits(settings: Settings) -> list[tuple[str, int]]:
+    """gRPC options for max_message_bytes both ways: our servers and our channels to peers use the same."""
+    return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
+
+
+def grpc_connect(settings: Settings, security: PeerSecurity) -> Connect:
+    """Dial peers with this sidecar's message limits, TLS and token."""
+    opts = message_limits(settings)
     metadata = security.call_metadata()
 
     def connect(address: str) -> PeerClient:

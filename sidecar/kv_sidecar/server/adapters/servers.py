@@ -23,6 +23,7 @@ from kv_sidecar.config import Settings
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.drain_gate import drain_gate
 from kv_sidecar.server.adapters.engine_lane import EngineLane
+from kv_sidecar.server.adapters.peer_client import message_limits
 from kv_sidecar.server.drain import Drain
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.lane import LANE_SUFFIX
@@ -49,10 +50,7 @@ class Servers:
         """on_peer_refused(method, peer, reason): a peer call without the right token."""
         self._settings = settings
         self._drain = drain
-        opts = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-        ]
+        opts = message_limits(settings)
         # A gRPC sync server runs each call, streams included, on one pool thread; when every thread
         # is taken, new calls wait in a queue. Event streams live as long as their rank, so they may
         # take at most event_stream_limit threads, and unary calls always find one.
