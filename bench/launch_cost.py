@@ -31,10 +31,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_latency import MODEL
 
+from kv_sidecar.dataplane.chunk_copies import GpuCopies
 from kv_sidecar.execute import gpu
 from kv_sidecar.plan.blocks import check_copy
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.staged_copies import GpuCopies
 
 
 def timed(fn: Callable[[], Any], iters: int, gap_s: float = 0.0) -> tuple[float, Any]:

@@ -40,7 +40,7 @@ def load_pool(ref: str | None) -> Any:
     """`SlotPool` of this tree, or of git revision `ref` (exported as bench/baseline.py does)."""
     if ref is None:
         sys.path.insert(0, str(ROOT / "sidecar"))
-        from kv_sidecar.server.staged_protocol import SlotPool
+        from kv_sidecar.dataplane.staged_protocol import SlotPool
 
         return SlotPool
     path = Path(baseline.export(ref)) / MODULE

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from kv_sidecar.dataplane import staged_protocol as sp
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
-from kv_sidecar.server import notifications, notified_opens
-from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.server import notified_opens
 from kv_sidecar.server.push_runs import KEY_BYTES
+from kv_sidecar.transport import notifications
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 

@@ -29,11 +29,11 @@ import torch
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
-from kv_sidecar.server import notifications
 from kv_sidecar.server.adapters.peer_client import PUSH_ENDED
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.staged_source import ALONE_S
+from kv_sidecar.transport import notifications
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc

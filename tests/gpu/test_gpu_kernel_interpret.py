@@ -196,8 +196,8 @@ def test_staged_chunks_in_interpreter_match_host_executor(
     gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots. `ahead`:
     the gather's ids come uploaded, as a source's published request's do."""
     pytest.importorskip("triton")
+    from kv_sidecar.dataplane.staged_protocol import plan_chunks
     from kv_sidecar.execute import gpu
-    from kv_sidecar.server.staged_protocol import plan_chunks
 
     c = kc.case(name)
     srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}

@@ -1,8 +1,10 @@
 """The layers of docs/architecture.md, read off the source with an AST walk (imports anywhere in a
 module count: inside functions and under TYPE_CHECKING too).
 
-- plan/ and the data plane (execute/, memory/, transport/) import neither grpc nor the server;
+- plan/ and the data plane (dataplane/, execute/, memory/, transport/) import neither grpc nor the server;
 - the core (server/*.py but the composition root) imports neither grpc nor the adapters;
+- the core reaches the data plane only through its door (dataplane/plane.py, the plain-data jobs of
+  dataplane/jobs.py, and the staged protocol's pure bookkeeping): no torch, no mappings, no kernels;
 - only the composition root (server/sidecar.py) and commands/serve.py import the composition root;
 - server/ has no import cycle;
 - grpc.StatusCode is named only where the core's codes are mapped to it, and in the drain's gate.
@@ -22,7 +24,22 @@ ROOT = "kv_sidecar.server.sidecar"  # the composition root
 ADAPTERS = "kv_sidecar.server.adapters"
 
 # Pure planning and the data plane: no gRPC, and nothing of the control plane above them.
-LOWER_LAYERS = ("plan", "execute", "memory", "transport")
+LOWER_LAYERS = ("plan", "dataplane", "execute", "memory", "transport")
+# What the core may import of the data plane (dataplane/plane.py's __all__ names the handles it returns).
+DATA_PLANE_DOOR = {
+    "kv_sidecar.dataplane",  # the package (its __init__ is a docstring)
+    "kv_sidecar.dataplane.jobs",
+    "kv_sidecar.dataplane.plane",
+    "kv_sidecar.dataplane.staged_protocol",
+}
+BEHIND_THE_DOOR = (
+    "torch",
+    "triton",
+    "nixl",
+    "kv_sidecar.execute",
+    "kv_sidecar.memory",
+    "kv_sidecar.dataplane",
+)
 
 
 def module_name(path: Path) -> str:
@@ -82,6 +99,23 @@ def test_the_core_imports_neither_grpc_nor_the_adapters() -> None:
     }
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"gRPC belongs in server/adapters/: {bad}"
+
+
+def test_the_core_reaches_the_data_plane_only_through_its_door() -> None:
+    """Bytes, mappings, rings and kernels are the data plane's: the core hands it plain-data jobs, so
+    that a device's plane could run in another process (docs/architecture.md)."""
+
+    def behind(name: str) -> bool:
+        return name not in DATA_PLANE_DOOR and any(
+            name == p or name.startswith(p + ".") or name.startswith(p + "_") for p in BEHIND_THE_DOOR
+        )
+
+    bad = {
+        path.relative_to(PACKAGE).as_posix(): sorted(n for n in imports(path) if behind(n))
+        for path in [*core_modules(), *(SERVER / "adapters").glob("*.py")]
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"the core reaches past the data plane's door: {bad}"
 
 
 def test_only_the_composition_root_knows_the_sidecar() -> None:

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
+from kv_sidecar.dataplane.plane import MappedRanks
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar.server.engines import EngineRegistry
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
@@ -65,7 +66,7 @@ class World:
         self.metrics = Metrics()
         self.nixl = NixlDriver(ME.sidecar_id)  # never started: these paths do not touch NIXL
         self.peers = Peers(ME.sidecar_id, self.nixl, self.metrics, self._connect)  # type: ignore[arg-type]
-        self.engines = EngineRegistry(None)
+        self.engines = EngineRegistry(MappedRanks(None))
         self.published = PublishedStore(lambda *a: None, lambda item: None)
         self.lease_view = LeaseView()
         self.membership = Membership(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server import publish_refusals
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.publish_refusals import PublishRefusals
 
 

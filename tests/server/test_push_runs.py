@@ -11,13 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_sidecar.config import Settings
+from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.server import notifications
-from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.notified_opens import NotifiedOpens
 from kv_sidecar.server.peers import Holder, Peers
 from kv_sidecar.server.published import Published
 from kv_sidecar.server.push_runs import KEY_BYTES, READERS_S, DuplicateTransfer, PushKeys, PushRun, PushRuns
+from kv_sidecar.server.push_threads import PushThreads
+from kv_sidecar.transport import notifications
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
@@ -144,7 +145,7 @@ def test_pushes_becoming_recent_wake_the_poll_loop_once() -> None:
 
 def test_readers_lately_follows_readers_not_publishes() -> None:
     """A publish (touch) polls faster but is no sign of a staged reader; a Push or a handshake is, for
-    READERS_S: only then does a publish get ready for one (GpuStaging.expect_read)."""
+    READERS_S: only then does a publish get ready for one (PushThreads.expect_read)."""
     clock = Clock()
     runs = PushRuns(clock=clock)
     runs.touch()
@@ -228,12 +229,13 @@ def test_racing_copies_start_each_transfer_exactly_once() -> None:
 
 @pytest.mark.parametrize("notifications", [True, False])
 def test_a_publish_gets_ready_for_a_push_only_while_readers_are_about(notifications: bool) -> None:
-    """GpuStaging.expect_read (a Publish) makes the NIXL thread poll for a Push notification only while
+    """PushThreads.expect_read (a Publish) makes the NIXL thread poll for a Push notification only while
     a reader pushed or handshook within READERS_S, and never with push_notifications off: a sidecar
     whose readers are all on its node pays nothing per pull (docs/benchmarks.md)."""
     clock = Clock()
     runs = PushRuns(clock=clock)
-    staging = GpuStaging(Settings(push_notifications=notifications), NixlDriver("t"), Metrics(), runs)
+    settings = Settings(push_notifications=notifications)
+    staging = PushThreads(settings, DataPlane(settings, NixlDriver("t"), Metrics()), runs)
     item = Published("e", "r", [1, 2], 20, 30.0, clock.now + 30)
 
     staging.expect_read(item, [])  # no reader yet

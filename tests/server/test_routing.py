@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import chunk_geometry
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.peers import Holder, RemoteEngine
 from kv_sidecar.server.routing import by_holder, depends_on, holders_needed
 

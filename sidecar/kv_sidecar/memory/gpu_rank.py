@@ -13,24 +13,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from kv_sidecar.dataplane.jobs import IpcTensorRef
 from kv_sidecar.execute import gpu_geometry as geo
 from kv_sidecar.execute.gpu import GpuRankView, gpu_rank_view
 from kv_sidecar.memory.cuda_ipc import ImportedTensor, IpcRegistry, default_registry, device_for_uuid
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar_client.cuda_ipc import CudaIpcError
-
-
-@dataclass(frozen=True)
-class IpcTensorRef:
-    """What an engine sent for one tensor (the CudaIpcTensor message)."""
-
-    handle: bytes
-    offset: int
-    device_uuid: str
 
 
 class GpuRank:

@@ -8,6 +8,7 @@ regions x outer x num_blocks chunks. Pure numpy, no I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class ChunkGeometry:
         return self.regions * self.outer * self.num_blocks
 
 
+@functools.lru_cache(maxsize=256)  # specs are frozen; pull paths ask per READ
 def chunk_geometry(spec: EngineSpec) -> ChunkGeometry:
     shapes = spec.rank_tensor_shapes()
     shape = shapes[0]

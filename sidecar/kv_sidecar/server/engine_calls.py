@@ -10,9 +10,9 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
 from kv_sidecar.server.lease_view import LeaseView
@@ -66,7 +66,7 @@ class EngineCalls:
         on_published: Callable[[Published, Iterable[RankEntry]], None],
         refusals: PublishRefusals,
     ) -> None:
-        """on_published: a request was just published here (GpuStaging.expect_read); refusals: where a
+        """on_published: a request was just published here (PushThreads.expect_read); refusals: where a
         refused Publish is counted."""
         self._me = identity
         self._lease_ms = lease_ms

@@ -1,29 +1,19 @@
-"""Registered engine ranks: their spec, their mapped tensors, their NIXL registration."""
+"""Registered engine ranks: their spec and where their memory lives (the data plane maps it)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import math
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import torch
-
-from kv_sidecar.execute.host import RankView, rank_view
-from kv_sidecar.memory.shm import ShmMapper
+from kv_sidecar.dataplane.jobs import IpcTensorRef, RankKey, RankMemory, ShmTensor
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.spec import EngineSpec, PlanError
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
-
-if TYPE_CHECKING:
-    from kv_sidecar.memory.gpu_rank import GpuRank
-    from kv_sidecar.transport.nixl_driver import NixlDriver
 
 log = logging.getLogger(__name__)
 
@@ -51,59 +41,58 @@ def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
 
 @dataclass
 class RankEntry:
-    """A registered rank: host memory (shm `tensors`, `view`) or GPU memory (`gpu`), never both."""
+    """A registered rank as the control plane knows it: its spec and where its memory lives. The
+    mappings themselves are the data plane's (dataplane/ranks.py), found by `key`."""
 
     engine_id: str
     rank: int
     spec: EngineSpec
-    tensors: list[torch.Tensor]
-    shm_names: list[str]
-    view: RankView | None
     geometry: ChunkGeometry
-    gpu: GpuRank | None = None
-    nixl_key: int | None = None
-    local_dlist: int | None = None  # every chunk of this rank, prepared once
+    memory: RankMemory
     events: queue.Queue[engine_pb2.Event | None] = field(default_factory=queue.Queue)
     sessions: int = 0
 
     @property
-    def region_bases(self) -> list[int]:
-        return [t.data_ptr() for t in self.tensors]
+    def key(self) -> RankKey:
+        return RankKey(self.engine_id, self.rank)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.memory.on_gpu
 
     @property
     def regions(self) -> list[tuple[int, int, int]]:
-        return [(t.data_ptr(), t.numel() * t.element_size(), 0) for t in self.tensors]
+        return list(self.memory.regions)
 
     @property
     def memory_kind(self) -> str:
         """NIXL's name for where the rank lives."""
-        return "VRAM" if self.gpu is not None else "DRAM"
-
-    @property
-    def host_view(self) -> RankView:
-        if self.view is None:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION,
-                f"engine {self.engine_id!r} rank {self.rank} is in GPU memory; this path needs host memory",
-            )
-        return self.view
+        return self.memory.kind
 
     def emit(self, event: engine_pb2.Event) -> None:
         self.events.put(event)
 
 
+class RankMemories(Protocol):
+    """Where a registered rank's memory is mapped: the data plane (`DataPlane`)."""
+
+    def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory: ...
+
+    def attach_gpu(self, key: RankKey, spec: EngineSpec, refs: list[IpcTensorRef]) -> RankMemory: ...
+
+    def detach(self, key: RankKey) -> None: ...
+
+
 class EngineRegistry:
     """Thread-safe map of (engine_id, rank) to RankEntry."""
 
-    def __init__(self, nixl: NixlDriver | None, on_gpu_device: Callable[[int], None] | None = None) -> None:
-        self._nixl = nixl
-        self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
+    def __init__(self, memory: RankMemories) -> None:
+        self._memory = memory  # the data plane's mappings: registering a rank maps it there
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankEntry] = {}
         # Ranks being mapped (register() outside the lock), with their specs: a concurrent duplicate or
         # a differing spec of the same engine fails fast, and readers of _ranks see only built entries.
         self._pending: dict[tuple[str, int], EngineSpec] = {}
-        self._shm = ShmMapper()
 
     def register(
         self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
@@ -180,55 +169,18 @@ class EngineRegistry:
     def _build_host(
         self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
     ) -> RankEntry:
-        tensors: list[torch.Tensor] = []
-        names: list[str] = []
-        try:
-            for h in handles:
-                tensors.append(self._shm.map_tensor(h.shm.name, h.shm.offset, h.shape, h.strides, h.dtype))
-                names.append(h.shm.name)
-            view = rank_view(spec, rank, tensors)
-            _check_disjoint(spec, handles)
-        except BaseException:
-            for n in names:
-                self._shm.release(n)
-            raise
-        entry = RankEntry(engine_id, rank, spec, tensors, names, view, chunk_geometry(spec))
-        if self._nixl is not None:
-            entry.nixl_key = self._nixl.register(entry.regions)
-        return entry
+        tensors = [
+            ShmTensor(h.shm.name, h.shm.offset, tuple(h.shape), tuple(h.strides), h.dtype) for h in handles
+        ]
+        memory = self._memory.attach_host(RankKey(engine_id, rank), spec, tensors)
+        return RankEntry(engine_id, rank, spec, chunk_geometry(spec), memory)
 
     def _build_gpu(
         self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
     ) -> RankEntry:
-        # Imported lazily: a CPU-only sidecar never loads the CUDA driver bindings.
-        try:
-            from kv_sidecar.memory.gpu_rank import GpuRank, IpcTensorRef
-            from kv_sidecar_client.cuda_ipc import CudaIpcError
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise SidecarError(
-                Code.FAILED_PRECONDITION, f"this sidecar cannot serve GPU memory: {e}"
-            ) from None
-        if not torch.cuda.is_available():
-            raise SidecarError(
-                Code.FAILED_PRECONDITION,
-                "rank registers CUDA IPC tensors but this sidecar sees no GPU "
-                "(give the sidecar container the engine's GPUs)",
-            )
-        _check_disjoint(spec, handles)
         refs = [IpcTensorRef(h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.device_uuid) for h in handles]
-        try:
-            gpu = GpuRank(spec, rank, refs)
-        except CudaIpcError as e:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION, f"cannot map rank {rank}'s GPU memory: {e}"
-            ) from None
-        if self._on_gpu_device is not None:
-            try:
-                self._on_gpu_device(gpu.device)
-            except BaseException:
-                gpu.close()
-                raise
-        return RankEntry(engine_id, rank, spec, [], [], None, chunk_geometry(spec), gpu=gpu)
+        memory = self._memory.attach_gpu(RankKey(engine_id, rank), spec, refs)
+        return RankEntry(engine_id, rank, spec, chunk_geometry(spec), memory)
 
     def unregister(self, engine_id: str, rank: int) -> RankEntry:
         with self._lock:
@@ -236,16 +188,7 @@ class EngineRegistry:
             if entry is None:
                 raise SidecarError(Code.NOT_FOUND, f"engine {engine_id!r} rank {rank} is not registered")
             del self._ranks[(engine_id, rank)]
-        if self._nixl is not None:
-            if entry.local_dlist is not None:
-                self._nixl.release_dlist(entry.local_dlist)
-            if entry.nixl_key is not None:
-                self._nixl.deregister(entry.nixl_key)
-        entry.tensors.clear()
-        if entry.gpu is not None:
-            entry.gpu.close()  # deferred while a copy still reads or writes the mappings
-        for n in entry.shm_names:
-            self._shm.release(n)
+        self._memory.detach(entry.key)
         entry.emit(None)  # ends any open event stream
         log.info("unregistered engine %s rank %d", engine_id, rank)
         return entry
@@ -290,23 +233,3 @@ class EngineRegistry:
         for e in self.all():
             with contextlib.suppress(SidecarError, PlanError):
                 self.unregister(e.engine_id, e.rank)
-
-
-def _check_disjoint(spec: EngineSpec, handles: list[common_pb2.TensorHandle]) -> None:
-    """Refuse a rank whose tensors share bytes: the sidecar would move one layer's data as another's
-    (two layers that share a cache must be registered once: the engine's description is wrong)."""
-    spans = []
-    for i, h in enumerate(handles):
-        memory = h.WhichOneof("memory")
-        where = h.shm.name if memory == "shm" else h.cuda_ipc.handle
-        offset = h.shm.offset if memory == "shm" else h.cuda_ipc.offset
-        size = spec.element_size * math.prod(h.shape)
-        spans.append((where, offset, offset + size, i))
-    spans.sort()
-    for (where, _, end, i), (other, start, _, j) in itertools.pairwise(spans):
-        if where == other and start < end:
-            raise SidecarError(
-                Code.INVALID_ARGUMENT,
-                f"tensors {min(i, j)} and {max(i, j)} overlap in their memory: each tensor the spec "
-                "describes must have bytes of its own",
-            )

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from kv_sidecar.server.errors import Code, SidecarError, ranks_text
+from kv_sidecar.errors import Code, SidecarError, ranks_text
 
 
 class PullTicket(threading.Event):

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.errors import Code, SidecarError, check_id, ranks_text
 from kv_sidecar.plan.blocks import check_block_ids
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id, ranks_text
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers

@@ -24,16 +24,16 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.errors import Code, SidecarError, handler_error
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.drain import Drain, draining_message
-from kv_sidecar.server.errors import Code, SidecarError, handler_error
-from kv_sidecar.server.notifications import OPEN_TAG, SEP, signed_notif
 from kv_sidecar.server.peer_calls import PeerFuture, peer_error
 from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, Peers
 from kv_sidecar.server.push_runs import PushKeys, PushRuns
 from kv_sidecar.server.reads import SourceReads
 from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.notifications import OPEN_TAG, SEP, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from kv_sidecar.server.errors import Code, SidecarError
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 T = TypeVar("T", covariant=True)

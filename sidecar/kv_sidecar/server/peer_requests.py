@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.errors import Code, SidecarError, check_id
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import EngineRegistry, spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError, check_id
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.membership import Membership, rank_memory
 from kv_sidecar.server.peers import cached_plan

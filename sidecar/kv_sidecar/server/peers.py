@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.dataplane.jobs import RemoteRank
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.peer_calls import STOP_POLL_S, Connect, PeerCallError, PeerClient, stoppable
 from kv_sidecar.server.push_runs import READERS_S
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -51,7 +52,6 @@ class RemoteEngine:
     geometry: ChunkGeometry
     regions: dict[int, list[int]]  # prefill rank -> region base addresses
     memory_kind: str
-    dlists: dict[int, int] = field(default_factory=dict)  # prefill rank -> prepared NIXL dlist key
     # prefill rank -> its sidecar; the leader for every rank of a one-node engine
     holders: dict[int, Holder] = field(default_factory=dict)
     # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
@@ -60,6 +60,15 @@ class RemoteEngine:
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
         return holder.agent_name if holder is not None else self.agent_name
+
+    def remote_rank(self, rank: int) -> RemoteRank:
+        """A source rank as the data plane reads it; FAILED_PRECONDITION if the peer does not hold it."""
+        bases = self.regions.get(rank)
+        if bases is None:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"peer does not hold rank {rank} of engine {self.engine_id!r}"
+            )
+        return RemoteRank(self.agent_of(rank), self.engine_id, rank, self.spec, tuple(bases))
 
     def complete(self) -> bool:
         """Every rank has a known holder (a multi-node engine may still be registering)."""

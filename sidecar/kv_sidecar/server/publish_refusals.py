@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kv_sidecar.errors import SidecarError
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.server.errors import SidecarError
 
 MAX_KEPT = 256  # (engine, reason) pairs kept for the status: the oldest go first; the metric keeps counting
 

@@ -15,10 +15,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.server.errors import Code, SidecarError
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +37,6 @@ class Published:
     # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
     ranks: list[int] | None = None
     pending: dict[int, set[int]] = field(default_factory=dict)  # prefill rank -> decode ranks not done
-    # block_ids as the executors will want them, made ahead of a read and dropped with the record:
-    # CUDA device -> a future of the ids on it (server/gpu_staging.py).
-    uploaded: dict[int, Any] = field(default_factory=dict)
 
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
@@ -65,15 +61,18 @@ class PublishedStore:
         on_expired: Callable[[Published], None],
         clock: Callable[[], float] = time.monotonic,
         on_ended: Callable[[str, str, str], None] | None = None,
+        on_dropped: Callable[[str, str], None] | None = None,
     ) -> None:
-        """on_ended(engine_id, request_id, why): a request ended otherwise than consumed (called
-        under this store's lock: it must not call back into the store)."""
+        """on_ended(engine_id, request_id, why): a request ended otherwise than consumed; on_dropped:
+        a request's record is gone, however it ended (both called under this store's lock: they must
+        not call back into the store)."""
         self._lock = threading.Lock()
         self._items: dict[tuple[str, str], Published] = {}
         self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._on_consumed = on_consumed
         self._on_expired = on_expired
         self._on_ended = on_ended
+        self._on_dropped = on_dropped
         self._clock = clock
 
     def __len__(self) -> int:
@@ -110,6 +109,8 @@ class PublishedStore:
 
     def _end(self, key: tuple[str, str], why: str) -> None:
         self._items.pop(key, None)
+        if self._on_dropped is not None:
+            self._on_dropped(*key)
         if why != "consumed" and self._on_ended is not None:
             self._on_ended(key[0], key[1], why)
         self._ended[key] = why

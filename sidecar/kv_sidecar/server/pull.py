@@ -1,17 +1,18 @@
 """A pull: admit it, choose its path, retry a stale handshake once, report.
 
 The paths, each in its own module:
-- host-direct, gpu-direct: the prefill engine is registered on this sidecar (server/pull_direct.py,
-  server/gpu_direct.py); no NIXL.
+- host-direct, gpu-direct: the prefill engine is registered on this sidecar (server/pull_direct.py);
+  no NIXL.
 - host-nixl: another sidecar, the plan the identity (same layout, TP, block size): NIXL READs every
   block chunk straight into the destination blocks; posted early, before OpenRead answers, where the
-  lease surely holds (server/nixl_reads.py, server/lease_view.py).
+  lease surely holds (server/lease_view.py).
 - host-nixl-staged: another sidecar, the bytes converted (layout, TP, block size): READs into staging
-  memory, then the host executor (server/nixl_reads.py).
+  memory, then the host executor.
 - gpu-staged, host-ring: the staged protocol, the source WRITEs chunks into our ring
   (server/staged_reader.py): GPU engines, or host engines with `host_transfer: ring`; a one-read pull's
   Push carries the open.
-The validated job they share is server/pull_job.py.
+The validated job they share is server/pull_job.py; the bytes move on the data plane (dataplane/plane.py:
+local copies, NIXL READs, the staged protocol's receiving end).
 
 Across sidecars, every OpenRead/CloseRead, READ and completion notification
 goes to the sidecar that holds the source rank (server/routing.py): the one
@@ -27,23 +28,24 @@ import time
 from collections.abc import Sequence
 
 from kv_sidecar.config import Settings
+from kv_sidecar.dataplane.jobs import BlockReads, ConvertedRead
+from kv_sidecar.dataplane.plane import DataPlane, PostedRead
+from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.spec import PlanError
-from kv_sidecar.server import staged_copies
 from kv_sidecar.server.engine_calls import Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
-from kv_sidecar.server.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
-from kv_sidecar.server.nixl_reads import NixlReads, PostedRead
-from kv_sidecar.server.notifications import done_notification
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import DirectPulls
 from kv_sidecar.server.pull_job import PullJob, build_job, unfilled_blocks
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
+from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
 from kv_sidecar.server.staged_reader import StagedReader
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
+from kv_sidecar.transport.notifications import done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
@@ -77,11 +79,16 @@ def _no_native_path(address: str) -> SidecarError:
 
 def _ring_path(job: PullJob) -> str:
     """The staged protocol's path label: through GPU rings, or host rings (`host_transfer: ring`)."""
-    return (
-        staged_copies.PATH_STAGED
-        if any(e.gpu is not None for e in job.local)
-        else staged_copies.PATH_HOST_RING
-    )
+    return PATH_STAGED if any(e.on_gpu for e in job.local) else PATH_HOST_RING
+
+
+def _block_reads(job: PullJob, remote: RemoteEngine) -> BlockReads:
+    """host-nixl's READs: each local rank reads all of the same rank (the plan is the identity)."""
+    reads = []
+    for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+        (read,) = rplan.reads
+        reads.append((entry.key, remote.remote_rank(read.prefill_rank)))
+    return BlockReads(tuple(reads), job.tokens)
 
 
 class Puller:
@@ -98,7 +105,7 @@ class Puller:
         peers: Peers,
         opener: Opener,
         direct: DirectPulls,
-        reads: NixlReads,
+        plane: DataPlane,
         staged: StagedReader,
         nixl: NixlDriver,
         metrics: Metrics,
@@ -114,7 +121,7 @@ class Puller:
         self._peers = peers
         self._opener = opener
         self._direct = direct
-        self._reads = reads
+        self._plane = plane
         self._staged_reader = staged
         self._nixl = nixl
         self._metrics = metrics
@@ -264,21 +271,23 @@ class Puller:
             opened_on = opening.touched
             early_job = self._early_job(req, local, remote, cancel, deadline)
             if early_job is not None:
-                early = self._reads.post_identity(early_job, remote)
+                early = self._plane.post_reads(_block_reads(early_job, remote), early_job)
             # A blocking call: a future that a stop could cancel costs ~0.08 ms more per pull (measured),
             # so a pull stopped while its source hangs in OpenRead ends at its deadline.
             opened = opening.finish(deadline)
             opened_on = holders
             if early_job is not None:
                 if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
-                    nbytes = self._reads.finish(early_job, early)
+                    nbytes = self._plane.finish_reads(early, early_job)
                     after.append(functools.partial(self._notify_done, req, remote, early_job))
                     return nbytes, "host-nixl"
-                self._reads.abandon(early)  # the source holds other blocks than the params say: read those
+                self._plane.abandon_reads(
+                    early
+                )  # the source holds other blocks than the params say: read those
             early = []
             return self._read_remote(req, local, remote, opened, cancel, deadline, after)
         except Exception as e:
-            self._reads.abandon(early)  # no byte moves once the engine has its answer
+            self._plane.abandon_reads(early)  # no byte moves once the engine has its answer
             if opening is not None:
                 opening.abandon()
             stale = isinstance(e, SidecarError) and (
@@ -308,7 +317,7 @@ class Puller:
         not the host identity READ path, or the request not surely held by its source (its lease close
         to running out, or released by this sidecar)."""
         p = req.params
-        if not remote.plan.is_identity() or remote.memory_kind != "DRAM" or any(e.gpu for e in local):
+        if not remote.plan.is_identity() or remote.memory_kind != "DRAM" or any(e.on_gpu for e in local):
             return None
         if self._host_ring:
             return None
@@ -337,7 +346,7 @@ class Puller:
         p = req.params
         if not self._staged(remote, local):
             return None
-        if len({remote.memory_kind == "VRAM", *(e.gpu is not None for e in local)}) > 1:
+        if len({remote.memory_kind == "VRAM", *(e.on_gpu for e in local)}) > 1:
             return None  # host and GPU memory mixed: the usual path says what is wrong
         if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
             return None
@@ -349,7 +358,7 @@ class Puller:
     def _staged(self, remote: RemoteEngine, local: list[RankEntry]) -> bool:
         """Whether a pull across sidecars runs the staged protocol: always where either side is in GPU
         memory, between host engines only with `host_transfer: ring`."""
-        on_gpu = remote.memory_kind == "VRAM" or any(e.gpu is not None for e in local)
+        on_gpu = remote.memory_kind == "VRAM" or any(e.on_gpu for e in local)
         return on_gpu or self._host_ring
 
     def _read_remote(
@@ -366,7 +375,7 @@ class Puller:
         job = build_job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
         identity = remote.plan.is_identity()
         ring = self._staged(remote, local)  # the staged protocol (staged_reader.py)
-        if any(e.gpu is not None for e in local) and remote.memory_kind != "VRAM":
+        if any(e.on_gpu for e in local) and remote.memory_kind != "VRAM":
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
@@ -374,7 +383,7 @@ class Puller:
             )
         nbytes = 0
         if identity and not ring:
-            nbytes = self._reads.finish(job, self._reads.post_identity(job, remote))
+            nbytes = self._plane.finish_reads(self._plane.post_reads(_block_reads(job, remote), job), job)
         else:
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
@@ -382,7 +391,9 @@ class Puller:
                     if ring:
                         nbytes += self._staged_reader.read(job, remote, entry, read.prefill_rank)
                     else:
-                        nbytes += self._reads.read_staged(job, remote, entry, read.prefill_rank, read.heads)
+                        src = remote.remote_rank(read.prefill_rank)
+                        converted = ConvertedRead(entry.key, src, job.plan, read.heads, job.tokens)
+                        nbytes += self._plane.read_converted(converted, job)
         after.append(functools.partial(self._notify_done, req, remote, job))
         if ring:
             return nbytes, _ring_path(job)

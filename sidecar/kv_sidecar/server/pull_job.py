@@ -12,17 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kv_sidecar.dataplane.jobs import Tokens
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.blocks import check_pull
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.inflight import stopped_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
-
-# How long a stopped transfer waits for what it started to end: its NIXL READs (server/nixl_reads.py),
-# or, in the staged protocol, the other side to have nothing in flight (server/staged_copies.py).
-CANCEL_WAIT_S = 5.0
-
 
 # A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel
 # as gRPC headers, which gRPC caps at 8 KiB by default (a longer one turns the answer into
@@ -66,6 +62,10 @@ class PullJob:
                 Code.DEADLINE_EXCEEDED, f"pull of request {self.params.request_id!r} timed out"
             )
         return left
+
+    @property
+    def tokens(self) -> Tokens:
+        return Tokens(self.src_blocks, self.dst_blocks, self.num_tokens, self.start_token)
 
     def rank_plans(self) -> list[DecodeRankPlan]:
         return [self.plan.decode_ranks[e.rank] for e in self.local]

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from kv_sidecar.server.notifications import parse_signed_notif
+from kv_sidecar.transport.notifications import parse_signed_notif
 
 T = TypeVar("T")
 

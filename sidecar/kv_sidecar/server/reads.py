@@ -13,16 +13,16 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.notifications import parse_done_notification
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.notifications import parse_done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from kv_sidecar.errors import check_address
 from kv_sidecar.server.engines import EngineRegistry
-from kv_sidecar.server.errors import check_address
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_calls import PeerCallError

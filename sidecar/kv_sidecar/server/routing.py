@@ -14,10 +14,10 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import DecodeRankPlan
 from kv_sidecar.server.engines import spec_to_proto
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar.server.notified_opens import NotifiedOpens
 from kv_sidecar.server.peer_calls import PeerCallError, PeerFuture
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from kv_sidecar.config import Settings
+from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.engine_lane import EngineLane
@@ -22,19 +23,10 @@ from kv_sidecar.server.adapters.servers import Servers
 from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar.server.engines import EngineRegistry
-from kv_sidecar.server.gpu_staging import GpuStaging
 from kv_sidecar.server.identity import Identity, advertised_address, sidecar_id
 from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
-from kv_sidecar.server.nixl_reads import NixlReads
-from kv_sidecar.server.notifications import (
-    OPEN_TAG,
-    PUSH_TAG,
-    SEP,
-    TRANSFER_TAG,
-    NotificationRoutes,
-)
 from kv_sidecar.server.notified_opens import NotifiedOpens, OpenAnswers
 from kv_sidecar.server.peer_requests import PeerRequests
 from kv_sidecar.server.peers import Peers
@@ -43,6 +35,7 @@ from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull import Puller
 from kv_sidecar.server.pull_direct import DirectPulls
 from kv_sidecar.server.push_runs import PushKeys, PushRuns
+from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.reads import ReadPlans, SourceReads
 from kv_sidecar.server.release import Releases
 from kv_sidecar.server.routing import Opener
@@ -51,6 +44,11 @@ from kv_sidecar.server.staged_source import StagedSource
 from kv_sidecar.server.status import StatusReport
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.notifications import (
+    OPEN_TAG,
+    PUSH_TAG,
+    NotificationRoutes,
+)
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -96,23 +94,25 @@ class Sidecar:
         )
         metrics.bind_nixl(nixl.counts)
         metrics.bind_gpu_launches(_gpu_launch_counts)
-        staging = self.staging = GpuStaging(s, nixl, metrics, push_runs)
+        # Every device's memory, rings and byte moves; the core hands it jobs (dataplane/plane.py).
+        plane = self.plane = DataPlane(s, nixl, metrics)
 
         # -- the core ---------------------------------------------------------------------------------
-        engines = self.engines = EngineRegistry(nixl, on_gpu_device=staging.ensure)
+        threads = self.push_threads = PushThreads(s, plane, push_runs)
+        engines = self.engines = EngineRegistry(plane)
         # A request that ends early (released, aborted, expired) ends the reads of it that were open.
         published = self.published = PublishedStore(
-            self._on_consumed, self._on_expired, on_ended=transfers.end_serves
+            self._on_consumed, self._on_expired, on_ended=transfers.end_serves, on_dropped=plane.forget_ids
         )
         metrics.bind_registry(engines.all, lambda: len(published))
         peers = self.peers = Peers(me.sidecar_id, nixl, metrics, grpc_connect(s, self.security))
-        membership = Membership(me, engines, published, peers, nixl, s.lease_ms, staging.expect_read)
+        membership = Membership(me, engines, published, peers, nixl, s.lease_ms, threads.expect_read)
         releases = Releases(me.sidecar_id, published, engines, membership, peers, lease_view)
         pull_timeout_s = s.pull_timeout_ms / 1000
         refusals = PublishRefusals(metrics)
         reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics)
         staged_source = StagedSource(
-            engines, published, reads, staging, nixl, metrics, push_keys, push_runs, notified, pull_timeout_s
+            engines, published, reads, plane, threads, metrics, push_keys, push_runs, notified, pull_timeout_s
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(
@@ -130,9 +130,9 @@ class Sidecar:
             lease_view,
             peers,
             opener,
-            DirectPulls(engines, membership, published, releases.here),
-            NixlReads(nixl, metrics, s.staging_bytes),
-            StagedReader(me.sidecar_id, peers, staging, nixl, metrics),
+            DirectPulls(engines, plane, membership, published, releases.here),
+            plane,
+            StagedReader(me.sidecar_id, peers, plane, threads, nixl, metrics),
             nixl,
             metrics,
         )
@@ -148,7 +148,7 @@ class Sidecar:
             releases,
             peers,
             lease_view,
-            staging.expect_read,
+            threads.expect_read,
             refusals,
         )
         self.peer_requests = PeerRequests(
@@ -177,8 +177,8 @@ class Sidecar:
             self.servers.lane_state,
             refusals,
         )
-        # Staged transfers' notifications go to the transfer listening for them; the rest by tag.
-        nixl.route(TRANSFER_TAG + SEP)
+        # Staged transfers' notifications (and OpenRead answers, under the same tag) go to whoever listens
+        # for them (the data plane routes the tag: DataPlane); the rest by tag.
         routes.set(
             {PUSH_TAG: staged_source.from_notification, OPEN_TAG: open_answers.answer},
             other=reads.reader_done,
@@ -249,7 +249,8 @@ class Sidecar:
         self.peers.close()
         self.engines.close()
         self.nixl.stop()  # deregisters the GPU rings before their memory goes
-        self.staging.close()
+        self.push_threads.close()
+        self.plane.close()
         log.info("sidecar %s stopped", self.sidecar_id)
 
     def wait(self) -> None:

@@ -1,45 +1,33 @@
-"""The source's end of the staged protocol (server/staged_copies.py says how it flows): the Push
-handler checks the request (or opens it, when the Push carries the open), gathers chunks into its send
-ring and WRITEs each into a receive slot the reader granted."""
+"""The source's end of the staged protocol, its control half: the Push handler checks the request (or
+opens it, when the Push carries the open) and hands the transfer to the data plane, which gathers
+chunks into its send ring and WRITEs each into a receive slot the reader granted (dataplane/send.py;
+docs/gpu.md says how the protocol flows)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-import numpy as np
-
-from kv_sidecar.execute import gpu
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.jobs import Send
+from kv_sidecar.dataplane.plane import DataPlane, Transmission
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import check_tokens
 from kv_sidecar.plan.pair import PairPlan
-from kv_sidecar.server import staged_protocol as sp
 from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
-from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.gpu_staging import HOST, GpuStaging, Ring
-from kv_sidecar.server.notifications import PUSH_TAG
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore
-from kv_sidecar.server.pull_job import CANCEL_WAIT_S
 from kv_sidecar.server.push_runs import DuplicateTransfer, PushKeys, PushRun, PushRuns
+from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.reads import SourceReads
-from kv_sidecar.server.staged_copies import (
-    MAX_SLOTS,
-    PATH_HOST_RING,
-    PATH_STAGED,
-    QUARANTINE_S,
-    GpuCopies,
-    HostCopies,
-    block_size_of,
-    read_heads,
-)
-from kv_sidecar.transport.nixl_driver import NixlDriver, ucx_emulation_disabled
+from kv_sidecar.server.staged_common import MAX_SLOTS, PATH_HOST_RING, PATH_STAGED, read_heads
+from kv_sidecar.transport.notifications import PUSH_TAG
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -66,97 +54,6 @@ class PushCall(Protocol):
     def ended(self) -> None:
         """Our answer will say that nothing of the transfer is in flight (the reader may reuse its slots)."""
         ...
-
-
-class _Pump:
-    """Driver-thread poller of a source: WRITE each gathered chunk as soon as its gather is done and
-    the reader has a slot free, with the notification that tells the reader which chunk it is."""
-
-    def __init__(
-        self,
-        nixl: NixlDriver,
-        metrics: Metrics,
-        state: sp.SendState,
-        copies: GpuCopies | HostCopies,
-        ring: Ring,
-        req: peer_pb2.PushRequest,
-        deadline: float,
-        block_bytes: int,
-    ) -> None:
-        self.nixl = nixl
-        self.metrics = metrics
-        self.state = state
-        self.copies = copies
-        self.ring = ring
-        self.req = req
-        self.deadline = deadline
-        self.block_bytes = block_bytes
-        self.block_size = block_size_of(copies)
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def poll(self, a: Any) -> bool:
-        with self.lock:
-            if self.closed:
-                return True
-            if a is None:
-                self.state.fail(SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down"))
-                return True
-            st, req, n = self.state, self.req, len(self.state.chunks)
-            try:
-                while (w := st.next_write(self.copies.ready)) is not None:
-                    t0, t1 = st.chunks[w.index]
-                    length = sp.blocks_in(self.block_size, t0, t1) * self.block_bytes
-                    local = np.array(
-                        [[self.ring.slot_address(w.send_slot), length, self.ring.nixl_device]], dtype=np.int64
-                    )
-                    remote = np.array(
-                        [[req.slots[w.recv_slot].address, length, req.device_id]], dtype=np.int64
-                    )
-                    notif = sp.chunk_notif(req.transfer_id, w.index, n, w.recv_slot, t0, t1)
-                    w.future = self.nixl.write_now(
-                        a,
-                        req.reader_agent,
-                        local,
-                        remote,
-                        notif,
-                        max(0.001, self.deadline - time.monotonic()),
-                        self.ring.mem_type,
-                    )
-                    self.metrics.nixl_descriptors.observe(1)
-                    w.future.add_done_callback(functools.partial(self._written, w.index))
-            except Exception as e:
-                st.fail(self._write_error(e))
-            return False
-
-    def _written(self, index: int, fut: Future[None]) -> None:
-        err = fut.exception()
-        if err is None:
-            self.state.write_done(index)
-        else:
-            self.state.fail(self._write_error(err))
-
-    def _write_error(self, e: BaseException) -> SidecarError:
-        if isinstance(e, SidecarError):
-            return e
-        if self.ring.mem_type == "VRAM" and ucx_emulation_disabled():
-            # With UCX_PROTO_EMULATION_ENABLE=n a VRAM WRITE UCX cannot do natively fails here
-            # instead of crawling over TCP; we cannot tell that from other causes. With emulation
-            # allowed such a WRITE crawls instead of failing, so a failure there is something else.
-            self.metrics.ucx_emulation.inc()
-            log.error(
-                "GPU WRITE to %s failed: if UCX has no native path for VRAM here (cuda_ipc on a node, "
-                "GPUDirect RDMA across nodes), it refused to emulate over TCP: see docs/operations.md "
-                "section 5.1",
-                self.req.reader_agent,
-            )
-        return SidecarError(
-            Code.UNAVAILABLE, f"transfer from peer failed: NIXL WRITE into the reader's ring failed: {e}"
-        )
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
 
 
 class _ReaderGone(SidecarError):
@@ -195,30 +92,26 @@ class _RunContext:
         pass  # the run keeps that itself (PushRun.finish), for the call that joins it
 
 
-def _uploaded(item: Published, device: int) -> Any:
-    """The record's block ids on `device` if their upload at Publish time is complete, else None."""
-    fut = item.uploaded.get(device)
-    if fut is None or not fut.done() or fut.exception() is not None:
-        return None
-    return fut.result()
+@dataclass
+class _PushHalt:
+    """May a Push go on: not once its call ended (the reader went away), nor past its deadline, nor,
+    for a transfer its notification started, once its call is ALONE_S late (`alone`)."""
 
+    request_id: str
+    deadline: float
+    stopped: threading.Event
+    alone: _RunContext | None
 
-def _quiesce(nixl: NixlDriver, state: sp.SendState) -> bool:
-    """Cancel the WRITEs still in flight and wait for them to end; False if one would not."""
-    quiet = True
-    for w in state.in_flight():
-        if w.future is None:
-            continue  # never posted
-        if not w.future.done():
-            with contextlib.suppress(Exception):
-                nixl.cancel(w.future)
-        try:
-            w.future.result(timeout=CANCEL_WAIT_S)
-        except TimeoutError:
-            quiet = False
-        except Exception:
-            pass  # it ended (failed or cancelled): nothing is in flight
-    return quiet
+    def remaining(self) -> float:
+        if self.stopped.is_set():
+            raise SidecarError(Code.CANCELLED, f"push of request {self.request_id!r}: the reader went away")
+        left = self.deadline - time.monotonic()
+        alone_left = self.alone.time_remaining() if self.alone is not None else None  # raises past ALONE_S
+        if alone_left is not None:
+            left = min(left, alone_left)
+        if left <= 0:
+            raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {self.request_id!r} timed out")
+        return left
 
 
 class StagedSource:
@@ -229,8 +122,8 @@ class StagedSource:
         engines: EngineRegistry,
         published: PublishedStore,
         reads: SourceReads,
-        staging: GpuStaging,
-        nixl: NixlDriver,
+        plane: DataPlane,
+        threads: PushThreads,
         metrics: Metrics,
         push_keys: PushKeys,
         push_runs: PushRuns,
@@ -241,8 +134,8 @@ class StagedSource:
         self._engines = engines
         self._published = published
         self._reads = reads
-        self._staging = staging
-        self._nixl = nixl
+        self._plane = plane
+        self._threads = threads
         self._metrics = metrics
         self._push_keys = push_keys
         self._push_runs = push_runs
@@ -301,7 +194,7 @@ class StagedSource:
         run = self._push_runs.start_by_notif(req.transfer_id)
         if run is not None:
             self._metrics.push_starts.labels("notification").inc()
-            self._staging.run_source(functools.partial(self._run_push, req, run, peer))
+            self._threads.run_source(functools.partial(self._run_push, req, run, peer))
 
     def _run_push(self, req: peer_pb2.PushRequest, run: PushRun, peer: str) -> None:
         quiet = [True]
@@ -363,22 +256,13 @@ class StagedSource:
             raise SidecarError(Code.INVALID_ARGUMENT, "transfer_id must be 16 lowercase hex characters")
         if not 1 <= len(req.slots) <= MAX_SLOTS or any(s.length == 0 for s in req.slots):
             raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
-        ring = self._staging.ring(src_entry.gpu.device if src_entry.gpu is not None else HOST, "send")
-        per_block = gpu.staging_bytes(reader_spec, 1)
-        cap = min(ring.slot_bytes, *(s.length for s in req.slots))
-        if cap < per_block:
-            raise SidecarError(
-                Code.RESOURCE_EXHAUSTED,
-                f"a staging slot ({cap} bytes) cannot hold one block of the reader's layout ({per_block} "
-                "bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
-            )
+        per_chunk = self._plane.blocks_per_chunk(src_entry.key, reader_spec, [s.length for s in req.slots])
         if item is None:  # the open it carries, checked like an OpenRead once the rest of the Push is sound
-            item = self._open_from_push(req, plan, context.peer(), src_entry.gpu is not None)
+            item = self._open_from_push(req, plan, context.peer(), src_entry.on_gpu)
         check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
-        chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, cap // per_block)
+        chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, per_chunk)
         if not chunks:
             return peer_pb2.PushResponse()
-        self._nixl.load_remote(req.reader_agent, req.reader_agent_metadata)
         left = req.timeout_ms / 1000 if req.timeout_ms else self._pull_timeout_s
         # A transfer a notification started asks its context at each wait instead (ALONE_S, until its
         # call joins); its deadline, which its WRITEs get too, is the request's own.
@@ -388,99 +272,33 @@ class StagedSource:
         stopped = threading.Event()
         context.add_callback(stopped.set)  # the call ended: the reader went away (or we answered)
 
-        def remaining() -> float:
-            if stopped.is_set():
-                raise SidecarError(
-                    Code.CANCELLED, f"push of request {req.request_id!r}: the reader went away"
-                )
-            left = deadline - time.monotonic()
-            alone_left = alone.time_remaining() if alone is not None else None  # raises once past ALONE_S
-            if alone_left is not None:
-                left = min(left, alone_left)
-            if left <= 0:
-                raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {req.request_id!r} timed out")
-            return left
-
-        send_slots = ring.pool.acquire(min(len(chunks), len(req.slots) + 1), remaining)
-        state = sp.SendState(chunks, send_slots, list(range(len(req.slots))))
-        copies: GpuCopies | HostCopies
-        pump: _Pump | None = None
-
-        def on_notif(agent: str, msg: bytes) -> None:  # NIXL driver thread
-            parsed = sp.parse_notif(msg)
-            try:
-                if agent != req.reader_agent or parsed is None or parsed[1] == sp.CHUNK:
-                    raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {agent}")
-                if parsed[1] == sp.STOP:
-                    state.stop("the reader stopped the transfer")
-                elif not 0 <= parsed[2][0] < len(req.slots):
-                    raise sp.ProtocolError(f"credit for slot {parsed[2][0]} of {len(req.slots)}")
-                else:
-                    state.credit(parsed[2][0])
-            except sp.ProtocolError as e:
-                state.fail(SidecarError(Code.INVALID_ARGUMENT, f"the reader broke the staged protocol: {e}"))
-
-        context.add_callback(lambda: state.stop("the reader cancelled the Push"))
-        self._nixl.listen(sp.prefix(req.transfer_id), on_notif)
-        src = src_entry.gpu
+        tx: Transmission = self._plane.send(
+            Send(
+                src_entry.key,
+                reader_spec,
+                req.reader_rank,
+                heads,
+                (req.engine_id, req.request_id),
+                tuple(item.block_ids),  # from our own record: the reader names only a start token
+                item.num_tokens,
+                req.start_token,
+                tuple(chunks),
+                req.transfer_id,
+                req.reader_agent,
+                req.reader_agent_metadata,
+                tuple((s.address, s.length) for s in req.slots),
+                req.device_id,
+                deadline,
+            )
+        )
+        context.add_callback(lambda: tx.stop("the reader cancelled the Push"))
         try:
-            with src.in_use() if src is not None else contextlib.nullcontext():
-                if src is not None:
-                    copies = GpuCopies(
-                        gpu.StagedCopies(
-                            src.view(src.device),
-                            reader_spec,
-                            req.reader_rank,
-                            heads,
-                            item.block_ids,  # from our own record: the reader names only a start token
-                            item.num_tokens,
-                            req.start_token,
-                            into_staging=True,
-                            uploaded_ids=_uploaded(item, src.device),
-                        )
-                    )
-                else:
-                    ids = np.asarray(item.block_ids, dtype=np.int64)
-                    copies = HostCopies(
-                        src_entry.host_view, reader_spec, req.reader_rank, heads, ids, ring, True
-                    )
-                pump = _Pump(self._nixl, self._metrics, state, copies, ring, req, deadline, per_block)
-                quiet[0] = False
-                self._nixl.add_poller(pump.poll)
-                try:
-                    nbytes = 0
-                    while (g := state.next_gather(remaining)) is not None:
-                        index, slot = g
-                        t0, t1 = chunks[index]
-                        marker, moved = copies.launch(t0, t1, ring.slot_address(slot))
-                        nbytes += moved
-                        state.gathered(index, slot, marker)
-                    state.wait_finished(remaining)
-                    quiet[0] = True
-                    return peer_pb2.PushResponse(chunks=len(chunks), bytes=nbytes)
-                except sp.Stopped as e:
-                    raise SidecarError(
-                        Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}"
-                    ) from None
-                finally:
-                    if not quiet[0]:
-                        state.fail(sp.Stopped("the push failed"))
-                        pump.close()  # no WRITE starts after this
-                        quiet[0] = _quiesce(self._nixl, state)
-                        copies.synchronize()  # our gathers are done before the send slots are reused
+            sent = tx.run(_PushHalt(req.request_id, deadline, stopped, alone))
+            return peer_pb2.PushResponse(chunks=sent.chunks, bytes=sent.nbytes)
+        except sp.Stopped as e:
+            raise SidecarError(Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}") from None
         finally:
-            if pump is not None:
-                pump.close()
-            self._nixl.unlisten(sp.prefix(req.transfer_id))
-            if quiet[0]:
-                ring.pool.release(send_slots)
-            else:
-                log.warning(
-                    "transfer %s: WRITEs did not end; send slots rejoin the ring in %g s",
-                    req.transfer_id,
-                    QUARANTINE_S,
-                )
-                ring.pool.release_later(send_slots, QUARANTINE_S)
+            quiet[0] = tx.quiet
 
     def _open_from_push(
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool

@@ -21,11 +21,11 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from google.protobuf.message import DecodeError
 
+from kv_sidecar.errors import Code, SidecarError, handler_error
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server import engine_calls
 from kv_sidecar.server.drain import Drain, draining_message
 from kv_sidecar.server.engine_calls import EngineCalls
-from kv_sidecar.server.errors import Code, SidecarError, handler_error
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 from kv_sidecar_client.lane import LANE_VERSION, shut_down
 

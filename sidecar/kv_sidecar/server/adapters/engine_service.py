@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.server.adapters.grpc_status import rpc, stream_rpc
 from kv_sidecar.server.engine_calls import EngineCalls
-from kv_sidecar.server.errors import Code, SidecarError
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, status_pb2
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kv_sidecar.server.errors import Code, handler_error
+from kv_sidecar.errors import Code, handler_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 
 from kv_sidecar.config import Settings
+from kv_sidecar.errors import Code
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.grpc_status import from_grpc
-from kv_sidecar.server.errors import Code
 from kv_sidecar.server.peer_calls import Connect, PeerCallError, PeerClient, PeerFuture
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 

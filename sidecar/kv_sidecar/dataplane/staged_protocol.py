@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kv_sidecar.server.notifications import SEP, TRANSFER_TAG
+from kv_sidecar.transport.notifications import SEP, TRANSFER_TAG
 
 ID_LEN = 16  # hex characters of a transfer id
 PREFIX_LEN = len(TRANSFER_TAG) + 1 + ID_LEN + 1  # a transfer's notifications: tag, SEP, id, SEP

@@ -1,8 +1,8 @@
-"""The core's errors: one exception type carrying a status `Code`, and the checks of ids and addresses.
+"""The sidecar's errors: one exception type carrying a status `Code`, and the checks of ids and addresses.
 
-`Code` has gRPC's status names and numbers (they are what engines and peers see), but this module,
-like the rest of the core, does not import grpc: `server/adapters/grpc_status.py` maps a `Code` to a
-gRPC status at the edge, in one place.
+Raised by the control core (server/) and the data plane (dataplane/) alike. `Code` has gRPC's status
+names and numbers (they are what engines and peers see), but this module does not import grpc:
+`server/adapters/grpc_status.py` maps a `Code` to a gRPC status at the edge, in one place.
 """
 
 from __future__ import annotations

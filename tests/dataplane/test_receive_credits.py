@@ -1,4 +1,4 @@
-"""The reader's credit poller (server/staged_reader._Credits) on its own: a scattered slot goes back to the
+"""The reader's credit poller (dataplane/receive._Credits) on its own: a scattered slot goes back to the
 source as a credit notification, and a send that fails because the source is gone ends the pull as
 UNAVAILABLE, not as an internal error. The agent here is a stand-in for NIXL's: on the 2-core CPU machine
 UCX does not fail a notification to a killed peer (the Push call's failure ends the pull there), so the
@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from kv_sidecar.server import staged_protocol as sp
-from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.gpu_staging import HOST, Ring
-from kv_sidecar.server.staged_reader import _Credits
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.jobs import HOST
+from kv_sidecar.dataplane.receive import _Credits
+from kv_sidecar.dataplane.rings import Ring
+from kv_sidecar.errors import Code, SidecarError
 
 
 class Agent:

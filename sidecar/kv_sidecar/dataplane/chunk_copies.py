@@ -1,23 +1,9 @@
-"""What both ends of the staged protocol share: the copies into and out of ring slots, on GPUs or host
-memory, and the protocol's constants.
+"""The chunk copies of the staged protocol, into ring slots (a source's gathers) and out of them (a
+reader's scatters): on a GPU with the Triton kernels on the transfer's CUDA stream, or in host memory
+with the host executor (`host_transfer: ring`; how CI runs the protocol without GPUs).
 
-gpu-staged: the source engine is behind another sidecar. The reader
-(server/staged_reader.py) takes receive slots from its GPU's ring and asks the
-sidecar holding the source rank, in one `Push` call, to send the tokens into
-them. That sidecar (server/staged_source.py) gathers chunk after chunk, already
-in the reader's layout, into slots of its send ring on a CUDA stream; its NIXL
-driver thread WRITEs each chunk as soon as the chunk's CUDA event completes and
-a receive slot is free, as one descriptor with a notification naming the chunk.
-The reader's notification launches the scatter on its stream, and its driver
-thread gives the slot back (a credit notification) as soon as the scatter's
-event completes. Gather, wire and scatter overlap across the slots with no host
-synchronisation between stages and no gRPC message per chunk
-(server/staged_protocol.py holds the bookkeeping; docs/gpu.md the protocol).
-host-ring: the same protocol between host-memory engines, through host rings and
-the host executor (`host_transfer: ring`; how CI runs it without GPUs).
-
-Engine memory is never registered with NIXL (DESIGN.md section 1): only the
-rings, which the sidecars own.
+The protocol itself: docs/gpu.md; its bookkeeping: dataplane/staged_protocol.py; its two ends:
+dataplane/send.py and dataplane/receive.py.
 """
 
 from __future__ import annotations
@@ -28,33 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.execute import gpu, host
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server import staged_protocol as sp
-from kv_sidecar.server.errors import Code, SidecarError
-from kv_sidecar.server.gpu_staging import Ring
-from kv_sidecar.server.pull_job import CANCEL_WAIT_S
-
-PATH_STAGED = "gpu-staged"
-PATH_HOST_RING = "host-ring"
-
-# Slots a peer may still write into (it never confirmed the end of its transfer) rejoin their pool
-# this long after the Push call ended: a source whose call went away stops and cancels its WRITEs
-# within CANCEL_WAIT_S.
-QUARANTINE_S = 2 * CANCEL_WAIT_S
-MAX_SLOTS = 4096
-
-
-def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int, int] | None:
-    for read in plan.decode_ranks[decode_rank].reads:
-        if read.prefill_rank == prefill_rank:
-            return read.heads
-    raise SidecarError(
-        Code.INVALID_ARGUMENT,
-        f"decode rank {decode_rank} reads nothing from prefill rank {prefill_rank} under this plan",
-    )
 
 
 class GpuCopies:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kv_sidecar.server import staged_protocol as sp
+from kv_sidecar.dataplane import staged_protocol as sp
 
 
 def forever() -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from kv_sidecar.server import notifications as n
+from kv_sidecar.transport import notifications as n
 
 
 def test_tags_are_distinct_and_none_starts_another() -> None:

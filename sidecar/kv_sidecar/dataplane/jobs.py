@@ -1,0 +1,193 @@
+"""What crosses the data-plane boundary: plain data only.
+
+The control core (server/) describes what to move with these values and hands them to the
+`DataPlane` (dataplane/plane.py); it never sees a mapping, a ring, a stream or a NIXL handle. Every
+field is a number, a string, bytes, a numpy array or a plan value, so that a device's plane could
+run in another process (one worker per GPU) and receive its jobs as messages. The one thing a job
+is given that is not data is its `Halt`, the question "may I go on?", which such a worker would get
+as the job's deadline plus a stop message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.plan.spec import EngineSpec
+
+HOST = -1  # the device key of host memory (a CUDA ordinal otherwise)
+
+# How long a stopped job waits for what it started to end: its NIXL READs, or, in the staged
+# protocol, the other side to have nothing in flight.
+CANCEL_WAIT_S = 5.0
+# Receive slots a peer may still write into (it never confirmed the end of its transfer) rejoin their
+# pool this long after the Push call ended: a source whose call went away stops and cancels its
+# WRITEs within CANCEL_WAIT_S.
+QUARANTINE_S = 2 * CANCEL_WAIT_S
+
+
+@dataclass(frozen=True)
+class RankKey:
+    """One registered engine rank."""
+
+    engine_id: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class ShmTensor:
+    """One host tensor as an engine sent it: a shared-memory segment and where the tensor sits in it."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class IpcTensorRef:
+    """One GPU tensor as an engine sent it (the CudaIpcTensor message)."""
+
+    handle: bytes
+    offset: int
+    device_uuid: str
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What the control plane knows of a rank's memory once the plane has mapped it: where it lives,
+    and its regions (address, length, NIXL device id) as peers see them at handshake."""
+
+    kind: str  # NIXL's name: "DRAM" or "VRAM"
+    device: int  # CUDA ordinal, or HOST
+    regions: tuple[tuple[int, int, int], ...]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kind == "VRAM"
+
+
+class Halt(Protocol):
+    """May the job go on? `remaining()` answers the seconds left, and raises the error the job must
+    end with once it must stop (stopped, or past its deadline)."""
+
+    def remaining(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A request's token range and the blocks that hold it on both sides, validated against the plan
+    (plan/blocks.check_pull): `src_blocks` every source block of the request, `dst_blocks` the
+    destination blocks of [start_token, num_tokens)."""
+
+    src_blocks: np.ndarray  # int64
+    dst_blocks: np.ndarray  # int64
+    num_tokens: int
+    start_token: int
+
+
+@dataclass(frozen=True)
+class RankRead:
+    """One read of a decode rank: from which source rank, which KV heads (None: all)."""
+
+    dst: RankKey
+    src: RankKey
+    heads: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    """A pull whose source ranks are registered on this node (host-direct, gpu-direct).
+    `whole_blocks`: the plan is the identity, so host copies move whole blocks."""
+
+    reads: tuple[RankRead, ...]
+    tokens: Tokens
+    whole_blocks: bool
+
+
+@dataclass(frozen=True)
+class RemoteRank:
+    """A source rank behind another sidecar, as its holder described it at handshake."""
+
+    agent: str  # the holder's NIXL agent
+    engine_id: str
+    rank: int
+    spec: EngineSpec
+    region_bases: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockReads:
+    """host-nixl: NIXL READs of whole block chunks, each source rank straight into the same rank here
+    (the plan is the identity)."""
+
+    reads: tuple[tuple[RankKey, RemoteRank], ...]
+    tokens: Tokens
+
+
+@dataclass(frozen=True)
+class ConvertedRead:
+    """host-nixl-staged: READ the source blocks one decode rank needs into staging memory, then convert
+    them (layout, TP, block size) into its blocks."""
+
+    dst: RankKey
+    src: RemoteRank
+    plan: PairPlan
+    heads: tuple[int, int] | None
+    tokens: Tokens
+
+
+@dataclass(frozen=True)
+class Receive:
+    """The reader's end of one staged transfer: take receive slots, scatter each chunk the source WRITEs
+    into them as its notification arrives, and give the slot back (docs/gpu.md, the staged protocol)."""
+
+    dst: RankKey
+    spec: EngineSpec  # the reader's (decode) spec
+    heads: tuple[int, int] | None
+    tokens: Tokens
+    source_agent: str
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class ReceiveSlots:
+    """What the source needs to WRITE into a reception's slots (it goes into the Push)."""
+
+    addresses: tuple[int, ...]
+    slot_bytes: int
+    metadata: bytes  # NIXL partial metadata of the ring
+    memory_kind: str
+    device_id: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """The source's end of one staged transfer: gather chunks of the request into send slots, already
+    in the reader's layout, and WRITE each into a receive slot the reader granted."""
+
+    src: RankKey
+    reader_spec: EngineSpec
+    reader_rank: int
+    heads: tuple[int, int] | None
+    request: tuple[str, str]  # (engine, request): where ids prefetched at Publish are found
+    block_ids: tuple[int, ...]  # the source's blocks of the whole request, from its own record
+    num_tokens: int
+    start_token: int  # the reader's prefix: tokens [start_token, num_tokens) move
+    chunks: tuple[tuple[int, int], ...]  # their token ranges, in order (DataPlane.blocks_per_chunk)
+    transfer_id: str
+    reader_agent: str
+    reader_metadata: bytes
+    reader_slots: tuple[tuple[int, int], ...]  # (address, length)
+    reader_device: int
+    deadline: float  # monotonic: the WRITEs' own deadline
+
+
+@dataclass(frozen=True)
+class Sent:
+    chunks: int
+    nbytes: int

@@ -1,0 +1,242 @@
+"""The data plane's one door: `DataPlane` for the node, a `DevicePlane` per device behind it.
+
+Everything that touches a device's memory and moves bytes sits behind this door: the ranks'
+mappings (dataplane/ranks.py), the staging rings (dataplane/rings.py), gather/scatter launches
+(dataplane/chunk_copies.py, execute/), NIXL READ and WRITE posting (dataplane/nixl_reads.py,
+dataplane/send.py), the staged protocol's credits and completions (dataplane/receive.py). The
+control core hands it jobs of plain data (dataplane/jobs.py) and gets back bytes moved, or an
+error; it never reaches past it. A `DevicePlane` is what a per-GPU worker process would serve.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kv_sidecar.config import Settings
+from kv_sidecar.dataplane import local_copies
+from kv_sidecar.dataplane.jobs import (
+    HOST,
+    BlockReads,
+    ConvertedRead,
+    Halt,
+    IpcTensorRef,
+    LocalCopy,
+    RankKey,
+    RankMemory,
+    Receive,
+    Send,
+    ShmTensor,
+)
+from kv_sidecar.dataplane.nixl_reads import NixlReads, PostedRead
+from kv_sidecar.dataplane.ranks import MappedRanks
+from kv_sidecar.dataplane.receive import Reception
+from kv_sidecar.dataplane.rings import Ring, new_ring
+from kv_sidecar.dataplane.send import Transmission
+from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.execute import gpu
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.notifications import SEP, TRANSFER_TAG
+
+# The door: what the control core may use of the data plane (with dataplane/jobs.py, the values it
+# hands over, and dataplane/staged_protocol.py, the protocol's pure bookkeeping). tests/server/
+# test_layering.py holds the core to it.
+__all__ = ["DataPlane", "DevicePlane", "MappedRanks", "PostedRead", "Reception", "Transmission"]
+
+# Block ids uploaded at Publish, freed when the request's record goes (`forget_ids`), and kept for that
+# many requests at most should the record outlive that (the oldest go first; a gather that finds none
+# uploads its own).
+_UPLOADS_KEPT = 4096
+
+
+class DevicePlane:
+    """One device's rings and the staged transfers that run through them (a CUDA ordinal, or HOST)."""
+
+    def __init__(
+        self, device: int, settings: Settings, nixl: NixlDriver, metrics: Metrics, ranks: MappedRanks
+    ):
+        self.device = device
+        self._settings, self._nixl, self._metrics, self._ranks = settings, nixl, metrics, ranks
+        self._lock = threading.Lock()
+        self._rings: dict[str, Ring] = {}
+
+    def ring(self, role: str) -> Ring:
+        """The "send" or "recv" ring, allocated and registered with NIXL on first use."""
+        with self._lock:
+            ring = self._rings.get(role)
+            if ring is None:
+                s = self._settings
+                ring = new_ring(
+                    self.device, role, s.gpu_staging_bytes, s.gpu_staging_slots, self._nixl, self._metrics
+                )
+                self._rings[role] = ring
+            return ring
+
+    @property
+    def ring_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._rings.values())
+
+    def receive(self, job: Receive, halt: Halt) -> Reception | None:
+        ring = self.ring("recv")
+        per_block = gpu.staging_bytes(job.spec, 1)
+        if ring.slot_bytes < per_block:
+            raise SidecarError(
+                Code.RESOURCE_EXHAUSTED,
+                f"a staging slot ({ring.slot_bytes} bytes) cannot hold one block of the reader's "
+                f"layout ({per_block} bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
+            )
+        if len(job.tokens.dst_blocks) == 0:
+            return None  # a prefix hit covering the whole request: nothing to move
+        return Reception(self._ranks, ring, self._nixl, self._metrics, job, halt)
+
+    def blocks_per_chunk(self, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
+        """How many of the reader's blocks one chunk carries: as many as both sides' slots hold."""
+        per_block = gpu.staging_bytes(reader_spec, 1)
+        cap = min(self.ring("send").slot_bytes, *slot_lengths)
+        if cap < per_block:
+            raise SidecarError(
+                Code.RESOURCE_EXHAUSTED,
+                f"a staging slot ({cap} bytes) cannot hold one block of the reader's layout ({per_block} "
+                "bytes): raise gpu_staging_bytes or lower gpu_staging_slots",
+            )
+        return cap // per_block
+
+    def send(self, job: Send, uploaded_ids: Any) -> Transmission:
+        return Transmission(self._ranks, self.ring("send"), self._nixl, self._metrics, job, uploaded_ids)
+
+
+class DataPlane:
+    """The node's data plane: the ranks' memory, and each device's plane, created on first use."""
+
+    def __init__(self, settings: Settings, nixl: NixlDriver, metrics: Metrics) -> None:
+        self._settings, self._nixl, self._metrics = settings, nixl, metrics
+        # A transfer's notifications (staged_protocol.prefix) go to the transfer listening for them.
+        nixl.route(TRANSFER_TAG + SEP)
+        self.ranks = MappedRanks(nixl, on_gpu_device=self._ready_device)
+        self._reads = NixlReads(self.ranks, nixl, metrics, settings.staging_bytes)
+        self._lock = threading.Lock()
+        self._devices: dict[int, DevicePlane] = {}
+        self._uploads: OrderedDict[tuple[str, str], tuple[tuple[int, ...], dict[int, Future[Any]]]] = (
+            OrderedDict()
+        )
+        self._uploader: ThreadPoolExecutor | None = None
+
+    def device(self, device: int) -> DevicePlane:
+        with self._lock:
+            plane = self._devices.get(device)
+            if plane is None:
+                plane = self._devices[device] = DevicePlane(
+                    device, self._settings, self._nixl, self._metrics, self.ranks
+                )
+            return plane
+
+    def _ready_device(self, device: int) -> None:
+        """Allocate and register both rings of a GPU before any peer handshakes for its engines."""
+        plane = self.device(device)
+        plane.ring("send")
+        plane.ring("recv")
+        self._metrics.gpu_memory.set(self.gpu_ring_bytes())
+
+    def gpu_ring_bytes(self) -> int:
+        with self._lock:
+            planes = [p for d, p in self._devices.items() if d != HOST]
+        return sum(p.ring_bytes for p in planes)
+
+    # -- memory ---------------------------------------------------------------------
+    def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
+        return self.ranks.attach_host(key, spec, tensors)
+
+    def attach_gpu(self, key: RankKey, spec: EngineSpec, refs: list[IpcTensorRef]) -> RankMemory:
+        return self.ranks.attach_gpu(key, spec, refs)
+
+    def detach(self, key: RankKey) -> None:
+        self.ranks.detach(key)
+
+    def _device_of(self, key: RankKey) -> int:
+        return self.ranks.gpu(key).device if self.ranks.is_gpu(key) else HOST
+
+    # -- jobs -----------------------------------------------------------------------
+    def copy_local(self, job: LocalCopy, halt: Halt) -> int:
+        """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind)."""
+        if job.reads and self.ranks.is_gpu(job.reads[0].dst):
+            return local_copies.copy_gpu(self.ranks, job, halt)
+        return local_copies.copy_host(self.ranks, job, halt)
+
+    def post_reads(self, job: BlockReads, halt: Halt) -> list[PostedRead]:
+        return self._reads.post(job, halt)
+
+    def finish_reads(self, reads: list[PostedRead], halt: Halt) -> int:
+        return self._reads.finish(reads, halt)
+
+    def abandon_reads(self, reads: list[PostedRead]) -> None:
+        self._reads.abandon(reads)
+
+    def read_converted(self, job: ConvertedRead, halt: Halt) -> int:
+        return self._reads.read_converted(job, halt)
+
+    def receive(self, job: Receive, halt: Halt) -> Reception | None:
+        """The receiving end of a staged transfer into `job.dst`, its slots taken; None if the job moves
+        nothing. Raises RESOURCE_EXHAUSTED if a slot cannot hold one block."""
+        return self.device(self._device_of(job.dst)).receive(job, halt)
+
+    def blocks_per_chunk(self, src: RankKey, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
+        """How many of the reader's blocks one chunk of a transfer out of `src` carries; RESOURCE_EXHAUSTED
+        if a slot (ours or the reader's) cannot hold one."""
+        return self.device(self._device_of(src)).blocks_per_chunk(reader_spec, slot_lengths)
+
+    def send(self, job: Send) -> Transmission:
+        """The sending end of a staged transfer out of `job.src`; `Transmission.run` moves it."""
+        device = self._device_of(job.src)
+        return self.device(device).send(job, self._uploaded(job, device))
+
+    # -- block ids, uploaded ahead of a gather ----------------------------------------
+    def prefetch_ids(
+        self, request: tuple[str, str], block_ids: Sequence[int], ranks: Sequence[RankKey]
+    ) -> None:
+        """Upload a published request's block ids to the GPU of each of its ranks here on a kept
+        thread, so that a gather need not: the upload costs a source ~0.3 ms on a pull's critical
+        path, and a reader asks only after the prefill engine's Publish has returned, which does not
+        wait for it. A gather that finds it unfinished uploads its own."""
+        devices = {self.ranks.gpu(k).device for k in ranks if self.ranks.is_gpu(k)}
+        if not devices:
+            return
+        ids = tuple(block_ids)
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ids-upload")
+            futures = {d: self._uploader.submit(gpu.upload_block_ids, ids, d) for d in devices}
+            self._uploads[request] = (ids, futures)
+            self._uploads.move_to_end(request)
+            while len(self._uploads) > _UPLOADS_KEPT:
+                self._uploads.popitem(last=False)
+
+    def forget_ids(self, engine_id: str, request_id: str) -> None:
+        """The request's record is gone: free its uploaded ids."""
+        with self._lock:
+            self._uploads.pop((engine_id, request_id), None)
+
+    def _uploaded(self, job: Send, device: int) -> Any:
+        """The job's block ids on `device` if their upload is complete, else None."""
+        with self._lock:
+            entry = self._uploads.get(job.request)
+        if entry is None or entry[0] != job.block_ids:
+            return None  # never uploaded, or a request of that id published again since
+        fut = entry[1].get(device)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    def close(self) -> None:
+        with self._lock:
+            uploader, self._uploader = self._uploader, None
+            self._devices.clear()
+            self._uploads.clear()
+        if uploader is not None:
+            uploader.shutdown(wait=False, cancel_futures=True)
+        self.ranks.close()

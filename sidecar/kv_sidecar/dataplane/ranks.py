@@ -1,0 +1,202 @@
+"""The engine ranks' memory as this node maps it: shared memory (host) or CUDA IPC (GPU), keyed by rank.
+
+Only the data plane holds these mappings; the control core knows a rank by its `RankKey` and its
+`RankMemory` description. Host ranks are registered with NIXL once (host-nixl READs land in them);
+GPU ranks never are (DESIGN.md section 1: only the sidecar's own rings are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_sidecar.dataplane.jobs import HOST, IpcTensorRef, RankKey, RankMemory, ShmTensor
+from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.execute.host import RankView, rank_view
+from kv_sidecar.memory.shm import ShmMapper
+from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry, descriptor_table
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.transport.nixl_driver import NixlDriver
+
+if TYPE_CHECKING:
+    from kv_sidecar.memory.gpu_rank import GpuRank
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostRank:
+    """A rank in shared memory: its tensors (views of the mapped segments) and their NIXL registration."""
+
+    key: RankKey
+    spec: EngineSpec
+    tensors: list[torch.Tensor]
+    shm_names: list[str]
+    view: RankView
+    geometry: ChunkGeometry
+    nixl_key: int | None = None
+    local_dlist: int | None = None  # every chunk of this rank, prepared once
+    dlist_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def region_bases(self) -> list[int]:
+        return [t.data_ptr() for t in self.tensors]
+
+
+class MappedRanks:
+    """Every rank registered on this node, mapped; thread-safe."""
+
+    def __init__(self, nixl: NixlDriver | None, on_gpu_device: Callable[[int], None] | None = None) -> None:
+        self._nixl = nixl
+        self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
+        self._lock = threading.Lock()
+        self._host: dict[RankKey, HostRank] = {}
+        self._gpu: dict[RankKey, GpuRank] = {}
+        self._shm = ShmMapper()
+
+    def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
+        mapped: list[torch.Tensor] = []
+        names: list[str] = []
+        try:
+            for t in tensors:
+                mapped.append(self._shm.map_tensor(t.name, t.offset, list(t.shape), list(t.strides), t.dtype))
+                names.append(t.name)
+            view = rank_view(spec, key.rank, mapped)
+            # After mapping (a bad handle is named first), before NIXL sees overlapping regions.
+            _check_disjoint(spec, [(t.name, t.offset, t.shape) for t in tensors])
+        except BaseException:
+            for n in names:
+                self._shm.release(n)
+            raise
+        rank = HostRank(key, spec, mapped, names, view, chunk_geometry(spec))
+        if self._nixl is not None:
+            rank.nixl_key = self._nixl.register(_regions(mapped))
+        with self._lock:
+            self._host[key] = rank
+        return RankMemory("DRAM", HOST, _regions(mapped))
+
+    def attach_gpu(self, key: RankKey, spec: EngineSpec, refs: list[IpcTensorRef]) -> RankMemory:
+        """Import a rank's CUDA IPC handles into its GPU's context (a bad handle fails here, at
+        registration, not at a later pull)."""
+        # Imported here: a CPU-only sidecar never loads the CUDA driver bindings.
+        try:
+            from kv_sidecar.memory.gpu_rank import GpuRank
+            from kv_sidecar_client.cuda_ipc import CudaIpcError
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"this sidecar cannot serve GPU memory: {e}"
+            ) from None
+        if not torch.cuda.is_available():
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                "rank registers CUDA IPC tensors but this sidecar sees no GPU "
+                "(give the sidecar container the engine's GPUs)",
+            )
+        _check_disjoint(
+            spec, [(r.handle, r.offset, spec.rank_tensor_shapes()[i]) for i, r in enumerate(refs)]
+        )
+        try:
+            gpu = GpuRank(spec, key.rank, refs)
+        except CudaIpcError as e:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION, f"cannot map rank {key.rank}'s GPU memory: {e}"
+            ) from None
+        if self._on_gpu_device is not None:
+            try:
+                self._on_gpu_device(gpu.device)
+            except BaseException:
+                gpu.close()
+                raise
+        with self._lock:
+            self._gpu[key] = gpu
+        # Peers never address a GPU rank's memory (they WRITE into our rings): no regions to tell.
+        return RankMemory("VRAM", gpu.device, ())
+
+    def detach(self, key: RankKey) -> None:
+        with self._lock:
+            host = self._host.pop(key, None)
+            gpu = self._gpu.pop(key, None)
+        if host is not None:
+            if self._nixl is not None:
+                if host.local_dlist is not None:
+                    self._nixl.release_dlist(host.local_dlist)
+                if host.nixl_key is not None:
+                    self._nixl.deregister(host.nixl_key)
+            host.tensors.clear()
+            for n in host.shm_names:
+                self._shm.release(n)
+        if gpu is not None:
+            gpu.close()  # deferred while a copy still reads or writes the mappings
+
+    def host(self, key: RankKey) -> HostRank:
+        rank = self._host.get(key)
+        if rank is None:
+            if key in self._gpu:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"engine {key.engine_id!r} rank {key.rank} is in GPU memory; this path needs host memory",
+                )
+            raise _gone(key)
+        return rank
+
+    def gpu(self, key: RankKey) -> GpuRank:
+        rank = self._gpu.get(key)
+        if rank is None:
+            raise _gone(key)
+        return rank
+
+    def is_gpu(self, key: RankKey) -> bool:
+        return key in self._gpu
+
+    def local_dlist(self, rank: HostRank) -> int:
+        """The NIXL descriptor list of every chunk of `rank`, prepared once."""
+        assert self._nixl is not None
+        with rank.dlist_lock:
+            if rank.local_dlist is None:
+                rank.local_dlist = self._nixl.prep_dlist(
+                    "", descriptor_table(rank.geometry, rank.region_bases)
+                )
+            return rank.local_dlist
+
+    def close(self) -> None:
+        with self._lock:
+            keys = [*self._host, *self._gpu]
+        for key in keys:
+            with contextlib.suppress(Exception):
+                self.detach(key)
+
+
+def _check_disjoint(spec: EngineSpec, tensors: list[tuple[str | bytes, int, tuple[int, ...]]]) -> None:
+    """Refuse a rank whose tensors (where, offset, shape) share bytes: the sidecar would move one
+    layer's data as another's (two layers that share a cache must be registered once: the engine's
+    description is wrong)."""
+    spans = sorted(
+        (where, offset, offset + spec.element_size * math.prod(shape), i)
+        for i, (where, offset, shape) in enumerate(tensors)
+    )
+    for (where, _, end, i), (other, start, _, j) in itertools.pairwise(spans):
+        if where == other and start < end:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"tensors {min(i, j)} and {max(i, j)} overlap in their memory: each tensor the spec "
+                "describes must have bytes of its own",
+            )
+
+
+def _regions(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
+    return tuple((t.data_ptr(), t.numel() * t.element_size(), 0) for t in tensors)
+
+
+def _gone(key: RankKey) -> SidecarError:
+    return SidecarError(
+        Code.FAILED_PRECONDITION,
+        f"engine {key.engine_id!r} rank {key.rank} is not mapped here (it was unregistered during the pull)",
+    )

@@ -1,0 +1,244 @@
+"""The reader's end of a staged transfer, on the data plane: receive slots, the scatter of each chunk
+as its notification arrives, and the credits that give slots back (docs/gpu.md says how the protocol
+flows). The control side (server/staged_reader.py) asks the source to send, through the Push, and
+drives `Reception.wait` until the request is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.chunk_copies import GpuCopies, HostCopies
+from kv_sidecar.dataplane.jobs import QUARANTINE_S, Halt, Receive, ReceiveSlots
+from kv_sidecar.dataplane.ranks import MappedRanks
+from kv_sidecar.dataplane.rings import Ring
+from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.execute import gpu
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.transport.nixl_driver import NixlDriver
+
+log = logging.getLogger(__name__)
+
+_POKE = object()  # inbox marker: something the control side waits for happened (its Push call ended)
+
+
+class _Credits:
+    """Driver-thread poller of a reader: as each scatter's marker completes, give its slot back
+    to the source (credit notification) or to our pool (the chunks to come fit the credits)."""
+
+    def __init__(
+        self,
+        state: sp.RecvState,
+        ready: Callable[[Any], bool],
+        ring: Ring,
+        ring_slots: list[int],
+        agent: str,
+        transfer_id: str,
+        inbox: queue.Queue[Any],
+    ) -> None:
+        self.state = state
+        self.ready = ready
+        self.ring = ring
+        self.ring_slots = ring_slots  # wire slot (position in the Push) -> our ring slot
+        self.agent = agent
+        self.tid = transfer_id
+        self.inbox = inbox
+        self.pending: deque[tuple[Any, int]] = deque()
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def add(self, marker: Any, slot: int) -> None:
+        with self.lock:
+            self.pending.append((marker, slot))
+
+    def poll(self, a: Any) -> bool:
+        with self.lock:
+            if self.closed:
+                return True
+            try:
+                if a is None:
+                    raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+                while self.pending and self.ready(self.pending[0][0]):
+                    _, slot = self.pending.popleft()
+                    if self.state.scattered(slot):
+                        self._credit(a, slot)
+                    else:
+                        self.ring.pool.release([self.ring_slots[slot]])
+            except Exception as e:  # tell the reader's thread; it stops the transfer
+                self.closed = True
+                self.inbox.put(e)
+                return True
+            return False
+
+    def _credit(self, a: Any, slot: int) -> None:
+        try:
+            a.send_notif(self.agent, sp.credit_notif(self.tid, slot))
+        except Exception as e:
+            # Where UCX notices a dead peer at once, this send can fail before the Push call does: the
+            # source is gone, which is not an internal error of ours.
+            raise SidecarError(
+                Code.UNAVAILABLE, f"the source sidecar (NIXL agent {self.agent}) is not reachable: {e}"
+            ) from None
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
+class Reception:
+    """One staged transfer into a rank here, from its receive slots to its last scatter.
+
+    Built by `DataPlane.receive` (slots taken, the transfer's notifications listened for, the rank's
+    mapping held); then `slots` goes into the Push, `prepare` readies the scatters while the source
+    gathers, `wait` scatters chunk after chunk, and `close` gives everything back.
+    """
+
+    def __init__(
+        self, ranks: MappedRanks, ring: Ring, nixl: NixlDriver, metrics: Metrics, job: Receive, halt: Halt
+    ) -> None:
+        self._ranks, self._ring, self._nixl, self._metrics, self._job = ranks, ring, nixl, metrics, job
+        self._per_block = gpu.staging_bytes(job.spec, 1)
+        self._blocks_per_slot = ring.slot_bytes // self._per_block
+        self._held = contextlib.ExitStack()
+        self._copies: GpuCopies | HostCopies | None = None
+        self._credits: _Credits | None = None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self.nbytes = 0
+        t = job.tokens
+        self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)
+        per_block = self._per_block
+        self._state = sp.RecvState(
+            t.start_token,
+            t.num_tokens,
+            job.spec.block_size,
+            dict.fromkeys(range(len(self._slots)), ring.slot_bytes),
+            lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
+        )
+        self._prefix = sp.prefix(job.transfer_id)
+        self._nixl.listen(self._prefix, lambda a, m: self._inbox.put((a, m)))
+        try:
+            if ranks.is_gpu(job.dst):
+                self._held.enter_context(ranks.gpu(job.dst).in_use())
+        except BaseException:
+            self._nixl.unlisten(self._prefix)
+            ring.pool.release(self._slots)
+            raise
+
+    @property
+    def slots(self) -> ReceiveSlots:
+        r = self._ring
+        return ReceiveSlots(
+            tuple(r.slot_address(s) for s in self._slots), r.slot_bytes, r.metadata, r.mem_type, r.nixl_device
+        )
+
+    @property
+    def chunks(self) -> int | None:
+        """How many chunks the source said it sends (None until its first arrived)."""
+        return self._state.count
+
+    def prepare(self) -> None:
+        """Validate and upload the scatters' ids and start the credits, while the source gathers its
+        first chunk."""
+        job, t, ring = self._job, self._job.tokens, self._ring
+        if self._ranks.is_gpu(job.dst):
+            dst = self._ranks.gpu(job.dst)
+            copies: GpuCopies | HostCopies = GpuCopies(
+                gpu.StagedCopies(
+                    dst.view(dst.device),
+                    job.spec,
+                    job.dst.rank,
+                    job.heads,
+                    t.dst_blocks,
+                    t.num_tokens,
+                    t.start_token,
+                    into_staging=False,
+                )
+            )
+            # The first chunk's launch template, before its notification: it lands in the first slot
+            # offered, as large as a slot holds (a source with smaller slots sends smaller chunks,
+            # whose template is then computed on arrival).
+            t1 = min(t.num_tokens, t.start_token + self._blocks_per_slot * job.spec.block_size)
+            copies.staged.prepare(t.start_token, t1, ring.slot_address(self._slots[0]))
+        else:
+            host = HostCopies(
+                self._ranks.host(job.dst).view, job.spec, job.dst.rank, job.heads, t.dst_blocks, ring, False
+            )
+            host.first = t.start_token // job.spec.block_size
+            copies = host
+        self._copies = copies
+        self._credits = _Credits(
+            self._state, copies.ready, ring, self._slots, job.source_agent, job.transfer_id, self._inbox
+        )
+        self._nixl.add_poller(self._credits.poll)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Scatter the next chunk that arrives within `timeout_s`; True once every chunk is in the
+        engine's blocks. Returns early (False) when poked; raises what broke the transfer."""
+        state, copies = self._state, self._copies
+        assert copies is not None and self._credits is not None, "prepare() first"
+        if state.complete:
+            return True
+        try:
+            item = self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        if item is _POKE:
+            return False
+        if isinstance(item, BaseException):
+            raise item
+        sender, msg = item
+        parsed = sp.parse_notif(msg)
+        if sender != self._job.source_agent or parsed is None or parsed[1] != sp.CHUNK:
+            raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {sender}")
+        index, count, slot, t0, t1 = parsed[2]
+        state.arrive(index, count, slot, t0, t1)
+        marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._slots[slot]))
+        self.nbytes += moved
+        self._credits.add(marker, slot)
+        if state.complete:
+            copies.synchronize()  # every byte is in the engine's blocks before the pull answers
+            return True
+        return False
+
+    def poke(self) -> None:
+        """Wake a `wait` (any thread)."""
+        self._inbox.put(_POKE)
+
+    def stop_source(self) -> None:
+        """Ask the source to stop writing (a notification; the Push call confirms when it has)."""
+        with contextlib.suppress(Exception):
+            self._nixl.send_notif(self._job.source_agent, sp.stop_notif(self._job.transfer_id))
+
+    def close(self, quiet: bool, on_call_end: Callable[[Callable[[], None]], None] | None) -> None:
+        """Stop scattering and give the slots back: now if the source has nothing in flight (`quiet`),
+        else QUARANTINE_S after its Push call ended (`on_call_end` registers what to run then; None:
+        nothing will say, its timeout bounds it)."""
+        try:
+            if self._credits is not None:
+                self._credits.close()
+            if self._copies is not None and not self._state.complete:
+                self._copies.synchronize()  # no scatter of ours may still write after a failed pull returns
+        finally:
+            self._held.close()
+            self._nixl.unlisten(self._prefix)
+            held = [self._slots[s] for s in self._state.release_all()]
+            if quiet:
+                self._ring.pool.release(held)
+            else:
+                self._metrics.failures.labels("staging_quarantined").inc()
+                log.warning(
+                    "source agent %s did not confirm that transfer %s ended: %d receive slots rejoin the "
+                    "ring %g s after its Push call ended",
+                    self._job.source_agent,
+                    self._job.transfer_id,
+                    len(held),
+                    QUARANTINE_S,
+                )
+                self._ring.pool.release_later(held, QUARANTINE_S, on_call_end)

@@ -1,0 +1,21 @@
+"""What the two control ends of the staged protocol share (server/staged_reader.py, the reader's;
+server/staged_source.py, the source's): path labels, the heads a read moves, the slot limit."""
+
+from __future__ import annotations
+
+from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.plan.pair import PairPlan
+
+PATH_STAGED = "gpu-staged"
+PATH_HOST_RING = "host-ring"
+MAX_SLOTS = 4096  # receive slots one Push may offer
+
+
+def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int, int] | None:
+    for read in plan.decode_ranks[decode_rank].reads:
+        if read.prefill_rank == prefill_rank:
+            return read.heads
+    raise SidecarError(
+        Code.INVALID_ARGUMENT,
+        f"decode rank {decode_rank} reads nothing from prefill rank {prefill_rank} under this plan",
+    )

@@ -1,0 +1,205 @@
+"""The data plane alone, behind its door: two `DataPlane`s with real NIXL agents and real shared memory,
+driven only with the plain-data jobs of dataplane/jobs.py (no gRPC, no control core). What one side
+tells the other is what a Push carries: the reader's `ReceiveSlots` become the source's `Send`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kv_sidecar.config import Settings
+from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.jobs import (
+    LocalCopy,
+    RankKey,
+    RankRead,
+    Receive,
+    Send,
+    Sent,
+    ShmTensor,
+    Tokens,
+)
+from kv_sidecar.dataplane.plane import DataPlane
+from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.execute.gpu import staging_bytes
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.plan.pair import plan_pair
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar_client.shm import ShmKVCache
+
+SRC = EngineSpec(
+    tp_size=1,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    dtype="float16",
+    block_size=16,
+    num_blocks=32,
+    layout="flash_attn_nhd",
+)
+# Another block size and layout: the chunks are gathered in the reader's layout.
+DST = dataclasses.replace(SRC, block_size=32, num_blocks=16, layout="flash_attn_hnd")
+
+
+class _Until:
+    """A Halt: seconds left until a deadline, and an error past it."""
+
+    def __init__(self, seconds: float) -> None:
+        import time
+
+        self._time = time
+        self._deadline = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        left = self._deadline - self._time.monotonic()
+        if left <= 0:
+            raise SidecarError(Code.DEADLINE_EXCEEDED, "the test's job timed out")
+        return left
+
+
+def _shm(cache: ShmKVCache) -> list[ShmTensor]:
+    return [
+        ShmTensor(cache.name, off, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
+        for off, t in zip(cache.offsets, cache.tensors, strict=True)
+    ]
+
+
+@pytest.fixture
+def planes() -> Iterator[tuple[DataPlane, DataPlane]]:
+    """A source and a reader plane, each with its own NIXL agent, small host rings."""
+    settings = Settings(gpu_staging_bytes=2 * 4 * (64 << 10), gpu_staging_slots=4)  # 4 slots of 64 KiB
+    made = []
+    for name in ("plane-src", "plane-dst"):
+        nixl = NixlDriver(name)
+        nixl.start()
+        made.append((nixl, DataPlane(settings, nixl, Metrics())))
+    (a_nixl, a), (b_nixl, b) = made
+    a_nixl.load_remote(b_nixl.name, b_nixl.metadata())
+    b_nixl.load_remote(a_nixl.name, a_nixl.metadata())
+    try:
+        yield a, b
+    finally:
+        for nixl, plane in made:
+            nixl.stop()
+            plane.close()
+
+
+def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks(
+    planes: tuple[DataPlane, DataPlane],
+) -> None:
+    src_plane, dst_plane = planes
+    num_tokens, start = 150, 32  # the reader holds the first 32 tokens already (a prefix hit)
+    src_ids = list(range(3, 3 + 10))  # 10 source blocks of 16 tokens
+    dst_ids = [9, 2, 14, 5]  # reader blocks for tokens [32, 150): 4 blocks of 32
+    with (
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        logical = logical_kv(SRC, num_tokens, seed=7)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        for t in dst.tensors:
+            t.view(torch.uint8).fill_(0xA5)
+        before = [t.clone() for t in dst.tensors]
+        src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
+        assert src_plane.attach_host(src_key, SRC, _shm(src)).kind == "DRAM"
+        dst_plane.attach_host(dst_key, DST, _shm(dst))
+
+        heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
+        tid = sp.new_transfer_id()
+        tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, start)
+        rx = dst_plane.receive(Receive(dst_key, DST, heads, tokens, "plane-src", tid), _Until(10))
+        assert rx is not None
+        slots = rx.slots  # what the Push carries
+        assert slots.memory_kind == "DRAM" and len(slots.addresses) >= 1
+        per_chunk = src_plane.blocks_per_chunk(src_key, DST, [slots.slot_bytes] * len(slots.addresses))
+        assert per_chunk == (64 << 10) // staging_bytes(DST, 1)
+        chunks = tuple(sp.plan_chunks(start, num_tokens, DST.block_size, per_chunk))
+        job = Send(
+            src_key,
+            DST,
+            0,
+            heads,
+            ("prefill", "r1"),
+            tuple(src_ids),
+            num_tokens,
+            start,
+            chunks,
+            tid,
+            "plane-dst",
+            slots.metadata,
+            tuple((a, slots.slot_bytes) for a in slots.addresses),
+            slots.device_id,
+            deadline=_Until(10)._deadline,
+        )
+        tx = src_plane.send(job)
+        sent: list[Sent] = []
+        source = threading.Thread(target=lambda: sent.append(tx.run(_Until(10))))
+        source.start()
+        rx.prepare()
+        halt = _Until(10)
+        while not rx.wait(min(0.05, halt.remaining())):
+            pass
+        rx.close(quiet=True, on_call_end=None)
+        source.join(10)
+
+        assert sent and sent[0].chunks == len(chunks) and tx.quiet
+        assert rx.nbytes == sent[0].nbytes > 0
+        assert check_request(DST, 0, dst.tensors, dst_ids, logical[:, :, :num_tokens], start) == []
+        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+        src_plane.detach(src_key)
+        dst_plane.detach(dst_key)
+
+
+def test_a_local_copy_and_its_refusals(planes: tuple[DataPlane, DataPlane]) -> None:
+    """host-direct through the door; a rank detached meanwhile is named, not read."""
+    plane = planes[0]
+    plan = plan_pair(SRC, DST)
+    num_tokens = 64
+    src_ids, dst_ids = [4, 5, 6, 7], [1, 0]
+    with (
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        logical = logical_kv(SRC, num_tokens, seed=3)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        a, b = RankKey("p", 0), RankKey("d", 0)
+        plane.attach_host(a, SRC, _shm(src))
+        plane.attach_host(b, DST, _shm(dst))
+        (read,) = plan.decode_ranks[0].reads
+        job = LocalCopy(
+            (RankRead(b, a, read.heads),),
+            Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, 0),
+            whole_blocks=plan.is_identity(),
+        )
+        assert plane.copy_local(job, _Until(10)) > 0
+        assert check_request(DST, 0, dst.tensors, dst_ids, logical) == []
+        plane.detach(a)
+        with pytest.raises(SidecarError) as info:
+            plane.copy_local(job, _Until(10))
+        assert info.value.code is Code.FAILED_PRECONDITION and "'p' rank 0" in info.value.message
+        plane.detach(b)
+
+
+def test_a_slot_too_small_for_one_block_is_refused_before_anything_is_taken(
+    planes: tuple[DataPlane, DataPlane],
+) -> None:
+    plane = planes[1]
+    big = dataclasses.replace(DST, head_dim=1024)  # one block: 2 x 32 x 2 x 1024 x 2 bytes x 2 layers
+    with ShmKVCache(big.rank_tensor_shapes(), torch.float16) as dst:
+        key = RankKey("big", 0)
+        plane.attach_host(key, big, _shm(dst))
+        tokens = Tokens(np.asarray([0]), np.asarray([0]), 16, 0)
+        with pytest.raises(SidecarError) as info:
+            plane.receive(Receive(key, big, (0, 2), tokens, "plane-src", sp.new_transfer_id()), _Until(5))
+        assert info.value.code is Code.RESOURCE_EXHAUSTED and "gpu_staging_bytes" in info.value.message
+        ring = plane.device(-1).ring("recv")
+        assert ring.pool.free == ring.slots  # nothing held
+        plane.detach(key)
