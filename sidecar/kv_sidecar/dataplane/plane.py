@@ -206,12 +206,12 @@ class DataPlane:
         devices = {self.ranks.gpu(k).device for k in ranks if self.ranks.is_gpu(k)}
         if not devices:
             return
-        ids = tuple(block_ids)
         with self._lock:
             if self._uploader is None:
                 self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ids-upload")
-            futures = {d: self._uploader.submit(gpu.upload_block_ids, ids, d) for d in devices}
-            self._uploads[request] = (ids, futures)
+            futures = {d: self._uploader.submit(gpu.upload_block_ids, block_ids, d) for d in devices}
+            # Kept as given (not copied): a Send of this request names the same record's ids.
+            self._uploads[request] = (block_ids, futures)
             self._uploads.move_to_end(request)
             while len(self._uploads) > _UPLOADS_KEPT:
                 self._uploads.popitem(last=False)
@@ -225,8 +225,10 @@ class DataPlane:
         """The job's block ids on `device` if their upload is complete, else None."""
         with self._lock:
             entry = self._uploads.get(job.request)
-        if entry is None or entry[0] != job.block_ids:
-            return None  # never uploaded, or a request of that id published again since
+        # The same record's ids (the same list, in this process: no O(blocks) comparison on the path),
+        # else equal ones; otherwise never uploaded, or a request of that id published again since.
+        if entry is None or (entry[0] is not job.block_ids and list(entry[0]) != list(job.block_ids)):
+            return None
         fut = entry[1].get(device)
         if fut is None or not fut.done() or fut.exception() is not None:
             return None

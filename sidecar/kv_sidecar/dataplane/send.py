@@ -196,7 +196,7 @@ class Transmission:
                             job.reader_spec,
                             job.reader_rank,
                             job.heads,
-                            list(job.block_ids),
+                            job.block_ids,
                             job.num_tokens,
                             job.start_token,
                             into_staging=True,

@@ -279,7 +279,7 @@ class StagedSource:
                 req.reader_rank,
                 heads,
                 (req.engine_id, req.request_id),
-                tuple(item.block_ids),  # from our own record: the reader names only a start token
+                item.block_ids,  # from our own record: the reader names only a start token
                 item.num_tokens,
                 req.start_token,
                 tuple(chunks),
