@@ -146,7 +146,9 @@ class GpuStaging:
             if self._uploader is None:
                 self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ids-upload")
             for device in devices:
-                item.uploaded[device] = self._uploader.submit(gpu.upload_block_ids, item.block_ids, device)
+                item.uploaded[device] = self._uploader.submit(
+                    gpu.upload_block_ids, item.source_blocks, device
+                )
 
     def run_source(self, fn: Callable[[], None]) -> None:
         """Run a source's transfer (its whole Push) on a kept thread: the NIXL thread that received its

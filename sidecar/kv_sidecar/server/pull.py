@@ -44,7 +44,7 @@ from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, ho
 from kv_sidecar.server.staged_reader import StagedReader
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,11 @@ def _no_native_path(address: str) -> SidecarError:
         "host_transfer: ring on it (the source then WRITEs, which TCP does natively; "
         "docs/operations.md, 5.9)",
     )
+
+
+def _held(msg: peer_pb2.OpenReadResponse | common_pb2.TransferParams) -> tuple[list[int], int, int]:
+    """What a source holds of a request, as its params or its OpenRead answer say."""
+    return list(msg.block_ids), msg.num_tokens, msg.first_token
 
 
 def _ring_path(job: PullJob) -> str:
@@ -270,7 +275,7 @@ class Puller:
             opened = opening.finish(deadline)
             opened_on = holders
             if early_job is not None:
-                if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
+                if _held(opened) == _held(p):
                     nbytes = self._reads.finish(early_job, early)
                     after.append(functools.partial(self._notify_done, req, remote, early_job))
                     return nbytes, "host-nixl"
@@ -317,7 +322,9 @@ class Puller:
         ):
             return None
         try:
-            return build_job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+            return build_job(
+                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+            )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
 
@@ -342,7 +349,9 @@ class Puller:
         if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
             return None
         try:
-            return build_job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+            return build_job(
+                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+            )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
 
@@ -363,7 +372,16 @@ class Puller:
         after: Later,
     ) -> tuple[int, str]:
         p = req.params
-        job = build_job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
+        job = build_job(
+            req,
+            local,
+            remote.plan,
+            list(opened.block_ids),
+            opened.num_tokens,
+            cancel,
+            deadline,
+            opened.first_token,
+        )
         identity = remote.plan.is_identity()
         ring = self._staged(remote, local)  # the staged protocol (staged_reader.py)
         if any(e.gpu is not None for e in local) and remote.memory_kind != "VRAM":

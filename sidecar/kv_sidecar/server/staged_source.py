@@ -375,6 +375,7 @@ class StagedSource:
         if item is None:  # the open it carries, checked like an OpenRead once the rest of the Push is sound
             item = self._open_from_push(req, plan, context.peer(), src_entry.gpu is not None)
         check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
+        item.check_read_from(req.start_token)
         chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, cap // per_block)
         if not chunks:
             return peer_pb2.PushResponse()
@@ -432,7 +433,7 @@ class StagedSource:
                             reader_spec,
                             req.reader_rank,
                             heads,
-                            item.block_ids,  # from our own record: the reader names only a start token
+                            item.source_blocks,  # from our own record: the reader names only a start token
                             item.num_tokens,
                             req.start_token,
                             into_staging=True,
@@ -440,7 +441,7 @@ class StagedSource:
                         )
                     )
                 else:
-                    ids = np.asarray(item.block_ids, dtype=np.int64)
+                    ids = np.asarray(item.source_blocks, dtype=np.int64)
                     copies = HostCopies(
                         src_entry.host_view, reader_spec, req.reader_rank, heads, ids, ring, True
                     )
