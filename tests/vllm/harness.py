@@ -111,10 +111,15 @@ def start_all(*engines: VllmEngine) -> None:
         raise
 
 
-def metric(port: int, name: str) -> float:
-    """Sum of a Prometheus metric over its label sets, read from a sidecar's /metrics."""
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric over its label sets (those with these label values), read from a
+    sidecar's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    total = 0.0
+    for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE):
+        if all(f'{k}="{v}"' in found.split(",") for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 def wait_until(pred: Any, timeout_s: float, what: str) -> None:
