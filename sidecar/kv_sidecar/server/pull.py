@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from kv_sidecar.config import Settings
 from kv_sidecar.metrics import Metrics
+from kv_sidecar.plan.blocks import check_start
 from kv_sidecar.plan.spec import PlanError
 from kv_sidecar.server import staged_copies
 from kv_sidecar.server.engine_calls import Later, run_later
@@ -148,6 +149,9 @@ class Puller:
             req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
         )
         try:
+            # A pull from before the range the params say is held fails here, before it opens the request
+            # (which would fix this engine as its reader); the source's record is checked again later.
+            check_start(req.start_token, p.first_token, p.num_tokens)
             local = self._local_ranks(req, cancel.ranks)
             if remote_here:
                 deadline = time.monotonic() + timeout_s
