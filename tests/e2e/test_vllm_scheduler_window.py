@@ -149,3 +149,21 @@ def test_the_decode_pulls_into_the_blocks_after_its_null_ones(
         assert order.error and order.restart_on_failure
     finally:
         decode.shutdown()
+
+
+def test_a_local_prefix_hit_past_the_window_start_lets_any_block_size_pull(
+    prefill: SidecarScheduler, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """A block-64 engine whose own cache holds tokens up to 192 pulls from there: every block it fills
+    starts inside the published range [144, 207), though its first in-window block (128) does not."""
+    _, out = _finished_prefill(prefill, "w8", 208, [0] * 9 + [3, 4, 5, 6])
+    assert out is not None
+    decode = SidecarScheduler(ConnectorConfig(sidecar_socket=sidecar_pair[1].socket), "win-d", 64, window=W)
+    try:
+        req = _decode_request("d8", 208, out["kv_sidecar"])
+        assert decode.matched_tokens(req, 192) == (15, True)
+        decode.after_alloc(req, [0, 0, 40, 41], 1, 15, num_null_blocks=2)
+        (order,) = decode.take_orders().pulls.values()
+        assert (order.start_token, order.block_ids) == (192, [41])
+    finally:
+        decode.shutdown()

@@ -159,19 +159,20 @@ class SidecarScheduler:
         params = self._params(request)
         if params is None:
             return 0, False
-        if not self._window_fits(request, params):
+        if not self._window_fits(request, params, num_computed_tokens):
             return 0, False
         count = params.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _window_fits(self, request: Any, params: TransferParams) -> bool:
-        """Whether this engine's first in-window block, once it loads the published tokens, lies inside
-        the published range; if not, the request is computed here and the prefill's blocks are freed."""
+    def _window_fits(self, request: Any, params: TransferParams, num_computed_tokens: int) -> bool:
+        """Whether the first block this engine would pull into, once it loads the published tokens (its
+        first in-window block, or the first after its local prefix hit), starts inside the published
+        range; if not, the request is computed here and the prefill's blocks are freed."""
         if not params.first_token:
             return True
         if self.window is not None:
             kept = first_kept_token(params.num_tokens, self.window, self.block_size)
-            if kept >= params.first_token:
+            if max(kept, num_computed_tokens) >= params.first_token:
                 return True
             why = (
                 f"its window is published from token {params.first_token}, but this engine's first "
@@ -181,6 +182,8 @@ class SidecarScheduler:
         else:
             why = "it is a sliding-window request and this engine's model has no sliding window"
         self._bad.add(request.request_id)
+        with self._lock:  # no longer kept alive, nor released again when it finishes
+            self._waiting.pop(request.request_id, None)
         self._release(params, "computed by the decode engine")
         if params.engine_id not in self._misaligned:
             self._misaligned.add(params.engine_id)
