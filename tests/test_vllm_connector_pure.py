@@ -27,7 +27,7 @@ from kv_sidecar_client.vllm.kv_layout import (
     describe,
     transferred_layers,
 )
-from kv_sidecar_client.vllm.scheduler import BadParams, remote_params
+from kv_sidecar_client.vllm.scheduler import BadParams, SidecarScheduler, remote_params
 from kv_sidecar_client.vllm.shm_pool import ShmKVPool
 from kv_sidecar_client.vllm.window import first_kept_token, leading_nulls, prefill_tokens, skipped_tokens
 
@@ -488,3 +488,8 @@ def test_window_alignment_is_a_known_key() -> None:
     assert ConnectorConfig.from_extra_config({"window_alignment": 128}).window_alignment == 128
     with pytest.raises(ConnectorConfigError, match="window_alignment must be >= 0"):
         ConnectorConfig.from_extra_config({"window_alignment": -1})
+    # Not a multiple of the engine's block size: the engine does not start (before any sidecar call).
+    with pytest.raises(
+        ConnectorConfigError, match=r"window_alignment \(48\) must be a multiple of .* \(32\)"
+    ):
+        SidecarScheduler(ConnectorConfig(window_alignment=48), "e", 32, window=64)

@@ -54,7 +54,7 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
-from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
+from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 from kv_sidecar_client.vllm.window import (
     NULL_BLOCK_ID,
@@ -104,9 +104,9 @@ class SidecarScheduler:
         self.window = window
         self.alignment = config.window_alignment or block_size
         if self.alignment % block_size:
-            raise ValueError(
-                f"kv_connector_extra_config.window_alignment ({self.alignment}) must be a multiple of the "
-                f"engine's block size ({block_size})"
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.window_alignment ({self.alignment}) must be a multiple of the engine's "
+                f"block size ({block_size})"
             )
         self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
         self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
