@@ -1,4 +1,5 @@
-"""The vLLM connector's parts that need no vLLM: config, version gate, layout mapping, shm pool.
+"""The vLLM connector's parts that need no vLLM: config, version gate, layout mapping, shm pool, and the
+sliding-window arithmetic.
 
 (Real vLLM engines through the connector: tests/vllm, `make test-vllm`.)
 """
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_sidecar.execute.host import rank_view
 from kv_sidecar.plan.spec import EngineSpec
@@ -24,8 +27,9 @@ from kv_sidecar_client.vllm.kv_layout import (
     describe,
     transferred_layers,
 )
-from kv_sidecar_client.vllm.scheduler import BadParams, remote_params
+from kv_sidecar_client.vllm.scheduler import BadParams, SidecarScheduler, remote_params
 from kv_sidecar_client.vllm.shm_pool import ShmKVPool
+from kv_sidecar_client.vllm.window import first_kept_token, leading_nulls, prefill_tokens, skipped_tokens
 
 
 # -- configuration ------------------------------------------------------------------------
@@ -434,3 +438,58 @@ def test_shm_pool_removes_objects_left_by_dead_processes_of_the_same_rank() -> N
         pool.close()
         for path in (live, other):
             os.unlink(path)
+
+
+# -- sliding-window requests (window.py) -------------------------------------------------------------
+@settings(max_examples=500, deadline=None)
+@given(
+    num_prompt=st.integers(1, 5000),
+    window=st.integers(2, 600),
+    grid=st.sampled_from([(16, 16, 16), (16, 32, 32), (32, 16, 32), (32, 64, 64), (64, 32, 128), (5, 3, 15)]),
+)
+def test_a_windowed_prefill_stops_where_both_grids_keep_the_same_window(
+    num_prompt: int, window: int, grid: tuple[int, int, int]
+) -> None:
+    """What vLLM keeps after the prefill's tokens, on the prefill's grid and the decode's, starts at the
+    same token, which lies inside the window of the first token the decode engine computes; the decode
+    engine computes between 1 and `alignment` tokens, and the pull moves a window's tokens at most."""
+    bp, bd, alignment = grid
+    n = prefill_tokens(num_prompt, window, alignment)
+    if num_prompt == 1:
+        assert n == 1
+        return
+    assert 1 <= num_prompt - n <= max(1, alignment)
+    kept = first_kept_token(n, window, bp)
+    assert kept == first_kept_token(n, window, bd) == skipped_tokens(n, window)
+    assert kept % alignment == 0
+    # Token n (the decode's first) attends tokens [n - window + 1, n]: all held, from `kept` on.
+    assert kept <= max(0, n - window + 1)
+    assert n - kept <= window - 1 or kept == 0
+
+
+def test_prefill_tokens_examples() -> None:
+    assert prefill_tokens(20, 64, 32) == 19  # no token left the window: only the last is the decode's
+    assert prefill_tokens(65, 64, 32) == 63
+    assert prefill_tokens(1000, 64, 64) == 959  # kept from token 896 = 14 x 64
+    assert first_kept_token(959, 64, 32) == 896
+    # A prefill of a whole prompt of 95 would keep tokens from 32 on, but the decode engine recomputes
+    # token 94, which attends from token 31: the prefill stops at 63 tokens and keeps them all.
+    assert first_kept_token(95, 64, 32) == 32
+    assert prefill_tokens(95, 64, 32) == 63 and first_kept_token(63, 64, 32) == 0
+
+
+def test_leading_nulls() -> None:
+    assert leading_nulls([0, 0, 0, 7, 8]) == 3
+    assert leading_nulls([7, 0]) == 0
+    assert leading_nulls([]) == 0
+
+
+def test_window_alignment_is_a_known_key() -> None:
+    assert ConnectorConfig.from_extra_config({"window_alignment": 128}).window_alignment == 128
+    with pytest.raises(ConnectorConfigError, match="window_alignment must be >= 0"):
+        ConnectorConfig.from_extra_config({"window_alignment": -1})
+    # Not a multiple of the engine's block size: the engine does not start (before any sidecar call).
+    with pytest.raises(
+        ConnectorConfigError, match=r"window_alignment \(48\) must be a multiple of .* \(32\)"
+    ):
+        SidecarScheduler(ConnectorConfig(window_alignment=48), "e", 32, window=64)

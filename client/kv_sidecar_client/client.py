@@ -239,8 +239,11 @@ class SidecarClient:
         num_tokens: int,
         lease_ms: int = 0,
         timeout_s: float | None = None,
+        first_token: int = 0,
     ) -> TransferParams:
-        """`timeout_s`: how long to wait for the answer (default: the client's timeout)."""
+        """`block_ids` hold tokens [first_token, num_tokens): all of them, or a sliding-window request's
+        window from a block boundary (the blocks before it are not published). `timeout_s`: how long
+        to wait for the answer (default: the client's timeout)."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         req = engine_pb2.PublishRequest(
@@ -249,6 +252,7 @@ class SidecarClient:
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             lease_ms=lease_ms,
+            first_token=first_token,
         )
         if self.lane is not None:
             answer = self.lane.call(engine_pb2.LaneCall(publish=req), timeout_s)

@@ -1,4 +1,4 @@
-"""Request-level checks: check_pull, check_copy, check_block_ids and needed_src_blocks."""
+"""Request-level checks: check_pull, check_copy, check_block_ids, needed_src_blocks, and published ranges."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_sidecar.plan.blocks import check_block_ids, check_copy, check_pull, needed_src_blocks
+from kv_sidecar.plan.blocks import (
+    blocks_for,
+    check_block_ids,
+    check_copy,
+    check_published,
+    check_pull,
+    needed_src_blocks,
+    published_block_count,
+    source_block_list,
+)
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, Layout, PlanError
 
@@ -245,3 +254,113 @@ def test_request_checks_do_not_depend_on_layout(
     with pytest.raises(PlanError) as plain_too_many:
         check_pull(plain, src, num_tokens, [*dst, 63], start)
     assert str(one_too_many.value) == str(plain_too_many.value)
+
+
+# -- published ranges (a sliding-window request publishes only the blocks of its window) ------------
+
+
+def test_published_ranges_that_pass() -> None:
+    check_published("prefill", [3, 1, 2], 40, 0, 16, 10)  # the whole prompt
+    check_published("prefill", [2], 40, 32, 16, 10)  # the window's blocks only: tokens [32, 40)
+    check_published("prefill", [1, 2], 40, 16, 16, 10)
+    check_published("prefill", [7], 1, 0, 16, 10)
+    assert published_block_count(40, 32, 16) == 1 and published_block_count(48, 16, 16) == 2
+
+
+@pytest.mark.parametrize(
+    ("ids", "n", "first", "message"),
+    [
+        ([1, 2], 40, 8, "first_token 8 is not a multiple of the prefill block_size 16"),
+        ([], 32, 32, "first_token 32 is not below num_tokens 32"),
+        ([2], 40, 48, "first_token 48 is not below num_tokens 40"),
+        ([1, 2, 3], 40, 16, "tokens [16, 40) at block size 16 need 2 blocks, got 3"),
+        ([1, 2], 40, 0, "40 tokens at block size 16 need 3 blocks, got 2"),
+        ([0, 0], 40, 16, "prefill block id 0 appears twice (positions 0 and 1)"),  # vLLM's null block
+        ([4, 10], 40, 16, "prefill block id 10 at position 1 is out of range [0, 10)"),
+        ([1], 0, 0, "num_tokens must be positive"),
+        ([1], 40, -16, "first_token must be a non-negative integer"),
+    ],
+)
+def test_published_range_refusals(ids: list[int], n: int, first: int, message: str) -> None:
+    with pytest.raises(PlanError) as info:
+        check_published("prefill", ids, n, first, 16, 10)
+    assert message in str(info.value)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_source_block_list_puts_placeholders_before_the_range() -> None:
+    assert source_block_list([5, 6], 0, 16) == [5, 6]
+    assert source_block_list([5, 6], 32, 16) == [5, 5, 5, 6]  # positions 0, 1 hold nothing
+    assert source_block_list(np.array([5, 6]), 16, 16) == [5, 5, 6]
+
+
+def test_pull_from_a_published_range() -> None:
+    # 100 tokens, window published from token 64 (prefill block 16: blocks 4..6 held, ids [7, 8, 9]).
+    check_pull(pair(16, 16), [7, 8, 9], 100, [1, 2, 3], start_token=64, first_token=64)
+    check_pull(pair(16, 32), [7, 8, 9], 100, [1, 2], start_token=64, first_token=64)
+    check_pull(pair(16, 8), [7, 8, 9], 100, [1, 2, 3], start_token=80, first_token=64)  # later is fine
+    check_pull(pair(32, 16), [7, 8, 9], 100, [1, 2, 3, 4, 5], start_token=32, first_token=32)
+
+
+def test_pull_before_the_published_range_is_out_of_range() -> None:
+    with pytest.raises(PlanError) as info:
+        check_pull(pair(16, 32), [7, 8], 90, [1, 2, 3], start_token=0, first_token=64)
+    assert info.value.code == "OUT_OF_RANGE"
+    assert "start_token 0 is before the published range: the prefill holds tokens [64, 90)" in str(info.value)
+    with pytest.raises(PlanError, match=r"start_token 32 is before .* tokens \[48, 90\)"):
+        check_pull(pair(16, 16), [7, 8, 9], 90, [1, 2, 3, 4], start_token=32, first_token=48)
+
+
+@pytest.mark.parametrize(
+    ("src", "n", "first", "message"),
+    [
+        (
+            [7, 8],
+            100,
+            64,
+            "remote (prefill) block list has 2 ids but tokens [64, 100) at block_size 16 need 3",
+        ),
+        ([7, 8, 9], 100, 60, "the published range [60, 100) does not start on a block boundary"),
+        ([7], 64, 64, "the published range [64, 64) does not start on a block boundary"),
+    ],
+)
+def test_pull_with_a_bad_published_range(src: list[int], n: int, first: int, message: str) -> None:
+    with pytest.raises(PlanError) as info:
+        check_pull(pair(16, 16), src, n, [1, 2, 3], start_token=64, first_token=first)
+    assert message in str(info.value)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    bp=st.sampled_from([1, 3, 16, 32]),
+    bd=st.sampled_from([1, 5, 16, 32, 64]),
+    num_tokens=st.integers(1, 300),
+    window=st.integers(2, 200),
+    data=st.data(),
+)
+def test_a_window_published_on_one_grid_is_pulled_on_another(
+    bp: int, bd: int, num_tokens: int, window: int, data: st.DataObject
+) -> None:
+    """vLLM's prefill holds the blocks from the one of its window's start (the last token's window:
+    tokens [num_tokens - window + 1, ...)); a decode that pulls from any point of its grid inside the
+    published range passes, one point before the range is OUT_OF_RANGE, and the full-form source list
+    puts every held block at its own position."""
+    first = max(0, num_tokens - window + 1) // bp * bp
+    first = min(first, (num_tokens - 1) // bp * bp)
+    held = list(range(published_block_count(num_tokens, first, bp)))
+    check_published("prefill", held, num_tokens, first, bp, 1000)
+    full = source_block_list(held, first, bp)
+    assert len(full) == blocks_for(num_tokens, bp) and full[first // bp :] == held
+    starts = [s for s in range(0, num_tokens + 1, bd) if s >= first]
+    if starts:
+        start = data.draw(st.sampled_from(starts))
+        dst = list(range(-(-num_tokens // bd) - start // bd))
+        check_pull(pair(bp, bd, 1000, 1000), held, num_tokens, dst, start, first)
+    below = [s for s in range(0, first, bd)]
+    if below:
+        start = data.draw(st.sampled_from(below))
+        dst = list(range(-(-num_tokens // bd) - start // bd))
+        with pytest.raises(PlanError) as info:
+            check_pull(pair(bp, bd, 1000, 1000), held, num_tokens, dst, start, first)
+        assert info.value.code == "OUT_OF_RANGE"

@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_sidecar.execute.host import RankView, copy_request, rank_view
-from kv_sidecar.plan.blocks import blocks_for, check_pull, dst_block_count, needed_src_blocks
+from kv_sidecar.plan.blocks import (
+    blocks_for,
+    check_pull,
+    dst_block_count,
+    needed_src_blocks,
+    source_block_list,
+)
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, Layout
 from tests.plan.plan_oracle import allocate, kernel_block_axis, logical_kv, write_tokens
@@ -198,3 +204,61 @@ def check_pull_case(case: dict) -> None:
             np.testing.assert_array_equal(got, want)
         per_token = decode.num_layers * (1 if decode.is_mla else 2) * decode.heads_per_rank * decode.head_dim
         assert moved == (n - start) * per_token * decode.element_size
+
+
+@st.composite
+def windowed_case(draw: st.DrawFn) -> dict:
+    """A random pull from a published range [first_token, num_tokens) (a sliding-window request): the
+    prefill holds only the blocks from first_token's on, and the decode pulls from a start at or past it."""
+    case = draw(pull_case())
+    prefill, decode, n = case["prefill"], case["decode"], case["num_tokens"]
+    bp, bd = prefill.block_size, decode.block_size
+    first = bp * draw(st.integers(0, (n - 1) // bp))
+    # The decode pulls from a point of its own grid at or past the range's start (its window's start).
+    starts = [s for s in range(0, n + 1, bd) if s >= first]
+    if not starts:
+        first, starts = 0, [0]
+    start = draw(st.sampled_from(starts))
+    return case | {
+        "first_token": first,
+        "start_token": start,
+        "held": case["src_ids"][first // bp :],
+        "dst_ids": draw(st.permutations(range(decode.num_blocks)))[: dst_block_count(bd, n, start)],
+    }
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(windowed_case())
+def test_windowed_pull_reads_only_the_published_range(case: dict) -> None:
+    """The source cache holds the request's KV only in its published blocks; every other block is
+    random. The pull's full-form source list (placeholders before first_token) must give the decode
+    exactly tokens [start_token, num_tokens): a read of a placeholder position would copy wrong bytes."""
+    prefill, decode = case["prefill"], case["decode"]
+    n, start, first = case["num_tokens"], case["start_token"], case["first_token"]
+    held, dst_ids = case["held"], case["dst_ids"]
+    rng = np.random.default_rng(case["seed"])
+    plan = plan_pair(prefill, decode)
+    check_pull(plan, held, n, dst_ids, start, first)
+    src_ids = source_block_list(held, first, prefill.block_size)
+    assert len(src_ids) == blocks_for(n, prefill.block_size)
+
+    logical = logical_kv(prefill, n, rng)
+    sources = []
+    for rank in range(prefill.tp_size):
+        cache = allocate(prefill, case["storage"][0], rng)
+        write_tokens(
+            prefill, rank, cache.arrays(), logical, held, first // prefill.block_size, range(first, n)
+        )
+        sources.append(cache)
+
+    bd = decode.block_size
+    for rank_plan in plan.decode_ranks:
+        dst_cache = allocate(decode, case["storage"][1], rng)
+        expected = dst_cache.snapshot()
+        write_tokens(decode, rank_plan.rank, expected, logical, dst_ids, start // bd, range(start, n))
+        dst = rank_view(decode, rank_plan.rank, dst_cache.as_spec_dtype(decode))
+        for read in rank_plan.reads:
+            src = rank_view(prefill, read.prefill_rank, sources[read.prefill_rank].as_spec_dtype(prefill))
+            copy_request(src, dst, read.heads, src_ids, dst_ids, n, start)
+        for got, want in zip(dst_cache.arrays(), expected, strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -1,4 +1,4 @@
-"""The NIXL notifications' wire formats (server/notifications.py)."""
+"""The NIXL notifications' wire formats (transport/notifications.py)."""
 
 from __future__ import annotations
 

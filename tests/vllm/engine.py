@@ -107,6 +107,7 @@ class Engine:
             temperature=0.0,
             detokenize=False,
             ignore_eos=True,
+            logprobs=cmd.get("logprobs"),
             extra_args={"kv_transfer_params": cmd["kv_transfer_params"]}
             if cmd.get("kv_transfer_params")
             else None,
@@ -118,8 +119,13 @@ class Engine:
     def _step(self) -> None:
         for out in self.engine.step():
             if out.finished:
+                lps = out.outputs[0].logprobs
                 self.outputs[out.request_id] = {
                     "tokens": list(out.outputs[0].token_ids),
+                    # with "logprobs" in add: each sampled token's log-probability (exactness, not just argmax)
+                    "logprobs": [lp[t].logprob for lp, t in zip(lps, out.outputs[0].token_ids, strict=True)]
+                    if lps
+                    else None,
                     "kv_transfer_params": out.kv_transfer_params,
                     "finish_reason": out.outputs[0].finish_reason,
                 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -16,6 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600  # several engines start at once on 2 cores
 
 
+def _pythonpath() -> str:
+    """The repository (for `tests.vllm.engine`), then whatever the test run was given: a PYTHONPATH that
+    points at a checkout's sidecar/ and client/ must reach the engines too, or they would import the
+    installed packages instead."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(ROOT), *([inherited] if inherited else [])])
+
+
 class VllmEngine(_Proc):
     """tests/vllm/engine.py in its own process. Start several with `start_all` (they boot in parallel)."""
 
@@ -23,7 +32,7 @@ class VllmEngine(_Proc):
         super().__init__(
             [sys.executable, "-m", "tests.vllm.engine", json.dumps(opts)],
             name,
-            env={"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},
+            env={"PYTHONPATH": _pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},
         )
         self.opts = opts
         self.ready: dict[str, Any] = {}
@@ -52,9 +61,14 @@ class VllmEngine(_Proc):
         return answer
 
     def generate(
-        self, prompts: dict[str, list[int]], max_tokens: int, params: dict[str, Any] | None = None
+        self,
+        prompts: dict[str, list[int]],
+        max_tokens: int,
+        params: dict[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> dict[str, dict[str, Any]]:
-        """Add every prompt (with kv_transfer_params params[id], if given) and run them to completion."""
+        """Add every prompt (with kv_transfer_params params[id], if given) and run them to completion;
+        `logprobs`: also return each sampled token's log-probability."""
         for rid, prompt in prompts.items():
             kvp = (params or {}).get(rid)
             self.call(
@@ -64,6 +78,7 @@ class VllmEngine(_Proc):
                     "prompt": prompt,
                     "max_tokens": max_tokens,
                     "kv_transfer_params": kvp,
+                    "logprobs": logprobs,
                 }
             )
         return self.call({"cmd": "run", "ids": list(prompts)})["outputs"]
@@ -96,10 +111,15 @@ def start_all(*engines: VllmEngine) -> None:
         raise
 
 
-def metric(port: int, name: str) -> float:
-    """Sum of a Prometheus metric over its label sets, read from a sidecar's /metrics."""
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric over its label sets (those with these label values), read from a
+    sidecar's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    total = 0.0
+    for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE):
+        if all(f'{k}="{v}"' in found.split(",") for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 def wait_until(pred: Any, timeout_s: float, what: str) -> None:

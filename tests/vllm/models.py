@@ -88,6 +88,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
+# Every layer has a sliding window (Mistral-7B-v0.1's kind): one KV cache group, whose out-of-window
+# blocks vLLM's SlidingWindowManager frees (issue 34; tests/vllm/test_sliding_window.py).
+SLIDING_WINDOW = 64
+MISTRAL_SLIDING: dict[str, Any] = _COMMON | {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "num_hidden_layers": 4,
+    "sliding_window": SLIDING_WINDOW,
+}
+
+
 def write_random_model(directory: str, arch: str, seed: int = 0) -> str:
     """config.json and model.safetensors of `arch` with seeded random weights; returns the directory."""
     return write_weights(directory, _COMMON | ARCHITECTURES[arch], seed)

@@ -40,6 +40,11 @@ class ConnectorConfig:
     # has not answered by then gets no publishes until it answers again; those requests return no
     # transfer params and their decode engines compute them.
     publish_timeout_s: float = 2.0
+    # Prefill of a sliding-window model: the window start of a published request is a multiple of this
+    # many tokens (0: the engine's block size), so that a decode engine whose block size divides it
+    # fills only whole blocks; that engine computes up to this many prompt tokens itself. Set it to a
+    # multiple of every decode block size this engine serves (docs/vllm.md, "Sliding-window models").
+    window_alignment: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -64,6 +69,10 @@ class ConnectorConfig:
         for name in ("keepalive_interval_s", "pull_timeout_s", "connect_timeout_s", "publish_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConnectorConfigError(f"{CONFIG_KEY}.{name} must be positive, got {getattr(self, name)}")
+        if self.window_alignment < 0:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.window_alignment must be >= 0, got {self.window_alignment}"
+            )
         if self.lease_ms < 0:
             raise ConnectorConfigError(f"{CONFIG_KEY}.lease_ms must be >= 0, got {self.lease_ms}")
         if self.lease_ms and self.keepalive_interval_s * 1000 >= self.lease_ms:

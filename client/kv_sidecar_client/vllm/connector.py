@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -78,7 +79,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
         self._worker: SidecarWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SidecarScheduler(
-                self.config, self.engine_id, vllm_config.cache_config.block_size
+                self.config, self.engine_id, vllm_config.cache_config.block_size, self._sliding_window()
             )
         else:
             on_cpu = vllm_config.device_config.device.type == "cpu"
@@ -111,6 +112,17 @@ class KVSidecarConnector(KVConnectorBase_V1):
         if self._kv_cache_config is not None:
             check_covers_allocation(desc, [t.size for t in self._kv_cache_config.kv_cache_tensors])
         self._worker.register(desc)
+
+    def _sliding_window(self) -> int | None:
+        """The tokens vLLM keeps behind a request's next token where its one KV cache group has a
+        sliding window (the window and any extra tokens it retains), else None."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, SlidingWindowSpec):
+            return None
+        spec = groups[0].kv_cache_spec
+        return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
 
     def _kv_info(self) -> VllmKVInfo:
         cfg = self._vllm_config
@@ -156,9 +168,17 @@ class KVSidecarConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._transfer_results().as_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed receive makes vLLM compute the request from its start (its sliding window's blocks
+        # before the first unfilled one no longer hold what that token attends): failed_recving.
+        return self._transfer_results().as_vllm()
+
+    def _transfer_results(self) -> _Results:
         assert self._worker is not None
         sending, recving = self._worker.finished()
-        return sending or None, recving or None
+        return _Results(sending, recving, self._worker.failed_receives())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -174,6 +194,9 @@ class KVSidecarConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
+        keep = self._scheduler.prefill_length(request)
+        if keep is not None:
+            _shorten_prompt(request, keep)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -186,12 +209,19 @@ class KVSidecarConnector(KVConnectorBase_V1):
     ) -> None:
         assert self._scheduler is not None
         (group,) = blocks.blocks
+        # A sliding-window request's table starts with null blocks (vLLM's padding for the blocks before
+        # its window); then the local prefix-cache hit: blocks that already carry a hash.
+        nulls = 0
+        while nulls < len(group) and group[nulls].is_null:
+            nulls += 1
         cached = 0
-        for block in group:  # the local prefix-cache hit: leading blocks that already carry a hash
-            if block.block_hash is None:
+        for block in group[nulls:]:
+            if block.block_hash is None or block.is_null:
                 break
             cached += 1
-        self._scheduler.after_alloc(request, [b.block_id for b in group], cached, num_external_tokens)
+        self._scheduler.after_alloc(
+            request, [b.block_id for b in group], cached, num_external_tokens, num_null_blocks=nulls
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -207,6 +237,35 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return (0,)  # the request's own blocks, one group
+
+
+@dataclass
+class _Results:
+    sending: set[str]
+    recving: set[str]
+    failed: set[str]  # also in recving, as vLLM wants failed receives
+
+    def as_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        return self.sending or None, self.recving or None
+
+    def as_vllm(self) -> KVConnectorTransferResults:
+        return KVConnectorTransferResults(self.sending, self.recving, self.failed)
+
+
+def _shorten_prompt(request: Any, keep: int) -> None:
+    """Prefill of a sliding-window request: compute only its first `keep` prompt tokens and one output
+    token (window.prefill_tokens says why; the decode engine computes the rest). vLLM's NixlConnector
+    shortens a prefill the same way for Mamba state (`_truncate_request_for_prefill`)."""
+    drop = int(request.num_prompt_tokens) - keep
+    if drop <= 0 or request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return
+    skip_reading = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skip_reading is not None and skip_reading():
+        return  # prompt logprobs: the decode engine reads no KV and computes the whole prompt itself
+    del request.prompt_token_ids[-drop:]
+    del request._all_token_ids[-drop:]
+    request.num_prompt_tokens -= drop
+    request.max_tokens = 1  # a longer prefill would free more of the window than the decode engine needs
 
 
 def _layer_index(name: str) -> int:

@@ -12,7 +12,13 @@ class PullOrder:
 
     params: dict[str, Any]  # the prefill's TransferParams as JSON (kv_transfer_params["kv_sidecar"])
     block_ids: list[int]  # local blocks for tokens [start_token, params.num_tokens)
-    start_token: int  # tokens the local prefix cache already holds (a multiple of the block size)
+    # Tokens not pulled (a multiple of the block size): those the local prefix cache holds, and, for a
+    # sliding-window request, those before its first in-window block.
+    start_token: int
+    # A sliding-window request (its block table starts with null blocks): if the pull fails, vLLM
+    # must compute the request from its start, not from the first unfilled block.
+    restart_on_failure: bool = False
+    error: str = ""  # set: do not pull; the load failed for this reason (vLLM recomputes the request)
 
 
 @dataclass

@@ -13,6 +13,15 @@ exactly the missing tail. While a request waits in the queue its lease is
 renewed (KeepAlive); if it is aborted before its pull finishes, the prefill
 side is told to free its blocks now (Abort).
 
+Sliding-window models (window.py): the prefill stops a request a little
+short of its prompt (the decode engine computes the rest) and publishes only
+the blocks that hold the window, from `first_token` on; vLLM has freed the
+blocks before and put its null block in their place, which is never published.
+The decode engine pads its own out-of-window blocks with null blocks and pulls
+only its in-window ones. A failed pull of such a request makes vLLM recompute
+it from its start: its blocks before the first unfilled one no longer hold the
+window that token would need.
+
 Malformed params on a decode request: the request is computed locally (a
 warning names the request and what was wrong); the prefill's blocks are then
 freed by their lease.
@@ -45,8 +54,14 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
-from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
+from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
+from kv_sidecar_client.vllm.window import (
+    NULL_BLOCK_ID,
+    first_kept_token,
+    leading_nulls,
+    prefill_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +93,22 @@ def remote_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams |
 
 
 class SidecarScheduler:
-    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, engine_id: str, block_size: int, window: int | None = None
+    ) -> None:
+        """`window`: a sliding-window model's window in tokens (with any tokens vLLM retains beyond it),
+        None for full attention."""
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.window = window
+        self.alignment = config.window_alignment or block_size
+        if self.alignment % block_size:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.window_alignment ({self.alignment}) must be a multiple of the engine's "
+                f"block size ({block_size})"
+            )
+        self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
         self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
         wait_for_sidecar(self.client, config)
         self._lock = threading.Lock()
@@ -132,13 +159,47 @@ class SidecarScheduler:
         params = self._params(request)
         if params is None:
             return 0, False
+        if not self._window_fits(request, params, num_computed_tokens):
+            return 0, False
         count = params.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
+    def _window_fits(self, request: Any, params: TransferParams, num_computed_tokens: int) -> bool:
+        """Whether the first block this engine would pull into, once it loads the published tokens (its
+        first in-window block, or the first after its local prefix hit), starts inside the published
+        range; if not, the request is computed here and the prefill's blocks are freed."""
+        if not params.first_token:
+            return True
+        if self.window is not None:
+            kept = first_kept_token(params.num_tokens, self.window, self.block_size)
+            if max(kept, num_computed_tokens) >= params.first_token:
+                return True
+            why = (
+                f"its window is published from token {params.first_token}, but this engine's first "
+                f"in-window block starts at token {kept}: set window_alignment on the prefill engine "
+                f"{params.engine_id!r} to a multiple of this engine's block size ({self.block_size})"
+            )
+        else:
+            why = "it is a sliding-window request and this engine's model has no sliding window"
+        self._bad.add(request.request_id)
+        with self._lock:  # no longer kept alive, nor released again when it finishes
+            self._waiting.pop(request.request_id, None)
+        self._release(params, "computed by the decode engine")
+        if params.engine_id not in self._misaligned:
+            self._misaligned.add(params.engine_id)
+            log.warning("KVSidecarConnector: request %s is computed locally: %s", request.request_id, why)
+        return False
+
     def after_alloc(
-        self, request: Any, block_ids: Sequence[int], num_cached_blocks: int, num_external: int
+        self,
+        request: Any,
+        block_ids: Sequence[int],
+        num_cached_blocks: int,
+        num_external: int,
+        num_null_blocks: int = 0,
     ) -> None:
-        """`block_ids`: every block of the request; the first `num_cached_blocks` hold the local prefix hit."""
+        """`block_ids`: every block of the request: first `num_null_blocks` null blocks (vLLM's padding of
+        the blocks before a sliding window), then `num_cached_blocks` holding the local prefix hit."""
         params = self._params(request)
         if params is None:
             return
@@ -150,12 +211,18 @@ class SidecarScheduler:
             # The local prefix cache holds it all: nothing to pull, let the prefill free its blocks.
             self._release(params, "served from the decode prefix cache")
             return
-        start = num_cached_blocks * self.block_size
-        need = -(-params.num_tokens // self.block_size) - num_cached_blocks
+        first = num_null_blocks + num_cached_blocks
+        need = -(-params.num_tokens // self.block_size) - first
+        blocks = list(block_ids[first : first + need])
+        error = ""
+        if NULL_BLOCK_ID in blocks:  # no pull may write into the null block; vLLM recomputes the request
+            error = f"vLLM gave the request a null block among those to fill ({blocks})"
         order = PullOrder(
             json.loads(params_to_json(params)),
-            list(block_ids[num_cached_blocks : num_cached_blocks + need]),
-            start,
+            blocks,
+            first * self.block_size,
+            restart_on_failure=num_null_blocks > 0,
+            error=error,
         )
         with self._lock:
             self._loading[req_id] = params
@@ -187,6 +254,14 @@ class SidecarScheduler:
             self._release(params, "aborted")
         return False, None
 
+    def prefill_length(self, request: Any) -> int | None:
+        """Prefill of a sliding-window request: how many of its prompt tokens to compute and publish
+        (window.prefill_tokens; the decode engine computes the rest). None: the whole prompt."""
+        kvp = request.kv_transfer_params or {}
+        if self.window is None or not kvp.get("do_remote_decode"):
+            return None
+        return prefill_tokens(int(request.num_prompt_tokens), self.window, self.alignment)
+
     def _publish(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         status = _status(request)
         # The prompt's KV, even if the request generated more than the router's one token: the decode
@@ -194,7 +269,21 @@ class SidecarScheduler:
         tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
         if status not in PUBLISHED_STATUSES or tokens <= 0 or not block_ids:
             return False, None
-        blocks = list(block_ids[: -(-tokens // self.block_size)])
+        # A sliding-window request: vLLM freed the blocks before the window and put its null block in
+        # their place. Only the blocks that hold data are published, from the first one's first token.
+        skipped = leading_nulls(block_ids)
+        blocks = list(block_ids[skipped : -(-tokens // self.block_size)])
+        if not blocks or NULL_BLOCK_ID in blocks:
+            self.unpublished += 1
+            log.error(
+                "KVSidecarConnector: cannot publish request %s: its blocks for %d tokens are %s, with "
+                "vLLM's null block (%d) where data should be; the decode engine must compute it",
+                request.request_id,
+                tokens,
+                list(block_ids),
+                NULL_BLOCK_ID,
+            )
+            return False, None
         if self._silent.is_set():
             self.unpublished += 1
             return False, None
@@ -206,6 +295,7 @@ class SidecarScheduler:
                 tokens,
                 self.config.lease_ms,
                 timeout_s=self.config.publish_timeout_s,
+                first_token=skipped * self.block_size,
             )
         except KVSidecarError as e:
             self.unpublished += 1

@@ -73,6 +73,10 @@ class SidecarWorker:
         self._finished_recving: set[str] = set()
         self._unfilled: dict[str, set[int]] = {}
         self._invalid_blocks: set[int] = set()
+        # Failed pulls that vLLM must compute from the request's start (sliding-window requests), and
+        # those of them reported as finished: vLLM wants them as failed receives in the same step.
+        self._restart: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._inflight: dict[str, tuple[PendingPull, PullOrder, float, float]] = {}
         self.session = connect_session(config, self._on_event)
         # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
@@ -134,6 +138,10 @@ class SidecarWorker:
         # Issued from vLLM's own thread and advanced in finished(): a pull costs this loop no thread
         # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
         started = time.monotonic()
+        if order.error:
+            failed = PullResult(False, error_code="FAILED_PRECONDITION", error=order.error)
+            self._record(req_id, order, (ordered_at, started, started), failed)
+            return
         try:
             start = self._polled.start if self._polled is not None else self.session.client.pull_async
             call = start(
@@ -169,16 +177,21 @@ class SidecarWorker:
     ) -> None:
         if not result.ok:
             log.warning(
-                "KVSidecarConnector: pull of request %s into rank %d failed (%s: %s); "
-                "vLLM recomputes %d block(s)",
+                "KVSidecarConnector: pull of request %s into rank %d failed (%s: %s); vLLM recomputes %s",
                 req_id,
                 self.rank,
                 result.error_code,
                 result.error,
-                len(result.unfilled_blocks),
+                "the request from its start"
+                if order.restart_on_failure or order.error
+                else f"{len(result.unfilled_blocks)} block(s)",
             )
         with self._lock:
-            if not result.ok:
+            if not result.ok and (order.restart_on_failure or order.error):
+                # The blocks before the first unfilled one no longer hold the window its token needs:
+                # vLLM recomputes the whole request (a failed receive frees its blocks).
+                self._restart.add(req_id)
+            elif not result.ok:
                 # Only blocks of this request: the sidecar's list never names others, but a
                 # wrong id here would make vLLM recompute someone else's blocks.
                 self._unfilled[req_id] = set(result.unfilled_blocks) & set(order.block_ids)
@@ -189,14 +202,24 @@ class SidecarWorker:
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call; failed pulls' blocks move to
-        `load_errors()` in the same breath, as vLLM wants them in the same step."""
+        `load_errors()`, and the requests to restart to `failed_receives()`, in the same breath, as
+        vLLM wants them in the same step."""
         self._collect()
         with self._lock:
             sending, self._finished_sending = self._finished_sending, set()
             recving, self._finished_recving = self._finished_recving, set()
             for req_id in recving:
                 self._invalid_blocks |= self._unfilled.pop(req_id, set())
+                if req_id in self._restart:
+                    self._restart.discard(req_id)
+                    self._failed_recving.add(req_id)
         return sending, recving
+
+    def failed_receives(self) -> set[str]:
+        """Requests whose pull failed and that vLLM must compute from their start (reported finished too)."""
+        with self._lock:
+            failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         with self._lock:

@@ -1,11 +1,19 @@
 """Request-level block checks: do these block id lists fit this plan and token count?
 
 A pull moves tokens [start_token, num_tokens). The prefill side names the
-blocks holding all of tokens [0, num_tokens) at its block size; the decode
-side names only the blocks it wants filled, covering [start_token,
-num_tokens) at its block size (a prefix hit: the first start_token tokens are
-already there). Block sizes may differ by any ratio, or none: the executors
-work token by token, so only these counts matter.
+blocks holding tokens [first_token, num_tokens) at its block size: all of them
+(first_token 0), or, for a sliding-window request, those from the block of
+its window's start on (the engine freed the ones before; `check_published`).
+The decode side names only the blocks it wants filled, covering [start_token,
+num_tokens) at its block size (a prefix hit, or the part before a window: the
+first start_token tokens are not pulled), and start_token is not below
+first_token. Block sizes may differ by any ratio, or none: the executors work
+token by token, so only these counts matter.
+
+The data plane indexes source blocks by position from token 0 (the "full
+form" of `check_copy`); `source_block_list` makes that form of a published
+range, with placeholders where nothing is held, which no pull from
+first_token on reads.
 """
 
 from __future__ import annotations
@@ -35,6 +43,63 @@ def src_block_range(block_size: int, num_tokens: int, start_token: int) -> range
     if start_token >= num_tokens:
         return range(0)
     return range(start_token // block_size, blocks_for(num_tokens, block_size))
+
+
+def published_block_count(num_tokens: int, first_token: int, block_size: int) -> int:
+    """Blocks of `block_size` holding tokens [first_token, num_tokens); first_token is block aligned."""
+    return blocks_for(num_tokens, block_size) - first_token // block_size
+
+
+def check_published(
+    what: str, block_ids: Sequence[int], num_tokens: int, first_token: int, block_size: int, num_blocks: int
+) -> None:
+    """A published range: `block_ids` hold tokens [first_token, num_tokens) at `block_size`, each once.
+
+    first_token starts a block (the engine holds whole blocks) and lies below num_tokens (a request
+    publishes at least one token)."""
+    for name, value in (("num_tokens", num_tokens), ("first_token", first_token)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"{name} must be a non-negative integer, got {value!r}")
+    if num_tokens <= 0:
+        raise PlanError("num_tokens must be positive")
+    if first_token % block_size:
+        raise PlanError(
+            f"first_token {first_token} is not a multiple of the {what} block_size {block_size}: "
+            "a published range starts on a block boundary"
+        )
+    if first_token >= num_tokens:
+        raise PlanError(
+            f"first_token {first_token} is not below num_tokens {num_tokens}: a request publishes at "
+            "least its last token"
+        )
+    need = published_block_count(num_tokens, first_token, block_size)
+    if len(block_ids) != need:
+        held = f"tokens [{first_token}, {num_tokens})" if first_token else f"{num_tokens} tokens"
+        raise PlanError(f"{held} at block size {block_size} need {need} blocks, got {len(block_ids)}")
+    check_block_ids(what, block_ids, num_blocks)
+
+
+def source_block_list(block_ids: Sequence[int], first_token: int, block_size: int) -> list[int]:
+    """The full form (one id per block position from token 0) of blocks holding [first_token, ...).
+
+    The positions before first_token get the first held id as a placeholder: a valid id, so that
+    the executors' range checks pass, and never read, because every pull starts at first_token or
+    later (`check_pull`, and the source's own check before it sends)."""
+    skipped = first_token // block_size
+    if not skipped:
+        return list(block_ids)
+    return [int(block_ids[0])] * skipped + [int(b) for b in block_ids]
+
+
+def check_start(start_token: int, first_token: int, num_tokens: int) -> None:
+    """OUT_OF_RANGE unless a read from start_token stays inside the published [first_token, num_tokens)."""
+    if start_token < first_token:
+        raise PlanError(
+            f"start_token {start_token} is before the published range: the prefill holds tokens "
+            f"[{first_token}, {num_tokens}) of this request (a sliding-window request: the blocks "
+            f"before its window are freed); pull from token {first_token} or later",
+            code="OUT_OF_RANGE",
+        )
 
 
 def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool = True) -> None:
@@ -184,19 +249,29 @@ def check_pull(
     num_tokens: int,
     dst_block_ids: Sequence[int],
     start_token: int = 0,
+    first_token: int = 0,
 ) -> None:
-    """Raise PlanError (INVALID_ARGUMENT) unless this pull fits the plan."""
+    """Raise PlanError unless this pull fits the plan: INVALID_ARGUMENT, or OUT_OF_RANGE for a pull
+    from before the published range. `src_block_ids` hold tokens [first_token, num_tokens)."""
     bp, bd = plan.prefill.block_size, plan.decode.block_size
     check_tokens(num_tokens, start_token, bd)
-    want_src = blocks_for(num_tokens, bp)
+    if isinstance(first_token, bool) or not isinstance(first_token, int) or first_token < 0:
+        raise PlanError(f"first_token must be a non-negative integer, got {first_token!r}")
+    if first_token % bp or (first_token and first_token >= num_tokens):
+        raise PlanError(
+            f"the published range [{first_token}, {num_tokens}) does not start on a block boundary of the "
+            f"prefill block_size {bp} below num_tokens"
+        )
+    check_start(start_token, first_token, num_tokens)
+    want_src = published_block_count(num_tokens, first_token, bp)
     want_dst = dst_block_count(bd, num_tokens, start_token)
     n_src, n_dst = len(src_block_ids), len(dst_block_ids)
     if bp == bd and start_token == 0 and n_src != n_dst:
         raise PlanError(f"local and remote block lists have different lengths ({n_dst} vs {n_src})")
     if n_src != want_src:
+        held = f"tokens [{first_token}, {num_tokens})" if first_token else f"{num_tokens} tokens"
         raise PlanError(
-            f"remote (prefill) block list has {n_src} ids but {num_tokens} tokens at block_size {bp} "
-            f"need {want_src}"
+            f"remote (prefill) block list has {n_src} ids but {held} at block_size {bp} need {want_src}"
         )
     if n_dst != want_dst:
         covered = f"tokens [{start_token}, {num_tokens})" if start_token else f"{num_tokens} tokens"

@@ -2,8 +2,9 @@
 
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0,
-   "fill": true, "publish": true}
-      -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes)
+   "fill": true, "publish": true, "first_token": 0}
+      -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes;
+      with first_token, block_ids hold tokens [first_token, N) only, as a sliding-window engine's)
       with "publish": false only fills: the ranks of a multi-node engine that live
       on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
@@ -105,11 +106,18 @@ class RefEngine:
         if cmd.get("fill", True):  # benchmarks republish blocks filled once; filling 1 GiB costs seconds
             logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
             for r, cache in self.caches.items():
-                fill_request(self.spec, r, cache.tensors, cmd["block_ids"], logical)
+                fill_request(
+                    self.spec, r, cache.tensors, cmd["block_ids"], logical, cmd.get("first_token", 0)
+                )
         if not cmd.get("publish", True):
             return {"ok": True}
         params = self.client.publish(
-            self.engine_id, cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], cmd.get("lease_ms", 0)
+            self.engine_id,
+            cmd["request_id"],
+            cmd["block_ids"],
+            cmd["num_tokens"],
+            cmd.get("lease_ms", 0),
+            first_token=cmd.get("first_token", 0),
         )
         return {"ok": True, "params": json.loads(params_to_json(params))}
 

@@ -100,12 +100,18 @@ def read_block(spec: EngineSpec, tensors: list[torch.Tensor], layer: int, block:
 
 
 def fill_request(
-    spec: EngineSpec, rank: int, tensors: list[torch.Tensor], block_ids: list[int], logical: torch.Tensor
+    spec: EngineSpec,
+    rank: int,
+    tensors: list[torch.Tensor],
+    block_ids: list[int],
+    logical: torch.Tensor,
+    first_token: int = 0,
 ) -> None:
-    """Write the rank's shard of `logical` (all tokens) into `block_ids`."""
+    """Write the rank's shard of `logical` into `block_ids`: tokens [first_token, all) from the block of
+    first_token (a block boundary) on, as a sliding-window engine holds only its window's blocks."""
     h0, h1 = spec.rank_heads(rank)
     bs, tokens = spec.block_size, logical.shape[2]
-    for j, b in enumerate(block_ids):
+    for j, b in enumerate(block_ids, start=first_token // bs):
         t0, t1 = j * bs, min(tokens, (j + 1) * bs)
         for layer in range(spec.num_layers):
             x = torch.zeros(logical.shape[1], bs, h1 - h0, spec.head_dim, dtype=logical.dtype)

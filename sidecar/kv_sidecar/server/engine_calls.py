@@ -7,11 +7,10 @@ over `EngineCalls`; both map a raised SidecarError to their own status.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
-from kv_sidecar.plan.blocks import check_block_ids
+from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
@@ -132,16 +131,16 @@ class EngineCalls:
         check_id("engine_id", request.engine_id)
         check_id("request_id", request.request_id)
         spec = self._engines.spec(request.engine_id)
-        if request.num_tokens <= 0:
-            raise SidecarError(Code.INVALID_ARGUMENT, "num_tokens must be positive")
-        need = math.ceil(request.num_tokens / spec.block_size)
-        if len(request.block_ids) != need:
-            raise SidecarError(
-                Code.INVALID_ARGUMENT,
-                f"{request.num_tokens} tokens at block size {spec.block_size} need {need} blocks, "
-                f"got {len(request.block_ids)}",
-            )
-        check_block_ids("prefill", request.block_ids, spec.num_blocks)
+        # The blocks of tokens [first_token, num_tokens): all of the prompt, or a sliding-window
+        # request's window, whose engine freed (and never names) the blocks before it.
+        check_published(
+            "prefill",
+            request.block_ids,
+            request.num_tokens,
+            request.first_token,
+            spec.block_size,
+            spec.num_blocks,
+        )
         self._membership.check_publish(request.engine_id, spec.tp_size)
         lease_ms = request.lease_ms or self._lease_ms
         item = self._published.publish(
@@ -151,10 +150,17 @@ class EngineCalls:
             request.num_tokens,
             lease_ms / 1000,
             ranks=self._membership.held_here(request.engine_id),
+            first_token=request.first_token,
+            block_size=spec.block_size,
         )
         try:  # a multi-node engine: hold it on the member sidecars too
             self._membership.publish_on_members(
-                request.engine_id, request.request_id, request.block_ids, request.num_tokens, lease_ms
+                request.engine_id,
+                request.request_id,
+                request.block_ids,
+                request.num_tokens,
+                lease_ms,
+                request.first_token,
             )
         except BaseException:
             self._published.abort(request.engine_id, request.request_id)
@@ -168,6 +174,7 @@ class EngineCalls:
             block_ids=request.block_ids,
             num_tokens=request.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
+            first_token=request.first_token,
         )
         return engine_pb2.PublishResponse(params=params)
 

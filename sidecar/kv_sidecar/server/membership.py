@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.errors import Code, SidecarError, check_id, ranks_text
-from kv_sidecar.plan.blocks import check_block_ids
+from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.identity import Identity
@@ -336,7 +336,13 @@ class Membership:
             )
 
     def publish_on_members(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, lease_ms: int
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        lease_ms: int,
+        first_token: int = 0,
     ) -> None:
         """Hold the request on every member; undo everywhere if one refuses."""
         req = peer_pb2.PeerPublishRequest(
@@ -346,6 +352,7 @@ class Membership:
             num_tokens=num_tokens,
             lease_ms=lease_ms,
             leader_id=self._me.sidecar_id,
+            first_token=first_token,
         )
         done: list[peer_pb2.SidecarRanks] = []
         for m in self.members(engine_id):
@@ -398,7 +405,9 @@ class Membership:
                 f"this sidecar holds no rank of engine {req.engine_id!r} for a leader",
             )
         spec = self._engines.spec(req.engine_id)
-        check_block_ids("prefill", req.block_ids, spec.num_blocks)
+        check_published(
+            "prefill", req.block_ids, req.num_tokens, req.first_token, spec.block_size, spec.num_blocks
+        )
         item = self._published.publish(
             req.engine_id,
             req.request_id,
@@ -406,5 +415,7 @@ class Membership:
             req.num_tokens,
             (req.lease_ms or self._lease_ms) / 1000,
             ranks=self.held_here(req.engine_id),
+            first_token=req.first_token,
+            block_size=spec.block_size,
         )
         self._on_published(item, self._engines.engine_ranks(req.engine_id))

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.plan.blocks import check_start, source_block_list
 from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.plan.spec import PlanError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ _TOMBSTONES = 10_000  # remember this many ended requests, to explain late reads
 class Published:
     engine_id: str
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # as published: the blocks of tokens [first_token, num_tokens)
     num_tokens: int
     lease_s: float
     deadline: float  # time.monotonic()
@@ -37,6 +39,24 @@ class Published:
     # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
     ranks: list[int] | None = None
     pending: dict[int, set[int]] = field(default_factory=dict)  # prefill rank -> decode ranks not done
+    # 0, or where a sliding-window request's published range starts (a block boundary): nothing
+    # before it is held, and no read may start before it (`check_read_from`).
+    first_token: int = 0
+    # The blocks by position from token 0, as the executors index them (plan.blocks.source_block_list):
+    # block_ids after placeholders for the positions before first_token. Set by PublishedStore.publish.
+    source_blocks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.source_blocks and not self.first_token:
+            self.source_blocks = list(self.block_ids)
+
+    def check_read_from(self, start_token: int) -> None:
+        """A source about to send tokens [start_token, num_tokens) refuses to read before the range it
+        holds (OUT_OF_RANGE): those positions hold placeholders, not this request's KV."""
+        try:
+            check_start(start_token, self.first_token, self.num_tokens)
+        except PlanError as e:
+            raise SidecarError(Code.OUT_OF_RANGE, f"request {self.request_id!r}: {e}") from None
 
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
@@ -86,7 +106,11 @@ class PublishedStore:
         num_tokens: int,
         lease_s: float,
         ranks: list[int] | None = None,
+        first_token: int = 0,
+        block_size: int = 1,
     ) -> Published:
+        """`block_ids` hold tokens [first_token, num_tokens) at `block_size` (checked by the caller:
+        plan.blocks.check_published)."""
         key = (engine_id, request_id)
         with self._lock:
             if key in self._items:
@@ -102,6 +126,8 @@ class PublishedStore:
                 lease_s,
                 self._clock() + lease_s,
                 ranks=ranks,
+                first_token=first_token,
+                source_blocks=source_block_list(block_ids, first_token, block_size),
             )
             self._items[key] = item
             self._ended.pop(key, None)

@@ -32,6 +32,7 @@ from kv_sidecar.dataplane.jobs import BlockReads, ConvertedRead
 from kv_sidecar.dataplane.plane import DataPlane, PostedRead
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.metrics import Metrics
+from kv_sidecar.plan.blocks import check_start
 from kv_sidecar.plan.spec import PlanError
 from kv_sidecar.server.engine_calls import Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
@@ -46,7 +47,7 @@ from kv_sidecar.server.staged_reader import StagedReader
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
 from kv_sidecar.transport.notifications import done_notification
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ def _no_native_path(address: str) -> SidecarError:
         "host_transfer: ring on it (the source then WRITEs, which TCP does natively; "
         "docs/operations.md, 5.9)",
     )
+
+
+def _held(msg: peer_pb2.OpenReadResponse | common_pb2.TransferParams) -> tuple[list[int], int, int]:
+    """What a source holds of a request, as its params or its OpenRead answer say."""
+    return list(msg.block_ids), msg.num_tokens, msg.first_token
 
 
 def _ring_path(job: PullJob) -> str:
@@ -150,6 +156,9 @@ class Puller:
             req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
         )
         try:
+            # A pull from before the range the params say is held fails here, before it opens the request
+            # (which would fix this engine as its reader); the source's record is checked again later.
+            check_start(req.start_token, p.first_token, p.num_tokens)
             local = self._local_ranks(req, cancel.ranks)
             if remote_here:
                 deadline = time.monotonic() + timeout_s
@@ -277,7 +286,7 @@ class Puller:
             opened = opening.finish(deadline)
             opened_on = holders
             if early_job is not None:
-                if (list(opened.block_ids), opened.num_tokens) == (list(p.block_ids), p.num_tokens):
+                if _held(opened) == _held(p):
                     nbytes = self._plane.finish_reads(early, early_job)
                     after.append(functools.partial(self._notify_done, req, remote, early_job))
                     return nbytes, "host-nixl"
@@ -326,7 +335,9 @@ class Puller:
         ):
             return None
         try:
-            return build_job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+            return build_job(
+                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+            )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
 
@@ -351,7 +362,9 @@ class Puller:
         if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
             return None
         try:
-            return build_job(req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline)
+            return build_job(
+                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+            )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
 
@@ -372,7 +385,16 @@ class Puller:
         after: Later,
     ) -> tuple[int, str]:
         p = req.params
-        job = build_job(req, local, remote.plan, list(opened.block_ids), opened.num_tokens, cancel, deadline)
+        job = build_job(
+            req,
+            local,
+            remote.plan,
+            list(opened.block_ids),
+            opened.num_tokens,
+            cancel,
+            deadline,
+            opened.first_token,
+        )
         identity = remote.plan.is_identity()
         ring = self._staged(remote, local)  # the staged protocol (staged_reader.py)
         if any(e.on_gpu for e in local) and remote.memory_kind != "VRAM":

@@ -78,7 +78,7 @@ class DirectPulls:
             [e.rank for e in local],
             deadline - time.monotonic(),
         )
-        job = build_job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline)
+        job = build_job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline, item.first_token)
         try:
             return self._copy(job, src_ranks, after)
         except Exception:

@@ -14,7 +14,7 @@ import numpy as np
 
 from kv_sidecar.dataplane.jobs import Tokens
 from kv_sidecar.errors import Code, SidecarError
-from kv_sidecar.plan.blocks import check_pull
+from kv_sidecar.plan.blocks import check_pull, source_block_list
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.inflight import stopped_error
@@ -46,7 +46,9 @@ class PullJob:
     params: common_pb2.TransferParams
     local: list[RankEntry]
     plan: PairPlan
-    src_blocks: np.ndarray  # int64, validated against the plan
+    # int64, validated against the plan; by position from token 0 (the full form), with placeholders
+    # before a sliding-window request's published range, which no read from start_token on touches.
+    src_blocks: np.ndarray
     dst_blocks: np.ndarray
     num_tokens: int
     start_token: int
@@ -79,13 +81,18 @@ def build_job(
     num_tokens: int,
     cancel: threading.Event,
     deadline: float,
+    first_token: int = 0,
 ) -> PullJob:
+    """`src_blocks`: the published blocks, of tokens [first_token, num_tokens)."""
     # Block ids arrive as protobuf repeated uint32 (never bools or negatives): as int64 arrays,
     # every later check (the executors validate again) takes the vectorised path. As Python
     # lists, validation was a quarter of a 1 GiB same-node GPU pull (py-spy, 2x H200).
     src = np.fromiter(src_blocks, dtype=np.int64, count=len(src_blocks))
     dst = np.fromiter(req.block_ids, dtype=np.int64, count=len(req.block_ids))
-    check_pull(plan, src, num_tokens, dst, req.start_token)
+    check_pull(plan, src, num_tokens, dst, req.start_token, first_token)
+    if first_token:
+        full = source_block_list(src_blocks, first_token, plan.prefill.block_size)
+        src = np.asarray(full, dtype=np.int64)
     return PullJob(
         req.params,
         local,

@@ -67,7 +67,7 @@ class PushThreads:
         if not runs.readers_lately():
             return
         ranks = [e.key for e in entries if e.on_gpu and (item.ranks is None or e.rank in item.ranks)]
-        self._plane.prefetch_ids((item.engine_id, item.request_id), item.block_ids, ranks)
+        self._plane.prefetch_ids((item.engine_id, item.request_id), item.source_blocks, ranks)
         if self._settings.push_notifications:
             runs.touch()
 

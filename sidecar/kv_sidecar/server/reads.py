@@ -88,6 +88,7 @@ class SourceReads:
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
+            first_token=item.first_token,
         )
 
     def open_for_reader(

@@ -156,7 +156,11 @@ class Opening:
                 resp = self._open(holder, deadline)
                 if first is None:
                     first = resp
-                elif (list(resp.block_ids), resp.num_tokens) != (list(first.block_ids), first.num_tokens):
+                elif (list(resp.block_ids), resp.num_tokens, resp.first_token) != (
+                    list(first.block_ids),
+                    first.num_tokens,
+                    first.first_token,
+                ):
                     raise SidecarError(
                         Code.FAILED_PRECONDITION,
                         f"sidecars of engine {p.engine_id!r} disagree on request {p.request_id!r} "

@@ -260,6 +260,7 @@ class StagedSource:
         if item is None:  # the open it carries, checked like an OpenRead once the rest of the Push is sound
             item = self._open_from_push(req, plan, context.peer(), src_entry.on_gpu)
         check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
+        item.check_read_from(req.start_token)
         chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, per_chunk)
         if not chunks:
             return peer_pb2.PushResponse()
@@ -279,7 +280,7 @@ class StagedSource:
                 req.reader_rank,
                 heads,
                 (req.engine_id, req.request_id),
-                item.block_ids,  # from our own record: the reader names only a start token
+                item.source_blocks,  # from our own record: the reader names only a start token
                 item.num_tokens,
                 req.start_token,
                 tuple(chunks),

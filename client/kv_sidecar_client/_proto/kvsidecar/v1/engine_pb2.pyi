@@ -93,18 +93,20 @@ class Event(_message.Message):
     def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ..., released: _Optional[_Union[RequestReleased, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms", "first_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    first_token: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("params",)

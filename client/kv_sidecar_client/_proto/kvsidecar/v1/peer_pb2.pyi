@@ -105,14 +105,16 @@ class OpenReadRequest(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reply_id: _Optional[str] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
-    __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms")
+    __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_deadline_unix_ms: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    first_token: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class OpenReadReply(_message.Message):
     __slots__ = ("response", "code", "message")
@@ -237,20 +239,22 @@ class ReportRanksResponse(_message.Message):
     def __init__(self, leader_id: _Optional[str] = ...) -> None: ...
 
 class PeerPublishRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms", "leader_id")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms", "leader_id", "first_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_ms: int
     leader_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., leader_id: _Optional[str] = ...) -> None: ...
+    first_token: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., leader_id: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class PeerPublishResponse(_message.Message):
     __slots__ = ()
