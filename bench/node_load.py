@@ -49,7 +49,17 @@ HZ = os.sysconf("SC_CLK_TCK")
 PATHS = {
     "host-nixl": "decode engine on the other sidecar",
     "host-direct": "decode engine on the same sidecar",
+    "host-ring": "decode engine on a third sidecar with host_transfer: ring (the staged protocol)",
 }
+# The ring sidecar's rings: 16 slots of 1 MiB, so that 16 pulls in flight each hold one.
+RING = [
+    "--host-transfer",
+    "ring",
+    "--gpu-staging-bytes",
+    str(2 * 16 * (1 << 20)),
+    "--gpu-staging-slots",
+    "16",
+]
 
 
 def cpu_ticks(pid: int) -> int:
@@ -81,11 +91,13 @@ class Node:
         self.tree = tree
         self.a = SidecarProcess(f"load-a-{len(tree)}", env=env)
         self.b = SidecarProcess(f"load-b-{len(tree)}", env=env)
+        self.c = SidecarProcess(f"load-c-{len(tree)}", extra=RING, env=env)
         tag = "base" if env else "this"
         self.prefill = EngineProcess(self.a.socket, f"p-{tag}", SPEC)
         self.decode = {
             "host-nixl": EngineProcess(self.b.socket, f"d-{tag}", SPEC),
             "host-direct": EngineProcess(self.a.socket, f"ds-{tag}", SPEC),
+            "host-ring": EngineProcess(self.c.socket, f"dr-{tag}", SPEC),
         }
         for block in range(SOURCES):  # each source block holds its own seed's tokens
             got = self.prefill.send(
@@ -121,7 +133,7 @@ class Node:
         decode = self.decode[path]
         procs = {
             "sidecar A": self.a,
-            "sidecar B": self.b,
+            "sidecar B": self.c if path == "host-ring" else self.b,  # the reading sidecar, another than A
             "prefill engine": self.prefill,
             "decode engine": decode,
         }
@@ -162,7 +174,7 @@ class Node:
     def close(self) -> None:
         for e in (self.prefill, *self.decode.values()):
             e.stop()
-        for s in (self.a, self.b):
+        for s in (self.a, self.b, self.c):
             s.stop()
 
 
