@@ -211,8 +211,15 @@ class Reception:
         """Wake a `wait` (any thread)."""
         self._inbox.put(_POKE)
 
+    def stop_credits(self) -> None:
+        """Give no slot back any more (the transfer is ending)."""
+        if self._credits is not None:
+            self._credits.close()
+
     def stop_source(self) -> None:
-        """Ask the source to stop writing (a notification; the Push call confirms when it has)."""
+        """Give no slot back any more and ask the source to stop writing (a notification; the Push call
+        confirms when it has)."""
+        self.stop_credits()
         with contextlib.suppress(Exception):
             self._nixl.send_notif(self._job.source_agent, sp.stop_notif(self._job.transfer_id))
 

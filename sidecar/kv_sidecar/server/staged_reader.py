@@ -230,6 +230,8 @@ def _stop_source(rx: Reception, push: _PushCall) -> bool:
     """Stop the source and wait until it has nothing in flight; False if it never confirmed."""
     if push.call is None or not push.call.done():
         rx.stop_source()
+    else:
+        rx.stop_credits()
     if push.call is None:  # only the notification went: the call confirms the stop (and starts nothing)
         try:
             push.send_stopping()
