@@ -41,6 +41,7 @@ MAX_TOKENS = 10
 LOGPROB_TOLERANCE = 1e-4
 LEASE_MS = 30000
 ALIGNMENT = 64
+KV_BYTES = 64 << 20  # tests/vllm/engine.py's default kv_cache_bytes
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -146,8 +147,11 @@ def test_the_hybrid_manager_is_on_and_the_decode_keeps_its_capacity(hy: Hybrid) 
         assert e.ready["kv_cache_groups"] == GROUPS, (e.name, e.ready)
     assert hy.free["hy-d32"] == hy.free["hy-ref"] == hy.free["hy-h32"]
     assert hy.off_d.ready["kv_cache_groups"] == 1
-    # 6 layers' pages per block with the manager off, 2 (one per layer position) with it on.
-    assert hy.free["hy-off-d"] < hy.free["hy-d32"] / 2.5
+    # 64 MiB of blocks of 2 pages (one per layer position) with the manager on, of 6 (every layer)
+    # with it off; block 0 is vLLM's null block.
+    assert hy.free["hy-d32"] == KV_BYTES // (REGIONS * 32 * LAYER_TOKEN_BYTES) - 1 == 1023
+    assert hy.free["hy-d64"] == KV_BYTES // (REGIONS * 64 * LAYER_TOKEN_BYTES) - 1
+    assert hy.free["hy-off-d"] == KV_BYTES // (LAYERS * 32 * LAYER_TOKEN_BYTES) - 1 == 340
 
 
 @pytest.mark.parametrize("decode", ["d32", "d64"])
