@@ -19,12 +19,14 @@ and decode node).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
 from .harness import VllmEngine, metric, start_all
@@ -230,3 +232,70 @@ def test_groups_that_do_not_correspond_are_computed_by_the_decode_engine(hy: Hyb
         with open(de.log_path, errors="replace") as f:
             log = f.read()
         assert "KV cache groups of the two engines do not correspond" in log, de.name
+
+
+def test_a_failed_pull_of_one_group_is_computed_from_the_start(hy: Hybrid) -> None:
+    """One group's record cannot be pulled (the prefill's sidecar knows no such request): vLLM must
+    compute the request from its first token, the other groups' pulls notwithstanding."""
+    n = 400
+    p = [prompt(n, seed=4343)]
+    want = hy.reference(p)
+    (params,) = hy.prefill(hy.h32, p)
+    groups = list(params["kv_sidecar_groups"])
+    real = groups[2]["params"]
+    groups[2] = groups[2] | {"params": real | {"request_id": "no-such-request"}}
+    got, ids = hy.decode(hy.d32, p, [params | {"kv_sidecar_groups": groups}])
+    assert_same_output(got, want, (n,))
+    pulls = pulls_of(hy.d32, ids)[ids[0]]
+    assert sorted(q["ok"] for q in pulls) == [False, True, True], pulls
+    assert any("no-such-request" in q["error"] for q in pulls), pulls
+    # The record never read: release it as its reader would; the prefill then frees the request.
+    with SidecarClient(hy.sd.socket) as client:
+        assert client.abort("d32", real["request_id"], params_from_json(real))
+    hy.settled(hy.h32)
+
+
+def test_abort_of_a_waiting_hybrid_request_releases_every_group(hy: Hybrid) -> None:
+    p = prompt(300, seed=77)
+    (params,) = hy.prefill(hy.h32, [p])
+    (did,) = hy.ids("abort-", 1)
+    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
+    hy.d32.call({"cmd": "add", "id": did, "prompt": p, "max_tokens": 5, "kv_transfer_params": params})
+    hy.d32.call({"cmd": "abort", "ids": [did]})
+    t0 = time.monotonic()
+    hy.settled(hy.h32)  # within a third of the lease: every group's record released
+    assert time.monotonic() - t0 < LEASE_MS / 1000 / 3
+    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries
+
+
+def test_a_waiting_hybrid_request_is_kept_alive_past_the_lease(hy: Hybrid) -> None:
+    """Queued, not stepped: only KeepAlive of every group's record holds the prefill's blocks."""
+    p = prompt(200, seed=78)
+    want = hy.reference([p])
+    (params,) = hy.prefill(hy.h32, [p])
+    (did,) = hy.ids("alive-", 1)
+    hy.d32.call(
+        {
+            "cmd": "add",
+            "id": did,
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": 0,
+            "kv_transfer_params": params,
+        }
+    )
+    time.sleep(LEASE_MS / 1000 + 2)
+    out = hy.d32.call({"cmd": "run", "ids": [did]})["outputs"][did]
+    assert_same_output([out], want, (200,))
+    pulls = pulls_of(hy.d32, [did])[did]
+    assert len(pulls) == GROUPS and all(q["ok"] for q in pulls), pulls
+    hy.settled(hy.h32)
+
+
+def test_a_hybrid_request_nobody_pulls_is_freed_when_its_lease_expires(hy: Hybrid) -> None:
+    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
+    hy.prefill(hy.h32, [prompt(250, seed=79)])
+    assert hy.h32.state()["free_blocks"] < hy.free["hy-h32"]
+    state = hy.h32.settle(LEASE_MS / 1000 + 10)
+    assert state["ok"] and state["free_blocks"] == hy.free["hy-h32"], state
+    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries + GROUPS

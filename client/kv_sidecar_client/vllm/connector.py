@@ -87,7 +87,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine_id,
                 vllm_config.cache_config.block_size,
                 groups[0].window if len(groups) == 1 else None,
-                groups=groups if len(groups) > 1 else None,
+                groups=groups,
             )
         else:
             on_cpu = vllm_config.device_config.device.type == "cpu"

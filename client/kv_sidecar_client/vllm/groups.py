@@ -69,8 +69,8 @@ def mismatch(prefill: Sequence[KVGroup], own: Sequence[KVGroup]) -> str | None:
     engine's `own` groups, naming the first layer that does not correspond; None if they do."""
     if len(prefill) != len(own):
         return (
-            f"the prefill engine has {len(prefill)} KV cache group(s) and this engine {len(own)} "
-            "(is the hybrid KV cache manager on at one end only?)"
+            f"the prefill engine has {len(prefill)} KV cache group(s) ({_layers_of(prefill)}) and this "
+            f"engine {len(own)} ({_layers_of(own)}): is the hybrid KV cache manager on at one end only?"
         )
     for g, (theirs, mine) in enumerate(zip(prefill, own, strict=True)):
         for j in range(max(len(theirs.layers), len(mine.layers))):
@@ -94,3 +94,8 @@ def region_layers(groups: Sequence[Sequence[str]]) -> list[list[str]]:
     that share its bytes. Groups of fewer layers (vLLM's padding) leave positions empty."""
     width = max((len(g) for g in groups), default=0)
     return [[g[j] for g in groups if j < len(g)] for j in range(width)]
+
+
+def _layers_of(groups: Sequence[KVGroup]) -> str:
+    """Each group's layers, for messages: "l.0 l.3 | l.1 l.4", or "?" where unknown."""
+    return " | ".join(" ".join(g.layers) or "?" for g in groups)

@@ -118,12 +118,14 @@ class SidecarScheduler:
         groups: Sequence[KVGroup] | None = None,
     ) -> None:
         """`window`: a sliding-window model's window in tokens (with any tokens vLLM retains beyond it),
-        None for full attention. `groups`: a hybrid model's KV cache groups (groups.py; `window` is then
-        their common window), None for a model of one group."""
+        None for full attention. `groups`: the model's KV cache groups (groups.py); with more than one
+        (a hybrid model) `window` is ignored for their common window."""
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.groups = list(groups) if groups and len(groups) > 1 else None
+        # This engine's groups as a prefill's are checked against (a model of one group: its layers).
+        self._own = list(groups) if groups else [KVGroup((), window)]
         self.window = common_window(self.groups) if self.groups else window
         # Each group's window: what the decode side checks a published group's first token against.
         self._windows = [g.window for g in self.groups] if self.groups else [window]
@@ -188,10 +190,10 @@ class SidecarScheduler:
         if groups is None:  # a prefill of one group
             if self.groups is None:
                 return [params]
-            why = mismatch([KVGroup(self.groups[0].layers, None)], self.groups)
+            why = mismatch([KVGroup((), None)], self.groups)
             published = [params]
         else:
-            why = mismatch([g for g, _ in groups], self.groups or [KVGroup((), self.window)])
+            why = mismatch([g for g, _ in groups], self._own)
             published = [p for _, p in groups]
             if why is None and self.groups is None:
                 why = "the prefill engine is hybrid and this one has one KV cache group"
