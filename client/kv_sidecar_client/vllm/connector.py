@@ -179,6 +179,10 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 )
         # The groups alias one allocation (every KVCacheTensor names the same one): count it once.
         check_covers_allocation(desc, sorted({t.size for t in self._kv_cache_config.kv_cache_tensors}))
+        # The sidecar's plan pairs engines only if their groups correspond (it names the layer if not).
+        desc.spec["groups"] = [
+            {"layers": list(g.layers), "sliding_window": g.window or 0} for g in self._groups()
+        ]
         return desc
 
     def _groups(self) -> list[KVGroup]:
