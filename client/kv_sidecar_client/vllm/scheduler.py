@@ -105,6 +105,8 @@ def group_params(kv_transfer_params: dict[str, Any] | None) -> list[tuple[KVGrou
         raise BadParams(f"{GROUPS_KEY!r} is not a list of kv-sidecar groups: {e}") from None
     if not out or any(p.num_tokens <= 0 or not p.block_ids or not p.request_id for _, p in out):
         raise BadParams(f"{GROUPS_KEY!r} has a group without tokens, blocks or request id")
+    if len({p.num_tokens for _, p in out}) > 1:  # one request: every group holds the same tokens
+        raise BadParams(f"{GROUPS_KEY!r} holds {[p.num_tokens for _, p in out]} tokens in its groups")
     return out
 
 
