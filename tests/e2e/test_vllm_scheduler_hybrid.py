@@ -11,14 +11,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
+from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
+from kv_sidecar_client.shm import ShmKVCache
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.groups import KVGroup
 from kv_sidecar_client.vllm.scheduler import SidecarScheduler
 from kv_sidecar_client.vllm.window import prefill_tokens
 
+from .conftest import spec_dict
 from .test_vllm_worker_host import worker
 
 W = 64
@@ -190,3 +194,38 @@ def test_groups_that_do_not_correspond_are_computed_here_and_released_at_once(
         _until(lambda: _published(a) == before, "every group's record to be released")
     finally:
         decode.shutdown()
+
+
+def test_the_sidecars_refuse_a_pull_between_engines_whose_groups_differ(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """Whoever the client: ranks registered with KV cache groups that do not correspond are not paired;
+    the pull fails with the planner's message naming the group and layer, and nothing is written."""
+    a, b = sidecar_pair
+    mine = [{"layers": ["l.0", "l.3"], "sliding_window": W}, {"layers": ["l.2", "l.5"]}]
+    theirs = [
+        {"layers": ["l.0", "l.3"], "sliding_window": W},
+        {"layers": ["l.2", "l.5"], "sliding_window": W},
+    ]
+    specs = {
+        name: EngineSpec.from_dict(spec_dict(groups=groups)) for name, groups in (("p", mine), ("d", theirs))
+    }
+    caches = {name: ShmKVCache(s.rank_tensor_shapes(), torch.float16) for name, s in specs.items()}
+    try:
+        with SidecarClient(a.socket) as pc, SidecarClient(b.socket) as dc:
+            pc.register_rank("grp-p", 0, specs["p"].to_dict(), caches["p"].handles())
+            dc.register_rank("grp-d", 0, specs["d"].to_dict(), caches["d"].handles())
+            params = pc.publish("grp-p", "g#g1", [3, 4], 20)
+            before = caches["d"].tensors[0].clone()
+            result = dc.pull(params, "grp-d", [5, 6])
+            assert not result.ok and result.error_code == "FAILED_PRECONDITION", result
+            assert (
+                "KV cache group 1 (layer l.2) differs: prefill full attention, decode sliding window 64"
+                in (result.error)
+            ), result
+            assert torch.equal(caches["d"].tensors[0], before)
+            pc.unregister_rank("grp-p", 0)
+            dc.unregister_rank("grp-d", 0)
+    finally:
+        for c in caches.values():
+            c.close()
