@@ -198,7 +198,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
             window = None
             if isinstance(spec, SlidingWindowSpec):
                 window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
-            elif len(groups) > 1 and type(spec) is not FullAttentionSpec:
+            # Exactly these kinds in a hybrid: subclasses (MLA, sinks, ...) are not tested with groups.
+            if len(groups) > 1 and type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
                 raise ValueError(
                     f"KVSidecarConnector supports hybrid models of full and sliding-window attention; KV "
                     f"cache group of {g.layer_names[0] if g.layer_names else '?'} is a {type(spec).__name__}"
