@@ -493,3 +493,42 @@ def test_window_alignment_is_a_known_key() -> None:
         ConnectorConfigError, match=r"window_alignment \(48\) must be a multiple of .* \(32\)"
     ):
         SidecarScheduler(ConnectorConfig(window_alignment=48), "e", 32, window=64)
+
+
+# -- hybrid models (groups.py) ---------------------------------------------------------------
+def test_region_layers_are_each_positions_layers_of_every_group() -> None:
+    from kv_sidecar_client.vllm.groups import region_layers
+
+    assert region_layers([["a0", "a3"], ["a1", "a4"], ["a2", "a5"]]) == [
+        ["a0", "a1", "a2"],
+        ["a3", "a4", "a5"],
+    ]
+    # vLLM pads the last group of a kind: its missing layer leaves the position to the others.
+    assert region_layers([["f0", "f1"], ["s0"]]) == [["f0", "s0"], ["f1"]]
+
+
+def test_hybrid_groups_share_one_window_or_are_refused() -> None:
+    from kv_sidecar_client.vllm.groups import KVGroup, common_window
+
+    assert common_window([KVGroup(("a",), 64), KVGroup(("b",), None), KVGroup(("c",), 64)]) == 64
+    assert common_window([KVGroup(("a",), None)]) is None
+    with pytest.raises(ValueError, match=r"share one window; this one has windows \[64, 128\]"):
+        common_window([KVGroup(("a",), 64), KVGroup(("b",), 128)])
+
+
+def test_groups_mismatch_names_the_layer() -> None:
+    from kv_sidecar_client.vllm.groups import KVGroup, mismatch
+
+    mine = [KVGroup(("l0", "l3"), 64), KVGroup(("l2", "l5"), None)]
+    assert mismatch(mine, mine) is None
+    assert "position 1: the prefill engine has layer l4 there, this engine l3" in (
+        mismatch([KVGroup(("l0", "l4"), 64), mine[1]], mine) or ""
+    )
+    assert "layer l2 (KV cache group 1) is sliding window 64 on the prefill engine and full attention" in (
+        mismatch([mine[0], KVGroup(("l2", "l5"), 64)], mine) or ""
+    )
+    assert "has 1 KV cache group(s) (?) and this engine 2 (l0 l3 | l2 l5)" in (
+        mismatch([KVGroup((), None)], mine) or ""
+    )
+    roundtrip = [KVGroup.from_json(g.to_json()) for g in mine]
+    assert roundtrip == mine

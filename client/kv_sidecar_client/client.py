@@ -89,7 +89,8 @@ def spec_message(spec: Mapping[str, Any] | EngineSpec) -> EngineSpec:
     d = dict(spec)
     if d.get("kernel_block_size") is None:
         d.pop("kernel_block_size", None)
-    return EngineSpec(**d)
+    groups = [common_pb2.KVCacheGroup(**g) for g in d.pop("groups", None) or ()]
+    return EngineSpec(**d, groups=groups)
 
 
 @dataclass

@@ -489,4 +489,6 @@ def test_engine_loads_the_vllm_connector_on_the_sidecar_socket():
         assert config.engine_id == "$(POD_NAME)"
         env = {e["name"]: e for e in eng["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-        assert "--disable-hybrid-kv-cache-manager" in eng["args"]
+        # The connector supports vLLM's hybrid KV cache manager: turning it off would cost hybrid models
+        # (sliding-window next to full attention) most of their KV capacity.
+        assert "--disable-hybrid-kv-cache-manager" not in eng["args"]

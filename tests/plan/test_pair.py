@@ -223,3 +223,63 @@ def test_to_json() -> None:
     assert out["bytes_per_block"] == {"prefill_rank": 512, "decode_rank": 512}
     mla = plan_pair(spec(1, layout="mla"), spec(2, layout="mla")).to_json()
     assert mla["decode_ranks"][1]["reads"] == [{"prefill_rank": 0, "heads": None}]
+
+
+# A hybrid model (vLLM's hybrid KV cache manager): 3 KV cache groups of 2 layer positions each.
+HYBRID = (
+    {"layers": ("l0", "l3"), "sliding_window": 64},
+    {"layers": ("l1", "l4"), "sliding_window": 64},
+    {"layers": ("l2", "l5")},
+)
+
+
+def test_hybrid_groups_that_correspond_pair_across_tp_and_block_sizes() -> None:
+    plan = plan_pair(spec(1, groups=HYBRID), spec(2, groups=HYBRID, block_size=32))
+    assert table(plan) == table(plan_pair(spec(1), spec(2, block_size=32)))
+    assert plan.hash() != plan_pair(spec(1), spec(2, block_size=32)).hash()
+    assert EngineSpec.from_dict(spec(1, groups=HYBRID).to_dict()) == spec(1, groups=HYBRID)
+    assert "groups" not in spec(1).to_dict()  # one group: the spec (and plan hashes) as before
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "message"),
+    [
+        (HYBRID, (), "KV cache groups differ: prefill 3, decode 1"),
+        (HYBRID, HYBRID[:2], "KV cache groups differ: prefill 3, decode 2"),
+        (
+            HYBRID,
+            (HYBRID[1], HYBRID[0], HYBRID[2]),
+            "KV cache group 0 differs at layer position 0: prefill layer l0, decode layer l1",
+        ),
+        (
+            HYBRID,
+            (*HYBRID[:2], {"layers": ("l2", "l5"), "sliding_window": 128}),
+            "KV cache group 2 (layer l2) differs: prefill full attention, decode sliding window 128",
+        ),
+    ],
+)
+def test_hybrid_groups_that_do_not_correspond_are_refused_naming_the_layer(
+    prefill: tuple[dict[str, Any], ...], decode: tuple[dict[str, Any], ...], message: str
+) -> None:
+    with pytest.raises(PlanError) as info:
+        plan_pair(spec(1, groups=prefill), spec(1, groups=decode))
+    assert message in str(info.value)
+    assert info.value.code == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        (
+            ({"layers": ("l0",)},),
+            "the KV cache groups have 1 layer positions but the engine registers num_layers 2",
+        ),
+        (({"layers": ("l0", "l1")}, {"layers": ("l1", "l2")}), "layer l1 is in more than one place"),
+        (({"layers": ("l0", "l0")},), "layer l0 is in more than one place"),
+        (({"layers": ()},), "KV cache group 0 names no layer"),
+        (({"layers": ("a", "b"), "sliding_window": -1},), "sliding_window must be >= 0"),
+    ],
+)
+def test_malformed_groups_are_refused(groups: tuple[dict[str, Any], ...], message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        spec(1, groups=groups)

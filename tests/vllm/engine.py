@@ -85,7 +85,8 @@ class Engine:
             enable_prefix_caching=opts.get("prefix_caching", True),
             seed=0,
             kv_transfer_config=kv_cfg,
-            disable_hybrid_kv_cache_manager=True,
+            # Hybrid models (issue 33) run with vLLM's hybrid KV cache manager only where asked.
+            disable_hybrid_kv_cache_manager=not opts.get("hybrid", False),
             max_num_seqs=opts.get("max_num_seqs", 16),
             tensor_parallel_size=opts.get("tensor_parallel_size", 1),
             distributed_executor_backend="mp" if opts.get("tensor_parallel_size", 1) > 1 else None,
@@ -164,6 +165,9 @@ class Engine:
         state: dict[str, Any] = {
             "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
             "held": len(sched.requests),
+            # More than one: vLLM runs the hybrid KV cache manager (it turns it off for a connector
+            # that does not declare SupportsHMA, leaving one group).
+            "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups),
         }
         ours = getattr(
             getattr(sched, "connector", None), "_scheduler", None
@@ -209,7 +213,9 @@ def main() -> None:
         out.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
         out.flush()
         return
-    out.write(json.dumps({"ok": True, "free_blocks": engine._state()["free_blocks"]}) + "\n")
+    state = engine._state()
+    ready = {"ok": True, "free_blocks": state["free_blocks"], "kv_cache_groups": state["kv_cache_groups"]}
+    out.write(json.dumps(ready) + "\n")
     out.flush()
     for line in sys.stdin:
         cmd = json.loads(line)

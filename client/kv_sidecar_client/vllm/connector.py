@@ -7,6 +7,7 @@ scheduler.py (one per engine) and worker.py (one per TP rank) work with.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.groups import KVGroup, region_layers
 from kv_sidecar_client.vllm.kv_layout import (
     KVWriter,
     UnsupportedKVCache,
@@ -62,7 +65,7 @@ class KVSidecarMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
 
 
-class KVSidecarConnector(KVConnectorBase_V1):
+class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """Load with `--kv-transfer-config '{"kv_connector": "KVSidecarConnector",
     "kv_connector_module_path": "kv_sidecar_client.vllm", "kv_role": "kv_both", ...}'` (docs/vllm.md)."""
 
@@ -78,8 +81,13 @@ class KVSidecarConnector(KVConnectorBase_V1):
         self._scheduler: SidecarScheduler | None = None
         self._worker: SidecarWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            groups = self._groups()
             self._scheduler = SidecarScheduler(
-                self.config, self.engine_id, vllm_config.cache_config.block_size, self._sliding_window()
+                self.config,
+                self.engine_id,
+                vllm_config.cache_config.block_size,
+                groups[0].window if len(groups) == 1 else None,
+                groups=groups,
             )
         else:
             on_cpu = vllm_config.device_config.device.type == "cpu"
@@ -103,6 +111,9 @@ class KVSidecarConnector(KVConnectorBase_V1):
             name: getattr(layer, "kv_sharing_target_layer_name", None) for name, layer in attention.items()
         }
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
+        if len(groups) > 1:
+            self._worker.register(self._describe_hybrid(kv_caches, info, attention, sharing))
+            return
         names = transferred_layers(
             kv_caches, sharing, [n for g in groups for n in g.layer_names], _layer_index
         )
@@ -113,26 +124,106 @@ class KVSidecarConnector(KVConnectorBase_V1):
             check_covers_allocation(desc, [t.size for t in self._kv_cache_config.kv_cache_tensors])
         self._worker.register(desc)
 
-    def _sliding_window(self) -> int | None:
-        """The tokens vLLM keeps behind a request's next token where its one KV cache group has a
-        sliding window (the window and any extra tokens it retains), else None."""
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    def _describe_hybrid(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        info: VllmKVInfo,
+        attention: dict[str, Any],
+        sharing: dict[str, str | None],
+    ) -> Any:
+        """A hybrid model's rank (groups.py): one region per layer position, shared by that position's
+        layer of every group. Each group's layers are checked against their own kernels, and every
+        layer must be exactly its position's view: otherwise a group's blocks would be moved as
+        another layer's bytes."""
+        assert self._kv_cache_config is not None
+        groups = [list(g.layer_names) for g in self._kv_cache_config.kv_cache_groups]
+        shared = sorted(n for n, t in sharing.items() if t is not None)
+        if shared:
+            raise UnsupportedKVCache(
+                f"KVSidecarConnector: hybrid models with cross-layer KV sharing are not supported ({shared[0]} "
+                f"reads {sharing[shared[0]]}'s cache)"
+            )
+        missing = sorted({n for g in groups for n in g} - set(kv_caches))
+        if missing:
+            raise UnsupportedKVCache(f"KVSidecarConnector: vLLM gave no KV cache for layers {missing}")
+        positions = region_layers(groups)
+        for layers in positions:
+            first = kv_caches[layers[0]]
+            for name in layers[1:]:
+                t = kv_caches[name]
+                if (t.data_ptr(), t.shape, t.stride()) != (first.data_ptr(), first.shape, first.stride()):
+                    raise UnsupportedKVCache(
+                        f"KVSidecarConnector: {name} (a layer of another KV cache group) is not the view of "
+                        f"{layers[0]}'s bytes that vLLM's hybrid allocation makes it (shape {tuple(t.shape)}, "
+                        f"strides {tuple(t.stride())}, at {t.data_ptr():#x}); the connector cannot tell "
+                        "which group's blocks it holds"
+                    )
+        names = [layers[0] for layers in positions]
+        desc = describe(
+            [kv_caches[n] for n in names],
+            info,
+            names,
+            None if info.use_mla else [_kernel_writer(n, attention.get(n)) for n in names],
+        )
+        for layers in groups[1:]:  # the other groups' kernels must write the same page order
+            other = describe(
+                [kv_caches[n] for n in layers],
+                info,
+                layers,
+                None if info.use_mla else [_kernel_writer(n, attention.get(n)) for n in layers],
+            )
+            if other.spec["layout"] != desc.spec["layout"]:
+                raise UnsupportedKVCache(
+                    f"KVSidecarConnector: {layers[0]} writes its KV cache as {other.spec['layout']}, the "
+                    f"layer sharing its bytes ({names[0]}) as {desc.spec['layout']}"
+                )
+        # The groups alias one allocation (every KVCacheTensor names the same one): count it once.
+        check_covers_allocation(desc, sorted({t.size for t in self._kv_cache_config.kv_cache_tensors}))
+        # The sidecar's plan pairs engines only if their groups correspond (it names the layer if not).
+        desc.spec["groups"] = [
+            {"layers": list(g.layers), "sliding_window": g.window or 0} for g in self._groups()
+        ]
+        return desc
+
+    def _groups(self) -> list[KVGroup]:
+        """vLLM's KV cache groups: their layers and windows (the tokens vLLM keeps behind a request's
+        next token: the window and any extra tokens it retains; None: full attention). One group of
+        any kind is as before; a hybrid model's groups must be full or sliding-window attention."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, SlidingWindowSpec):
-            return None
-        spec = groups[0].kv_cache_spec
-        return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        out = []
+        for g in groups:
+            spec = g.kv_cache_spec
+            window = None
+            if isinstance(spec, SlidingWindowSpec):
+                window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            # Exactly these kinds in a hybrid: subclasses (MLA, sinks, ...) are not tested with groups.
+            if len(groups) > 1 and type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+                raise ValueError(
+                    f"KVSidecarConnector supports hybrid models of full and sliding-window attention; KV "
+                    f"cache group of {g.layer_names[0] if g.layer_names else '?'} is a {type(spec).__name__}"
+                )
+            out.append(KVGroup(tuple(g.layer_names), window))
+        return out or [KVGroup((), None)]
 
     def _kv_info(self) -> VllmKVInfo:
         cfg = self._vllm_config
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
-        if len(groups) != 1:
-            raise ValueError(
-                f"KVSidecarConnector supports models with one KV cache group; this one has {len(groups)} "
-                "(a hybrid model: sliding-window or Mamba layers next to full attention)"
-            )
+        if not groups:
+            raise ValueError("KVSidecarConnector: this model has no KV cache group (attention-free?)")
+        self._groups()  # a hybrid model's groups are of kinds we move
         spec = groups[0].kv_cache_spec
+        # The groups of a hybrid model share one allocation and one page geometry (regions per layer
+        # position): the same block size, heads, head size and dtype in every group.
+        geometry = _geometry(spec)
+        for g in groups[1:]:
+            if _geometry(g.kv_cache_spec) != geometry:
+                raise ValueError(
+                    f"KVSidecarConnector: KV cache group of {g.layer_names[0]} has block size, KV heads, head "
+                    f"size, dtype {_geometry(g.kv_cache_spec)}, the first group {geometry}: hybrid models "
+                    "need one page geometry"
+                )
         for needed in ("num_kv_heads", "head_size", "dtype"):
             if not hasattr(spec, needed):
                 raise ValueError(f"KVSidecarConnector cannot move a {type(spec).__name__} KV cache")
@@ -208,20 +299,12 @@ class KVSidecarConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        (group,) = blocks.blocks
-        # A sliding-window request's table starts with null blocks (vLLM's padding for the blocks before
-        # its window); then the local prefix-cache hit: blocks that already carry a hash.
-        nulls = 0
-        while nulls < len(group) and group[nulls].is_null:
-            nulls += 1
-        cached = 0
-        for block in group[nulls:]:
-            if block.block_hash is None or block.is_null:
-                break
-            cached += 1
-        self._scheduler.after_alloc(
-            request, [b.block_id for b in group], cached, num_external_tokens, num_null_blocks=nulls
-        )
+        tables = [_table(group) for group in blocks.blocks]
+        if len(tables) > 1:
+            self._scheduler.after_alloc_groups(request, tables, num_external_tokens)
+            return
+        ((ids, cached, nulls),) = tables
+        self._scheduler.after_alloc(request, ids, cached, num_external_tokens, num_null_blocks=nulls)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -235,8 +318,18 @@ class KVSidecarConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of request_finished when the hybrid manager is on (SupportsHMA)."""
+        assert self._scheduler is not None
+        if len(block_ids) == 1:
+            return self._scheduler.request_finished(request, block_ids[0])
+        return self._scheduler.request_finished_groups(request, [list(b) for b in block_ids])
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return (0,)  # the request's own blocks, one group
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else [None]
+        return tuple(range(len(groups)))  # every group's blocks of the request are loaded
 
 
 @dataclass
@@ -250,6 +343,30 @@ class _Results:
 
     def as_vllm(self) -> KVConnectorTransferResults:
         return KVConnectorTransferResults(self.sending, self.recving, self.failed)
+
+
+def _table(group: Sequence[Any]) -> tuple[list[int], int, int]:
+    """One group's blocks of a request: (ids, local prefix-cache hit, leading null blocks). A
+    sliding-window table starts with null blocks (vLLM's padding for the blocks before its window);
+    then the local prefix-cache hit: blocks that already carry a hash."""
+    nulls = 0
+    while nulls < len(group) and group[nulls].is_null:
+        nulls += 1
+    cached = 0
+    for block in group[nulls:]:
+        if block.block_hash is None or block.is_null:
+            break
+        cached += 1
+    return [b.block_id for b in group], cached, nulls
+
+
+def _geometry(spec: Any) -> tuple[Any, ...]:
+    return (
+        spec.block_size,
+        getattr(spec, "num_kv_heads", None),
+        getattr(spec, "head_size", None),
+        spec.dtype,
+    )
 
 
 def _shorten_prompt(request: Any, keep: int) -> None:

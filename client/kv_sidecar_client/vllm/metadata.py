@@ -27,3 +27,7 @@ class StepOrders:
 
     pulls: dict[str, PullOrder] = field(default_factory=dict)  # by local request id
     published: list[str] = field(default_factory=list)  # request ids whose blocks wait for the sidecar
+    # Hybrid models (groups.py): a request's pulls, one per KV cache group, by local request id; and
+    # published requests' sidecar records, one per group, all of which must be released to free it.
+    group_pulls: dict[str, list[PullOrder]] = field(default_factory=dict)
+    parts: dict[str, list[str]] = field(default_factory=dict)

@@ -55,6 +55,7 @@ from kv_sidecar_client.client import (
     params_to_json,
 )
 from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
+from kv_sidecar_client.vllm.groups import GROUPS_KEY, KVGroup, common_window, mismatch, sub_request_id
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 from kv_sidecar_client.vllm.window import (
     NULL_BLOCK_ID,
@@ -92,16 +93,44 @@ def remote_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams |
     return params
 
 
+def group_params(kv_transfer_params: dict[str, Any] | None) -> list[tuple[KVGroup, TransferParams]] | None:
+    """A hybrid prefill's groups and each group's params (groups.py), None if it published one group;
+    BadParams if malformed."""
+    raw = (kv_transfer_params or {}).get(GROUPS_KEY)
+    if raw is None:
+        return None
+    try:
+        out = [(KVGroup.from_json(g), params_from_json(g["params"])) for g in raw]
+    except Exception as e:
+        raise BadParams(f"{GROUPS_KEY!r} is not a list of kv-sidecar groups: {e}") from None
+    if not out or any(p.num_tokens <= 0 or not p.block_ids or not p.request_id for _, p in out):
+        raise BadParams(f"{GROUPS_KEY!r} has a group without tokens, blocks or request id")
+    if len({p.num_tokens for _, p in out}) > 1:  # one request: every group holds the same tokens
+        raise BadParams(f"{GROUPS_KEY!r} holds {[p.num_tokens for _, p in out]} tokens in its groups")
+    return out
+
+
 class SidecarScheduler:
     def __init__(
-        self, config: ConnectorConfig, engine_id: str, block_size: int, window: int | None = None
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        window: int | None = None,
+        groups: Sequence[KVGroup] | None = None,
     ) -> None:
         """`window`: a sliding-window model's window in tokens (with any tokens vLLM retains beyond it),
-        None for full attention."""
+        None for full attention. `groups`: the model's KV cache groups (groups.py); with more than one
+        (a hybrid model) `window` is ignored for their common window."""
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
-        self.window = window
+        self.groups = list(groups) if groups and len(groups) > 1 else None
+        # This engine's groups as a prefill's are checked against (a model of one group: its layers).
+        self._own = list(groups) if groups else [KVGroup((), window)]
+        self.window = common_window(self.groups) if self.groups else window
+        # Each group's window: what the decode side checks a published group's first token against.
+        self._windows = [g.window for g in self.groups] if self.groups else [window]
         self.alignment = config.window_alignment or block_size
         if self.alignment % block_size:
             raise ConnectorConfigError(
@@ -115,8 +144,9 @@ class SidecarScheduler:
         self._orders = StepOrders()
         self._handled: set[str] = set()  # decode requests whose pull (or release) is decided
         self._bad: set[str] = set()  # decode requests computed locally for malformed params
-        self._waiting: dict[str, TransferParams] = {}  # queued decode requests: kept alive
-        self._loading: dict[str, TransferParams] = {}  # pulls ordered, not yet finished
+        # Decode requests' params, one per KV cache group (one for a model of one group).
+        self._waiting: dict[str, list[TransferParams]] = {}  # queued decode requests: kept alive
+        self._loading: dict[str, list[TransferParams]] = {}  # pulls ordered, not yet finished
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvs-sched")
         self._stop = threading.Event()
         # Set while the sidecar has left a Publish unanswered and not answered a probe since.
@@ -127,12 +157,14 @@ class SidecarScheduler:
         self._keepalive.start()
 
     # -- decode ------------------------------------------------------------------------
-    def _params(self, request: Any) -> TransferParams | None:
+    def _params(self, request: Any) -> list[TransferParams] | None:
+        """A decode request's prefill params, one per KV cache group; None if it is computed here."""
         req_id = request.request_id
         if req_id in self._handled or req_id in self._bad:
             return None
         try:
             params = remote_params(request.kv_transfer_params)
+            groups = None if params is None else group_params(request.kv_transfer_params)
         except BadParams as e:
             self._bad.add(req_id)
             log.warning("KVSidecarConnector: request %s is computed locally: %s", req_id, e)
@@ -147,7 +179,38 @@ class SidecarScheduler:
                 len(request.prompt_token_ids or ()),
             )
             return None
-        return params
+        if params is None:
+            return None
+        return self._corresponding(request, params, groups)
+
+    def _corresponding(
+        self, request: Any, params: TransferParams, groups: list[tuple[KVGroup, TransferParams]] | None
+    ) -> list[TransferParams] | None:
+        """Each group's params if the prefill's KV cache groups correspond to ours layer for layer;
+        otherwise the request is computed here (a warning names the layer) and the prefill's blocks
+        are freed at once."""
+        if groups is None:  # a prefill of one group
+            if self.groups is None:
+                return [params]
+            why = mismatch([KVGroup((), None)], self.groups)
+            published = [params]
+        else:
+            why = mismatch([g for g, _ in groups], self._own)
+            published = [p for _, p in groups]
+            if why is None and self.groups is None:
+                why = "the prefill engine is hybrid and this one has one KV cache group"
+        if why is None:
+            return published
+        self._bad.add(request.request_id)
+        log.warning(
+            "KVSidecarConnector: request %s is computed locally: the KV cache groups of the two engines do "
+            "not correspond: %s",
+            request.request_id,
+            why,
+        )
+        for p in published:
+            self._release(p, "KV cache groups do not correspond")
+        return None
 
     def on_new_request(self, request: Any) -> None:
         params = self._params(request)
@@ -156,22 +219,31 @@ class SidecarScheduler:
                 self._waiting[request.request_id] = params
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = self._params(request)
-        if params is None:
+        plist = self._params(request)
+        if plist is None:
             return 0, False
-        if not self._window_fits(request, params, num_computed_tokens):
-            return 0, False
-        count = params.num_tokens - num_computed_tokens
+        for params, window in zip(plist, self._windows, strict=True):
+            if not self._window_fits(request, plist, params, window, num_computed_tokens):
+                return 0, False
+        count = plist[0].num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _window_fits(self, request: Any, params: TransferParams, num_computed_tokens: int) -> bool:
+    def _window_fits(
+        self,
+        request: Any,
+        plist: list[TransferParams],
+        params: TransferParams,
+        window: int | None,
+        num_computed_tokens: int,
+    ) -> bool:
         """Whether the first block this engine would pull into, once it loads the published tokens (its
         first in-window block, or the first after its local prefix hit), starts inside the published
-        range; if not, the request is computed here and the prefill's blocks are freed."""
+        range of this group (`params`); if not, the request is computed here and the prefill's blocks
+        (every group's, `plist`) are freed."""
         if not params.first_token:
             return True
-        if self.window is not None:
-            kept = first_kept_token(params.num_tokens, self.window, self.block_size)
+        if window is not None:
+            kept = first_kept_token(params.num_tokens, window, self.block_size)
             if max(kept, num_computed_tokens) >= params.first_token:
                 return True
             why = (
@@ -184,7 +256,8 @@ class SidecarScheduler:
         self._bad.add(request.request_id)
         with self._lock:  # no longer kept alive, nor released again when it finishes
             self._waiting.pop(request.request_id, None)
-        self._release(params, "computed by the decode engine")
+        for p in plist:
+            self._release(p, "computed by the decode engine")
         if params.engine_id not in self._misaligned:
             self._misaligned.add(params.engine_id)
             log.warning("KVSidecarConnector: request %s is computed locally: %s", request.request_id, why)
@@ -200,8 +273,18 @@ class SidecarScheduler:
     ) -> None:
         """`block_ids`: every block of the request: first `num_null_blocks` null blocks (vLLM's padding of
         the blocks before a sliding window), then `num_cached_blocks` holding the local prefix hit."""
-        params = self._params(request)
-        if params is None:
+        self.after_alloc_groups(
+            request, [(list(block_ids), num_cached_blocks, num_null_blocks)], num_external
+        )
+
+    def after_alloc_groups(
+        self, request: Any, tables: Sequence[tuple[list[int], int, int]], num_external: int
+    ) -> None:
+        """Per KV cache group, (block ids, local prefix-cache hit, leading null blocks) as after_alloc
+        takes them: each group is pulled from the prefill's record of the same group into its own
+        blocks. A model of one group passes one table."""
+        plist = self._params(request)
+        if plist is None:
             return
         req_id = request.request_id
         self._handled.add(req_id)
@@ -209,24 +292,34 @@ class SidecarScheduler:
             self._waiting.pop(req_id, None)
         if num_external <= 0:
             # The local prefix cache holds it all: nothing to pull, let the prefill free its blocks.
-            self._release(params, "served from the decode prefix cache")
+            for p in plist:
+                self._release(p, "served from the decode prefix cache")
             return
-        first = num_null_blocks + num_cached_blocks
-        need = -(-params.num_tokens // self.block_size) - first
-        blocks = list(block_ids[first : first + need])
-        error = ""
-        if NULL_BLOCK_ID in blocks:  # no pull may write into the null block; vLLM recomputes the request
-            error = f"vLLM gave the request a null block among those to fill ({blocks})"
-        order = PullOrder(
-            json.loads(params_to_json(params)),
-            blocks,
-            first * self.block_size,
-            restart_on_failure=num_null_blocks > 0,
-            error=error,
-        )
+        orders = []
+        for params, (block_ids, num_cached_blocks, num_null_blocks) in zip(plist, tables, strict=True):
+            first = num_null_blocks + num_cached_blocks
+            need = -(-params.num_tokens // self.block_size) - first
+            blocks = list(block_ids[first : first + need])
+            error = ""
+            if NULL_BLOCK_ID in blocks:  # no pull may write into the null block; vLLM recomputes the request
+                error = f"vLLM gave the request a null block among those to fill ({blocks})"
+            orders.append(
+                PullOrder(
+                    json.loads(params_to_json(params)),
+                    blocks,
+                    first * self.block_size,
+                    # A sliding-window group, or any group of a hybrid model (whose other groups' windows
+                    # a partial recompute would miss): a failed pull computes the request from its start.
+                    restart_on_failure=num_null_blocks > 0 or len(plist) > 1,
+                    error=error,
+                )
+            )
         with self._lock:
-            self._loading[req_id] = params
-            self._orders.pulls[req_id] = order
+            self._loading[req_id] = plist
+            if len(orders) == 1:
+                self._orders.pulls[req_id] = orders[0]
+            else:
+                self._orders.group_pulls[req_id] = orders
 
     def finished_loading(self, req_ids: Sequence[str]) -> None:
         with self._lock:
@@ -243,16 +336,28 @@ class SidecarScheduler:
         handled = req_id in self._handled
         self._handled.discard(req_id)
         with self._lock:
-            params = self._waiting.pop(req_id, None) or self._loading.pop(req_id, None)
-        if params is None and not handled and kvp.get("do_remote_prefill"):
+            plist = self._waiting.pop(req_id, None) or self._loading.pop(req_id, None)
+        if plist is None and not handled and kvp.get("do_remote_prefill"):
             try:  # aborted before vLLM ever asked about its tokens
                 params = remote_params(kvp)
+                groups = group_params(kvp)
+                plist = [p for _, p in groups] if groups else [params] if params else None
             except BadParams:
-                params = None
-        if params is not None:
+                plist = None
+        for params in plist or ():
             # Given up before its pull finished: stop the pull and let the prefill free its blocks now.
             self._release(params, "aborted")
         return False, None
+
+    def request_finished_groups(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished for a hybrid model: `block_ids` holds one list per KV cache group."""
+        kvp = request.kv_transfer_params or {}
+        if not kvp.get("do_remote_decode"):
+            return self.request_finished(request, block_ids[0])  # the decode side uses no block ids
+        self._bad.discard(request.request_id)
+        return self._publish_groups(request, block_ids)
 
     def prefill_length(self, request: Any) -> int | None:
         """Prefill of a sliding-window request: how many of its prompt tokens to compute and publish
@@ -314,6 +419,80 @@ class SidecarScheduler:
             "do_remote_prefill": True,
             "do_remote_decode": False,
             PARAMS_KEY: json.loads(params_to_json(params)),
+        }
+        return True, out
+
+    def _publish_groups(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Publish each KV cache group of a hybrid model's request as its own sidecar record
+        (groups.py): a sliding-window group its window, a full-attention group every block."""
+        assert self.groups is not None
+        status = _status(request)
+        tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+        if status not in PUBLISHED_STATUSES or tokens <= 0 or not any(block_ids):
+            return False, None
+        parts: list[tuple[str, list[int], int]] = []
+        for g, ids in enumerate(block_ids):
+            skipped = leading_nulls(ids) if self.groups[g].window is not None else 0
+            blocks = list(ids[skipped : -(-tokens // self.block_size)])
+            if not blocks or NULL_BLOCK_ID in blocks:
+                self.unpublished += 1
+                log.error(
+                    "KVSidecarConnector: cannot publish request %s: the blocks of its KV cache group %d (%s, "
+                    "layer %s) for %d tokens are %s, with vLLM's null block (%d) where data should be; the "
+                    "decode engine must compute it",
+                    request.request_id,
+                    g,
+                    self.groups[g].kind,
+                    self.groups[g].layers[0] if self.groups[g].layers else "?",
+                    tokens,
+                    list(ids),
+                    NULL_BLOCK_ID,
+                )
+                return False, None
+            parts.append((sub_request_id(request.request_id, g), blocks, skipped * self.block_size))
+        if self._silent.is_set():
+            self.unpublished += 1
+            return False, None
+        published: list[TransferParams] = []
+        for sub_id, blocks, first_token in parts:
+            try:
+                published.append(
+                    self.client.publish(
+                        self.engine_id,
+                        sub_id,
+                        blocks,
+                        tokens,
+                        self.config.lease_ms,
+                        timeout_s=self.config.publish_timeout_s,
+                        first_token=first_token,
+                    )
+                )
+            except KVSidecarError as e:
+                self.unpublished += 1
+                log.error(
+                    "KVSidecarConnector: cannot publish request %s to kv-sidecar (%s: %s); its blocks are "
+                    "freed and the decode engine must compute it",
+                    request.request_id,
+                    sub_id,
+                    e,
+                )
+                for done in published:  # the groups already published: their blocks are freed now
+                    self._release(done, "another group could not be published")
+                if e.code == "DEADLINE_EXCEEDED":
+                    self._went_silent(sub_id)
+                return False, None
+        with self._lock:
+            self._orders.parts[request.request_id] = [sub_id for sub_id, _, _ in parts]
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAMS_KEY: json.loads(params_to_json(published[0])),
+            GROUPS_KEY: [
+                {"params": json.loads(params_to_json(p)), **group.to_json()}
+                for p, group in zip(published, self.groups, strict=True)
+            ],
         }
         return True, out
 
@@ -388,7 +567,7 @@ class SidecarScheduler:
     def _keep_alive_loop(self) -> None:
         while not self._stop.wait(self.config.keepalive_interval_s):
             with self._lock:
-                alive = list(self._waiting.values()) + list(self._loading.values())
+                alive = [p for plist in (*self._waiting.values(), *self._loading.values()) for p in plist]
             by_peer: dict[str, list[TransferParams]] = defaultdict(list)
             for p in alive:
                 by_peer[p.sidecar_address].append(p)

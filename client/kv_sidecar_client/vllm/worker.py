@@ -69,6 +69,10 @@ class SidecarWorker:
         self._holding: set[str] = set()
         self._released_early: dict[str, float] = {}  # request id -> when its release came
         self._finished_sending: set[str] = set()
+        # Hybrid models (groups.py): each held sidecar record's request, and each request's records
+        # not yet released; the request is freed when the last one is.
+        self._parent: dict[str, str] = {}
+        self._parts_left: dict[str, set[str]] = {}
         # Decode side: finished pulls, and the local blocks that failed ones left unfilled.
         self._finished_recving: set[str] = set()
         self._unfilled: dict[str, set[int]] = {}
@@ -77,7 +81,10 @@ class SidecarWorker:
         # those of them reported as finished: vLLM wants them as failed receives in the same step.
         self._restart: set[str] = set()
         self._failed_recving: set[str] = set()
-        self._inflight: dict[str, tuple[PendingPull, PullOrder, float, float]] = {}
+        # Pulls in flight by (request, part): a hybrid model's request has one per KV cache group.
+        self._inflight: dict[tuple[str, int], tuple[PendingPull, PullOrder, float, float]] = {}
+        self._pulls_left: dict[str, int] = {}  # requests whose parts have not all finished: how many left
+        self._part_failed: set[str] = set()  # such requests with a failed part
         self.session = connect_session(config, self._on_event)
         # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
         # the busy engine loop); a thread that already runs an asyncio loop uses the client's futures.
@@ -130,11 +137,27 @@ class SidecarWorker:
                     self._finished_sending.add(req_id)
                 else:
                     self._holding.add(req_id)
+            for req_id, records in orders.parts.items():
+                left = set()
+                for record in records:
+                    if self._released_early.pop(record, None) is None:
+                        self._holding.add(record)
+                        self._parent[record] = req_id
+                        left.add(record)
+                if left:
+                    self._parts_left[req_id] = left
+                else:
+                    self._finished_sending.add(req_id)
         now = time.monotonic()
         for req_id, order in orders.pulls.items():
             self._start_pull(req_id, order, now)
+        for req_id, parts in orders.group_pulls.items():
+            with self._lock:
+                self._pulls_left[req_id] = len(parts)
+            for part, order in enumerate(parts):
+                self._start_pull(req_id, order, now, part)
 
-    def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float) -> None:
+    def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float, part: int = 0) -> None:
         # Issued from vLLM's own thread and advanced in finished(): a pull costs this loop no thread
         # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
         started = time.monotonic()
@@ -159,16 +182,16 @@ class SidecarWorker:
             self._record(req_id, order, (ordered_at, started, started), failed)
             return
         with self._lock:
-            self._inflight[req_id] = (call, order, ordered_at, started)
+            self._inflight[(req_id, part)] = (call, order, ordered_at, started)
 
     def _collect(self) -> None:
         if self._polled is not None and self._inflight:
             self._polled.poll()
         with self._lock:
             done = [(r, v) for r, v in self._inflight.items() if v[0].done()]
-            for req_id, _ in done:
-                del self._inflight[req_id]
-        for req_id, (call, order, ordered_at, started) in done:
+            for key, _ in done:
+                del self._inflight[key]
+        for (req_id, _), (call, order, ordered_at, started) in done:
             times = (ordered_at, started, call.done_at or time.monotonic())
             self._record(req_id, order, times, call.result())
 
@@ -187,7 +210,20 @@ class SidecarWorker:
                 else f"{len(result.unfilled_blocks)} block(s)",
             )
         with self._lock:
-            if not result.ok and (order.restart_on_failure or order.error):
+            self.pull_log.append(PullRecord(req_id, *times, result))
+            del self.pull_log[:-64]
+            left = self._pulls_left.get(req_id)
+            if left is not None:  # one group of a hybrid model's request: finished with its last group
+                if not result.ok:
+                    self._part_failed.add(req_id)
+                if left > 1:
+                    self._pulls_left[req_id] = left - 1
+                    return
+                del self._pulls_left[req_id]
+                if req_id in self._part_failed:
+                    self._part_failed.discard(req_id)
+                    self._restart.add(req_id)  # its groups' orders all restart on failure
+            elif not result.ok and (order.restart_on_failure or order.error):
                 # The blocks before the first unfilled one no longer hold the window its token needs:
                 # vLLM recomputes the whole request (a failed receive frees its blocks).
                 self._restart.add(req_id)
@@ -196,9 +232,7 @@ class SidecarWorker:
                 # wrong id here would make vLLM recompute someone else's blocks.
                 self._unfilled[req_id] = set(result.unfilled_blocks) & set(order.block_ids)
             self._finished_recving.add(req_id)
-            self.pull_log.append(PullRecord(req_id, *times, result))
             self.pull_count += 1
-            del self.pull_log[:-64]
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call; failed pulls' blocks move to
@@ -232,7 +266,7 @@ class SidecarWorker:
             if ev.kind in RELEASING_EVENTS:
                 if ev.request_id in self._holding:
                     self._holding.discard(ev.request_id)
-                    self._finished_sending.add(ev.request_id)
+                    self._release_record(ev.request_id)
                 else:
                     self._keep_early_release(ev.request_id)
                 if ev.kind != "consumed":
@@ -245,8 +279,23 @@ class SidecarWorker:
                         "KVSidecarConnector: kv-sidecar restarted; freeing %d published request(s)",
                         len(self._holding),
                     )
-                self._finished_sending |= self._holding
+                self._finished_sending |= {self._parent.get(r, r) for r in self._holding}
                 self._holding = set()
+                self._parent.clear()
+                self._parts_left.clear()
+
+    def _release_record(self, record: str) -> None:
+        """A held sidecar record was released: free its request, or (a hybrid model's group) its request
+        once every group's record is released. Under the lock."""
+        req_id = self._parent.pop(record, None)
+        if req_id is None:
+            self._finished_sending.add(record)
+            return
+        left = self._parts_left.get(req_id, set())
+        left.discard(record)
+        if not left:
+            self._parts_left.pop(req_id, None)
+            self._finished_sending.add(req_id)
 
     def _keep_early_release(self, req_id: str) -> None:
         """Hold a release until the orders that publish `req_id` arrive, dropping ones no order claimed."""
@@ -259,6 +308,7 @@ class SidecarWorker:
     def shutdown(self) -> None:
         with self._lock:
             calls, self._inflight = list(self._inflight.values()), {}
+            self._pulls_left.clear()
         for call, *_ in calls:
             call.cancel()
         if self._polled is not None:

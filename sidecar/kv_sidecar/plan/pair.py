@@ -144,10 +144,40 @@ def check_compatible(prefill: EngineSpec, decode: EngineSpec) -> None:
             "an mla cache pairs only with another mla cache",
             PRECONDITION,
         )
+    _check_groups(prefill, decode)
     for name in (*MUST_MATCH, "num_kv_heads"):
         p, d = getattr(prefill, name), getattr(decode, name)
         if p != d:
             raise PlanError(f"{name} differs: prefill {p}, decode {d}", PRECONDITION)
+
+
+def _check_groups(prefill: EngineSpec, decode: EngineSpec) -> None:
+    """A hybrid model's KV cache groups must correspond: each group of the prefill engine is read into
+    the same group of the decode engine, tensor j into tensor j; refused naming the first layer that
+    does not correspond."""
+    if not prefill.groups and not decode.groups:
+        return
+    counts = len(prefill.groups) or 1, len(decode.groups) or 1
+    if counts[0] != counts[1]:
+        raise PlanError(
+            f"KV cache groups differ: prefill {counts[0]}, decode {counts[1]} (a hybrid model with the hybrid "
+            "KV cache manager on at one end only?)",
+            PRECONDITION,
+        )
+    for i, (p, d) in enumerate(zip(prefill.groups, decode.groups, strict=True)):
+        for j in range(max(len(p.layers), len(d.layers))):
+            a = p.layers[j] if j < len(p.layers) else None
+            b = d.layers[j] if j < len(d.layers) else None
+            if a != b:
+                raise PlanError(
+                    f"KV cache group {i} differs at layer position {j}: prefill layer {a}, decode layer {b}",
+                    PRECONDITION,
+                )
+        if p.sliding_window != d.sliding_window:
+            raise PlanError(
+                f"KV cache group {i} (layer {p.layers[0]}) differs: prefill {p.kind}, decode {d.kind}",
+                PRECONDITION,
+            )
 
 
 def plan_pair(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:

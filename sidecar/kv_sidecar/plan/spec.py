@@ -101,6 +101,22 @@ def _positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True)
+class KVGroupSpec:
+    """One KV cache group of a hybrid model (EngineSpec.groups): its layers, one per layer position
+    (the registered tensors), and its window (0: full attention)."""
+
+    layers: tuple[str, ...]
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    @property
+    def kind(self) -> str:
+        return f"sliding window {self.sliding_window}" if self.sliding_window else "full attention"
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """One engine's KV cache geometry, identical on every one of its ranks.
 
@@ -122,10 +138,16 @@ class EngineSpec:
     layout: Layout
     kernel_block_size: int | None = None
     cross_layer: bool = False
+    # A hybrid model's KV cache groups; empty: one group of every layer. Each registered tensor is
+    # then a layer position shared by that position's layer of every group.
+    groups: tuple[KVGroupSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.layout, str) and not isinstance(self.layout, Layout):
             object.__setattr__(self, "layout", parse_layout(self.layout))
+        object.__setattr__(
+            self, "groups", tuple(g if isinstance(g, KVGroupSpec) else KVGroupSpec(**g) for g in self.groups)
+        )
         self.validate()
 
     # -- validation -------------------------------------------------------
@@ -147,11 +169,37 @@ class EngineSpec:
             raise PlanError(
                 f"layout mla has one latent 'head'; num_kv_heads must be 1, got {self.num_kv_heads}"
             )
+        self._validate_groups()
         kv, tp = self.num_kv_heads, self.tp_size
         if self.layout is not Layout.MLA and kv % tp and tp % kv:
             raise PlanError(
                 f"num_kv_heads {kv} and tp_size {tp}: one must divide the other "
                 f"(heads are split evenly or replicated evenly across ranks)"
+            )
+
+    def _validate_groups(self) -> None:
+        if not self.groups:
+            return
+        if len(self.groups) > LIMITS["num_layers"]:
+            raise PlanError(f"{len(self.groups)} KV cache groups is above the supported maximum")
+        if self.cross_layer:
+            raise PlanError("KV cache groups need one tensor per layer position, not a cross-layer tensor")
+        seen: set[str] = set()
+        widest = 0
+        for i, g in enumerate(self.groups):
+            if not g.layers or any(not n for n in g.layers):
+                raise PlanError(f"KV cache group {i} names no layer, or an empty one")
+            if not isinstance(g.sliding_window, int) or g.sliding_window < 0:
+                raise PlanError(f"KV cache group {i}: sliding_window must be >= 0, got {g.sliding_window!r}")
+            twice = seen & set(g.layers) or (len(set(g.layers)) < len(g.layers) and set(g.layers))
+            if twice:
+                raise PlanError(f"layer {sorted(twice)[0]} is in more than one place of the KV cache groups")
+            seen |= set(g.layers)
+            widest = max(widest, len(g.layers))
+        if widest != self.num_layers:
+            raise PlanError(
+                f"the KV cache groups have {widest} layer positions but the engine registers num_layers "
+                f"{self.num_layers} tensors (one per position)"
             )
 
     # -- derived geometry -------------------------------------------------
@@ -232,6 +280,12 @@ class EngineSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layout"] = self.layout.value
+        if self.groups:
+            d["groups"] = [
+                {"layers": list(g.layers), "sliding_window": g.sliding_window} for g in self.groups
+            ]
+        else:
+            del d["groups"]  # a spec of one group reads (and hashes) as before groups existed
         return d
 
     @classmethod
@@ -247,6 +301,7 @@ class EngineSpec:
         return cls(**dict(data))
 
     def canonical_json(self) -> str:
+        # An engine of one group hashes as before groups existed (plan hashes are exchanged with peers).
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:

@@ -12,7 +12,7 @@ from typing import Protocol
 from kv_sidecar.dataplane.jobs import IpcTensorRef, RankKey, RankMemory, ShmTensor
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
-from kv_sidecar.plan.spec import EngineSpec, PlanError
+from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,15 @@ def spec_from_proto(msg: common_pb2.EngineSpec) -> EngineSpec:
         layout=msg.layout,  # type: ignore[arg-type]  # parsed and validated by EngineSpec
         kernel_block_size=msg.kernel_block_size or None,
         cross_layer=msg.cross_layer,
+        groups=tuple(KVGroupSpec(tuple(g.layers), g.sliding_window) for g in msg.groups),
     )
 
 
 def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
     d = spec.to_dict()
     d["kernel_block_size"] = d["kernel_block_size"] or 0
-    return common_pb2.EngineSpec(**d)
+    groups = d.pop("groups", [])
+    return common_pb2.EngineSpec(**d, groups=[common_pb2.KVCacheGroup(**g) for g in groups])
 
 
 @dataclass

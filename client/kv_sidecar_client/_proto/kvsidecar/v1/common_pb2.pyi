@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineSpec(_message.Message):
-    __slots__ = ("tp_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "num_blocks", "layout", "kernel_block_size", "cross_layer")
+    __slots__ = ("tp_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "num_blocks", "layout", "kernel_block_size", "cross_layer", "groups")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EngineSpec(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KERNEL_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CROSS_LAYER_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     num_layers: int
     num_kv_heads: int
@@ -28,7 +29,16 @@ class EngineSpec(_message.Message):
     layout: str
     kernel_block_size: int
     cross_layer: bool
-    def __init__(self, tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., kernel_block_size: _Optional[int] = ..., cross_layer: _Optional[bool] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    def __init__(self, tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., kernel_block_size: _Optional[int] = ..., cross_layer: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("layers", "sliding_window")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    sliding_window: int
+    def __init__(self, layers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("name", "offset")

@@ -1,0 +1,101 @@
+"""Hybrid models (vLLM's hybrid KV cache manager, HMA): KV cache groups in the connector's terms.
+
+vLLM 0.32 gives a hybrid model (sliding-window layers next to full-attention ones) several KV cache
+groups, each with its own block table, all drawing block ids from one pool. The groups hold equally
+many layers (vLLM splits and pads them so) and alias one allocation: layer j of every group is a
+view of the same bytes (`allocate_kv_cache`: "cache groups overlay each other"). Block b of group g
+in that region is group g's layer j; a block id belongs to one group at a time, so the blocks of
+different groups never overlap.
+
+So the connector registers one region per layer position j (not one per layer: the sidecar would
+see layers that overlap) and publishes a request as one sidecar record per group, `<request>#g<g>`,
+with that group's blocks (a sliding-window group only its window: window.py). A pull of group g's
+record copies group g's blocks of every region, i.e. exactly group g's layers, each byte once.
+A decode engine pulls each group into its own blocks of the same group; the groups of the two
+engines must correspond layer for layer (`mismatch`).
+
+Pure: plain values, no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GROUPS_KEY = "kv_sidecar_groups"  # inside kv_transfer_params: one entry per group of a hybrid model
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: its layers (in vLLM's order) and its window (None: full attention)."""
+
+    layers: tuple[str, ...]
+    window: int | None  # tokens kept behind the next token (vLLM's window plus retained extras)
+
+    @property
+    def kind(self) -> str:
+        return "full attention" if self.window is None else f"sliding window {self.window}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "window": self.window}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> KVGroup:
+        window = d.get("window")
+        return cls(tuple(str(n) for n in d.get("layers", ())), None if window is None else int(window))
+
+
+def sub_request_id(request_id: str, group: int) -> str:
+    """The sidecar record of one group of a hybrid model's request."""
+    return f"{request_id}#g{group}"
+
+
+def common_window(groups: Sequence[KVGroup]) -> int | None:
+    """The window of the sliding-window groups (None if there are none). The prefill stops a request
+    short so that the window start is aligned (window.prefill_tokens): one rule for every group needs
+    one window; models with several windows (none in vLLM's hybrid families today) are refused."""
+    windows = {g.window for g in groups if g.window is not None}
+    if len(windows) > 1:
+        raise ValueError(
+            f"KVSidecarConnector supports hybrid models whose sliding-window groups share one window; "
+            f"this one has windows {sorted(windows)}"
+        )
+    return windows.pop() if windows else None
+
+
+def mismatch(prefill: Sequence[KVGroup], own: Sequence[KVGroup]) -> str | None:
+    """Why a request published by an engine with `prefill`'s groups cannot be pulled into this
+    engine's `own` groups, naming the first layer that does not correspond; None if they do."""
+    if len(prefill) != len(own):
+        return (
+            f"the prefill engine has {len(prefill)} KV cache group(s) ({_layers_of(prefill)}) and this "
+            f"engine {len(own)} ({_layers_of(own)}): is the hybrid KV cache manager on at one end only?"
+        )
+    for g, (theirs, mine) in enumerate(zip(prefill, own, strict=True)):
+        for j in range(max(len(theirs.layers), len(mine.layers))):
+            a = theirs.layers[j] if j < len(theirs.layers) else None
+            b = mine.layers[j] if j < len(mine.layers) else None
+            if a != b:
+                return (
+                    f"KV cache group {g}, position {j}: the prefill engine has layer {a} there, this "
+                    f"engine {b}"
+                )
+        if theirs.window != mine.window:
+            return (
+                f"layer {mine.layers[0] if mine.layers else '?'} (KV cache group {g}) is {theirs.kind} on "
+                f"the prefill engine and {mine.kind} on this engine"
+            )
+    return None
+
+
+def region_layers(groups: Sequence[Sequence[str]]) -> list[list[str]]:
+    """For each region (layer position j), the layers of every group at that position: the layers
+    that share its bytes. Groups of fewer layers (vLLM's padding) leave positions empty."""
+    width = max((len(g) for g in groups), default=0)
+    return [[g[j] for g in groups if j < len(g)] for j in range(width)]
+
+
+def _layers_of(groups: Sequence[KVGroup]) -> str:
+    """Each group's layers, for messages: "l.0 l.3 | l.1 l.4", or "?" where unknown."""
+    return " | ".join(" ".join(g.layers) or "?" for g in groups)

@@ -1,0 +1,231 @@
+"""The connector's hybrid-model paths (groups.py) without vLLM, against real sidecars: a prefill that
+publishes one sidecar record per KV cache group, a decode that orders one pull per group or computes
+a request whose groups do not correspond, and a worker that frees a request only when every group's
+record is released. (Real engines: tests/vllm/test_hybrid.py.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar_client import SidecarClient, params_from_json
+from kv_sidecar_client.shm import ShmKVCache
+from kv_sidecar_client.vllm.config import ConnectorConfig
+from kv_sidecar_client.vllm.groups import KVGroup
+from kv_sidecar_client.vllm.scheduler import SidecarScheduler
+from kv_sidecar_client.vllm.window import prefill_tokens
+
+from .conftest import spec_dict
+from .test_vllm_worker_host import worker
+
+W = 64
+BLOCK = 32
+# Gemma-3's pattern in three groups of two layers: two of sliding-window layers, one of full ones.
+GROUPS = [
+    KVGroup(("l.0", "l.3"), W),
+    KVGroup(("l.1", "l.4"), W),
+    KVGroup(("l.2", "l.5"), None),
+]
+
+
+def _request(rid: str, prompt: int, kvp: dict[str, Any], **over: Any) -> SimpleNamespace:
+    fields = {
+        "request_id": rid,
+        "kv_transfer_params": kvp,
+        "prompt_token_ids": list(range(prompt)),
+        "num_prompt_tokens": prompt,
+        "num_computed_tokens": 0,
+        "status": "WAITING",
+    }
+    return SimpleNamespace(**(fields | over))
+
+
+@pytest.fixture
+def prefill(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[tuple[SidecarScheduler, Any]]:
+    """A prefill engine's worker (registered, block 32) and its hybrid scheduler-side connector."""
+    a = sidecar_pair[0]
+    w, _cache = worker(a, "hy-p", ("LBHNC", BLOCK, None))
+    sched = SidecarScheduler(ConnectorConfig(sidecar_socket=a.socket), "hy-p", BLOCK, groups=GROUPS)
+    try:
+        yield sched, w
+    finally:
+        sched.shutdown()
+        w.shutdown()
+
+
+def _finish(sched: SidecarScheduler, rid: str, prompt: int, tables: list[list[int]]) -> Any:
+    req = _request(rid, prompt, {"do_remote_decode": True})
+    kept = sched.prefill_length(req)
+    assert kept == prefill_tokens(prompt, W, BLOCK)
+    req.num_prompt_tokens = req.num_computed_tokens = kept
+    req.status = "FINISHED_LENGTH_CAPPED"
+    return sched.request_finished_groups(req, tables)
+
+
+def _published(sidecar: SidecarProcess) -> int:
+    with SidecarClient(sidecar.socket) as c:
+        return c.status().published_requests
+
+
+def _until(pred: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+# 200 tokens: the prefill computes 191 (window start 128, aligned to 32): tokens [0, 191) in 6 blocks,
+# the window from block 4 on.
+TABLES = [[0, 0, 0, 0, 5, 6], [0, 0, 0, 0, 7, 8], [9, 10, 11, 12, 13, 14]]
+
+
+def test_each_group_is_published_as_its_own_record_and_freed_when_all_are_released(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    sched, w = prefill
+    a, _ = sidecar_pair
+    before = _published(a)
+    delay, out = _finish(sched, "h1", 200, TABLES)
+    assert delay and out is not None
+    groups = out["kv_sidecar_groups"]
+    assert [g["window"] for g in groups] == [W, W, None]
+    assert [g["layers"] for g in groups] == [list(g.layers) for g in GROUPS]
+    got = [
+        (g["params"]["request_id"], g["params"].get("first_token", 0), g["params"]["block_ids"])
+        for g in groups
+    ]
+    assert got == [("h1#g0", 128, [5, 6]), ("h1#g1", 128, [7, 8]), ("h1#g2", 0, [9, 10, 11, 12, 13, 14])]
+    assert out["kv_sidecar"] == groups[0]["params"]
+    assert _published(a) == before + 3
+
+    w.take_orders(sched.take_orders())
+    with SidecarClient(sidecar_pair[1].socket) as c:  # each record given up by its reader
+        for i, g in enumerate(groups):
+            assert w.finished()[0] == set(), f"freed after {i} of 3 records were released"
+            assert c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))
+            _until(lambda n=i: _published(a) == before + 2 - n, "the record to be released")
+    sending: set[str] = set()
+    _until(lambda: bool(sending.update(w.finished()[0]) or sending), "the request to be freed")
+    assert sending == {"h1"}
+
+
+def test_a_null_block_in_any_group_publishes_nothing(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    sched, _ = prefill
+    before, unpublished = _published(sidecar_pair[0]), sched.unpublished
+    for tables in (
+        [TABLES[0], [0, 0, 0, 0, 7, 0], TABLES[2]],  # inside a window
+        [TABLES[0], TABLES[1], [9, 10, 0, 12, 13, 14]],  # a full-attention group never has one
+    ):
+        assert _finish(sched, "h2", 200, tables) == (False, None)
+    assert sched.unpublished == unpublished + 2 and _published(sidecar_pair[0]) == before
+
+
+def _decode(
+    sidecar: SidecarProcess, groups: list[KVGroup] | None, window: int | None = None
+) -> SidecarScheduler:
+    return SidecarScheduler(
+        ConnectorConfig(sidecar_socket=sidecar.socket), "hy-d", BLOCK, window, groups=groups
+    )
+
+
+def test_the_decode_orders_one_pull_per_group_into_that_groups_blocks(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    sched, _ = prefill
+    _, out = _finish(sched, "h3", 200, TABLES)
+    decode = _decode(sidecar_pair[1], GROUPS)
+    try:
+        req = _request("d3", 200, out)
+        assert decode.matched_tokens(req, 0) == (191, True)
+        # vLLM's tables: null blocks before each sliding window, then new blocks.
+        decode.after_alloc_groups(
+            req, [([0] * 4 + [31, 32], 0, 4), ([0] * 4 + [33, 34], 0, 4), (list(range(40, 46)), 0, 0)], 191
+        )
+        orders = decode.take_orders()
+        assert not orders.pulls
+        parts = orders.group_pulls["d3"]
+        assert [(o.params["request_id"], o.start_token, o.block_ids) for o in parts] == [
+            ("h3#g0", 128, [31, 32]),
+            ("h3#g1", 128, [33, 34]),
+            ("h3#g2", 0, [40, 41, 42, 43, 44, 45]),
+        ]
+        assert all(o.restart_on_failure and not o.error for o in parts)
+    finally:
+        decode.shutdown()
+    for g in out["kv_sidecar_groups"]:  # nobody pulls them here
+        with SidecarClient(sidecar_pair[1].socket) as c:
+            c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        None,  # the decode engine runs with the hybrid manager off: one group
+        [GROUPS[0], GROUPS[1], KVGroup(("l.2", "l.5"), W)],  # another kind
+        [GROUPS[1], GROUPS[0], GROUPS[2]],  # another order
+    ],
+    ids=["one-group", "other-window", "other-order"],
+)
+def test_groups_that_do_not_correspond_are_computed_here_and_released_at_once(
+    prefill: tuple[SidecarScheduler, Any],
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+    groups: list[KVGroup] | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sched, _ = prefill
+    a, b = sidecar_pair
+    before = _published(a)
+    _, out = _finish(sched, "h4", 200, TABLES)
+    assert _published(a) == before + 3
+    decode = _decode(b, groups)
+    try:
+        with caplog.at_level("WARNING"):
+            assert decode.matched_tokens(_request("d4", 200, out), 0) == (0, False)
+        assert "do not correspond" in caplog.text and "l." in caplog.text, caplog.text
+        _until(lambda: _published(a) == before, "every group's record to be released")
+    finally:
+        decode.shutdown()
+
+
+def test_the_sidecars_refuse_a_pull_between_engines_whose_groups_differ(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """Whoever the client: ranks registered with KV cache groups that do not correspond are not paired;
+    the pull fails with the planner's message naming the group and layer, and nothing is written."""
+    a, b = sidecar_pair
+    mine = [{"layers": ["l.0", "l.3"], "sliding_window": W}, {"layers": ["l.2", "l.5"]}]
+    theirs = [
+        {"layers": ["l.0", "l.3"], "sliding_window": W},
+        {"layers": ["l.2", "l.5"], "sliding_window": W},
+    ]
+    specs = {
+        name: EngineSpec.from_dict(spec_dict(groups=groups)) for name, groups in (("p", mine), ("d", theirs))
+    }
+    caches = {name: ShmKVCache(s.rank_tensor_shapes(), torch.float16) for name, s in specs.items()}
+    try:
+        with SidecarClient(a.socket) as pc, SidecarClient(b.socket) as dc:
+            pc.register_rank("grp-p", 0, specs["p"].to_dict(), caches["p"].handles())
+            dc.register_rank("grp-d", 0, specs["d"].to_dict(), caches["d"].handles())
+            params = pc.publish("grp-p", "g#g1", [3, 4], 20)
+            before = caches["d"].tensors[0].clone()
+            result = dc.pull(params, "grp-d", [5, 6])
+            assert not result.ok and result.error_code == "FAILED_PRECONDITION", result
+            assert (
+                "KV cache group 1 (layer l.2) differs: prefill full attention, decode sliding window 64"
+                in (result.error)
+            ), result
+            assert torch.equal(caches["d"].tensors[0], before)
+            pc.unregister_rank("grp-p", 0)
+            dc.unregister_rank("grp-d", 0)
+    finally:
+        for c in caches.values():
+            c.close()

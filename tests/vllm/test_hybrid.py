@@ -1,0 +1,328 @@
+"""A hybrid model through two real vLLM engines and two real `kv-sidecar serve` processes (issue 33).
+
+The Gemma-3-shaped model of tests/vllm/models.py (6 layers: sliding-window layers of 64 tokens next to
+full-attention ones) runs with vLLM's hybrid KV cache manager on at both ends: three KV cache groups
+(two of sliding-window layers, one of full-attention ones) drawing from one block pool, layer j of
+every group a view of the same bytes. The prefill publishes each group as its own sidecar record (a
+sliding-window group only its window); the decode engine pulls each into its own blocks of that
+group. Greedy tokens and their log-probabilities must equal one engine's, for prompts shorter than,
+equal to and many times longer than the window, between engines of equal and of different block
+sizes; the decode engine keeps the KV capacity of an engine without a connector; and a long request
+moves far fewer bytes than the same prompt through the same model with the hybrid manager off (every
+layer's whole KV, as before this issue).
+
+Engines: `h32` (hybrid, block 32, prefill node, window_alignment 64), `d32` and `d64` (hybrid, blocks
+32 and 64, decode node), `ref` (hybrid, no connector), `off-p` / `off-d` (hybrid manager off, prefill
+and decode node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kv_sidecar.refengine.procs import ProcessError, SidecarProcess
+from kv_sidecar_client import SidecarClient, params_from_json
+from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
+
+from .harness import VllmEngine, metric, start_all
+from .models import ARCHITECTURES, GRANITE4_HYBRID, write_random_model
+
+W = ARCHITECTURES["gemma3"]["sliding_window"]
+LAYERS = ARCHITECTURES["gemma3"]["num_hidden_layers"]
+# One layer's K and V per token: 2 KV heads x head_dim 64 x float32.
+LAYER_TOKEN_BYTES = 2 * 2 * 64 * 4
+REGIONS = 2  # layer positions per group (3 groups of 2 layers each): the registered regions
+GROUPS = 3
+LENGTHS = (20, 63, 64, 65, 96, 150, 400, 1000)
+MAX_TOKENS = 10
+LOGPROB_TOLERANCE = 1e-4
+LEASE_MS = 30000
+ALIGNMENT = 64
+KV_BYTES = 64 << 20  # tests/vllm/engine.py's default kv_cache_bytes
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+class Hybrid:
+    def __init__(self, tmp: str) -> None:
+        model = write_random_model(f"{tmp}/model", "gemma3")
+        self.sp, self.sd = SidecarProcess("hy-prefill-node"), SidecarProcess("hy-decode-node")
+        conn = {"pull_timeout_s": 60.0, "lease_ms": LEASE_MS}
+        base = {"model": model, "hybrid": True, "block_size": 32}
+
+        def engine(name: str, sidecar: SidecarProcess | None, **over: Any) -> VllmEngine:
+            extra = over.pop("connector", {})
+            opts = base | over
+            if sidecar is not None:
+                opts["connector"] = conn | {"sidecar_socket": sidecar.socket, "engine_id": name} | extra
+            return VllmEngine(f"hy-{name}", opts)
+
+        self.h32 = engine("h32", self.sp, connector={"window_alignment": ALIGNMENT})
+        self.d32 = engine("d32", self.sd)
+        self.d64 = engine("d64", self.sd, block_size=64)
+        self.ref = engine("ref", None)
+        self.off_p = engine("off-p", self.sp, hybrid=False)
+        self.off_d = engine("off-d", self.sd, hybrid=False)
+        self.engines = (self.h32, self.d32, self.d64, self.ref, self.off_p, self.off_d)
+        start_all(*self.engines)
+        self.free = {e.name: e.ready["free_blocks"] for e in self.engines}
+        self._n = 0
+
+    def ids(self, tag: str, count: int) -> list[str]:
+        self._n += 1
+        return [f"{tag}{self._n}-{i}" for i in range(count)]
+
+    def reference(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids("r", len(prompts))
+        outs = self.ref.generate(dict(zip(ids, prompts, strict=True)), MAX_TOKENS, logprobs=0)
+        return [outs[i] for i in ids]
+
+    def prefill(self, engine: VllmEngine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids(f"p-{engine.name}-", len(prompts))
+        outs = engine.generate(
+            dict(zip(ids, prompts, strict=True)), 1, {i: {"do_remote_decode": True} for i in ids}
+        )
+        params = [outs[i]["kv_transfer_params"] for i in ids]
+        assert all(p and "kv_sidecar" in p for p in params), params
+        return params
+
+    def decode(
+        self, engine: VllmEngine, prompts: list[list[int]], params: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        ids = self.ids(f"d-{engine.name}-", len(prompts))
+        outs = engine.generate(
+            dict(zip(ids, prompts, strict=True)), MAX_TOKENS, dict(zip(ids, params, strict=True)), logprobs=0
+        )
+        return [outs[i] for i in ids], ids
+
+    def settled(self, *engines: VllmEngine) -> None:
+        for e in engines:
+            state = e.settle(LEASE_MS / 1000 / 3)
+            assert state["ok"] and state["free_blocks"] == self.free[e.name], state
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.stop()
+        codes = self.sp.stop(), self.sd.stop()
+        assert codes == (0, 0), f"sidecars exited with {codes}"
+
+
+@pytest.fixture(scope="module")
+def hy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
+    fixture = Hybrid(str(tmp_path_factory.mktemp("vllm-hybrid")))
+    yield fixture
+    fixture.close()
+
+
+def assert_same_output(
+    got: list[dict[str, Any]], want: list[dict[str, Any]], lengths: tuple[int, ...]
+) -> None:
+    for n, g, w in zip(lengths, got, want, strict=True):
+        assert g["tokens"] == w["tokens"], f"{n} tokens"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
+        assert worst < LOGPROB_TOLERANCE, f"{n} tokens: log-probabilities differ by {worst}"
+
+
+def pulls_of(engine: VllmEngine, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """The decode engine's pull records (one per KV cache group) of these requests."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for p in engine.state()["pulls"]:
+        for r in request_ids:
+            if p["request_id"] == r or p["request_id"].startswith(f"{r}-"):
+                out.setdefault(r, []).append(p)
+    return out
+
+
+def test_the_hybrid_manager_is_on_and_the_decode_keeps_its_capacity(hy: Hybrid) -> None:
+    """vLLM keeps three groups with our connector loaded (it would turn the hybrid manager off for a
+    connector without SupportsHMA), and the decode engine's blocks equal those of an engine without
+    a connector; with the manager off the same memory holds a third as many blocks (every layer's)."""
+    for e in (hy.h32, hy.d32, hy.d64, hy.ref):
+        assert e.ready["kv_cache_groups"] == GROUPS, (e.name, e.ready)
+    assert hy.free["hy-d32"] == hy.free["hy-ref"] == hy.free["hy-h32"]
+    assert hy.off_d.ready["kv_cache_groups"] == 1
+    # 64 MiB of blocks of 2 pages (one per layer position) with the manager on, of 6 (every layer)
+    # with it off; block 0 is vLLM's null block.
+    assert hy.free["hy-d32"] == KV_BYTES // (REGIONS * 32 * LAYER_TOKEN_BYTES) - 1 == 1023
+    assert hy.free["hy-d64"] == KV_BYTES // (REGIONS * 64 * LAYER_TOKEN_BYTES) - 1
+    assert hy.free["hy-off-d"] == KV_BYTES // (LAYERS * 32 * LAYER_TOKEN_BYTES) - 1 == 340
+
+
+@pytest.mark.parametrize("decode", ["d32", "d64"])
+def test_hybrid_requests_are_pulled_per_group_and_decode_as_one_engine(hy: Hybrid, decode: str) -> None:
+    d_engine = getattr(hy, decode)
+    bp, bd = 32, d_engine.opts["block_size"]
+    prompts = [prompt(n, seed=100 * bd + n) for n in LENGTHS]
+    want = hy.reference(prompts)
+    ok_before = metric(hy.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok")
+
+    params = hy.prefill(hy.h32, prompts)
+    for n, p in zip(LENGTHS, params, strict=True):
+        groups = p["kv_sidecar_groups"]
+        held = prefill_tokens(n, W, ALIGNMENT)
+        assert [g["window"] for g in groups] == [W, W, None], groups
+        for g in groups:
+            kv = g["params"]
+            first = first_kept_token(held, W, bp) if g["window"] else 0
+            assert kv["num_tokens"] == held and kv.get("first_token", 0) == first, (n, kv)
+            assert len(kv["block_ids"]) == -(-held // bp) - first // bp and 0 not in kv["block_ids"], (n, kv)
+        # Each group's blocks are its own: no block id is published by two groups.
+        every = [b for g in groups for b in g["params"]["block_ids"]]
+        assert len(every) == len(set(every)), groups
+    got, ids = hy.decode(d_engine, prompts, params)
+    assert_same_output(got, want, LENGTHS)
+
+    pulls = pulls_of(d_engine, ids)
+    assert all(len(pulls[r]) == GROUPS and all(p["ok"] for p in pulls[r]) for r in ids), pulls
+    assert metric(hy.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") == ok_before + GROUPS * len(ids)
+    for n, rid in zip(LENGTHS, ids, strict=True):
+        held = prefill_tokens(n, W, ALIGNMENT)
+        start = first_kept_token(held, W, bd)
+        whole = bp == bd  # equal blocks: whole blocks are READ; else the tokens themselves are converted
+        full = -(-held // bd) * bd if whole else held
+        window = (-(-held // bd) - start // bd) * bd if whole else held - start
+        want_bytes = REGIONS * LAYER_TOKEN_BYTES * (full + 2 * window)
+        assert sum(p["bytes"] for p in pulls[rid]) == want_bytes, (n, pulls[rid])
+    hy.settled(hy.h32)
+
+
+def test_a_long_hybrid_request_moves_fewer_bytes_than_with_the_hybrid_manager_off(hy: Hybrid) -> None:
+    """The decode sidecar's byte counter, for one prompt of 1900 tokens (30 windows): with the manager
+    on, the full-attention layers' whole prompt and the sliding-window layers' window; off, every
+    layer's whole prompt."""
+    n = 1900
+    p = [prompt(n, seed=1900)]
+    want = hy.reference(p)
+    moved = {}
+    for name, (pe, de) in {"on": (hy.h32, hy.d32), "off": (hy.off_p, hy.off_d)}.items():
+        before = metric(hy.sd.metrics_port, "kvsidecar_pull_bytes_total")
+        got, _ = hy.decode(de, p, hy.prefill(pe, p))
+        assert_same_output(got, want, (n,))
+        moved[name] = metric(hy.sd.metrics_port, "kvsidecar_pull_bytes_total") - before
+    held = prefill_tokens(n, W, ALIGNMENT)
+    window = -(-held // 32) * 32 - first_kept_token(held, W, 32)
+    assert moved["on"] == REGIONS * LAYER_TOKEN_BYTES * (-(-held // 32) * 32 + 2 * window), moved
+    # Off: one group of full attention, all 6 layers, the whole prompt but its last token.
+    assert moved["off"] == LAYERS * LAYER_TOKEN_BYTES * -(-(n - 1) // 32) * 32, moved
+    assert moved["on"] < moved["off"] / 2.5, moved
+    hy.settled(hy.h32, hy.off_p)
+
+
+def test_groups_that_do_not_correspond_are_computed_by_the_decode_engine(hy: Hybrid) -> None:
+    """A hybrid prefill and a decode engine with the hybrid manager off (one group of every layer):
+    the decode engine computes the request itself, saying why, and the prefill frees its blocks at
+    once; the other way round too."""
+    n = 300
+    p = [prompt(n, seed=300)]
+    want = hy.reference(p)
+    for pe, de in ((hy.h32, hy.off_d), (hy.off_p, hy.d32)):
+        got, ids = hy.decode(de, p, hy.prefill(pe, p))
+        assert_same_output(got, want, (n,))
+        assert not pulls_of(de, ids), f"{de.name} pulled from {pe.name}"
+        hy.settled(pe)  # long before the lease: released by the decode engine
+    for de in (hy.off_d, hy.d32):
+        with open(de.log_path, errors="replace") as f:
+            log = f.read()
+        assert "KV cache groups of the two engines do not correspond" in log, de.name
+
+
+def test_a_failed_pull_of_one_group_is_computed_from_the_start(hy: Hybrid) -> None:
+    """One group's record cannot be pulled (the prefill's sidecar knows no such request): vLLM must
+    compute the request from its first token, the other groups' pulls notwithstanding."""
+    n = 400
+    p = [prompt(n, seed=4343)]
+    want = hy.reference(p)
+    (params,) = hy.prefill(hy.h32, p)
+    groups = list(params["kv_sidecar_groups"])
+    real = groups[2]["params"]
+    groups[2] = groups[2] | {"params": real | {"request_id": "no-such-request"}}
+    got, ids = hy.decode(hy.d32, p, [params | {"kv_sidecar_groups": groups}])
+    assert_same_output(got, want, (n,))
+    pulls = pulls_of(hy.d32, ids)[ids[0]]
+    assert sorted(q["ok"] for q in pulls) == [False, True, True], pulls
+    assert any("no-such-request" in q["error"] for q in pulls), pulls
+    # The record never read: release it as its reader would; the prefill then frees the request.
+    with SidecarClient(hy.sd.socket) as client:
+        assert client.abort("d32", real["request_id"], params_from_json(real))
+    hy.settled(hy.h32)
+
+
+def test_abort_of_a_waiting_hybrid_request_releases_every_group(hy: Hybrid) -> None:
+    p = prompt(300, seed=77)
+    (params,) = hy.prefill(hy.h32, [p])
+    (did,) = hy.ids("abort-", 1)
+    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
+    hy.d32.call({"cmd": "add", "id": did, "prompt": p, "max_tokens": 5, "kv_transfer_params": params})
+    hy.d32.call({"cmd": "abort", "ids": [did]})
+    t0 = time.monotonic()
+    hy.settled(hy.h32)  # within a third of the lease: every group's record released
+    assert time.monotonic() - t0 < LEASE_MS / 1000 / 3
+    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries
+
+
+def test_a_waiting_hybrid_request_is_kept_alive_past_the_lease(hy: Hybrid) -> None:
+    """Queued, not stepped: only KeepAlive of every group's record holds the prefill's blocks."""
+    p = prompt(200, seed=78)
+    want = hy.reference([p])
+    (params,) = hy.prefill(hy.h32, [p])
+    (did,) = hy.ids("alive-", 1)
+    hy.d32.call(
+        {
+            "cmd": "add",
+            "id": did,
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": 0,
+            "kv_transfer_params": params,
+        }
+    )
+    time.sleep(LEASE_MS / 1000 + 2)
+    out = hy.d32.call({"cmd": "run", "ids": [did]})["outputs"][did]
+    assert_same_output([out], want, (200,))
+    pulls = pulls_of(hy.d32, [did])[did]
+    assert len(pulls) == GROUPS and all(q["ok"] for q in pulls), pulls
+    hy.settled(hy.h32)
+
+
+def test_a_hybrid_request_nobody_pulls_is_freed_when_its_lease_expires(hy: Hybrid) -> None:
+    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
+    hy.prefill(hy.h32, [prompt(250, seed=79)])
+    assert hy.h32.state()["free_blocks"] < hy.free["hy-h32"]
+    state = hy.h32.settle(LEASE_MS / 1000 + 10)
+    assert state["ok"] and state["free_blocks"] == hy.free["hy-h32"], state
+    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries + GROUPS
+
+
+def test_an_ssm_hybrid_stops_the_engine_at_start_naming_the_group(tmp_path: object) -> None:
+    """Mamba state is not moved (issue 33, item 5): an engine that would need it fails at start, with
+    the hybrid manager on (as vLLM runs it) and our connector loaded."""
+    model = os.path.join(str(tmp_path), "granite4")
+    os.makedirs(model)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(GRANITE4_HYBRID, f)
+    sidecar = SidecarProcess("hy-ssm-node")
+    try:
+        engine = VllmEngine(
+            "hy-ssm",
+            {
+                "model": model,
+                "load_format": "dummy",
+                "hybrid": True,
+                "block_size": None,  # vLLM raises it to the Mamba page's
+                "connector": {"sidecar_socket": sidecar.socket, "engine_id": "ssm"},
+            },
+        )
+        with pytest.raises(ProcessError, match=r"KV cache group of model\.layers\.0\.mixer is a MambaSpec"):
+            engine.wait_ready()
+    finally:
+        assert sidecar.stop() == 0
