@@ -134,11 +134,20 @@ LAYOUTS = st.sampled_from([*(layout.value for layout in Layout), "", "nhd"])  # 
 SMALL = st.one_of(st.integers(0, 9), U32)
 
 
+LAYER_NAMES = st.one_of(st.sampled_from(["0", "1", "3", "-1", "x"]), st.text(max_size=4))
+
+
 @st.composite
 def specs(draw: st.DrawFn) -> common_pb2.EngineSpec:
     if draw(st.booleans()):  # near the real spec: one field changed
         msg = spec_message(SPEC.to_dict())
         name = draw(st.sampled_from([f.name for f in msg.DESCRIPTOR.fields]))
+        if name == "groups":  # a hybrid model's KV cache groups: layer names and windows, sound or not
+            for layers, window in draw(
+                st.lists(st.tuples(st.lists(LAYER_NAMES, max_size=3), SMALL), max_size=3)
+            ):
+                msg.groups.add(layers=layers, sliding_window=window)
+            return msg
         value = {
             "dtype": DTYPES,
             "layout": LAYOUTS,
