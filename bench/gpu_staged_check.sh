@@ -8,6 +8,7 @@
 #   bash bench/gpu_staged_check.sh latency     # small pulls + concurrent staged pulls (gpu_latency.py)      ~3 min
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings of BIG_SLOTS (default 4,8,16) slots ~4 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
+#   bash bench/gpu_staged_check.sh scaling     # node scaling: GPU pairs x pulls in flight (node_scaling.py) ~6 min
 #   bash bench/gpu_staged_check.sh host        # issue 11's host rows on this machine (latency.py, cpu_pull.py) ~3 min
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
 #
@@ -110,6 +111,27 @@ if [[ $part == throughput || $part == bench || $part == all ]]; then
     tail -n 30 "$OUT/throughput.log"
   fi
   echo "gpu_pull exit code: $rc"
+  ((rc == 0)) || status=1
+fi
+
+# Node scaling (issue 32): GPU pairs x pulls in flight x pull size, both GPU paths, engines as processes.
+# PAIRS (default 1,2), SCALING_PATHS, SCALING_ARGS (more options); BASELINE_TREE adds that tree's
+# sidecars side by side; PROFILE=1 py-spies both sidecars at 16 in flight into $OUT/profile.tgz.
+if [[ $part == scaling ]]; then
+  say "node scaling (bench/node_scaling.py)"
+  # A small row first: a set-up that fails costs seconds, not the whole run.
+  timeout 240 $PY bench/node_scaling.py --paths gpu-staged --pairs 1 --concurrency 1 --blocks 1 --pulls 20 \
+    --out "$OUT/smoke" >"$OUT/scaling_smoke.log" 2>&1 || { grep -v "NIXL INFO" "$OUT/scaling_smoke.log" | tail -n 40; exit 1; }
+  base=()
+  [[ -n ${BASELINE_TREE:-} ]] && base=(--baseline-tree "$BASELINE_TREE")
+  # shellcheck disable=SC2086
+  timeout "${SCALING_TIMEOUT:-420}" $PY bench/node_scaling.py --paths "${SCALING_PATHS:-gpu-staged,gpu-direct}" \
+    --pairs "${PAIRS:-1,2}" "${base[@]}" ${PROFILE:+--profile "$OUT/profile"} ${SCALING_ARGS:-} --out "$OUT" \
+    2>&1 | grep -v "NIXL INFO" | tee "$OUT/scaling.log" | grep -v "^|"
+  rc=${PIPESTATUS[0]}
+  [[ -d $OUT/profile ]] && tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+  rm -rf "$OUT/smoke"
+  echo "node_scaling exit code: $rc"
   ((rc == 0)) || status=1
 fi
 

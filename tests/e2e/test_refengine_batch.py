@@ -1,4 +1,4 @@
-"""The reference engine's batch commands, which bench/node_load.py drives: N requests published, pulled
+"""The reference engine's batch commands, which bench/node_scaling.py drives: N requests published, pulled
 by C threads of a separate engine process, every byte checked afterwards, and exactly N "consumed"
 events; a pull that lands on wrong bytes is caught by the check."""
 

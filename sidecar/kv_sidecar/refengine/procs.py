@@ -244,10 +244,15 @@ class EngineProcess(_Proc):
             raise ProcessError(f"engine {engine_id} failed to start: {ready}")
 
     def send(self, cmd: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
+        self.post(cmd)
+        return json.loads(self.readline(timeout_s))
+
+    def post(self, cmd: dict[str, Any]) -> None:
+        """Send a command without waiting for its answer (readline takes it): several engines' commands
+        then run at once."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.readline(timeout_s))
 
     def stop(self, timeout_s: float = 30) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,573 @@
+"""Node scaling: pulls/s, GB/s and their tail as GPU pairs and pulls in flight grow (issue 32).
+
+One sidecar per node must feed every GPU of the node. Each row runs P pairs of engines, each engine its
+own process (the reference engine, `python -m kv_sidecar.refengine`), C pulls in flight per pair:
+
+  gpu-staged   prefill engines on sidecar A, decode engines on sidecar B (the staged protocol)
+  gpu-direct   every engine on sidecar A (a CUDA IPC copy inside one sidecar)
+  host-nixl    host memory, decode engine on sidecar B (B READs from A over NIXL)
+  host-direct  host memory, decode engine on sidecar A
+  host-ring    host memory, decode engine on a sidecar with host_transfer: ring (the staged protocol)
+
+GPU pair i runs prefill GPU 2i -> decode GPU 2i+1 where there are 2P GPUs; on 2 GPUs, pair 1 is the
+reverse of pair 0 (GPU1 -> GPU0), so that both GPUs carry a data plane at once. A row: each prefill
+engine publishes N requests of B blocks from a few filled source requests (not timed); then every
+decode engine pulls its N with C threads, all pairs starting at one instant, each pull into blocks of
+its own. pulls/s and GB/s are all pairs' pulls and bytes over the wall time from that instant to the
+last pull's end; p50/p99 are the engines' pull() calls. After the row every byte of every pull is
+checked against its seed, and every prefill engine must get exactly N "consumed" events. Each
+process's CPU over the row is reported (100 % = one core): a load bench must show that it is not
+itself the bottleneck it measures.
+
+With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ and client/, where there
+is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
+interleaved, the order of the two trees alternating: only ratios measured side by side mean anything.
+--profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
+pulls in flight, for one pull size.
+
+    python bench/node_scaling.py --paths host-nixl,host-direct --baseline 2b8f1ac   # the CPU machine
+    python bench/node_scaling.py --paths gpu-staged,gpu-direct --pairs 1,2 --out $OUT  # a GPU machine
+    python bench/node_scaling.py --splice $OUT/node_scaling_gpu_section.md            # into docs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline
+import latency
+from report import gpus, write_section
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+TITLES = {
+    "gpu": "Node scaling, GPU paths (bench/node_scaling.py)",
+    "host": "Node scaling, host paths (bench/node_scaling.py)",
+}
+HZ = os.sysconf("SC_CLK_TCK")
+MIB = 1 << 20
+# A model-shaped rank: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 2 MiB a block. The
+# decode caches hold 16 GiB, so that every pull of a row lands in blocks of its own.
+GPU_SPEC = EngineSpec.from_dict(
+    {
+        "tp_size": 1,
+        "num_layers": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "num_blocks": 8192,
+        "layout": "flash_attn_nhd",
+    }
+)
+# bench/latency.py's one-block rank (256 KiB a block), 512 blocks a decode cache.
+HOST_SPEC = dataclasses.replace(latency.SPEC, num_blocks=512)
+PATHS = {
+    "gpu-staged": "prefill engines on sidecar A, decode engines on sidecar B (the staged protocol)",
+    "gpu-direct": "every engine on sidecar A (one sidecar copies between its engines' GPUs)",
+    "host-nixl": "decode engine on sidecar B, which READs from A over NIXL",
+    "host-direct": "decode engine on sidecar A",
+    "host-ring": "decode engine on sidecar B with host_transfer: ring (the staged protocol)",
+}
+# host-ring's rings: 16 slots of 1 MiB, so that 16 pulls in flight each hold one.
+RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 16 * MIB), "--gpu-staging-slots", "16"]
+
+
+def source_count(blocks: int) -> int:
+    """Filled source requests per pull size: enough distinct contents to catch a pull landing another
+    pull's bytes, few enough to fill quickly (filling is block by block, in Python)."""
+    return 64 if blocks == 1 else 8
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system time of a process, in clock ticks (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def gpu_pairs(count: int, gpus_present: int) -> list[tuple[int, int]]:
+    """(prefill GPU, decode GPU) of each pair: disjoint GPUs where there are enough, else the two
+    directions between GPU 0 and 1."""
+    if gpus_present >= 2 * count:
+        return [(2 * i, 2 * i + 1) for i in range(count)]
+    if gpus_present >= 2 and count <= 2:
+        return [(0, 1), (1, 0)][:count]
+    raise SystemExit(
+        f"{count} GPU pairs need {2 * count} GPUs (or 2 for two pairs); this machine has {gpus_present}"
+    )
+
+
+def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """CPU ticks of each of a process's threads: {tid: (native name, ticks)}."""
+    out: dict[int, tuple[str, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))
+    return out
+
+
+def python_thread_names(pid: int) -> dict[int, str]:
+    """{native tid: Python thread name} from `py-spy dump` where py-spy is there (else {}): Python's
+    threads all carry the process's native name, so only this tells the NIXL thread from a gRPC
+    handler. Pool threads lose their number ("peer_3" -> "peer"), so that a pool adds up."""
+    try:
+        dump = subprocess.run(["py-spy", "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    names = {}
+    for m in re.finditer(r'^Thread (\d+) \(\w+\): "(.*)"', dump.stdout, re.MULTILINE):
+        name = m.group(2)
+        names[int(m.group(1))] = "nixl" if name.startswith("nixl-") else re.sub(r"[_-]\d+$", "", name)
+    return names
+
+
+def thread_cpu(
+    before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], names: dict[int, str], span: float
+) -> dict[str, float]:
+    """% of one core by thread (Python name where known, else native name), threads that ran."""
+    out: dict[str, float] = {}
+    for tid, (native, ticks) in after.items():
+        used = ticks - before.get(tid, (native, 0))[1]
+        if used > 0:
+            key = names.get(tid, native)
+            out[key] = out.get(key, 0.0) + 100.0 * used / HZ / span
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+@dataclass
+class Row:
+    tree: str
+    path: str
+    pairs: int
+    concurrency: int
+    blocks: int
+    block_bytes: int
+    pulls: int
+    wall_s: float
+    lat_s: list[float]
+    cpu: dict[str, float]  # process -> % of one core over the row
+    threads: dict[str, dict[str, float]]  # sidecar -> thread name -> % of one core (threads that ran)
+    verified: bool
+    consumed: int
+    paths: dict[str, int]
+    errors: list[str]
+
+    @property
+    def rate(self) -> float:
+        return self.pulls / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.pulls * self.blocks * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.lat_s) or [0.0]
+        return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    def cpu_of(self, prefix: str) -> float:
+        """The busiest process whose name starts with prefix."""
+        return max((v for k, v in self.cpu.items() if k.startswith(prefix)), default=0.0)
+
+
+class Node:
+    """One tree's sidecars and engines for one path: a prefill and a decode engine per pair."""
+
+    def __init__(
+        self,
+        tree: str,
+        env: dict[str, str] | None,
+        path: str,
+        pairs: list[tuple[int, int]] | None,
+        sizes: list[int],
+        extra: list[str] | None = None,
+    ) -> None:
+        self.tree, self.path = tree, path
+        self.on_gpu = path.startswith("gpu-")
+        decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
+        # The prefill cache holds the source requests of every size, one after another.
+        self.sources: dict[int, list[tuple[list[int], int]]] = {}
+        offset = 0
+        for b in sizes:
+            self.sources[b] = [
+                (list(range(offset + k * b, offset + (k + 1) * b)), 1000 * b + k)
+                for k in range(source_count(b))
+            ]
+            offset += b * source_count(b)
+        prefill_spec = dataclasses.replace(decode_spec, num_blocks=offset)
+        self.spec = decode_spec
+        tag = f"{'base' if env else 'this'}-{path}"
+        two = path in ("gpu-staged", "host-nixl", "host-ring")
+        b_extra = (RING if path == "host-ring" else []) + (extra or [])
+        sidecars = together(
+            lambda: SidecarProcess(f"a-{tag}", extra=extra, env=env),
+            *([lambda: SidecarProcess(f"b-{tag}", extra=b_extra, env=env)] if two else []),
+        )
+        self.a, self.b = sidecars[0], sidecars[-1]
+        places = pairs if self.on_gpu and pairs else [(-1, -1)]
+
+        def engine(sock: str, name: str, spec: EngineSpec, gpu: int) -> EngineProcess:
+            return EngineProcess(
+                sock, name, spec, devices=[f"cuda:{gpu}"] if gpu >= 0 else None, start_timeout_s=180
+            )
+
+        makers = []
+        for i, (p, d) in enumerate(places):
+            makers.append(lambda i=i, p=p: engine(self.a.socket, f"p{i}-{tag}", prefill_spec, p))
+            makers.append(lambda i=i, d=d: engine(self.b.socket, f"d{i}-{tag}", decode_spec, d))
+        engines = together(*makers)
+        self.prefill, self.decode = engines[0::2], engines[1::2]
+        for pe in self.prefill:
+            for b in sizes:
+                for ids, seed in self.sources[b]:
+                    got = pe.send(
+                        {
+                            "cmd": "prefill",
+                            "block_ids": ids,
+                            "num_tokens": b * decode_spec.block_size,
+                            "seed": seed,
+                            "publish": False,
+                        },
+                        timeout_s=600,
+                    )
+                    assert got["ok"], got
+        self.batches = 0
+
+    def capacity(self, blocks: int) -> int:
+        return self.spec.num_blocks // blocks
+
+    def run(self, pairs: int, concurrency: int, blocks: int, pulls: int, profile: Path | None = None) -> Row:
+        self.batches += 1
+        pulls = min(pulls, self.capacity(blocks))
+        tokens = blocks * self.spec.block_size
+        items: list[list[dict[str, Any]]] = []
+        for i in range(pairs):
+            sources = [self.sources[blocks][k % len(self.sources[blocks])] for k in range(pulls)]
+            published = self.prefill[i].send(
+                {
+                    "cmd": "publish_batch",
+                    "prefix": f"b{self.batches}-{i}-",
+                    "block_ids": [ids for ids, _ in sources],
+                    "num_tokens": tokens,
+                },
+                timeout_s=600,
+            )
+            assert published["ok"], published
+            items.append(
+                [
+                    {"params": p, "block_ids": list(range(k * blocks, (k + 1) * blocks)), "seed": seed}
+                    for k, (p, (_, seed)) in enumerate(zip(published["params"], sources, strict=True))
+                ]
+            )
+        procs: dict[str, Any] = {"sidecar A": self.a}
+        if self.b is not self.a:
+            procs["sidecar B"] = self.b
+        for i in range(pairs):
+            procs[f"prefill {i}"] = self.prefill[i]
+            procs[f"decode {i}"] = self.decode[i]
+        spies = _spy(profile, procs, f"{self.tree}-{self.path}-{pairs}x{concurrency}") if profile else []
+        sidecars = {name: p.proc.pid for name, p in procs.items() if name.startswith("sidecar")}
+        before_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
+        before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
+        start_at = time.time() + 0.2
+        for i in range(pairs):  # every pair's batch starts at start_at
+            self.decode[i].post(
+                {
+                    "cmd": "pull_batch",
+                    "items": items[i],
+                    "concurrency": concurrency,
+                    "num_tokens": tokens,
+                    "start_at": start_at,
+                }
+            )
+        got = [json.loads(self.decode[i].readline(900)) for i in range(pairs)]
+        after = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
+        after_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
+        span = max(time.time() - start_at, 1e-9)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+        wall = max(g.get("t_end", start_at) for g in got) - start_at
+        errors = [e for g in got for e in (g.get("errors") or ([g["error"]] if "error" in g else []))]
+        checked = [self.decode[i].send({"cmd": "verify_batch"}, timeout_s=900) for i in range(pairs)]
+        errors += [e for c in checked for e in c["errors"]]
+        consumed = sum(
+            self.prefill[i].send(
+                {"cmd": "count_events", "kind": "consumed", "expect": pulls, "timeout_s": 20}, timeout_s=60
+            )["count"]
+            for i in range(pairs)
+        )
+        paths: dict[str, int] = {}
+        for g in got:
+            for k, v in g.get("paths", {}).items():
+                paths[k] = paths.get(k, 0) + v
+        return Row(
+            tree=self.tree,
+            path=self.path,
+            pairs=pairs,
+            concurrency=concurrency,
+            blocks=blocks,
+            block_bytes=rank_block_bytes(self.spec),
+            pulls=pulls * pairs,
+            wall_s=wall,
+            lat_s=[x for g in got for x in g.get("lat", [])],
+            cpu={name: 100.0 * (after[name] - before[name]) / HZ / span for name in procs},
+            threads={
+                name: thread_cpu(before_threads[name], after_threads[name], python_thread_names(pid), span)
+                for name, pid in sidecars.items()
+            },
+            verified=all(g.get("ok") for g in got)
+            and all(c["ok"] and c["checked"] == pulls for c in checked),
+            consumed=consumed,
+            paths=paths,
+            errors=errors[:10],
+        )
+
+    def close(self) -> None:
+        for e in (*self.prefill, *self.decode):
+            e.stop()
+        for s in {id(self.a): self.a, id(self.b): self.b}.values():
+            s.stop()
+
+
+def _spy(out: Path, procs: dict[str, Any], label: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy on each sidecar until SIGINT: raw collapsed stacks, one file per process."""
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, p in procs.items():
+        if name.startswith("sidecar"):
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{label}-{name}")
+            spies.append(
+                subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "-p",
+                        str(p.proc.pid),
+                        "-r",
+                        "500",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(out / f"{safe}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    time.sleep(1.0)  # py-spy attaches before the row starts
+    return spies
+
+
+def size_label(row: Row) -> str:
+    size = row.blocks * row.block_bytes
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
+
+
+def table(rows: list[Row]) -> str:
+    out = [
+        "| path | pairs | in flight per pair | pull | sidecars | pulls | pulls/s | GB/s | p50 ms | p99 ms | "
+        "p99/p50 | CPU % sidecar A / B | CPU % busiest prefill / decode engine | bytes | consumed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = f"{r.cpu.get('sidecar B', 0):.0f}" if "sidecar B" in r.cpu else "-"
+        p50 = r.pct(0.5)
+        out.append(
+            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree} | {r.pulls} | {r.rate:.0f} | "
+            f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
+            f"{r.cpu['sidecar A']:.0f} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
+            f"{'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
+        )
+    return "\n".join(out)
+
+
+def ratios(rows: list[Row]) -> str:
+    """Every other tree's (baseline, variants) pulls/s over this tree's, row by row (same run, machine)."""
+    ours = {(r.path, r.pairs, r.concurrency, r.blocks): r for r in rows if r.tree == "this tree"}
+    lines = []
+    for b in rows:
+        r = ours.get((b.path, b.pairs, b.concurrency, b.blocks))
+        if b.tree != "this tree" and r is not None and b.rate:
+            lines.append(
+                f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {b.tree} | {r.rate / b.rate:.2f}x | "
+                f"{r.pct(0.5) / b.pct(0.5) if b.pct(0.5) else 0:.2f}x | {r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x |"
+            )
+    if not lines:
+        return ""
+    head = (
+        "| path | pairs | in flight per pair | pull | against | pulls/s, this tree / it | p50 | p99 |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "\n".join(lines) + "\n"
+
+
+def scaling(rows: list[Row]) -> str:
+    """Each row with more than one pair against the same tree's one-pair row."""
+    one = {(r.tree, r.path, r.concurrency, r.blocks): r for r in rows if r.pairs == 1}
+    lines = []
+    for r in rows:
+        o = one.get((r.tree, r.path, r.concurrency, r.blocks))
+        if r.pairs > 1 and o is not None and o.rate:
+            lines.append(
+                f"| {r.path} | {r.tree} | {r.concurrency} | {size_label(r)} | {r.pairs} | {r.rate / o.rate:.2f}x |"
+            )
+    if not lines:
+        return ""
+    return (
+        "| path | sidecars | in flight per pair | pull | pairs | pulls/s against one pair |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, {gpus()}, Python {platform.python_version()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--paths", default="host-nixl,host-direct", help=f"comma-separated, of {sorted(PATHS)}")
+    ap.add_argument("--pairs", default="1", help="GPU pairs per row, comma-separated (GPU paths)")
+    ap.add_argument("--concurrency", default="1,4,16", help="pulls in flight per pair, comma-separated")
+    ap.add_argument(
+        "--blocks", default="", help="blocks per pull, comma-separated (default: GPU 1,32; host 1)"
+    )
+    ap.add_argument(
+        "--pulls", type=int, default=0, help="pulls per pair and row (default: GPU 2048, host 300)"
+    )
+    ap.add_argument("--baseline", default="", help="also run this git revision's sidecars, side by side")
+    ap.add_argument(
+        "--baseline-tree", default="", help="a directory holding another revision's sidecar/ and client/"
+    )
+    ap.add_argument(
+        "--sidecar-args", default="", help="more `kv-sidecar serve` options for this tree's sidecars"
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="also run this tree's sidecars with these more options, side by side (repeatable)",
+    )
+    ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
+    ap.add_argument("--out", type=Path, help="write the section and the rows' JSON into DIR (not into docs/)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
+    args = ap.parse_args()
+    if args.splice:
+        kind = "gpu" if "gpu" in args.splice.name else "host"
+        write_section(DOCS, TITLES[kind], args.splice.read_text())
+        return 0
+    paths = [p for p in args.paths.split(",") if p]
+    if unknown := set(paths) - set(PATHS):
+        ap.error(f"unknown paths {sorted(unknown)}")
+    on_gpu = {p.startswith("gpu-") for p in paths}
+    if len(on_gpu) != 1:
+        ap.error("GPU and host paths run in separate invocations (separate sections)")
+    kind = "gpu" if on_gpu.pop() else "host"
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    pair_counts = [int(c) for c in args.pairs.split(",") if c] if kind == "gpu" else [1]
+    sizes = [int(b) for b in (args.blocks or ("1,32" if kind == "gpu" else "1")).split(",") if b]
+    pulls = args.pulls or (2048 if kind == "gpu" else 300)
+    places: list[tuple[int, int]] | None = None
+    if kind == "gpu":
+        import torch
+
+        places = gpu_pairs(max(pair_counts), torch.cuda.device_count())
+    extra = args.sidecar_args.split()
+    trees: list[tuple[str, dict[str, str] | None, list[str]]] = [("this tree", None, extra)]
+    for v in args.variant:  # the same code, other settings, in the same run
+        trees.append((f"this tree, {v}", None, extra + v.split()))
+    if args.baseline:
+        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), []))
+    elif args.baseline_tree:
+        tree = Path(args.baseline_tree)
+        trees.append((f"baseline ({tree.name})", baseline.env(str(tree.resolve())), []))
+    rows: list[Row] = []
+    turn = 0
+    for path in paths:
+        nodes = [Node(name, env, path, places, sizes, more) for name, env, more in trees]
+        try:
+            for node in nodes:  # warm-up: handshakes, first touch of the caches and rings
+                for b in sizes:
+                    for p in range(max(pair_counts)):
+                        node.run(p + 1, 1, b, 20)
+            for b in sizes:
+                for p in pair_counts:
+                    for c in levels:
+                        spy = args.profile if (args.profile and c == max(levels) and b == sizes[0]) else None
+                        order = nodes if turn % 2 == 0 else nodes[::-1]
+                        turn += 1
+                        for node in order:
+                            row = node.run(p, c, b, pulls, spy)
+                            rows.append(row)
+                            print(table([row]).splitlines()[-1], flush=True)
+                            print(f"  threads (CPU %): {row.threads}", flush=True)
+                            if row.errors:
+                                print(f"  errors: {row.errors}", file=sys.stderr, flush=True)
+        finally:
+            for node in nodes:
+                node.close()
+    rows.sort(key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.tree != "this tree"))
+    places_text = ""
+    if places:
+        places_text = (
+            "GPU pairs (prefill -> decode): " + ", ".join(f"GPU{p} -> GPU{d}" for p, d in places) + ".  \n"
+        )
+    command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
+    body = (
+        f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
+        f"{places_text}\n"
+        + (
+            "A model-shaped rank on GPU: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 2 MiB a block. "
+            if kind == "gpu"
+            else "A host rank: 4 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 256 KiB a block. "
+        )
+        + "Each engine is its own process; each pair's decode engine pulls with its own threads, all pairs "
+        "starting together. pulls/s and GB/s: all pairs' pulls over the wall time from the common start "
+        "to the last pull's end; p50/p99: the engines' pull() calls. CPU: each process's user+system "
+        "time over the row (100 % = one core; for engines, the busiest). bytes: every byte of every pull "
+        'checked against its seed after the row; consumed: the prefill engines\' "consumed" events.\n\n'
+        + table(rows)
+        + "\n"
+    )
+    if r := ratios(rows):
+        body += "\nThis tree against the others, same run:\n\n" + r
+    if s := scaling(rows):
+        body += "\nMore pairs against one pair, same tree and run:\n\n" + s
+    print("\n" + body)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"node_scaling_{kind}_section.md").write_text(body)
+        (args.out / f"node_scaling_{kind}.json").write_text(
+            json.dumps([dataclasses.asdict(r) | {"rate": r.rate, "gbps": r.gbps} for r in rows], indent=1)
+        )
+    elif not args.no_write:
+        write_section(DOCS, TITLES[kind], body)
+    return 0 if all(r.verified and r.consumed == r.pulls for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
