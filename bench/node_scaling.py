@@ -174,6 +174,7 @@ class Row:
     consumed: int
     paths: dict[str, int]
     errors: list[str]
+    profiled: bool = False  # py-spy sampled the sidecars: slower, not comparable with other rows
 
     @property
     def rate(self) -> float:
@@ -344,6 +345,7 @@ class Node:
             consumed=consumed,
             paths=paths,
             errors=errors[:10],
+            profiled=profile is not None,
         )
 
     def close(self) -> None:
@@ -397,7 +399,8 @@ def table(rows: list[Row]) -> str:
         b = f"{r.cpu.get('sidecar B', 0):.0f}" if "sidecar B" in r.cpu else "-"
         p50 = r.pct(0.5)
         out.append(
-            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree} | {r.pulls} | {r.rate:.0f} | "
+            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{' (py-spy)' if r.profiled else ''} | "
+            f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
             f"{r.cpu['sidecar A']:.0f} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
             f"{'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
@@ -407,6 +410,7 @@ def table(rows: list[Row]) -> str:
 
 def ratios(rows: list[Row]) -> str:
     """Every other tree's (baseline, variants) pulls/s over this tree's, row by row (same run, machine)."""
+    rows = [r for r in rows if not r.profiled]
     ours = {(r.path, r.pairs, r.concurrency, r.blocks): r for r in rows if r.tree == "this tree"}
     lines = []
     for b in rows:
@@ -427,6 +431,7 @@ def ratios(rows: list[Row]) -> str:
 
 def scaling(rows: list[Row]) -> str:
     """Each row with more than one pair against the same tree's one-pair row."""
+    rows = [r for r in rows if not r.profiled]
     one = {(r.tree, r.path, r.concurrency, r.blocks): r for r in rows if r.pairs == 1}
     lines = []
     for r in rows:

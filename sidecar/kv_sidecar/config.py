@@ -26,7 +26,6 @@ class Settings:
     host_transfer: str = "read"
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
-    gil_switch_us: int = 5000
     push_notifications: bool = True
     open_answer_wait_us: int = 2000
     lease_ms: int = 30_000
@@ -62,10 +61,6 @@ class Settings:
         "ones; what CI uses to run it without GPUs)",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
-        "gil_switch_us": "the interpreter's switch interval (sys.setswitchinterval), in microseconds: how long a "
-        "thread that wants the GIL waits before the running one must hand it over. The sidecar's threads (engine "
-        "calls, the NIXL thread, staged sources, kernel launches) share one GIL; shorter bounds how long a "
-        "pull's next step waits behind another's Python, at the cost of more hand-overs",
         "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "
         "milliseconds (at least 1): an idle sidecar's CPU against how late it hears a notification nothing "
         "announced. A Publish while readers are about, a reader's Handshake or OpenRead, and a served read wake "
@@ -101,7 +96,7 @@ class Settings:
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
     # idle NIXL thread would spin, a wait would be negative.
-    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0, "gil_switch_us": 50}
+    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0}
 
     CHOICES = {
         "host_transfer": ("read", "ring"),

@@ -67,7 +67,7 @@ class Metrics:
         self.push_calls = Counter(
             "kvsidecar_push_calls",
             "Push calls this sidecar made as a reader, by why: no_key (the source gave no push key), "
-            "slow (the notified transfer had not finished CALL_AFTER_S after its notification), stop "
+            "slow (the notified transfer had not finished 5 ms, under load up to 100 ms, after its notification), stop "
             "(the reader gave a notified transfer up before its call went out)",
             ["why"],
             registry=r,

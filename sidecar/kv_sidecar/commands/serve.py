@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-sidecar: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
-    sys.setswitchinterval(settings.gil_switch_us / 1e6)
     from kv_sidecar.server.sidecar import Sidecar  # heavy imports (torch, NIXL) only when serving
 
     try:

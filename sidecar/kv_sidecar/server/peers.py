@@ -102,6 +102,9 @@ class PeerLink:
         self.open_misses = 0  # opens in a row whose call answered before their notification
         # When the peer last heard from us as a reader (a handshake, a pull's open or Push; monotonic).
         self.last_read = float("-inf")
+        # What our notified Pushes to this peer lately took, notification to last byte (s, a moving
+        # average): when their calls go (server/staged_reader.py, call_after_s).
+        self.notified_push_s = 0.0
 
     def read_lately(self) -> bool:
         """Whether the peer still gets ready for our notifications: for READERS_S after it last heard
@@ -129,6 +132,11 @@ class PeerLink:
         """A staged transfer from this peer completed: the NIXL connections both ways are set up."""
         self.wired = True
         self.last_read = time.monotonic()
+
+    def notified_push_done(self, elapsed_s: float) -> None:
+        """A notified Push's transfer completed after elapsed_s. A moving average over ~8 transfers:
+        it follows load within a few pulls and forgets one slow transfer as fast."""
+        self.notified_push_s += 0.125 * (elapsed_s - self.notified_push_s)
 
     def open_answered_by_notification(self) -> None:
         self.open_misses = 0

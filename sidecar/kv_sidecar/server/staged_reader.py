@@ -31,6 +31,20 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 # one gets the call's answer, errors and deadline as before; a refused notification (the source
 # restarted: it no longer knows our key) costs this much once before the call starts the transfer.
 CALL_AFTER_S = 0.005
+# Under load a notified transfer waits at its source longer than CALL_AFTER_S (16 pulls in flight: tens
+# of ms), and a call sent then only adds a gRPC call's work to both sidecars, which are already what
+# the pulls wait for (10-55 % of a core across the two, docs/benchmarks.md, issue 32). So the call
+# waits CALL_AFTER_FACTOR times what this link's notified transfers lately took, up to CALL_AFTER_MAX_S:
+# how late a reader learns that its source died, or that a restarted source refused the notification.
+CALL_AFTER_FACTOR = 3.0
+CALL_AFTER_MAX_S = 0.1
+
+
+def call_after_s(recent_s: float) -> float:
+    """How long after its notification a Push's call goes, given the link's recent transfer time."""
+    return min(CALL_AFTER_MAX_S, max(CALL_AFTER_S, CALL_AFTER_FACTOR * recent_s))
+
+
 # How long a reader waits for its Push notification to leave before preparing its copies: the NIXL
 # thread needs the GIL for that, usually within ~0.1 ms; a busier driver is not waited for.
 NOTIFY_WAIT_S = 0.001
@@ -57,7 +71,8 @@ class _PushCall:
         self.reception = reception
         self.call: Any = None
         self.notified = req.notified
-        self.due = time.monotonic() + CALL_AFTER_S if req.notified else 0.0
+        self.sent_at = time.monotonic()
+        self.due = self.sent_at + call_after_s(link.notified_push_s) if req.notified else 0.0
 
     @property
     def asked(self) -> bool:
@@ -176,6 +191,8 @@ class StagedReader:
             nbytes = _receive(job, rx, push, address)
             done = True
             link.staged_read_completed()
+            if push.notified:
+                link.notified_push_done(time.monotonic() - push.sent_at)
             return nbytes
         except sp.ProtocolError as e:
             self._metrics.failures.labels("staged_protocol").inc()

@@ -32,8 +32,8 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 
-# A reader whose notified transfer has not finished CALL_AFTER_S (5 ms) after its notification sends
-# the Push call, which then carries its liveness. A transfer its call has not joined this long after
+# A reader whose notified transfer has not finished 5 ms after its notification (under load up to
+# 100 ms: staged_reader.call_after_s) sends the Push call, which then carries its liveness. A transfer its call has not joined this long after
 # it started has lost its reader (it died before the call went out): stop it, rather than hold send
 # slots until the request's timeout (30 s by default) waiting for credits that never come. A live
 # reader's call arrives within milliseconds; the rest is margin for a loaded machine.
