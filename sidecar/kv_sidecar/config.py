@@ -24,6 +24,7 @@ class Settings:
     gpu_staging_bytes: int = 512 << 20
     gpu_staging_slots: int = 4
     host_transfer: str = "read"
+    device_workers: bool = False
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
@@ -59,6 +60,10 @@ class Settings:
         "host_transfer": "host-memory pulls from another sidecar: read (NIXL READs into the engine or into "
         "host staging, converted here) or ring (the GPU staged protocol through host rings sized like the GPU "
         "ones; what CI uses to run it without GPUs)",
+        "device_workers": "run each device's local copies (host-direct, gpu-direct) in a worker process of "
+        "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
+        "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "
+        'paths still run in the sidecar (docs/gpu.md, "Node scaling")',
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
         "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "

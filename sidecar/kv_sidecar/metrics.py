@@ -95,6 +95,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.worker_restarts = Counter(
+            "kvsidecar_worker_restarts",
+            "Data-plane worker processes (device_workers) started again after they died, by device "
+            "(-1: the host)",
+            ["device"],
+            registry=r,
+        )
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",

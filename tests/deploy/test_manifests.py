@@ -77,6 +77,7 @@ COUNTERS = {
     "kvsidecar_push_calls_total",
     "kvsidecar_peer_opens_total",
     "kvsidecar_gpu_launches_total",
+    "kvsidecar_worker_restarts_total",
     "kvsidecar_publishes_refused_total",
 }
 HISTOGRAMS = {

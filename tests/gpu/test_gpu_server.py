@@ -121,6 +121,20 @@ def test_same_node_kernel_path(node: SidecarProcess, name: str) -> None:
     run_case(node.socket, node.socket, name, "gpu-direct")
 
 
+@pytest.fixture(scope="module")
+def worker_node() -> Iterator[SidecarProcess]:
+    s = SidecarProcess("gpu-workers", extra=[*SMALL_RINGS, "--device-workers", "true"])
+    yield s
+    assert s.stop() == 0, "\n".join(s.stderr_tail)
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "tp1_to_tp2", "nhd_to_hnd", "block16_to_32"])
+def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, name: str) -> None:
+    """device_workers: the decode GPU's worker process maps both engines' IPC handles itself and runs
+    the copy; exact as the sidecar's own (tests/e2e/test_device_workers.py kills one, host memory)."""
+    run_case(worker_node.socket, worker_node.socket, name, "gpu-direct")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_cross_sidecar_staged_ring(pair: tuple[SidecarProcess, SidecarProcess], name: str) -> None:
     a, b = pair

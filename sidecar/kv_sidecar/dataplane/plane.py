@@ -36,6 +36,7 @@ from kv_sidecar.dataplane.ranks import MappedRanks
 from kv_sidecar.dataplane.receive import Reception
 from kv_sidecar.dataplane.rings import Ring, new_ring
 from kv_sidecar.dataplane.send import Transmission
+from kv_sidecar.dataplane.workers import CopyWorkers
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
@@ -126,6 +127,8 @@ class DataPlane:
             OrderedDict()
         )
         self._uploader: ThreadPoolExecutor | None = None
+        # Local copies in a process per device (dataplane/workers.py), or here.
+        self.workers = CopyWorkers(metrics) if settings.device_workers else None
 
     def device(self, device: int) -> DevicePlane:
         with self._lock:
@@ -150,12 +153,20 @@ class DataPlane:
 
     # -- memory ---------------------------------------------------------------------
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
-        return self.ranks.attach_host(key, spec, tensors)
+        memory = self.ranks.attach_host(key, spec, tensors)
+        if self.workers is not None:
+            self.workers.attach_host(key, spec, tensors)
+        return memory
 
     def attach_gpu(self, key: RankKey, spec: EngineSpec, refs: list[IpcTensorRef]) -> RankMemory:
-        return self.ranks.attach_gpu(key, spec, refs)
+        memory = self.ranks.attach_gpu(key, spec, refs)
+        if self.workers is not None:
+            self.workers.attach_gpu(key, spec, memory.device, refs)
+        return memory
 
     def detach(self, key: RankKey) -> None:
+        if self.workers is not None:
+            self.workers.detach(key)
         self.ranks.detach(key)
 
     def _device_of(self, key: RankKey) -> int:
@@ -163,7 +174,10 @@ class DataPlane:
 
     # -- jobs -----------------------------------------------------------------------
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
-        """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind)."""
+        """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
+        the decode device's worker process where there are workers."""
+        if self.workers is not None and job.reads:
+            return self.workers.copy(self._device_of(job.reads[0].dst), job, halt)
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
@@ -241,4 +255,6 @@ class DataPlane:
             self._uploads.clear()
         if uploader is not None:
             uploader.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
         self.ranks.close()

@@ -1,0 +1,316 @@
+"""Local copies in one worker process per device (`device_workers`; docs/gpu.md, "Node scaling").
+
+One sidecar interpreter serving every GPU of a node is what bounds it under load (issue 32): its GIL
+queues every device's copies behind each other. With `device_workers` on, each device's local copies
+(host-direct, gpu-direct) run in a process of their own, with its own interpreter, CUDA context and
+streams. The sidecar hands a worker the ranks' memory as engines sent it and `LocalCopy` jobs, plain
+data over a pipe; the worker maps the memory itself and answers bytes copied or an error.
+
+A worker that dies fails the copies it held (UNAVAILABLE, naming the blocks they did not fill) and is
+started again with every rank attached again; the sidecar stays up. A copy that outlives its deadline
+by KILL_AFTER_S has its worker killed: nothing of ours writes into an engine's cache after the pull
+answered. The staged and NIXL paths still run in the sidecar's own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from kv_sidecar.dataplane import local_copies
+from kv_sidecar.dataplane.jobs import HOST, Halt, IpcTensorRef, LocalCopy, RankKey, ShmTensor
+from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar.metrics import Metrics
+from kv_sidecar.plan.spec import EngineSpec
+
+log = logging.getLogger(__name__)
+
+# A copy still running this long past its deadline is stuck: its worker is killed (and restarted).
+KILL_AFTER_S = 5.0
+# Copies a worker runs at once: a gpu-direct copy launches and then waits for its kernels; others
+# launch meanwhile.
+WORKER_THREADS = 4
+
+_Memory = tuple[EngineSpec, bool, list[ShmTensor] | list[IpcTensorRef]]
+
+
+class _Deadline:
+    """A job's `Halt` inside the worker: its deadline (time.monotonic is one clock for every process)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise SidecarError(Code.DEADLINE_EXCEEDED, "the pull's deadline passed during its copy")
+        return left
+
+
+def _serve(conn: multiprocessing.connection.Connection) -> None:  # the worker process
+    """Attach and detach ranks in order, run copies on a few threads, answer each message once."""
+    from kv_sidecar.dataplane.ranks import MappedRanks
+
+    ranks = MappedRanks(None)  # no NIXL: a local copy never registers memory
+    send_lock = threading.Lock()
+    pool = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="copy")
+
+    def answer(msg_id: int, ok: bool, value: Any) -> None:
+        with send_lock:
+            conn.send((msg_id, ok, value))
+
+    def run(msg_id: int, fn: Any, *args: Any) -> None:
+        try:
+            answer(msg_id, True, fn(*args))
+        except Exception as e:
+            err = as_sidecar_error(e)
+            answer(msg_id, False, (int(err.code), err.message))
+
+    def copy(job: LocalCopy, deadline: float) -> int:
+        if job.reads and ranks.is_gpu(job.reads[0].dst):
+            return local_copies.copy_gpu(ranks, job, _Deadline(deadline))
+        return local_copies.copy_host(ranks, job, _Deadline(deadline))
+
+    def attach(key: RankKey, spec: EngineSpec, gpu: bool, memory: Any) -> None:
+        if gpu:
+            ranks.attach_gpu(key, spec, memory)
+        else:
+            ranks.attach_host(key, spec, memory)
+
+    while True:
+        try:
+            kind, msg_id, *args = conn.recv()
+        except (EOFError, OSError):  # the sidecar went away
+            break
+        if kind == "copy":
+            pool.submit(run, msg_id, copy, *args)
+        elif kind == "attach":
+            run(msg_id, attach, *args)
+        elif kind == "detach":
+            run(msg_id, ranks.detach, *args)
+        else:  # "quit"
+            break
+    pool.shutdown(wait=True)
+    ranks.close()
+
+
+class CopyWorker:
+    """The sidecar's handle on one device's worker process: starts it, restarts it when it dies."""
+
+    def __init__(self, device: int, metrics: Metrics) -> None:
+        self.device = device
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[Future[Any], LocalCopy | None]] = {}
+        self._ranks: dict[RankKey, _Memory] = {}  # attached again after a restart
+        self._closed = False
+        self._proc: Any = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        with self._lock:
+            self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:  # holds self._lock
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA and threads
+        parent, child = ctx.Pipe()
+        name = "kvs-worker-host" if self.device == HOST else f"kvs-worker-gpu{self.device}"
+        proc = ctx.Process(target=_serve, args=(child,), name=name, daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        threading.Thread(target=self._follow, args=(proc, parent), name=f"{name}-follow", daemon=True).start()
+        for key, (spec, gpu, memory) in self._ranks.items():
+            self._post("attach", None, key, spec, gpu, memory)
+
+    def _post(self, kind: str, job: LocalCopy | None, *args: Any) -> Future[Any]:  # holds self._lock
+        fut: Future[Any] = Future()
+        msg_id = next(self._ids)
+        self._pending[msg_id] = (fut, job)
+        assert self._conn is not None
+        # A worker that just died: _follow fails this message with the others it held.
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send((kind, msg_id, *args))
+        return fut
+
+    def _call(self, kind: str, job: LocalCopy | None, *args: Any) -> Future[Any]:
+        with self._lock:
+            if self._closed:
+                raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+            return self._post(kind, job, *args)
+
+    def _follow(self, proc: Any, conn: multiprocessing.connection.Connection) -> None:
+        """Answer each message's future; when the worker dies, fail what it held and start another."""
+        while True:
+            try:
+                msg_id, ok, value = conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                fut, _ = self._pending.pop(msg_id, (None, None))
+            if fut is None:
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                code, message = value
+                fut.set_exception(SidecarError(Code(code), message))
+        proc.join(timeout=5)
+        with self._lock:
+            held, self._pending = self._pending, {}
+            closed = self._closed
+            if not closed:
+                self._metrics.worker_restarts.labels(str(self.device)).inc()
+                log.error(
+                    "data-plane worker of device %s died (exit code %s): starting another",
+                    self.device,
+                    proc.exitcode,
+                )
+                self._start()
+        for fut, job in held.values():
+            fut.set_exception(_died(self.device, proc.exitcode, job, closed))
+
+    # -- what the data plane asks -------------------------------------------------------------------
+    def attach(
+        self, key: RankKey, spec: EngineSpec, gpu: bool, memory: list[ShmTensor] | list[IpcTensorRef]
+    ) -> None:
+        """Not waited for: the sidecar mapped the rank already (a bad handle failed there), and a copy
+        that needs it comes after it on the pipe; should the worker fail to map it, that copy says so."""
+        with self._lock:
+            self._ranks[key] = (spec, gpu, memory)
+            if not self._closed:
+                self._post("attach", None, key, spec, gpu, memory).add_done_callback(_log_failure(key))
+
+    def detach(self, key: RankKey) -> None:
+        with self._lock:
+            if self._ranks.pop(key, None) is not None and not self._closed:
+                self._post("detach", None, key)
+
+    def copy(self, job: LocalCopy, halt: Halt) -> int:
+        left = halt.remaining()
+        fut = self._call("copy", job, job, time.monotonic() + left)
+        try:
+            return int(fut.result(timeout=left + KILL_AFTER_S))
+        except FutureTimeout:
+            # Stuck past its deadline: nothing may write into the engine's cache after we answer.
+            self.kill()
+            raise SidecarError(
+                Code.DEADLINE_EXCEEDED,
+                f"the copy did not end {KILL_AFTER_S:.0f} s past its deadline: its worker was restarted; "
+                f"blocks not filled: {_blocks(job)}",
+            ) from None
+
+    def kill(self) -> None:
+        """Kill the worker process (it is started again)."""
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            proc, conn = self._proc, self._conn
+            if conn is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("quit", -1))
+        if proc is not None:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+class CopyWorkers:
+    """One `CopyWorker` per device that holds ranks: GPU ranks go to every GPU's worker (a gpu-direct
+    copy on the decode GPU reads the source rank's memory through its own mapping of it), host ranks
+    to the host's."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._workers: dict[int, CopyWorker] = {}
+        self._gpu_ranks: dict[RankKey, _Memory] = {}
+
+    def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> None:
+        self._worker(HOST).attach(key, spec, False, tensors)
+
+    def attach_gpu(self, key: RankKey, spec: EngineSpec, device: int, refs: list[IpcTensorRef]) -> None:
+        with self._lock:
+            self._gpu_ranks[key] = (spec, True, refs)
+            known = [w for d, w in self._workers.items() if d != HOST]
+        fresh = self._worker(device)
+        for w in {id(w): w for w in [*known, fresh]}.values():
+            w.attach(key, spec, True, refs)
+
+    def detach(self, key: RankKey) -> None:
+        with self._lock:
+            self._gpu_ranks.pop(key, None)
+            workers = list(self._workers.values())
+        for w in workers:
+            w.detach(key)
+
+    def copy(self, device: int, job: LocalCopy, halt: Halt) -> int:
+        return self._worker(device).copy(job, halt)
+
+    def worker(self, device: int) -> CopyWorker | None:
+        with self._lock:
+            return self._workers.get(device)
+
+    def _worker(self, device: int) -> CopyWorker:
+        with self._lock:
+            w = self._workers.get(device)
+            if w is not None:
+                return w
+            w = self._workers[device] = CopyWorker(device, self._metrics)
+            ranks = list(self._gpu_ranks.items()) if device != HOST else []
+        for key, (spec, gpu, memory) in ranks:  # a new GPU's worker maps every GPU rank known
+            w.attach(key, spec, gpu, memory)
+        return w
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.close()
+
+
+def _blocks(job: LocalCopy | None) -> str:
+    if job is None:
+        return "-"
+    ids = [int(b) for b in job.tokens.dst_blocks]
+    return str(ids) if len(ids) <= 16 else f"{ids[:16]} and {len(ids) - 16} more"
+
+
+def _died(device: int, exitcode: int | None, job: LocalCopy | None, closed: bool) -> SidecarError:
+    if closed:
+        return SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+    where = "the host" if device == HOST else f"GPU {device}"
+    return SidecarError(
+        Code.UNAVAILABLE,
+        f"the data-plane worker of {where} died (exit code {exitcode}) during the copy; it was "
+        f"restarted; blocks not filled: {_blocks(job)}",
+    )
+
+
+def _log_failure(key: RankKey) -> Any:
+    def done(fut: Future[Any]) -> None:
+        if fut.exception() is not None:
+            log.warning(
+                "a data-plane worker could not map rank %s of %s: %s",
+                key.rank,
+                key.engine_id,
+                fut.exception(),
+            )
+
+    return done

@@ -1,0 +1,127 @@
+"""device_workers: a sidecar's local copies in a worker process per device (dataplane/workers.py).
+
+Real sidecar and engine processes, host memory (host-direct; gpu-direct runs the same worker code on
+GPUs). A pull through the worker is byte-exact; a worker SIGKILLed in the middle of a copy fails that
+pull alone (UNAVAILABLE, naming the blocks not filled), is started again with the ranks attached
+again, the next pull works, and the sidecar stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+
+from .conftest import Spawn, metric, spec_dict, wait_for
+
+WORKERS = ["--device-workers", "true"]
+SMALL = EngineSpec.from_dict(spec_dict())
+# 2 MiB a block; a 512-block request is 1 GiB: its copy (memmoves) runs long enough to be killed midway.
+BIG = EngineSpec.from_dict(
+    spec_dict(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=520, dtype="float16")
+)
+LONG = 512
+
+
+def workers_of(sidecar: SidecarProcess) -> list[int]:
+    """The sidecar's worker processes: its children started by multiprocessing's spawn."""
+    pid = sidecar.proc.pid
+    children = []
+    for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed under the thread that started it
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    out = []
+    for c in children:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            continue
+    return out
+
+
+def cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _pull(
+    prefill: EngineProcess, decode: EngineProcess, request_id: str, blocks: list[int], seed: int
+) -> dict:
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": request_id,
+            "block_ids": blocks,
+            "num_tokens": len(blocks) * SMALL.block_size,
+            "seed": seed,
+        }
+    )
+    assert pub["ok"], pub
+    dst = [b + 20 for b in blocks]
+    return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed})
+
+
+def test_a_pull_through_the_worker_is_exact(spawn: Spawn) -> None:
+    sc = spawn(SidecarProcess("workers", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(sc.socket, "w-p", SMALL), lambda: EngineProcess(sc.socket, "w-d", SMALL)
+    )
+    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    for i in range(3):
+        res = _pull(prefill, decode, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], seed=i)
+        assert res["ok"] and res["path"] == "host-direct", res
+        assert res["verified"], res["errors"]  # every byte, and nothing outside the blocks
+    assert len(workers_of(sc)) == 1, "one worker for the host's copies"
+
+
+def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Spawn) -> None:
+    sc = spawn(SidecarProcess("workers-kill", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(sc.socket, "k-p", BIG), lambda: EngineProcess(sc.socket, "k-d", BIG)
+    )
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": "long",
+            "block_ids": list(range(LONG)),
+            "num_tokens": LONG * BIG.block_size,
+            "seed": 7,
+        }
+    )
+    assert pub["ok"], pub
+    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    (worker,) = workers_of(sc)
+    before = cpu_ticks(worker)
+    dst = list(range(BIG.num_blocks - LONG, BIG.num_blocks))
+    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 7, "verify": False}
+    decode.post(cmd)
+    # The copy is running once the worker has spent 20 ms of CPU (1 GiB of memmoves takes far longer).
+    deadline = time.monotonic() + 30
+    while cpu_ticks(worker) < before + 2:
+        assert time.monotonic() < deadline, "the worker never started the copy"
+        time.sleep(0.002)
+    os.kill(worker, signal.SIGKILL)
+    res = json.loads(decode.readline(60))
+    assert not res["ok"], "the copy ended before the kill; make it longer (LONG)"
+    assert res["error_code"] == "UNAVAILABLE", res
+    assert "data-plane worker of the host died" in res["error"] and "blocks not filled" in res["error"], res
+    assert res["unfilled_blocks"] == dst
+    # Started again, with both ranks attached again: the next pull (into other blocks) is exact.
+    wait_for("a new worker", lambda: workers_of(sc) and workers_of(sc) != [worker])
+    assert metric(sc.metrics_port, "kvsidecar_worker_restarts_total", '{device="-1"}') == 1
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [0, 1], "num_tokens": 32, "seed": 8}
+    )
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 8})
+    assert res["ok"] and res["verified"], res
+    assert sc.alive
