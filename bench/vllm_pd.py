@@ -22,6 +22,8 @@ Columns (per request; the medians over the row's requests, p90 beside the client
   prefill     the prefill server's own request latency (vLLM's e2e_request_latency: arrival at the API
               server -> its one-token answer);
   decode TTFT the decode (aggregated: the only) server's time to first token (vLLM's time_to_first_token);
+  decode      the decode (aggregated: the only) server's request latency (e2e_request_latency: arrival ->
+              last token); client - prefill - decode is the router's and HTTP's share;
   arrival -> KV ready  the decode server's queue time (vLLM's request_queue_time): the request's arrival
               at the engine core -> its first forward scheduled, which for both connectors is after vLLM's
               scheduler saw the connector report the KV cache received (both load asynchronously: the
@@ -29,7 +31,9 @@ Columns (per request; the medians over the row's requests, p90 beside the client
               comparison; for aggregated, the engine computes the KV itself (decode TTFT shows that);
   transfer    the mover's own time for the KV of one request: NixlConnector's NIXL transfer time
               (vllm:nixl_xfer_time_seconds, READ posted -> done) or the decode sidecar's pull duration
-              (kvsidecar_pull_duration_seconds, Pull received -> answered, one per KV cache group);
+              (kvsidecar_pull_duration_seconds, Pull received -> answered: the control messages to the
+              prefill sidecar and the READ; one pull per KV cache group, summed, though they overlap); not
+              the same span, so compare the two connectors on arrival -> KV ready;
   KV bytes    bytes moved per request (vllm:nixl_bytes_transferred / kvsidecar_pull_bytes_total);
   NIXL descriptors  descriptors of the request's NIXL READs (vllm:nixl_num_descriptors /
               kvsidecar_nixl_descriptors_per_transfer, the decode sidecar's);
@@ -173,6 +177,7 @@ class Stack:
         d = self.decode_port
         c = {
             "d_e2e_n": metric(d, "vllm:e2e_request_latency_seconds_count"),
+            "d_e2e": metric(d, "vllm:e2e_request_latency_seconds_sum"),
             "d_ttft": metric(d, "vllm:time_to_first_token_seconds_sum"),
             "d_queue": metric(d, "vllm:request_queue_time_seconds_sum"),
         }
@@ -206,7 +211,7 @@ class Stack:
 def splits(stack: Stack, before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
     """Per-request server-side columns (means over n requests) from two counter snapshots."""
     per = {k: (after[k] - before[k]) / n for k in after}
-    out = {"ttft": per["d_ttft"], "queue": per["d_queue"]}
+    out = {"ttft": per["d_ttft"], "decode": per["d_e2e"], "queue": per["d_queue"]}
     if "p_e2e" in per:
         out["prefill"] = per["p_e2e"]
     if "xfer" in per:
@@ -424,7 +429,8 @@ def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} "
             f"| {f'{ratio:.2f}' if mode == 'kv-sidecar' else ''} | {ms(col(rows, 'prefill'))} "
-            f"| {ms(col(rows, 'ttft'))} | {ms(col(rows, 'queue')) if mode != 'aggregated' else '—'} "
+            f"| {ms(col(rows, 'ttft'))} | {ms(col(rows, 'decode'))} "
+            f"| {ms(col(rows, 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(rows, 'xfer'))} | {'—' if b is None else f'{b / 2**20:.2f} MiB'} "
             f"| {'—' if b is None else round(col(rows, 'desc') or 0)} "
             f"| {col(rows, 'cpu') or 0:.2f} s | {outputs if mode == 'kv-sidecar' else ''} |"
@@ -442,7 +448,8 @@ def table_burst(model: str, n: int, res: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} | {ms(med(w[mode]))} "
             f"| {f'{ratio:.2f}' if mode == 'kv-sidecar' else ''} | {ms(col(m[mode], 'prefill'))} "
-            f"| {ms(col(m[mode], 'ttft'))} | {ms(col(m[mode], 'queue')) if mode != 'aggregated' else '—'} "
+            f"| {ms(col(m[mode], 'ttft'))} | {ms(col(m[mode], 'decode'))} "
+            f"| {ms(col(m[mode], 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(m[mode], 'xfer'))} | {col(m[mode], 'cpu') or 0:.2f} s "
             f"| {outputs if mode == 'kv-sidecar' else ''} |"
         )
@@ -451,13 +458,14 @@ def table_burst(model: str, n: int, res: dict[str, Any]) -> list[str]:
 
 HEAD_ONE = [
     "| model | prompt tokens | mode | client p50 | client p90 | kv-sidecar / Nixl (p50) | prefill | decode TTFT "
-    "| arrival -> KV ready | transfer | KV bytes | NIXL descriptors | CPU / request | outputs |",
-    "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    "| decode | arrival -> KV ready | transfer | KV bytes | NIXL descriptors | CPU / request | outputs |",
+    "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
 ]
 HEAD_BURST = [
     "| model | prompt tokens | mode | client p50 | client p90 | wall (8) | kv-sidecar / Nixl (p50) | prefill (mean) "
-    "| decode TTFT (mean) | arrival -> KV ready (mean) | transfer (mean) | CPU / request | outputs |",
-    "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    "| decode TTFT (mean) | decode (mean) | arrival -> KV ready (mean) | transfer (mean) | CPU / request "
+    "| outputs |",
+    "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
 ]
 
 
