@@ -469,7 +469,7 @@ HEAD_ONE = [
     "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
 ]
 HEAD_BURST = [
-    "| model | prompt tokens | mode | client p50 | client p90 | wall (8) | kv-sidecar / Nixl (p50) | prefill (mean) "
+    "| model | prompt tokens | mode | client p50 | client p90 | wall (all N) | kv-sidecar / Nixl (p50) | prefill (mean) "
     "| decode TTFT (mean) | decode (mean) | arrival -> KV ready (mean) | transfer (mean) | CPU / request "
     "| outputs |",
     "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -545,7 +545,8 @@ def main() -> None:
             bench.stop()
     tables = "One at a time:\n\n" + "\n".join(HEAD_ONE + one)
     if burst:
-        tables += f"\n\n{args.concurrency} requests at once:\n\n" + "\n".join(HEAD_BURST + burst)
+        head = [HEAD_BURST[0].replace("all N", f"all {args.concurrency}"), HEAD_BURST[1]]
+        tables += f"\n\n{args.concurrency} requests at once:\n\n" + "\n".join(head + burst)
         tables += (
             f"\n\nCPU per request in the {args.concurrency}-at-once rows, by process (API servers with their "
             "engine core and worker processes; both sidecars together):\n\n" + "\n".join(cpu_table(burst_cpu))
