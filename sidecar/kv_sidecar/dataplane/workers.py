@@ -243,15 +243,17 @@ class CopyWorkers:
         self._gpu_ranks: dict[RankKey, _Memory] = {}
 
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> None:
-        self._worker(HOST).attach(key, spec, False, tensors)
+        with self._lock:
+            self._get(HOST).attach(key, spec, False, tensors)
 
     def attach_gpu(self, key: RankKey, spec: EngineSpec, device: int, refs: list[IpcTensorRef]) -> None:
+        # Under one lock: a GPU's worker started meanwhile must neither miss this rank nor get it twice.
         with self._lock:
             self._gpu_ranks[key] = (spec, True, refs)
-            known = [w for d, w in self._workers.items() if d != HOST]
-        fresh = self._worker(device)
-        for w in {id(w): w for w in [*known, fresh]}.values():
-            w.attach(key, spec, True, refs)
+            fresh = None if device in self._workers else self._get(device)  # maps this rank too
+            for d, w in self._workers.items():
+                if d != HOST and w is not fresh:
+                    w.attach(key, spec, True, refs)
 
     def detach(self, key: RankKey) -> None:
         with self._lock:
@@ -261,21 +263,21 @@ class CopyWorkers:
             w.detach(key)
 
     def copy(self, device: int, job: LocalCopy, halt: Halt) -> int:
-        return self._worker(device).copy(job, halt)
+        with self._lock:
+            worker = self._get(device)
+        return worker.copy(job, halt)
 
     def worker(self, device: int) -> CopyWorker | None:
         with self._lock:
             return self._workers.get(device)
 
-    def _worker(self, device: int) -> CopyWorker:
-        with self._lock:
-            w = self._workers.get(device)
-            if w is not None:
-                return w
+    def _get(self, device: int) -> CopyWorker:  # holds self._lock
+        w = self._workers.get(device)
+        if w is None:
             w = self._workers[device] = CopyWorker(device, self._metrics)
-            ranks = list(self._gpu_ranks.items()) if device != HOST else []
-        for key, (spec, gpu, memory) in ranks:  # a new GPU's worker maps every GPU rank known
-            w.attach(key, spec, gpu, memory)
+            if device != HOST:  # a new GPU's worker maps every GPU rank known
+                for key, (spec, gpu, memory) in self._gpu_ranks.items():
+                    w.attach(key, spec, gpu, memory)
         return w
 
     def close(self) -> None:
