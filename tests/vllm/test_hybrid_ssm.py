@@ -182,6 +182,24 @@ def test_a_one_token_prompt_is_computed_by_the_decode_engine(ssm: SsmPair) -> No
     ssm.settled()  # released by the decode engine, long before the lease
 
 
+def test_a_state_of_the_whole_prompt_is_not_loaded(ssm: SsmPair) -> None:
+    """Params whose state already holds every prompt token (here: a prefill of the prompt and one more
+    token, stopped one short): vLLM would compute the last prompt token again from that state, advancing
+    it twice (measured with this check off: other tokens, log-probabilities off by 1.5). The decode
+    engine computes such a request itself and releases the prefill's records."""
+    n = 300
+    x = prompt(n, seed=909)
+    want = ssm.reference([x])
+    (params,) = ssm.prefill([[*x, 5]])
+    assert params["kv_sidecar"]["num_tokens"] == n
+    got, ids = ssm.decode(ssm.D, [x], [params])
+    assert_same_output(got, want, (n,))
+    assert not pulls_of(ssm.D, ids)
+    ssm.settled()
+    with open(ssm.D.log_path, errors="replace") as f:
+        assert "published the Mamba state of all 300 prompt tokens" in f.read()
+
+
 def test_a_failed_pull_of_the_mamba_group_is_computed_by_the_decode_engine(ssm: SsmPair) -> None:
     n = 300
     p = [prompt(n, seed=4242)]
