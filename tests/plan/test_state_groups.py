@@ -115,13 +115,18 @@ def test_malformed_state_is_refused_naming_the_group(state: tuple[dict[str, Any]
     assert message in str(info.value)
     with pytest.raises(PlanError, match="a Mamba state group has no sliding window"):
         spec(groups=({**GRANITE[0], "sliding_window": 64}, GRANITE[1]))
+    for layout in ("flash_attn_nhd", "flash_attn_hnd"):  # a block's bytes are not one page there
+        with pytest.raises(
+            PlanError, match=rf"needs a layout with blocks outermost .*; {layout} keeps K and V"
+        ):
+            spec(layout=layout)
 
 
 geometry = st.fixed_dictionaries(
     {
         "tp_size": st.sampled_from([1, 2]),
         "block_size": st.sampled_from([64, 128]),
-        "layout": st.sampled_from(["vllm_cpu", "packed", "flash_attn_nhd"]),
+        "layout": st.sampled_from(["vllm_cpu", "packed", "packed_nhd", "flashinfer_hnd"]),
         "kernel_block_size": st.sampled_from([None, 32]),
         "head_dim": st.sampled_from([32, 64]),
         "dtype": st.sampled_from(["float32", "bfloat16"]),

@@ -254,6 +254,13 @@ class EngineSpec:
         where = f"KV cache group {i} (layer {g.layers[0]})"
         if g.sliding_window:
             raise PlanError(f"{where}: a Mamba state group has no sliding window")
+        if not LAYOUT_DIMS[self.layout].startswith("N"):
+            # The state lies in bytes [b * block, (b + 1) * block) of its region; a layout with the K/V
+            # planes outermost keeps no block's bytes together there.
+            raise PlanError(
+                f"{where}: Mamba state needs a layout with blocks outermost (each block one page of its "
+                f"layer position); {self.layout.value} keeps K and V planes outermost"
+            )
         if len(g.state) > 16:
             raise PlanError(f"{where}: {len(g.state)} state arrays is above the supported maximum 16")
         block = rank_block_bytes(self) // self.num_layers  # one block of one region, on one rank
