@@ -135,7 +135,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         """A hybrid model's rank (groups.py): one region per layer position, shared by that position's
         layer of every group. Each group's layers are checked against their own kernels, and every
         layer must be exactly its position's view: otherwise a group's blocks would be moved as
-        another layer's bytes."""
+        another layer's bytes. The regions are the attention layers' views; a Mamba layer's pages and
+        state views must lie in its position's region as its group's state arrays say."""
         assert self._kv_cache_config is not None
         kinds = self._groups()
         state_groups = [list(k.layers) for k in kinds if k.state]
@@ -191,7 +192,13 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         for kind in kinds:
             for j, name in enumerate(kind.layers if kind.state else ()):
                 _check_state_views(
-                    name, kv_caches[name], _state_views(self._vllm_config, name), desc.regions[j], kind
+                    name,
+                    kv_caches[name],
+                    _state_views(self._vllm_config, name),
+                    desc.regions[j],
+                    desc.spec["block_size"]
+                    // (desc.spec.get("kernel_block_size") or desc.spec["block_size"]),
+                    kind,
                 )
         # The groups alias one allocation (every KVCacheTensor names the same one): count it once.
         check_covers_allocation(desc, sorted({t.size for t in self._kv_cache_config.kv_cache_tensors}))
@@ -209,7 +216,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def _groups(self) -> list[KVGroup]:
         """vLLM's KV cache groups: their layers and windows (the tokens vLLM keeps behind a request's
         next token: the window and any extra tokens it retains; None: full attention). One group of
-        any kind is as before; a hybrid model's groups must be full or sliding-window attention."""
+        any kind is as before; a hybrid model's groups must be full or sliding-window attention, or
+        Mamba state (with its arrays: mamba_state.py) next to at least one attention group."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
@@ -442,13 +450,19 @@ def _state_views(vllm_config: VllmConfig, name: str) -> tuple[torch.Tensor, ...]
 
 
 def _check_state_views(
-    name: str, page: torch.Tensor, views: Sequence[torch.Tensor], region: torch.Tensor, group: KVGroup
+    name: str,
+    page: torch.Tensor,
+    views: Sequence[torch.Tensor],
+    region: torch.Tensor,
+    kernel_blocks: int,
+    group: KVGroup,
 ) -> None:
     """The Mamba layer's page view and state views lie in its position's region as the spec says: block b
-    of the state is block b of the region, each array at its offset, contiguous within the block."""
-    base, block = region.data_ptr(), region.stride(0) * region.element_size()
+    of the state is block b of the region (`kernel_blocks` of the region's first dim), each array at its
+    offset, contiguous within the block."""
+    base, block = region.data_ptr(), region.stride(0) * region.element_size() * kernel_blocks
     page_block = page.stride(0) * page.element_size()
-    if page.data_ptr() != base or page_block != block or page.shape[0] != region.shape[0]:
+    if page.data_ptr() != base or page_block != block or page.shape[0] * kernel_blocks != region.shape[0]:
         raise UnsupportedKVCache(
             f"KVSidecarConnector: Mamba layer {name}'s pages (shape {tuple(page.shape)}, strides {tuple(page.stride())}, "
             f"at {page.data_ptr():#x}) are not the blocks of its layer position's region ({region.shape[0]} blocks "

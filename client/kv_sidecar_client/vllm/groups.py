@@ -14,6 +14,10 @@ record copies group g's blocks of every region, i.e. exactly group g's layers, e
 A decode engine pulls each group into its own blocks of the same group; the groups of the two
 engines must correspond layer for layer (`mismatch`).
 
+A Mamba group (issue 33, item 5) pages each request's state into the same regions: one block per
+request, whose record is published as that block's tokens; its `state` arrays say where the state lies
+in the block (mamba_state.py).
+
 Pure: plain values, no vLLM import.
 """
 

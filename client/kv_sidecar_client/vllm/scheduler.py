@@ -22,6 +22,11 @@ only its in-window ones. A failed pull of such a request makes vLLM recompute
 it from its start: its blocks before the first unfilled one no longer hold the
 window that token would need.
 
+Mamba/SSM hybrids (mamba_state.py): the prefill stops one token short of the prompt and publishes
+each Mamba group's one state block as its own record; the decode engine pulls it into its request's
+state block and computes the last prompt token from it. A published state of every prompt token is
+not loaded (the request is computed here).
+
 Malformed params on a decode request: the request is computed locally (a
 warning names the request and what was wrong); the prefill's blocks are then
 freed by their lease.
