@@ -296,3 +296,55 @@ def test_a_state_block_moves_byte_for_byte_between_equal_engines_only(
     finally:
         for c in caches.values():
             c.close()
+
+
+def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """The scheduler side of a Mamba hybrid against real sidecars: the prefill computes all but the last
+    prompt token, publishes the state group's one block as that block's tokens and the attention group's
+    blocks of N - 1 tokens; the decode engine loads N - 1 tokens and orders the state block into its
+    request's one state block, whole. A state block list that is not one block publishes nothing."""
+    from kv_sidecar_client.vllm.mamba_state import state_arrays
+
+    a, b = sidecar_pair
+    groups = [
+        KVGroup(("m.0", "m.2"), None, state_arrays("m.0", [(3, 40), (2, 8, 16)], ["float32", "float32"])),
+        KVGroup(("a.1", "a.3"), None),
+    ]
+    w, _cache = worker(a, "ssm-p", ("LBHNC", BLOCK, None))
+    sched = SidecarScheduler(ConnectorConfig(sidecar_socket=a.socket), "ssm-p", BLOCK, groups=groups)
+    decode = _decode(b, groups)
+    try:
+        req = _request("s1", 100, {"do_remote_decode": True})
+        assert sched.prefill_length(req) == 99
+        req.num_prompt_tokens = req.num_computed_tokens = 99
+        req.status = "FINISHED_LENGTH_CAPPED"
+        unpublished = sched.unpublished
+        assert sched.request_finished_groups(req, [[7, 8], [1, 2, 3, 4]]) == (False, None)  # two state blocks
+        assert sched.unpublished == unpublished + 1
+        delay, out = sched.request_finished_groups(req, [[7], [1, 2, 3, 4]])
+        assert delay and out is not None
+        state, attention = out["kv_sidecar_groups"]
+        assert (state["params"]["block_ids"], state["params"]["num_tokens"]) == ([7], BLOCK)
+        assert (attention["params"]["block_ids"], attention["params"]["num_tokens"]) == ([1, 2, 3, 4], 99)
+        assert out["kv_sidecar"] == attention["params"] and state["state"][1]["offset"] == 480
+
+        d = _request("d1", 100, out)
+        assert decode.matched_tokens(d, 0) == (99, True)
+        decode.after_alloc_groups(d, [([21], 0, 0), ([30, 31, 32, 33], 0, 0)], 99)
+        parts = decode.take_orders().group_pulls["d1"]
+        assert [(o.params["request_id"], o.start_token, o.block_ids, o.error) for o in parts] == [
+            ("s1#g0", 0, [21], ""),
+            ("s1#g1", 0, [30, 31, 32, 33], ""),
+        ]
+        assert all(o.restart_on_failure for o in parts)
+        # The whole prompt's state (params of the 99-token prefix, for a 99-token prompt): computed here.
+        assert decode.matched_tokens(_request("d2", 99, out), 0) == (0, False)
+        for g in out["kv_sidecar_groups"]:  # nobody pulls them here
+            with SidecarClient(b.socket) as c:
+                c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))
+    finally:
+        decode.shutdown()
+        sched.shutdown()
+        w.shutdown()
