@@ -262,6 +262,53 @@ def test_a_tp2_decode_engine_is_refused_naming_the_mamba_layer(ssm: SsmPair, tp2
     )
 
 
+@pytest.fixture(scope="module")
+def tp2_prefill(ssm: SsmPair, tp2: VllmEngine) -> Iterator[VllmEngine]:
+    engine = VllmEngine(
+        "ssm-p-tp2",
+        ssm.base
+        | {
+            "tensor_parallel_size": 2,
+            "connector": {"sidecar_socket": ssm.sp.socket, "engine_id": "p-tp2", "lease_ms": LEASE_MS},
+        },
+    )
+    try:
+        start_all(engine)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_tp2_to_tp2_moves_each_ranks_state_shard(
+    ssm: SsmPair, tp2: VllmEngine, tp2_prefill: VllmEngine
+) -> None:
+    """Equal TP 2 engines: each decode rank pulls its own rank's state block (its Mamba heads and conv
+    channels) and attention heads; the output equals the TP 2 engine's alone."""
+    prompts = {f"t{n}": prompt(n, seed=700 + n) for n in (20, 128, 300)}
+    want = tp2.generate({f"alone-{r}": p for r, p in prompts.items()}, MAX_TOKENS, logprobs=0)
+    pulls = metric(ssm.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok")
+    outs = tp2_prefill.generate(
+        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
+    )
+    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
+    got = tp2.generate(
+        {f"d{r}": p for r, p in prompts.items()},
+        MAX_TOKENS,
+        {f"d{r}": params[r] for r in prompts},
+        logprobs=0,
+    )
+    for r in prompts:
+        g, w = got[f"d{r}"], want[f"alone-{r}"]
+        assert g["tokens"] == w["tokens"], r
+        assert (
+            max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) < LOGPROB_TOLERANCE
+        ), r
+    # One pull per decode rank, group and request.
+    assert metric(ssm.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") - pulls == 2 * 2 * len(prompts)
+    state = tp2_prefill.settle(LEASE_MS / 1000 / 3)
+    assert state["ok"] and state["free_blocks"] == tp2_prefill.ready["free_blocks"], state
+
+
 def test_prefix_caching_on_stops_the_engine_naming_the_setting(tmp_path: object) -> None:
     """mamba_cache_mode "align" (vLLM's default with prefix caching on) keeps a request's state in
     checkpoint blocks that move every step: refused at start, naming the setting to change."""
