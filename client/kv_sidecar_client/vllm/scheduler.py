@@ -206,7 +206,7 @@ class SidecarScheduler:
         if (
             plist is not None
             and self._has_state
-            and plist[self._tokens_of].num_tokens >= len(request.prompt_token_ids)
+            and plist[self._tokens_of].num_tokens >= len(request.prompt_token_ids or ())
         ):
             # The state holds every prompt token: vLLM would compute the last one again from it (it always
             # computes one), advancing the state twice. A prefill through this connector stops short.
@@ -416,8 +416,9 @@ class SidecarScheduler:
         return self._publish_groups(request, block_ids)
 
     def prefill_length(self, request: Any) -> int | None:
-        """Prefill of a sliding-window request: how many of its prompt tokens to compute and publish
-        (window.prefill_tokens; the decode engine computes the rest). None: the whole prompt."""
+        """Prefill of a sliding-window request (window.prefill_tokens) or of a Mamba hybrid's (all but the
+        last token: mamba_state.prefill_tokens): how many of its prompt tokens to compute and publish; the
+        decode engine computes the rest. None: the whole prompt."""
         kvp = request.kv_transfer_params or {}
         if not kvp.get("do_remote_decode") or (self.window is None and not self._has_state):
             return None
