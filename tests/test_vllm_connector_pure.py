@@ -6,6 +6,7 @@ sliding-window arithmetic.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -532,3 +533,134 @@ def test_groups_mismatch_names_the_layer() -> None:
     )
     roundtrip = [KVGroup.from_json(g.to_json()) for g in mine]
     assert roundtrip == mine
+
+
+# -- Mamba/SSM groups (mamba_state.py) -----------------------------------------------------------
+GRANITE_STATE = (((3, 544), (8, 64, 16)), ("float32", "float32"))  # the test model's MambaSpec, one rank
+
+
+def test_mamba_state_arrays_are_vllms_page_order() -> None:
+    from kv_sidecar_client.vllm.groups import StateArray
+    from kv_sidecar_client.vllm.mamba_state import UnsupportedMambaState, state_arrays, state_bytes
+
+    arrays = state_arrays("model.layers.0.mixer", *GRANITE_STATE)
+    assert arrays == (
+        StateArray("conv", (3, 544), "float32", 0),
+        StateArray("ssm", (8, 64, 16), "float32", 3 * 544 * 4),
+    )
+    assert state_bytes(arrays) == 39296  # what vLLM's int8 page view of the layer spans
+    assert [a.name for a in state_arrays("m", [(1,), (2,), (3,)], ["float16"] * 3)] == [
+        "state0",
+        "state1",
+        "state2",
+    ]
+    with pytest.raises(UnsupportedMambaState, match=r"Mamba layer m keeps its ssm state as complex64"):
+        state_arrays("m", [(1,), (2,)], ["float32", "complex64"])
+
+
+def test_mamba_settings_that_move_the_state_are_refused_naming_the_setting() -> None:
+    from kv_sidecar_client.vllm.mamba_state import UnsupportedMambaState, check_settings
+
+    check_settings("m0", "none", 0, 131072, 131072)
+    with pytest.raises(
+        UnsupportedMambaState, match=r"m0 has mamba_cache_mode 'align'.*--no-enable-prefix-caching"
+    ):
+        check_settings("m0", "align", 0, 131072, 131072)
+    with pytest.raises(UnsupportedMambaState, match=r"m0 has 2 speculative state block"):
+        check_settings("m0", "none", 2, 131072, 131072)
+    with pytest.raises(
+        UnsupportedMambaState, match=r"Mamba page of m0 is 65536 bytes, the attention block .* 131072"
+    ):
+        check_settings("m0", "none", 0, 65536, 131072)
+
+
+def test_a_request_has_one_state_block_and_the_prefill_stops_one_token_short() -> None:
+    from kv_sidecar_client.vllm.mamba_state import UnsupportedMambaState, prefill_tokens, state_block
+
+    assert state_block("r", "m0", [7], 0) == 7
+    for blocks in ([], [0], [3, 4]):
+        with pytest.raises(
+            UnsupportedMambaState, match=r"request r: its Mamba group \(layer m0\) holds blocks"
+        ):
+            state_block("r", "m0", blocks, 0)
+    assert [prefill_tokens(n) for n in (1, 2, 128, 129)] == [None, 1, 127, 128]
+
+
+def test_state_groups_in_transfer_params_and_their_mismatches() -> None:
+    from kv_sidecar_client import params_to_json
+    from kv_sidecar_client.client import TransferParams
+    from kv_sidecar_client.vllm.groups import KVGroup, mismatch, token_group
+    from kv_sidecar_client.vllm.mamba_state import state_arrays
+    from kv_sidecar_client.vllm.scheduler import group_params
+
+    mamba = KVGroup(("m0", "m2"), None, state_arrays("m0", *GRANITE_STATE))
+    attention = KVGroup(("a1", "a3"), None)
+    mine = [mamba, attention]
+    assert [KVGroup.from_json(g.to_json()) for g in mine] == mine and "state" not in attention.to_json()
+    assert token_group(mine) == 1 and token_group([attention]) == 0
+    assert mismatch(mine, mine) is None
+    tp2 = KVGroup(("m0", "m2"), None, state_arrays("m0", ((3, 288), (4, 64, 16)), ("float32", "float32")))
+    assert (
+        "layer m0 (KV cache group 0) is Mamba state (conv (3, 544) float32 at byte 0, ssm (8, 64, 16) float32 at "
+        "byte 6528) on the prefill engine and Mamba state (conv (3, 288)"
+    ) in (mismatch(mine, [tp2, attention]) or "")
+    assert "is full attention on the prefill engine and Mamba state" in (
+        mismatch([KVGroup(("m0", "m2"), None), attention], mine) or ""
+    )
+
+    def entry(group: KVGroup, tokens: int, blocks: list[int]) -> dict[str, Any]:
+        p = TransferParams(
+            engine_id="e",
+            sidecar_address="h:1",
+            sidecar_id="s",
+            request_id=f"r#{len(blocks)}",
+            block_ids=blocks,
+            num_tokens=tokens,
+        )
+        return {"params": json.loads(params_to_json(p)), **group.to_json()}
+
+    # The state group's record counts one block's tokens; only the attention groups must agree.
+    ok = {"kv_sidecar_groups": [entry(mamba, 128, [5]), entry(attention, 299, [1, 2, 3])]}
+    assert [(g.state != (), p.num_tokens) for g, p in group_params(ok) or []] == [(True, 128), (False, 299)]
+    two = {"kv_sidecar_groups": [entry(mamba, 128, [5, 6]), entry(attention, 299, [1, 2, 3])]}
+    with pytest.raises(BadParams, match="a Mamba group of other than one state block"):
+        group_params(two)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    arrays=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 40), min_size=1, max_size=4), st.sampled_from(["float32", "bfloat16"])
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    block_size=st.sampled_from([16, 64, 128]),
+)
+def test_the_connectors_state_description_is_accepted_by_the_sidecar_iff_it_fits_a_block(
+    arrays: list[tuple[list[int], str]], block_size: int
+) -> None:
+    """What the connector registers for a Mamba group (mamba_state.state_arrays) is a valid sidecar spec
+    exactly when the state fits one block of its layer position; otherwise the sidecar refuses it."""
+    from kv_sidecar.plan.spec import PlanError
+    from kv_sidecar_client.vllm.mamba_state import state_arrays, state_bytes
+
+    state = state_arrays("m0", [s for s, _ in arrays], [d for _, d in arrays])
+    block = block_size * 2 * 2 * 64 * 4  # 2 KV heads of 64, float32, K and V
+    spec = {
+        "tp_size": 1,
+        "num_layers": 1,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "dtype": "float32",
+        "block_size": block_size,
+        "num_blocks": 8,
+        "layout": "vllm_cpu",
+        "groups": [{"layers": ["m0"], "state": [a.to_json() for a in state]}, {"layers": ["a1"]}],
+    }
+    if state_bytes(state) <= block:
+        assert EngineSpec.from_dict(spec).groups[0].state[-1].offset == state[-1].offset
+    else:
+        with pytest.raises(PlanError, match=r"KV cache group 0 \(layer m0\): state array .* does not fit"):
+            EngineSpec.from_dict(spec)

@@ -135,6 +135,9 @@ SMALL = st.one_of(st.integers(0, 9), U32)
 
 
 LAYER_NAMES = st.one_of(st.sampled_from(["0", "1", "3", "-1", "x"]), st.text(max_size=4))
+STATE_ARRAYS = st.tuples(
+    st.sampled_from(["conv", "ssm", ""]), st.lists(SMALL, max_size=9), DTYPES, U64
+)  # a Mamba group's arrays (name, shape, dtype, offset)
 
 
 @st.composite
@@ -142,11 +145,18 @@ def specs(draw: st.DrawFn) -> common_pb2.EngineSpec:
     if draw(st.booleans()):  # near the real spec: one field changed
         msg = spec_message(SPEC.to_dict())
         name = draw(st.sampled_from([f.name for f in msg.DESCRIPTOR.fields]))
-        if name == "groups":  # a hybrid model's KV cache groups: layer names and windows, sound or not
-            for layers, window in draw(
-                st.lists(st.tuples(st.lists(LAYER_NAMES, max_size=3), SMALL), max_size=3)
+        if (
+            name == "groups"
+        ):  # a hybrid model's KV cache groups: layer names, windows, Mamba state, sound or not
+            for layers, window, state in draw(
+                st.lists(
+                    st.tuples(st.lists(LAYER_NAMES, max_size=3), SMALL, st.lists(STATE_ARRAYS, max_size=3)),
+                    max_size=3,
+                )
             ):
-                msg.groups.add(layers=layers, sliding_window=window)
+                group = msg.groups.add(layers=layers, sliding_window=window)
+                for array_name, shape, dtype, offset in state:
+                    group.state.add(name=array_name, shape=shape, dtype=dtype, offset=offset)
             return msg
         value = {
             "dtype": DTYPES,

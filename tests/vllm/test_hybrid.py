@@ -18,8 +18,6 @@ and decode node).
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -27,12 +25,12 @@ from typing import Any
 
 import pytest
 
-from kv_sidecar.refengine.procs import ProcessError, SidecarProcess
+from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
 from .harness import VllmEngine, metric, start_all
-from .models import ARCHITECTURES, GRANITE4_HYBRID, write_random_model
+from .models import ARCHITECTURES, write_random_model
 
 W = ARCHITECTURES["gemma3"]["sliding_window"]
 LAYERS = ARCHITECTURES["gemma3"]["num_hidden_layers"]
@@ -301,28 +299,3 @@ def test_a_hybrid_request_nobody_pulls_is_freed_when_its_lease_expires(hy: Hybri
     state = hy.h32.settle(LEASE_MS / 1000 + 10)
     assert state["ok"] and state["free_blocks"] == hy.free["hy-h32"], state
     assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries + GROUPS
-
-
-def test_an_ssm_hybrid_stops_the_engine_at_start_naming_the_group(tmp_path: object) -> None:
-    """Mamba state is not moved (issue 33, item 5): an engine that would need it fails at start, with
-    the hybrid manager on (as vLLM runs it) and our connector loaded."""
-    model = os.path.join(str(tmp_path), "granite4")
-    os.makedirs(model)
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(GRANITE4_HYBRID, f)
-    sidecar = SidecarProcess("hy-ssm-node")
-    try:
-        engine = VllmEngine(
-            "hy-ssm",
-            {
-                "model": model,
-                "load_format": "dummy",
-                "hybrid": True,
-                "block_size": None,  # vLLM raises it to the Mamba page's
-                "connector": {"sidecar_socket": sidecar.socket, "engine_id": "ssm"},
-            },
-        )
-        with pytest.raises(ProcessError, match=r"KV cache group of model\.layers\.0\.mixer is a MambaSpec"):
-            engine.wait_ready()
-    finally:
-        assert sidecar.stop() == 0

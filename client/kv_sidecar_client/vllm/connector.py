@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from kv_sidecar_client.vllm.config import ConnectorConfig
-from kv_sidecar_client.vllm.groups import KVGroup, region_layers
+from kv_sidecar_client.vllm.groups import KVGroup, StateArray, region_layers
 from kv_sidecar_client.vllm.kv_layout import (
     KVWriter,
     UnsupportedKVCache,
@@ -31,6 +31,7 @@ from kv_sidecar_client.vllm.kv_layout import (
     describe,
     transferred_layers,
 )
+from kv_sidecar_client.vllm.mamba_state import check_settings, state_arrays, state_bytes
 from kv_sidecar_client.vllm.metadata import StepOrders
 from kv_sidecar_client.vllm.scheduler import SidecarScheduler
 from kv_sidecar_client.vllm.worker import SidecarWorker
@@ -134,19 +135,28 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         """A hybrid model's rank (groups.py): one region per layer position, shared by that position's
         layer of every group. Each group's layers are checked against their own kernels, and every
         layer must be exactly its position's view: otherwise a group's blocks would be moved as
-        another layer's bytes."""
+        another layer's bytes. The regions are the attention layers' views; a Mamba layer's pages and
+        state views must lie in its position's region as its group's state arrays say."""
         assert self._kv_cache_config is not None
-        groups = [list(g.layer_names) for g in self._kv_cache_config.kv_cache_groups]
+        kinds = self._groups()
+        state_groups = [list(k.layers) for k in kinds if k.state]
+        groups = [list(k.layers) for k in kinds if not k.state]
         shared = sorted(n for n, t in sharing.items() if t is not None)
         if shared:
             raise UnsupportedKVCache(
                 f"KVSidecarConnector: hybrid models with cross-layer KV sharing are not supported ({shared[0]} "
                 f"reads {sharing[shared[0]]}'s cache)"
             )
-        missing = sorted({n for g in groups for n in g} - set(kv_caches))
+        missing = sorted({n for g in (*groups, *state_groups) for n in g} - set(kv_caches))
         if missing:
             raise UnsupportedKVCache(f"KVSidecarConnector: vLLM gave no KV cache for layers {missing}")
         positions = region_layers(groups)
+        width = max(len(g) for g in (*groups, *state_groups))
+        if len(positions) != width:
+            raise UnsupportedKVCache(
+                f"KVSidecarConnector: the attention groups cover {len(positions)} of the {width} layer "
+                "positions; a position of Mamba layers only has no attention page to describe its region by"
+            )
         for layers in positions:
             first = kv_caches[layers[0]]
             for name in layers[1:]:
@@ -177,34 +187,61 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                     f"KVSidecarConnector: {layers[0]} writes its KV cache as {other.spec['layout']}, the "
                     f"layer sharing its bytes ({names[0]}) as {desc.spec['layout']}"
                 )
+        # Each Mamba layer's page is its position's region, block for block, and its state views sit
+        # where the spec says: otherwise a state block would be moved as other bytes.
+        for kind in kinds:
+            for j, name in enumerate(kind.layers if kind.state else ()):
+                _check_state_views(
+                    name,
+                    kv_caches[name],
+                    _state_views(self._vllm_config, name),
+                    desc.regions[j],
+                    desc.spec["block_size"]
+                    // (desc.spec.get("kernel_block_size") or desc.spec["block_size"]),
+                    kind,
+                )
         # The groups alias one allocation (every KVCacheTensor names the same one): count it once.
         check_covers_allocation(desc, sorted({t.size for t in self._kv_cache_config.kv_cache_tensors}))
         # The sidecar's plan pairs engines only if their groups correspond (it names the layer if not).
         desc.spec["groups"] = [
-            {"layers": list(g.layers), "sliding_window": g.window or 0} for g in self._groups()
+            {
+                "layers": list(g.layers),
+                "sliding_window": g.window or 0,
+                **({"state": [a.to_json() for a in g.state]} if g.state else {}),
+            }
+            for g in kinds
         ]
         return desc
 
     def _groups(self) -> list[KVGroup]:
         """vLLM's KV cache groups: their layers and windows (the tokens vLLM keeps behind a request's
         next token: the window and any extra tokens it retains; None: full attention). One group of
-        any kind is as before; a hybrid model's groups must be full or sliding-window attention."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        any kind is as before; a hybrid model's groups must be full or sliding-window attention, or
+        Mamba state (with its arrays: mamba_state.py) next to at least one attention group."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
         out = []
         for g in groups:
             spec = g.kv_cache_spec
+            first = g.layer_names[0] if g.layer_names else "?"
             window = None
             if isinstance(spec, SlidingWindowSpec):
                 window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            if len(groups) > 1 and type(spec) is MambaSpec:
+                out.append(KVGroup(tuple(g.layer_names), None, _mamba_arrays(first, spec)))
+                continue
             # Exactly these kinds in a hybrid: subclasses (MLA, sinks, ...) are not tested with groups.
             if len(groups) > 1 and type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
                 raise ValueError(
-                    f"KVSidecarConnector supports hybrid models of full and sliding-window attention; KV "
-                    f"cache group of {g.layer_names[0] if g.layer_names else '?'} is a {type(spec).__name__}"
+                    f"KVSidecarConnector supports hybrid models of full and sliding-window attention and Mamba "
+                    f"state; KV cache group of {first} is a {type(spec).__name__}"
                 )
             out.append(KVGroup(tuple(g.layer_names), window))
+        if out and all(g.state for g in out):
+            raise ValueError(
+                "KVSidecarConnector: a model of Mamba layers only (no attention group) is not supported"
+            )
         return out or [KVGroup((), None)]
 
     def _kv_info(self) -> VllmKVInfo:
@@ -212,12 +249,24 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
         if not groups:
             raise ValueError("KVSidecarConnector: this model has no KV cache group (attention-free?)")
-        self._groups()  # a hybrid model's groups are of kinds we move
-        spec = groups[0].kv_cache_spec
+        kinds = self._groups()  # a hybrid model's groups are of kinds we move
+        # Mamba groups page their state into the attention blocks' bytes (mamba_state.py): the attention
+        # groups give the regions' geometry, and the Mamba pages must be exactly one such block.
+        attention = [g for g, kind in zip(groups, kinds, strict=True) if not kind.state]
+        spec = attention[0].kv_cache_spec
+        for g, kind in zip(groups, kinds, strict=True):
+            if kind.state:
+                check_settings(
+                    g.layer_names[0],
+                    str(g.kv_cache_spec.mamba_cache_mode),
+                    int(g.kv_cache_spec.num_speculative_blocks),
+                    int(g.kv_cache_spec.page_size_bytes),
+                    int(spec.page_size_bytes),
+                )
         # The groups of a hybrid model share one allocation and one page geometry (regions per layer
         # position): the same block size, heads, head size and dtype in every group.
         geometry = _geometry(spec)
-        for g in groups[1:]:
+        for g in attention[1:]:
             if _geometry(g.kv_cache_spec) != geometry:
                 raise ValueError(
                     f"KVSidecarConnector: KV cache group of {g.layer_names[0]} has block size, KV heads, head "
@@ -383,6 +432,65 @@ def _shorten_prompt(request: Any, keep: int) -> None:
     del request._all_token_ids[-drop:]
     request.num_prompt_tokens -= drop
     request.max_tokens = 1  # a longer prefill would free more of the window than the decode engine needs
+
+
+def _mamba_arrays(layer: str, spec: Any) -> tuple[StateArray, ...]:
+    return state_arrays(layer, spec.shapes, [str(d).removeprefix("torch.") for d in spec.dtypes])
+
+
+def _state_views(vllm_config: VllmConfig, name: str) -> tuple[torch.Tensor, ...]:
+    """A Mamba layer's state views as its kernels use them (bound by vLLM before registration)."""
+    layer = vllm_config.compilation_config.static_forward_context.get(name)
+    views = getattr(layer, "kv_cache", None)
+    if not isinstance(views, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in views):
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: Mamba layer {name} has no state views bound ({views!r})"
+        )
+    return tuple(views)
+
+
+def _check_state_views(
+    name: str,
+    page: torch.Tensor,
+    views: Sequence[torch.Tensor],
+    region: torch.Tensor,
+    kernel_blocks: int,
+    group: KVGroup,
+) -> None:
+    """The Mamba layer's page view and state views lie in its position's region as the spec says: block b
+    of the state is block b of the region (`kernel_blocks` of the region's first dim), each array at its
+    offset, contiguous within the block."""
+    base, block = region.data_ptr(), region.stride(0) * region.element_size() * kernel_blocks
+    page_block = page.stride(0) * page.element_size()
+    if page.data_ptr() != base or page_block != block or page.shape[0] * kernel_blocks != region.shape[0]:
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: Mamba layer {name}'s pages (shape {tuple(page.shape)}, strides {tuple(page.stride())}, "
+            f"at {page.data_ptr():#x}) are not the blocks of its layer position's region ({region.shape[0]} blocks "
+            f"of {block} bytes at {base:#x})"
+        )
+    if len(views) != len(group.state):
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: Mamba layer {name} binds {len(views)} state arrays, its KV cache spec {len(group.state)}"
+        )
+    for view, want in zip(views, group.state, strict=True):
+        got_dtype = str(view.dtype).removeprefix("torch.")
+        contiguous = view[0].is_contiguous() if view.shape[0] else True
+        if (
+            view.data_ptr() - base != want.offset
+            or tuple(view.shape[1:]) != want.shape
+            or got_dtype != want.dtype
+            or view.stride(0) * view.element_size() != block
+            or not contiguous
+        ):
+            raise UnsupportedKVCache(
+                f"KVSidecarConnector: Mamba layer {name}'s {want.name} state (shape {tuple(view.shape)}, strides "
+                f"{tuple(view.stride())}, {got_dtype}, at byte {view.data_ptr() - base} of its region) is not "
+                f"{want.describe()} in blocks of {block} bytes"
+            )
+    if state_bytes(group.state) > block:
+        raise UnsupportedKVCache(
+            f"KVSidecarConnector: Mamba layer {name}'s state does not fit in a block of {block} bytes"
+        )
 
 
 def _layer_index(name: str) -> int:

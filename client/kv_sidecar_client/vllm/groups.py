@@ -14,6 +14,10 @@ record copies group g's blocks of every region, i.e. exactly group g's layers, e
 A decode engine pulls each group into its own blocks of the same group; the groups of the two
 engines must correspond layer for layer (`mismatch`).
 
+A Mamba group (issue 33, item 5) pages each request's state into the same regions: one block per
+request, whose record is published as that block's tokens; its `state` arrays say where the state lies
+in the block (mamba_state.py).
+
 Pure: plain values, no vLLM import.
 """
 
@@ -27,23 +31,55 @@ GROUPS_KEY = "kv_sidecar_groups"  # inside kv_transfer_params: one entry per gro
 
 
 @dataclass(frozen=True)
+class StateArray:
+    """One array of a Mamba layer's per-request state on this rank: vLLM's MambaSpec shape and dtype, and
+    its byte offset inside the block (mamba_state.py)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch's name without "torch."
+    offset: int
+
+    def describe(self) -> str:
+        return f"{self.name} {self.shape} {self.dtype} at byte {self.offset}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StateArray:
+        return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]), int(d["offset"]))
+
+
+@dataclass(frozen=True)
 class KVGroup:
-    """One KV cache group: its layers (in vLLM's order) and its window (None: full attention)."""
+    """One KV cache group: its layers (in vLLM's order) and its window (None: full attention). `state`
+    set: a Mamba group, whose one block per request holds the request's recurrent state (these arrays)."""
 
     layers: tuple[str, ...]
     window: int | None  # tokens kept behind the next token (vLLM's window plus retained extras)
+    state: tuple[StateArray, ...] = ()
 
     @property
     def kind(self) -> str:
+        if self.state:
+            return "Mamba state (" + ", ".join(a.describe() for a in self.state) + ")"
         return "full attention" if self.window is None else f"sliding window {self.window}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "window": self.window}
+        d: dict[str, Any] = {"layers": list(self.layers), "window": self.window}
+        if self.state:
+            d["state"] = [a.to_json() for a in self.state]
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> KVGroup:
         window = d.get("window")
-        return cls(tuple(str(n) for n in d.get("layers", ())), None if window is None else int(window))
+        return cls(
+            tuple(str(n) for n in d.get("layers", ())),
+            None if window is None else int(window),
+            tuple(StateArray.from_json(a) for a in d.get("state", ())),
+        )
 
 
 def sub_request_id(request_id: str, group: int) -> str:
@@ -81,12 +117,18 @@ def mismatch(prefill: Sequence[KVGroup], own: Sequence[KVGroup]) -> str | None:
                     f"KV cache group {g}, position {j}: the prefill engine has layer {a} there, this "
                     f"engine {b}"
                 )
-        if theirs.window != mine.window:
+        if theirs.window != mine.window or theirs.state != mine.state:
             return (
                 f"layer {mine.layers[0] if mine.layers else '?'} (KV cache group {g}) is {theirs.kind} on "
                 f"the prefill engine and {mine.kind} on this engine"
             )
     return None
+
+
+def token_group(groups: Sequence[KVGroup]) -> int:
+    """The first group whose records count the request's tokens: a Mamba group's record is one state
+    block, published as that block's tokens whatever the request's length."""
+    return next((g for g, group in enumerate(groups) if not group.state), 0)
 
 
 def region_layers(groups: Sequence[Sequence[str]]) -> list[list[str]]:

@@ -22,6 +22,11 @@ only its in-window ones. A failed pull of such a request makes vLLM recompute
 it from its start: its blocks before the first unfilled one no longer hold the
 window that token would need.
 
+Mamba/SSM hybrids (mamba_state.py): the prefill stops one token short of the prompt and publishes
+each Mamba group's one state block as its own record; the decode engine pulls it into its request's
+state block and computes the last prompt token from it. A published state of every prompt token is
+not loaded (the request is computed here).
+
 Malformed params on a decode request: the request is computed locally (a
 warning names the request and what was wrong); the prefill's blocks are then
 freed by their lease.
@@ -55,7 +60,16 @@ from kv_sidecar_client.client import (
     params_to_json,
 )
 from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
-from kv_sidecar_client.vllm.groups import GROUPS_KEY, KVGroup, common_window, mismatch, sub_request_id
+from kv_sidecar_client.vllm.groups import (
+    GROUPS_KEY,
+    KVGroup,
+    common_window,
+    mismatch,
+    sub_request_id,
+    token_group,
+)
+from kv_sidecar_client.vllm.mamba_state import UnsupportedMambaState, state_block
+from kv_sidecar_client.vllm.mamba_state import prefill_tokens as state_prefill_tokens
 from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 from kv_sidecar_client.vllm.window import (
     NULL_BLOCK_ID,
@@ -105,8 +119,12 @@ def group_params(kv_transfer_params: dict[str, Any] | None) -> list[tuple[KVGrou
         raise BadParams(f"{GROUPS_KEY!r} is not a list of kv-sidecar groups: {e}") from None
     if not out or any(p.num_tokens <= 0 or not p.block_ids or not p.request_id for _, p in out):
         raise BadParams(f"{GROUPS_KEY!r} has a group without tokens, blocks or request id")
-    if len({p.num_tokens for _, p in out}) > 1:  # one request: every group holds the same tokens
-        raise BadParams(f"{GROUPS_KEY!r} holds {[p.num_tokens for _, p in out]} tokens in its groups")
+    # One request: every attention group holds the same tokens (a Mamba group's record is one state block).
+    tokens = [p.num_tokens for g, p in out if not g.state]
+    if len(set(tokens)) > 1:
+        raise BadParams(f"{GROUPS_KEY!r} holds {tokens} tokens in its groups")
+    if any(g.state and len(p.block_ids) != 1 for g, p in out):
+        raise BadParams(f"{GROUPS_KEY!r} has a Mamba group of other than one state block")
     return out
 
 
@@ -131,6 +149,9 @@ class SidecarScheduler:
         self.window = common_window(self.groups) if self.groups else window
         # Each group's window: what the decode side checks a published group's first token against.
         self._windows = [g.window for g in self.groups] if self.groups else [window]
+        # Mamba groups (mamba_state.py): the prefill stops one token short, each publishes one state block.
+        self._has_state = any(g.state for g in self.groups or ())
+        self._tokens_of = token_group(self.groups) if self.groups else 0
         self.alignment = config.window_alignment or block_size
         if self.alignment % block_size:
             raise ConnectorConfigError(
@@ -181,7 +202,25 @@ class SidecarScheduler:
             return None
         if params is None:
             return None
-        return self._corresponding(request, params, groups)
+        plist = self._corresponding(request, params, groups)
+        if (
+            plist is not None
+            and self._has_state
+            and plist[self._tokens_of].num_tokens >= len(request.prompt_token_ids or ())
+        ):
+            # The state holds every prompt token: vLLM would compute the last one again from it (it always
+            # computes one), advancing the state twice. A prefill through this connector stops short.
+            self._bad.add(req_id)
+            log.warning(
+                "KVSidecarConnector: request %s is computed locally: the prefill published the Mamba state of "
+                "all %d prompt tokens; the decode engine must compute the last one from the state before it",
+                req_id,
+                plist[self._tokens_of].num_tokens,
+            )
+            for p in plist:
+                self._release(p, "Mamba state of the whole prompt")
+            return None
+        return plist
 
     def _corresponding(
         self, request: Any, params: TransferParams, groups: list[tuple[KVGroup, TransferParams]] | None
@@ -225,7 +264,7 @@ class SidecarScheduler:
         for params, window in zip(plist, self._windows, strict=True):
             if not self._window_fits(request, plist, params, window, num_computed_tokens):
                 return 0, False
-        count = plist[0].num_tokens - num_computed_tokens
+        count = plist[self._tokens_of].num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def _window_fits(
@@ -296,7 +335,13 @@ class SidecarScheduler:
                 self._release(p, "served from the decode prefix cache")
             return
         orders = []
-        for params, (block_ids, num_cached_blocks, num_null_blocks) in zip(plist, tables, strict=True):
+        groups = self.groups or [None] * len(plist)
+        for group, params, (block_ids, num_cached_blocks, num_null_blocks) in zip(
+            groups, plist, tables, strict=True
+        ):
+            if group is not None and group.state:
+                orders.append(self._state_order(request, group, params, block_ids))
+                continue
             first = num_null_blocks + num_cached_blocks
             need = -(-params.num_tokens // self.block_size) - first
             blocks = list(block_ids[first : first + need])
@@ -320,6 +365,17 @@ class SidecarScheduler:
                 self._orders.pulls[req_id] = orders[0]
             else:
                 self._orders.group_pulls[req_id] = orders
+
+    def _state_order(
+        self, request: Any, group: KVGroup, params: TransferParams, block_ids: Sequence[int]
+    ) -> PullOrder:
+        """A Mamba group: the prefill's state block into this request's one state block, whole."""
+        error = ""
+        try:
+            blocks = [state_block(request.request_id, group.layers[0], block_ids, NULL_BLOCK_ID)]
+        except UnsupportedMambaState as e:
+            blocks, error = [], str(e)
+        return PullOrder(json.loads(params_to_json(params)), blocks, 0, restart_on_failure=True, error=error)
 
     def finished_loading(self, req_ids: Sequence[str]) -> None:
         with self._lock:
@@ -360,12 +416,16 @@ class SidecarScheduler:
         return self._publish_groups(request, block_ids)
 
     def prefill_length(self, request: Any) -> int | None:
-        """Prefill of a sliding-window request: how many of its prompt tokens to compute and publish
-        (window.prefill_tokens; the decode engine computes the rest). None: the whole prompt."""
+        """Prefill of a sliding-window request (window.prefill_tokens) or of a Mamba hybrid's (all but the
+        last token: mamba_state.prefill_tokens): how many of its prompt tokens to compute and publish; the
+        decode engine computes the rest. None: the whole prompt."""
         kvp = request.kv_transfer_params or {}
-        if self.window is None or not kvp.get("do_remote_decode"):
+        if not kvp.get("do_remote_decode") or (self.window is None and not self._has_state):
             return None
-        return prefill_tokens(int(request.num_prompt_tokens), self.window, self.alignment)
+        n = int(request.num_prompt_tokens)
+        if self.window is None:  # Mamba state: the decode engine computes the last prompt token from h(n - 1)
+            return state_prefill_tokens(n)
+        return prefill_tokens(n, self.window, self.alignment)
 
     def _publish(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         status = _status(request)
@@ -432,8 +492,17 @@ class SidecarScheduler:
         tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
         if status not in PUBLISHED_STATUSES or tokens <= 0 or not any(block_ids):
             return False, None
-        parts: list[tuple[str, list[int], int]] = []
+        parts: list[tuple[str, list[int], int, int]] = []
         for g, ids in enumerate(block_ids):
+            if self.groups[g].state:  # its one state block, as that block's tokens (mamba_state.py)
+                try:
+                    state = state_block(request.request_id, self.groups[g].layers[0], ids, NULL_BLOCK_ID)
+                except UnsupportedMambaState as e:
+                    self.unpublished += 1
+                    log.error("KVSidecarConnector: cannot publish %s; the decode engine must compute it", e)
+                    return False, None
+                parts.append((sub_request_id(request.request_id, g), [state], 0, self.block_size))
+                continue
             skipped = leading_nulls(ids) if self.groups[g].window is not None else 0
             blocks = list(ids[skipped : -(-tokens // self.block_size)])
             if not blocks or NULL_BLOCK_ID in blocks:
@@ -451,19 +520,19 @@ class SidecarScheduler:
                     NULL_BLOCK_ID,
                 )
                 return False, None
-            parts.append((sub_request_id(request.request_id, g), blocks, skipped * self.block_size))
+            parts.append((sub_request_id(request.request_id, g), blocks, skipped * self.block_size, tokens))
         if self._silent.is_set():
             self.unpublished += 1
             return False, None
         published: list[TransferParams] = []
-        for sub_id, blocks, first_token in parts:
+        for sub_id, blocks, first_token, count in parts:
             try:
                 published.append(
                     self.client.publish(
                         self.engine_id,
                         sub_id,
                         blocks,
-                        tokens,
+                        count,
                         self.config.lease_ms,
                         timeout_s=self.config.publish_timeout_s,
                         first_token=first_token,
@@ -484,11 +553,11 @@ class SidecarScheduler:
                     self._went_silent(sub_id)
                 return False, None
         with self._lock:
-            self._orders.parts[request.request_id] = [sub_id for sub_id, _, _ in parts]
+            self._orders.parts[request.request_id] = [sub_id for sub_id, *_ in parts]
         out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            PARAMS_KEY: json.loads(params_to_json(published[0])),
+            PARAMS_KEY: json.loads(params_to_json(published[self._tokens_of])),
             GROUPS_KEY: [
                 {"params": json.loads(params_to_json(p)), **group.to_json()}
                 for p, group in zip(published, self.groups, strict=True)

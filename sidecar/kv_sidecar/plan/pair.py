@@ -173,9 +173,30 @@ def _check_groups(prefill: EngineSpec, decode: EngineSpec) -> None:
                     f"KV cache group {i} differs at layer position {j}: prefill layer {a}, decode layer {b}",
                     PRECONDITION,
                 )
-        if p.sliding_window != d.sliding_window:
+        if p.sliding_window != d.sliding_window or p.state != d.state:
             raise PlanError(
                 f"KV cache group {i} (layer {p.layers[0]}) differs: prefill {p.kind}, decode {d.kind}",
+                PRECONDITION,
+            )
+        if p.state:
+            _check_state_geometry(i, p.layers[0], prefill, decode)
+
+
+# What two engines must share for a Mamba group's block to be copied as it is: its state lies at fixed
+# byte offsets of the block, split over TP ranks by Mamba heads and conv channels (not KV heads), and
+# the block is one page of the layer position's region, whose size the attention geometry sets.
+STATE_GEOMETRY = ("tp_size", "block_size", "kernel_block_size", "layout", "num_kv_heads", "head_dim", "dtype")
+
+
+def _check_state_geometry(group: int, layer: str, prefill: EngineSpec, decode: EngineSpec) -> None:
+    """A Mamba group moves whole state blocks, byte for byte: refuse engines whose blocks differ."""
+    for name in STATE_GEOMETRY:
+        p, d = getattr(prefill, name), getattr(decode, name)
+        if p != d:
+            shown = (p.value, d.value) if name == "layout" else (p, d)
+            raise PlanError(
+                f"KV cache group {group} (layer {layer}) holds Mamba state, which moves only between engines "
+                f"of the same TP size and page geometry; {name} differs: prefill {shown[0]}, decode {shown[1]}",
                 PRECONDITION,
             )
 

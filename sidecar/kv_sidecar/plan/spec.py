@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from enum import Enum
+from itertools import pairwise
 from typing import Any
 
 
@@ -101,19 +102,63 @@ def _positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True)
+class StateArray:
+    """One array of a Mamba layer's per-request state on one rank (vLLM's MambaSpec shapes and dtypes):
+    contiguous, `offset` bytes into its block."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES.get(self.dtype, 0)
+        for s in self.shape:
+            n *= s
+        return n
+
+    def describe(self) -> str:
+        return f"{self.name} {self.shape} {self.dtype} at byte {self.offset}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset}
+
+
+@dataclass(frozen=True)
 class KVGroupSpec:
     """One KV cache group of a hybrid model (EngineSpec.groups): its layers, one per layer position
-    (the registered tensors), and its window (0: full attention)."""
+    (the registered tensors), and its window (0: full attention). `state` set: a Mamba group, whose
+    block holds one request's state (these arrays) instead of tokens."""
 
     layers: tuple[str, ...]
     sliding_window: int = 0
+    state: tuple[StateArray, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(
+            self, "state", tuple(a if isinstance(a, StateArray) else StateArray(**a) for a in self.state)
+        )
 
     @property
     def kind(self) -> str:
+        if self.state:
+            return "Mamba state (" + ", ".join(a.describe() for a in self.state) + ")"
         return f"sliding window {self.sliding_window}" if self.sliding_window else "full attention"
+
+    @property
+    def is_state(self) -> bool:
+        return bool(self.state)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layers": list(self.layers), "sliding_window": self.sliding_window}
+        if self.state:  # an attention group reads (and hashes) as before state groups existed
+            d["state"] = [a.to_dict() for a in self.state]
+        return d
 
 
 @dataclass(frozen=True)
@@ -196,11 +241,49 @@ class EngineSpec:
                 raise PlanError(f"layer {sorted(twice)[0]} is in more than one place of the KV cache groups")
             seen |= set(g.layers)
             widest = max(widest, len(g.layers))
+            if g.state:
+                self._validate_state(i, g)
         if widest != self.num_layers:
             raise PlanError(
                 f"the KV cache groups have {widest} layer positions but the engine registers num_layers "
                 f"{self.num_layers} tensors (one per position)"
             )
+
+    def _validate_state(self, i: int, g: KVGroupSpec) -> None:
+        """A Mamba group's arrays lie inside one block of its layer position's region, apart."""
+        where = f"KV cache group {i} (layer {g.layers[0]})"
+        if g.sliding_window:
+            raise PlanError(f"{where}: a Mamba state group has no sliding window")
+        if not LAYOUT_DIMS[self.layout].startswith("N"):
+            # The state lies in bytes [b * block, (b + 1) * block) of its region; a layout with the K/V
+            # planes outermost keeps no block's bytes together there.
+            raise PlanError(
+                f"{where}: Mamba state needs a layout with blocks outermost (each block one page of its "
+                f"layer position); {self.layout.value} keeps K and V planes outermost"
+            )
+        if len(g.state) > 16:
+            raise PlanError(f"{where}: {len(g.state)} state arrays is above the supported maximum 16")
+        block = rank_block_bytes(self) // self.num_layers  # one block of one region, on one rank
+        spans = []
+        for a in g.state:
+            if not a.name:
+                raise PlanError(f"{where}: a state array has no name")
+            if a.dtype not in DTYPE_SIZES:
+                raise PlanError(
+                    f"{where}: state array {a.name} has dtype {a.dtype!r}; use one of {sorted(DTYPE_SIZES)}"
+                )
+            if not a.shape or len(a.shape) > 8 or any(not isinstance(s, int) or s <= 0 for s in a.shape):
+                raise PlanError(f"{where}: state array {a.name} has shape {a.shape}")
+            if not isinstance(a.offset, int) or a.offset < 0 or a.offset + a.nbytes > block:
+                raise PlanError(
+                    f"{where}: state array {a.describe()} ({a.nbytes} bytes) does not fit in a block of "
+                    f"{block} bytes of its layer position"
+                )
+            spans.append((a.offset, a.offset + a.nbytes, a.name))
+        spans.sort()
+        for (_, end, first), (start, _, second) in pairwise(spans):
+            if start < end:
+                raise PlanError(f"{where}: state arrays {first} and {second} overlap")
 
     # -- derived geometry -------------------------------------------------
     @property
@@ -281,9 +364,7 @@ class EngineSpec:
         d = asdict(self)
         d["layout"] = self.layout.value
         if self.groups:
-            d["groups"] = [
-                {"layers": list(g.layers), "sliding_window": g.sliding_window} for g in self.groups
-            ]
+            d["groups"] = [g.to_dict() for g in self.groups]
         else:
             del d["groups"]  # a spec of one group reads (and hashes) as before groups existed
         return d

@@ -12,7 +12,7 @@ from typing import Protocol
 from kv_sidecar.dataplane.jobs import IpcTensorRef, RankKey, RankMemory, ShmTensor
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
-from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError
+from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError, StateArray
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,14 @@ def spec_from_proto(msg: common_pb2.EngineSpec) -> EngineSpec:
         layout=msg.layout,  # type: ignore[arg-type]  # parsed and validated by EngineSpec
         kernel_block_size=msg.kernel_block_size or None,
         cross_layer=msg.cross_layer,
-        groups=tuple(KVGroupSpec(tuple(g.layers), g.sliding_window) for g in msg.groups),
+        groups=tuple(
+            KVGroupSpec(
+                tuple(g.layers),
+                g.sliding_window,
+                tuple(StateArray(a.name, tuple(a.shape), a.dtype, a.offset) for a in g.state),
+            )
+            for g in msg.groups
+        ),
     )
 
 

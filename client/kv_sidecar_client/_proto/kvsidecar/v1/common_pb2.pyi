@@ -33,12 +33,26 @@ class EngineSpec(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., kernel_block_size: _Optional[int] = ..., cross_layer: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("layers", "sliding_window")
+    __slots__ = ("layers", "sliding_window", "state")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedScalarFieldContainer[str]
     sliding_window: int
-    def __init__(self, layers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    state: _containers.RepeatedCompositeFieldContainer[StateArray]
+    def __init__(self, layers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., state: _Optional[_Iterable[_Union[StateArray, _Mapping]]] = ...) -> None: ...
+
+class StateArray(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("name", "offset")

@@ -1,0 +1,331 @@
+"""An SSM hybrid (Mamba-2 and attention layers) through two real vLLM engines and two real sidecars
+(issue 33, item 5).
+
+The Granite-4-shaped model of tests/vllm/models.py (`GRANITE4_HYBRID`: Mamba-2 layers 0 and 2,
+attention layers 1 and 3, random weights) runs with vLLM's hybrid KV cache manager on and prefix
+caching off (mamba_cache_mode "none"): two KV cache groups, a Mamba group whose one block per request
+holds its conv and SSM state, and a full-attention group of blocks of 128 tokens (vLLM raises the
+attention block size until an attention page holds a Mamba page). The prefill computes all but the
+last prompt token and publishes each group as its own sidecar record; the decode engine pulls the
+state block and the attention blocks and computes the last prompt token from the state.
+
+Greedy tokens and their log-probabilities must equal one engine's for prompts shorter than, equal to
+and several times longer than a block; the bytes each group moves are counted; a failed pull of the
+Mamba group makes the decode engine compute the request; a TP 2 decode engine (other Mamba shapes per
+rank) is refused, naming the layer, and computes the request itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar_client import SidecarClient, params_from_json
+
+from .harness import VllmEngine, metric, start_all
+from .models import GRANITE4_HYBRID, write_weights
+from .test_hybrid import LOGPROB_TOLERANCE, assert_same_output, prompt, pulls_of
+
+BLOCK = 128  # vLLM's attention block size for this model (one Mamba page)
+REGIONS = 2  # layer positions: (Mamba layer 0, attention layer 1), (Mamba layer 2, attention layer 3)
+PAGE = 131072  # bytes of one block of one region: 128 tokens x 2 KV heads x (K, V) x 64 x float32
+TOKEN_BYTES = PAGE // BLOCK  # one attention layer's K and V of one token
+# One Mamba layer's state on one rank: conv (3, 544) and SSM (8, 64, 16), float32, back to back.
+CONV, SSM = (3 * 544 * 4, 8 * 64 * 16 * 4)
+LENGTHS = (20, 127, 128, 129, 300, 700)
+MAX_TOKENS = 10
+LEASE_MS = 30000
+
+
+class SsmPair:
+    def __init__(self, tmp: str) -> None:
+        model = write_weights(f"{tmp}/granite4", GRANITE4_HYBRID)
+        self.model = model
+        self.sp, self.sd = SidecarProcess("ssm-prefill-node"), SidecarProcess("ssm-decode-node")
+        conn = {"pull_timeout_s": 60.0, "lease_ms": LEASE_MS}
+        # block_size None: vLLM sets it from the Mamba page; prefix caching off: mamba_cache_mode "none".
+        self.base = {"model": model, "hybrid": True, "block_size": None, "prefix_caching": False}
+
+        def engine(name: str, sidecar: SidecarProcess | None, **over: Any) -> VllmEngine:
+            opts = self.base | over
+            if sidecar is not None:
+                opts["connector"] = conn | {"sidecar_socket": sidecar.socket, "engine_id": name}
+            return VllmEngine(f"ssm-{name}", opts)
+
+        self.P = engine("p", self.sp)
+        self.D = engine("d", self.sd)
+        self.R = engine("ref", None)
+        self.engines = (self.P, self.D, self.R)
+        start_all(*self.engines)
+        self.free = {e.name: e.ready["free_blocks"] for e in self.engines}
+        self._n = 0
+
+    def ids(self, tag: str, count: int) -> list[str]:
+        self._n += 1
+        return [f"{tag}{self._n}-{i}" for i in range(count)]
+
+    def reference(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids("r", len(prompts))
+        outs = self.R.generate(dict(zip(ids, prompts, strict=True)), MAX_TOKENS, logprobs=0)
+        return [outs[i] for i in ids]
+
+    def prefill(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids("p", len(prompts))
+        outs = self.P.generate(
+            dict(zip(ids, prompts, strict=True)), 1, {i: {"do_remote_decode": True} for i in ids}
+        )
+        params = [outs[i]["kv_transfer_params"] for i in ids]
+        assert all(p and "kv_sidecar_groups" in p for p in params), params
+        return params
+
+    def decode(
+        self, engine: VllmEngine, prompts: list[list[int]], params: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        ids = self.ids(f"d-{engine.name}-", len(prompts))
+        outs = engine.generate(
+            dict(zip(ids, prompts, strict=True)), MAX_TOKENS, dict(zip(ids, params, strict=True)), logprobs=0
+        )
+        return [outs[i] for i in ids], ids
+
+    def settled(self) -> None:
+        state = self.P.settle(LEASE_MS / 1000 / 3)
+        assert state["ok"] and state["free_blocks"] == self.free[self.P.name], state
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.stop()
+        codes = self.sp.stop(), self.sd.stop()
+        assert codes == (0, 0), f"sidecars exited with {codes}"
+
+
+@pytest.fixture(scope="module")
+def ssm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SsmPair]:
+    fixture = SsmPair(str(tmp_path_factory.mktemp("vllm-ssm")))
+    yield fixture
+    fixture.close()
+
+
+def test_the_hybrid_manager_is_on_with_a_mamba_group(ssm: SsmPair) -> None:
+    """Two groups (Mamba, full attention) at every engine, our connector loaded or not, and the decode
+    engine keeps the capacity of an engine without a connector."""
+    for e in ssm.engines:
+        assert e.ready["kv_cache_groups"] == 2, (e.name, e.ready)
+    assert ssm.free["ssm-d"] == ssm.free["ssm-ref"] == ssm.free["ssm-p"]
+    # 64 MiB of blocks of one page per layer position; block 0 is vLLM's null block.
+    assert ssm.free["ssm-d"] == (64 << 20) // (REGIONS * PAGE) - 1
+
+
+def test_ssm_hybrid_requests_decode_as_one_engine_and_move_exact_bytes(ssm: SsmPair) -> None:
+    prompts = [prompt(n, seed=500 + n) for n in LENGTHS]
+    want = ssm.reference(prompts)
+    bytes_before = metric(ssm.sd.metrics_port, "kvsidecar_pull_bytes_total")
+    params = ssm.prefill(prompts)
+    for n, p in zip(LENGTHS, params, strict=True):
+        mamba, attention = p["kv_sidecar_groups"]
+        assert [g["name"] for g in mamba["state"]] == ["conv", "ssm"], mamba
+        assert mamba["layers"] == ["model.layers.0.mixer", "model.layers.2.mixer"], mamba
+        # The prefill stopped one token short: the decode engine computes the last from the state.
+        assert attention["params"]["num_tokens"] == n - 1 and p["kv_sidecar"] == attention["params"], p
+        assert len(attention["params"]["block_ids"]) == -(-(n - 1) // BLOCK), p
+        # One state block, published as that block's tokens; no block id is in two groups.
+        assert mamba["params"]["num_tokens"] == BLOCK and len(mamba["params"]["block_ids"]) == 1, p
+        assert not set(mamba["params"]["block_ids"]) & set(attention["params"]["block_ids"]), p
+    got, ids = ssm.decode(ssm.D, prompts, params)
+    assert_same_output(got, want, LENGTHS)
+
+    pulls = pulls_of(ssm.D, ids)
+    total = 0
+    for n, rid in zip(LENGTHS, ids, strict=True):
+        by_group = sorted(pulls[rid], key=lambda q: q["bytes"])
+        assert len(by_group) == 2 and all(q["ok"] for q in by_group), pulls[rid]
+        attention_bytes = REGIONS * TOKEN_BYTES * -(-(n - 1) // BLOCK) * BLOCK  # whole blocks are READ
+        state_bytes = REGIONS * PAGE  # the state block of each region, its padding included
+        assert {q["bytes"] for q in by_group} == {attention_bytes, state_bytes}, (n, by_group)
+        total += attention_bytes + state_bytes
+    assert metric(ssm.sd.metrics_port, "kvsidecar_pull_bytes_total") - bytes_before == total
+    assert REGIONS * (CONV + SSM) < REGIONS * PAGE  # what the state itself is: the rest is page padding
+    ssm.settled()
+
+
+def test_the_output_depends_on_the_state_moved(ssm: SsmPair) -> None:
+    """The control: two requests' Mamba records swapped (each decode engine request gets the other's
+    state, its own attention blocks): both pulls succeed and the output is no longer one engine's, so
+    the equality above is the state's doing, not the attention's alone."""
+    n = 300
+    prompts = [prompt(n, seed=71), prompt(n, seed=72)]
+    want = ssm.reference(prompts)
+    a, b = ssm.prefill(prompts)
+    ga, gb = list(a["kv_sidecar_groups"]), list(b["kv_sidecar_groups"])
+    ga[0], gb[0] = gb[0], ga[0]
+    got, ids = ssm.decode(ssm.D, prompts, [a | {"kv_sidecar_groups": ga}, b | {"kv_sidecar_groups": gb}])
+    pulls = pulls_of(ssm.D, ids)
+    assert all(len(pulls[r]) == 2 and all(q["ok"] for q in pulls[r]) for r in ids), pulls
+    for g, w in zip(got, want, strict=True):
+        worst = max(abs(x - y) for x, y in zip(g["logprobs"], w["logprobs"], strict=True))
+        assert g["tokens"] != w["tokens"] or worst > 100 * LOGPROB_TOLERANCE, (g, w)
+    ssm.settled()
+
+
+def test_a_one_token_prompt_is_computed_by_the_decode_engine(ssm: SsmPair) -> None:
+    """A prefill cannot stop short of a one-token prompt: its published state holds that token, and the
+    decode engine computes the request itself rather than advance the state twice."""
+    p = [prompt(1, seed=1)]
+    want = ssm.reference(p)
+    params = ssm.prefill(p)
+    got, ids = ssm.decode(ssm.D, p, params)
+    assert_same_output(got, want, (1,))
+    assert not pulls_of(ssm.D, ids)
+    ssm.settled()  # released by the decode engine, long before the lease
+
+
+def test_a_state_of_the_whole_prompt_is_not_loaded(ssm: SsmPair) -> None:
+    """Params whose state already holds every prompt token (here: a prefill of the prompt and one more
+    token, stopped one short): vLLM would compute the last prompt token again from that state, advancing
+    it twice (measured with this check off: other tokens, log-probabilities off by 1.5). The decode
+    engine computes such a request itself and releases the prefill's records."""
+    n = 300
+    x = prompt(n, seed=909)
+    want = ssm.reference([x])
+    (params,) = ssm.prefill([[*x, 5]])
+    assert params["kv_sidecar"]["num_tokens"] == n
+    got, ids = ssm.decode(ssm.D, [x], [params])
+    assert_same_output(got, want, (n,))
+    assert not pulls_of(ssm.D, ids)
+    ssm.settled()
+    with open(ssm.D.log_path, errors="replace") as f:
+        assert "published the Mamba state of all 300 prompt tokens" in f.read()
+
+
+def test_a_failed_pull_of_the_mamba_group_is_computed_by_the_decode_engine(ssm: SsmPair) -> None:
+    n = 300
+    p = [prompt(n, seed=4242)]
+    want = ssm.reference(p)
+    (params,) = ssm.prefill(p)
+    groups = list(params["kv_sidecar_groups"])
+    real = groups[0]["params"]
+    groups[0] = groups[0] | {"params": real | {"request_id": "no-such-state"}}
+    got, ids = ssm.decode(ssm.D, p, [params | {"kv_sidecar_groups": groups}])
+    assert_same_output(got, want, (n,))
+    pulls = pulls_of(ssm.D, ids)[ids[0]]
+    assert sorted(q["ok"] for q in pulls) == [False, True], pulls
+    assert any("no-such-state" in q["error"] for q in pulls), pulls
+    with SidecarClient(ssm.sd.socket) as client:  # the record never read: release it as its reader would
+        assert client.abort("d", real["request_id"], params_from_json(real))
+    ssm.settled()
+
+
+@pytest.fixture(scope="module")
+def tp2(ssm: SsmPair) -> Iterator[VllmEngine]:
+    engine = VllmEngine(
+        "ssm-d-tp2",
+        ssm.base
+        | {
+            "tensor_parallel_size": 2,
+            "connector": {"sidecar_socket": ssm.sd.socket, "engine_id": "d-tp2", "lease_ms": LEASE_MS},
+        },
+    )
+    try:
+        start_all(engine)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_a_tp2_decode_engine_is_refused_naming_the_mamba_layer(ssm: SsmPair, tp2: VllmEngine) -> None:
+    """TP splits Mamba state by Mamba heads and conv channels: a TP 2 rank's arrays are not the TP 1
+    rank's, so the decode engine computes the request itself, saying which layer differs, and the
+    prefill frees its blocks at once."""
+    n = 300
+    p = [prompt(n, seed=303)]
+    want = tp2.generate({"alone": p[0]}, MAX_TOKENS, logprobs=0)["alone"]
+    pulls = metric(ssm.sd.metrics_port, "kvsidecar_pulls_total")
+    got, _ = ssm.decode(tp2, p, ssm.prefill(p))
+    assert got[0]["tokens"] == want["tokens"]
+    assert (
+        max(abs(a - b) for a, b in zip(got[0]["logprobs"], want["logprobs"], strict=True)) < LOGPROB_TOLERANCE
+    )
+    assert metric(ssm.sd.metrics_port, "kvsidecar_pulls_total") == pulls  # its workers run elsewhere: count
+    ssm.settled()
+    with open(tp2.log_path, errors="replace") as f:
+        log = f.read()
+    assert (
+        "KV cache groups of the two engines do not correspond: layer model.layers.0.mixer (KV cache group 0)"
+        in log
+    )
+    assert (
+        "Mamba state (conv (3, 544) float32 at byte 0, ssm (8, 64, 16) float32 at byte 6528) on the prefill"
+        in log
+    )
+
+
+@pytest.fixture(scope="module")
+def tp2_prefill(ssm: SsmPair, tp2: VllmEngine) -> Iterator[VllmEngine]:
+    engine = VllmEngine(
+        "ssm-p-tp2",
+        ssm.base
+        | {
+            "tensor_parallel_size": 2,
+            "connector": {"sidecar_socket": ssm.sp.socket, "engine_id": "p-tp2", "lease_ms": LEASE_MS},
+        },
+    )
+    try:
+        start_all(engine)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_tp2_to_tp2_moves_each_ranks_state_shard(
+    ssm: SsmPair, tp2: VllmEngine, tp2_prefill: VllmEngine
+) -> None:
+    """Equal TP 2 engines: each decode rank pulls its own rank's state block (its Mamba heads and conv
+    channels) and attention heads; the output equals the TP 2 engine's alone."""
+    prompts = {f"t{n}": prompt(n, seed=700 + n) for n in (20, 128, 300)}
+    want = tp2.generate({f"alone-{r}": p for r, p in prompts.items()}, MAX_TOKENS, logprobs=0)
+    pulls = metric(ssm.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok")
+    outs = tp2_prefill.generate(
+        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
+    )
+    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
+    got = tp2.generate(
+        {f"d{r}": p for r, p in prompts.items()},
+        MAX_TOKENS,
+        {f"d{r}": params[r] for r in prompts},
+        logprobs=0,
+    )
+    for r in prompts:
+        g, w = got[f"d{r}"], want[f"alone-{r}"]
+        assert g["tokens"] == w["tokens"], r
+        assert (
+            max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) < LOGPROB_TOLERANCE
+        ), r
+    # One pull per decode rank, group and request.
+    assert metric(ssm.sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") - pulls == 2 * 2 * len(prompts)
+    state = tp2_prefill.settle(LEASE_MS / 1000 / 3)
+    assert state["ok"] and state["free_blocks"] == tp2_prefill.ready["free_blocks"], state
+
+
+def test_prefix_caching_on_stops_the_engine_naming_the_setting(tmp_path: object) -> None:
+    """mamba_cache_mode "align" (vLLM's default with prefix caching on) keeps a request's state in
+    checkpoint blocks that move every step: refused at start, naming the setting to change."""
+    model = write_weights(os.path.join(str(tmp_path), "granite4"), GRANITE4_HYBRID)
+    sidecar = SidecarProcess("ssm-align-node")
+    try:
+        engine = VllmEngine(
+            "ssm-align",
+            {
+                "model": model,
+                "hybrid": True,
+                "block_size": None,
+                "prefix_caching": True,
+                "connector": {"sidecar_socket": sidecar.socket, "engine_id": "align"},
+            },
+        )
+        with pytest.raises(Exception, match=r"mamba_cache_mode 'align'.*--no-enable-prefix-caching"):
+            engine.wait_ready()
+    finally:
+        assert sidecar.stop() == 0
