@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kv_sidecar.refengine.procs import ProcessError, _Proc
+from kv_sidecar.refengine.procs import ProcessError, SidecarProcess, _Proc
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600  # several engines start at once on 2 cores
@@ -109,6 +109,68 @@ def start_all(*engines: VllmEngine) -> None:
         for e in engines:
             e.kill()
         raise
+
+
+class EnginePair:
+    """A test module's vLLM engines around two sidecars (`sp` the prefill's, `sd` the decode's), and what
+    its tests do with them: a one-engine reference, a prefill that publishes, a decode that pulls, and
+    the check that every block a prefill held for a reader is back. A subclass starts its sidecars,
+    builds its engines (`ref` runs without a connector) and calls `start`."""
+
+    sp: SidecarProcess
+    sd: SidecarProcess
+    ref: VllmEngine
+    max_tokens: int  # a decode's tokens (and the reference's)
+    lease_ms: int  # the connectors' lease: settled() waits a third of it
+    params_key = "kv_sidecar"  # what a prefill's kv_transfer_params must hold
+
+    def start(self, *engines: VllmEngine) -> None:
+        self.engines = engines
+        start_all(*engines)
+        self.free = {e.name: e.ready["free_blocks"] for e in engines}
+        self._n = 0
+
+    def ids(self, tag: str, count: int) -> list[str]:
+        self._n += 1
+        return [f"{tag}{self._n}-{i}" for i in range(count)]
+
+    def reference(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids("r", len(prompts))
+        outs = self.ref.generate(dict(zip(ids, prompts, strict=True)), self.max_tokens, logprobs=0)
+        return [outs[i] for i in ids]
+
+    def prefill(self, engine: VllmEngine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        ids = self.ids(f"p-{engine.name}-", len(prompts))
+        outs = engine.generate(
+            dict(zip(ids, prompts, strict=True)), 1, {i: {"do_remote_decode": True} for i in ids}
+        )
+        params = [outs[i]["kv_transfer_params"] for i in ids]
+        assert all(p and self.params_key in p for p in params), params
+        return params
+
+    def decode(
+        self, engine: VllmEngine, prompts: list[list[int]], params: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        ids = self.ids(f"d-{engine.name}-", len(prompts))
+        outs = engine.generate(
+            dict(zip(ids, prompts, strict=True)),
+            self.max_tokens,
+            dict(zip(ids, params, strict=True)),
+            logprobs=0,
+        )
+        return [outs[i] for i in ids], ids
+
+    def settled(self, *engines: VllmEngine) -> None:
+        """Every block a prefill held for a reader is back (consumed or released, not left to its lease)."""
+        for e in engines:
+            state = e.settle(self.lease_ms / 1000 / 3)
+            assert state["ok"] and state["free_blocks"] == self.free[e.name], state
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.stop()
+        codes = self.sp.stop(), self.sd.stop()
+        assert codes == (0, 0), f"sidecars exited with {codes}"
 
 
 def metric(port: int, name: str, **labels: str) -> float:

@@ -29,7 +29,7 @@ from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
-from .harness import VllmEngine, metric, start_all
+from .harness import EnginePair, VllmEngine, metric
 from .models import ARCHITECTURES, write_random_model
 
 W = ARCHITECTURES["gemma3"]["sliding_window"]
@@ -51,7 +51,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(n)]
 
 
-class Hybrid:
+class Hybrid(EnginePair):
+    max_tokens, lease_ms = MAX_TOKENS, LEASE_MS
+
     def __init__(self, tmp: str) -> None:
         model = write_random_model(f"{tmp}/model", "gemma3")
         self.sp, self.sd = SidecarProcess("hy-prefill-node"), SidecarProcess("hy-decode-node")
@@ -71,48 +73,7 @@ class Hybrid:
         self.ref = engine("ref", None)
         self.off_p = engine("off-p", self.sp, hybrid=False)
         self.off_d = engine("off-d", self.sd, hybrid=False)
-        self.engines = (self.h32, self.d32, self.d64, self.ref, self.off_p, self.off_d)
-        start_all(*self.engines)
-        self.free = {e.name: e.ready["free_blocks"] for e in self.engines}
-        self._n = 0
-
-    def ids(self, tag: str, count: int) -> list[str]:
-        self._n += 1
-        return [f"{tag}{self._n}-{i}" for i in range(count)]
-
-    def reference(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        ids = self.ids("r", len(prompts))
-        outs = self.ref.generate(dict(zip(ids, prompts, strict=True)), MAX_TOKENS, logprobs=0)
-        return [outs[i] for i in ids]
-
-    def prefill(self, engine: VllmEngine, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        ids = self.ids(f"p-{engine.name}-", len(prompts))
-        outs = engine.generate(
-            dict(zip(ids, prompts, strict=True)), 1, {i: {"do_remote_decode": True} for i in ids}
-        )
-        params = [outs[i]["kv_transfer_params"] for i in ids]
-        assert all(p and "kv_sidecar" in p for p in params), params
-        return params
-
-    def decode(
-        self, engine: VllmEngine, prompts: list[list[int]], params: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        ids = self.ids(f"d-{engine.name}-", len(prompts))
-        outs = engine.generate(
-            dict(zip(ids, prompts, strict=True)), MAX_TOKENS, dict(zip(ids, params, strict=True)), logprobs=0
-        )
-        return [outs[i] for i in ids], ids
-
-    def settled(self, *engines: VllmEngine) -> None:
-        for e in engines:
-            state = e.settle(LEASE_MS / 1000 / 3)
-            assert state["ok"] and state["free_blocks"] == self.free[e.name], state
-
-    def close(self) -> None:
-        for e in self.engines:
-            e.stop()
-        codes = self.sp.stop(), self.sd.stop()
-        assert codes == (0, 0), f"sidecars exited with {codes}"
+        self.start(self.h32, self.d32, self.d64, self.ref, self.off_p, self.off_d)
 
 
 @pytest.fixture(scope="module")

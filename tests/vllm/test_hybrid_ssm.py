@@ -26,7 +26,7 @@ import pytest
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 
-from .harness import VllmEngine, metric, start_all
+from .harness import EnginePair, VllmEngine, metric, start_all
 from .models import GRANITE4_HYBRID, write_weights
 from .test_hybrid import LOGPROB_TOLERANCE, assert_same_output, prompt, pulls_of
 
@@ -41,7 +41,10 @@ MAX_TOKENS = 10
 LEASE_MS = 30000
 
 
-class SsmPair:
+class SsmPair(EnginePair):
+    max_tokens, lease_ms = MAX_TOKENS, LEASE_MS
+    params_key = "kv_sidecar_groups"  # a Mamba hybrid's prefill publishes every group
+
     def __init__(self, tmp: str) -> None:
         model = write_weights(f"{tmp}/granite4", GRANITE4_HYBRID)
         self.model = model
@@ -58,48 +61,8 @@ class SsmPair:
 
         self.P = engine("p", self.sp)
         self.D = engine("d", self.sd)
-        self.R = engine("ref", None)
-        self.engines = (self.P, self.D, self.R)
-        start_all(*self.engines)
-        self.free = {e.name: e.ready["free_blocks"] for e in self.engines}
-        self._n = 0
-
-    def ids(self, tag: str, count: int) -> list[str]:
-        self._n += 1
-        return [f"{tag}{self._n}-{i}" for i in range(count)]
-
-    def reference(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        ids = self.ids("r", len(prompts))
-        outs = self.R.generate(dict(zip(ids, prompts, strict=True)), MAX_TOKENS, logprobs=0)
-        return [outs[i] for i in ids]
-
-    def prefill(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        ids = self.ids("p", len(prompts))
-        outs = self.P.generate(
-            dict(zip(ids, prompts, strict=True)), 1, {i: {"do_remote_decode": True} for i in ids}
-        )
-        params = [outs[i]["kv_transfer_params"] for i in ids]
-        assert all(p and "kv_sidecar_groups" in p for p in params), params
-        return params
-
-    def decode(
-        self, engine: VllmEngine, prompts: list[list[int]], params: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        ids = self.ids(f"d-{engine.name}-", len(prompts))
-        outs = engine.generate(
-            dict(zip(ids, prompts, strict=True)), MAX_TOKENS, dict(zip(ids, params, strict=True)), logprobs=0
-        )
-        return [outs[i] for i in ids], ids
-
-    def settled(self) -> None:
-        state = self.P.settle(LEASE_MS / 1000 / 3)
-        assert state["ok"] and state["free_blocks"] == self.free[self.P.name], state
-
-    def close(self) -> None:
-        for e in self.engines:
-            e.stop()
-        codes = self.sp.stop(), self.sd.stop()
-        assert codes == (0, 0), f"sidecars exited with {codes}"
+        self.ref = engine("ref", None)
+        self.start(self.P, self.D, self.ref)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +86,7 @@ def test_ssm_hybrid_requests_decode_as_one_engine_and_move_exact_bytes(ssm: SsmP
     prompts = [prompt(n, seed=500 + n) for n in LENGTHS]
     want = ssm.reference(prompts)
     bytes_before = metric(ssm.sd.metrics_port, "kvsidecar_pull_bytes_total")
-    params = ssm.prefill(prompts)
+    params = ssm.prefill(ssm.P, prompts)
     for n, p in zip(LENGTHS, params, strict=True):
         mamba, attention = p["kv_sidecar_groups"]
         assert [g["name"] for g in mamba["state"]] == ["conv", "ssm"], mamba
@@ -148,7 +111,7 @@ def test_ssm_hybrid_requests_decode_as_one_engine_and_move_exact_bytes(ssm: SsmP
         total += attention_bytes + state_bytes
     assert metric(ssm.sd.metrics_port, "kvsidecar_pull_bytes_total") - bytes_before == total
     assert REGIONS * (CONV + SSM) < REGIONS * PAGE  # what the state itself is: the rest is page padding
-    ssm.settled()
+    ssm.settled(ssm.P)
 
 
 def test_the_output_depends_on_the_state_moved(ssm: SsmPair) -> None:
@@ -158,7 +121,7 @@ def test_the_output_depends_on_the_state_moved(ssm: SsmPair) -> None:
     n = 300
     prompts = [prompt(n, seed=71), prompt(n, seed=72)]
     want = ssm.reference(prompts)
-    a, b = ssm.prefill(prompts)
+    a, b = ssm.prefill(ssm.P, prompts)
     ga, gb = list(a["kv_sidecar_groups"]), list(b["kv_sidecar_groups"])
     ga[0], gb[0] = gb[0], ga[0]
     got, ids = ssm.decode(ssm.D, prompts, [a | {"kv_sidecar_groups": ga}, b | {"kv_sidecar_groups": gb}])
@@ -167,7 +130,7 @@ def test_the_output_depends_on_the_state_moved(ssm: SsmPair) -> None:
     for g, w in zip(got, want, strict=True):
         worst = max(abs(x - y) for x, y in zip(g["logprobs"], w["logprobs"], strict=True))
         assert g["tokens"] != w["tokens"] or worst > 100 * LOGPROB_TOLERANCE, (g, w)
-    ssm.settled()
+    ssm.settled(ssm.P)
 
 
 def test_a_one_token_prompt_is_computed_by_the_decode_engine(ssm: SsmPair) -> None:
@@ -175,11 +138,11 @@ def test_a_one_token_prompt_is_computed_by_the_decode_engine(ssm: SsmPair) -> No
     decode engine computes the request itself rather than advance the state twice."""
     p = [prompt(1, seed=1)]
     want = ssm.reference(p)
-    params = ssm.prefill(p)
+    params = ssm.prefill(ssm.P, p)
     got, ids = ssm.decode(ssm.D, p, params)
     assert_same_output(got, want, (1,))
     assert not pulls_of(ssm.D, ids)
-    ssm.settled()  # released by the decode engine, long before the lease
+    ssm.settled(ssm.P)  # released by the decode engine, long before the lease
 
 
 def test_a_state_of_the_whole_prompt_is_not_loaded(ssm: SsmPair) -> None:
@@ -190,12 +153,12 @@ def test_a_state_of_the_whole_prompt_is_not_loaded(ssm: SsmPair) -> None:
     n = 300
     x = prompt(n, seed=909)
     want = ssm.reference([x])
-    (params,) = ssm.prefill([[*x, 5]])
+    (params,) = ssm.prefill(ssm.P, [[*x, 5]])
     assert params["kv_sidecar"]["num_tokens"] == n
     got, ids = ssm.decode(ssm.D, [x], [params])
     assert_same_output(got, want, (n,))
     assert not pulls_of(ssm.D, ids)
-    ssm.settled()
+    ssm.settled(ssm.P)
     with open(ssm.D.log_path, errors="replace") as f:
         assert "published the Mamba state of all 300 prompt tokens" in f.read()
 
@@ -204,7 +167,7 @@ def test_a_failed_pull_of_the_mamba_group_is_computed_by_the_decode_engine(ssm: 
     n = 300
     p = [prompt(n, seed=4242)]
     want = ssm.reference(p)
-    (params,) = ssm.prefill(p)
+    (params,) = ssm.prefill(ssm.P, p)
     groups = list(params["kv_sidecar_groups"])
     real = groups[0]["params"]
     groups[0] = groups[0] | {"params": real | {"request_id": "no-such-state"}}
@@ -215,7 +178,7 @@ def test_a_failed_pull_of_the_mamba_group_is_computed_by_the_decode_engine(ssm: 
     assert any("no-such-state" in q["error"] for q in pulls), pulls
     with SidecarClient(ssm.sd.socket) as client:  # the record never read: release it as its reader would
         assert client.abort("d", real["request_id"], params_from_json(real))
-    ssm.settled()
+    ssm.settled(ssm.P)
 
 
 @pytest.fixture(scope="module")
@@ -243,13 +206,13 @@ def test_a_tp2_decode_engine_is_refused_naming_the_mamba_layer(ssm: SsmPair, tp2
     p = [prompt(n, seed=303)]
     want = tp2.generate({"alone": p[0]}, MAX_TOKENS, logprobs=0)["alone"]
     pulls = metric(ssm.sd.metrics_port, "kvsidecar_pulls_total")
-    got, _ = ssm.decode(tp2, p, ssm.prefill(p))
+    got, _ = ssm.decode(tp2, p, ssm.prefill(ssm.P, p))
     assert got[0]["tokens"] == want["tokens"]
     assert (
         max(abs(a - b) for a, b in zip(got[0]["logprobs"], want["logprobs"], strict=True)) < LOGPROB_TOLERANCE
     )
     assert metric(ssm.sd.metrics_port, "kvsidecar_pulls_total") == pulls  # its workers run elsewhere: count
-    ssm.settled()
+    ssm.settled(ssm.P)
     with open(tp2.log_path, errors="replace") as f:
         log = f.read()
     assert (
