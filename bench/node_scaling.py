@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, together
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
@@ -95,13 +95,6 @@ def source_count(blocks: int) -> int:
     return 64 if blocks == 1 else 8
 
 
-def cpu_ticks(pid: int) -> int:
-    """User + system time of a process, in clock ticks (/proc/PID/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 def gpu_pairs(count: int, gpus_present: int) -> list[tuple[int, int]]:
     """(prefill GPU, decode GPU) of each pair: disjoint GPUs where there are enough, else the two
     directions between GPU 0 and 1."""
@@ -121,11 +114,9 @@ def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (name, cpu_ticks(pid, int(tid)))
         except OSError:  # the thread ended meanwhile
             continue
-        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))
     return out
 
 

@@ -14,7 +14,7 @@ import signal
 import time
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks
 
 from .conftest import Spawn, metric, spec_dict, wait_for
 
@@ -46,12 +46,6 @@ def workers_of(sidecar: SidecarProcess) -> list[int]:
         except OSError:
             continue
     return out
-
-
-def cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def _pull(

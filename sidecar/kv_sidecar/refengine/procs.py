@@ -37,6 +37,15 @@ def tcp_only_env(emulation: bool = False) -> dict[str, str]:
     return {**env, "UCX_PROTO_EMULATION_ENABLE": "y"} if emulation else env
 
 
+def cpu_ticks(pid: int, tid: int | None = None) -> int:
+    """User + system CPU time of a process (or of one of its threads), in clock ticks: fields 14 and 15
+    of /proc/PID[/task/TID]/stat. Benchmarks report what each process used; tests see one working."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 P = TypeVar("P", bound="_Proc")
 
 
