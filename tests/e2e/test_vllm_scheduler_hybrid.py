@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from kv_sidecar_client.vllm.scheduler import SidecarScheduler
 from kv_sidecar_client.vllm.window import prefill_tokens
 
 from .conftest import spec_dict
+from .test_vllm_scheduler_window import vllm_request
 from .test_vllm_worker_host import worker
 
 W = 64
@@ -33,18 +33,6 @@ GROUPS = [
     KVGroup(("l.1", "l.4"), W),
     KVGroup(("l.2", "l.5"), None),
 ]
-
-
-def _request(rid: str, prompt: int, kvp: dict[str, Any], **over: Any) -> SimpleNamespace:
-    fields = {
-        "request_id": rid,
-        "kv_transfer_params": kvp,
-        "prompt_token_ids": list(range(prompt)),
-        "num_prompt_tokens": prompt,
-        "num_computed_tokens": 0,
-        "status": "WAITING",
-    }
-    return SimpleNamespace(**(fields | over))
 
 
 @pytest.fixture
@@ -61,7 +49,7 @@ def prefill(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[tup
 
 
 def _finish(sched: SidecarScheduler, rid: str, prompt: int, tables: list[list[int]]) -> Any:
-    req = _request(rid, prompt, {"do_remote_decode": True})
+    req = vllm_request(rid, prompt, {"do_remote_decode": True})
     kept = sched.prefill_length(req)
     assert kept == prefill_tokens(prompt, W, BLOCK)
     req.num_prompt_tokens = req.num_computed_tokens = kept
@@ -144,7 +132,7 @@ def test_the_decode_orders_one_pull_per_group_into_that_groups_blocks(
     _, out = _finish(sched, "h3", 200, TABLES)
     decode = _decode(sidecar_pair[1], GROUPS)
     try:
-        req = _request("d3", 200, out)
+        req = vllm_request("d3", 200, out)
         assert decode.matched_tokens(req, 0) == (191, True)
         # vLLM's tables: null blocks before each sliding window, then new blocks.
         decode.after_alloc_groups(
@@ -189,7 +177,7 @@ def test_groups_that_do_not_correspond_are_computed_here_and_released_at_once(
     decode = _decode(b, groups)
     try:
         with caplog.at_level("WARNING"):
-            assert decode.matched_tokens(_request("d4", 200, out), 0) == (0, False)
+            assert decode.matched_tokens(vllm_request("d4", 200, out), 0) == (0, False)
         assert "do not correspond" in caplog.text and "l." in caplog.text, caplog.text
         _until(lambda: _published(a) == before, "every group's record to be released")
     finally:
@@ -316,7 +304,7 @@ def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
     sched = SidecarScheduler(ConnectorConfig(sidecar_socket=a.socket), "ssm-p", BLOCK, groups=groups)
     decode = _decode(b, groups)
     try:
-        req = _request("s1", 100, {"do_remote_decode": True})
+        req = vllm_request("s1", 100, {"do_remote_decode": True})
         assert sched.prefill_length(req) == 99
         req.num_prompt_tokens = req.num_computed_tokens = 99
         req.status = "FINISHED_LENGTH_CAPPED"
@@ -330,7 +318,7 @@ def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
         assert (attention["params"]["block_ids"], attention["params"]["num_tokens"]) == ([1, 2, 3, 4], 99)
         assert out["kv_sidecar"] == attention["params"] and state["state"][1]["offset"] == 480
 
-        d = _request("d1", 100, out)
+        d = vllm_request("d1", 100, out)
         assert decode.matched_tokens(d, 0) == (99, True)
         decode.after_alloc_groups(d, [([21], 0, 0), ([30, 31, 32, 33], 0, 0)], 99)
         parts = decode.take_orders().group_pulls["d1"]
@@ -340,7 +328,7 @@ def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
         ]
         assert all(o.restart_on_failure for o in parts)
         # The whole prompt's state (params of the 99-token prefix, for a 99-token prompt): computed here.
-        assert decode.matched_tokens(_request("d2", 99, out), 0) == (0, False)
+        assert decode.matched_tokens(vllm_request("d2", 99, out), 0) == (0, False)
         for g in out["kv_sidecar_groups"]:  # nobody pulls them here
             with SidecarClient(b.socket) as c:
                 c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))

@@ -42,7 +42,8 @@ def prefill(sidecar_pair: tuple[SidecarProcess, SidecarProcess]) -> Iterator[Sid
             cache.close()
 
 
-def _request(rid: str, prompt: int, kvp: dict[str, Any], **over: Any) -> SimpleNamespace:
+def vllm_request(rid: str, prompt: int, kvp: dict[str, Any], **over: Any) -> SimpleNamespace:
+    """What the scheduler-side connector reads of a vLLM Request, waiting with nothing computed."""
     fields = {
         "request_id": rid,
         "kv_transfer_params": kvp,
@@ -56,7 +57,7 @@ def _request(rid: str, prompt: int, kvp: dict[str, Any], **over: Any) -> SimpleN
 
 def _finished_prefill(sched: SidecarScheduler, rid: str, prompt: int, blocks: list[int]) -> Any:
     """A prefill request that computed its shortened prompt and finished: what request_finished returns."""
-    req = _request(rid, prompt, {"do_remote_decode": True})
+    req = vllm_request(rid, prompt, {"do_remote_decode": True})
     kept = sched.prefill_length(req)
     assert kept == prefill_tokens(prompt, W, 16)
     req.num_prompt_tokens = req.num_computed_tokens = kept
@@ -88,7 +89,7 @@ def _published(sidecar: SidecarProcess) -> int:
 
 
 def _decode_request(rid: str, prompt: int, params: dict[str, Any]) -> SimpleNamespace:
-    return _request(rid, prompt, {"do_remote_prefill": True, "kv_sidecar": params})
+    return vllm_request(rid, prompt, {"do_remote_prefill": True, "kv_sidecar": params})
 
 
 @pytest.mark.parametrize(
