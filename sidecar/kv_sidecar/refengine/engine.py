@@ -275,8 +275,8 @@ class RefEngine:
         for seed, lists in by_seed.items():
             logical = logical_kv(self.spec, num_tokens, seed)
             groups = [[b for ids in lists for b in ids]] if whole else lists
+            want = logical.repeat(1, 1, len(lists), 1, 1) if whole else logical
             for r, cache in self.caches.items():
-                want = logical.repeat(1, 1, len(lists), 1, 1) if whole else logical
                 for ids in groups:
                     errors += check_request(self.spec, r, cache.tensors, ids, want)[:3]
         return {"ok": not errors, "checked": sum(r.ok for r in results), "errors": errors[:20]}
