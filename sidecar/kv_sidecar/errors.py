@@ -72,12 +72,15 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 _MAX_ID = 256
+# A control character anywhere; a regex, since every call checks ids and a loop over them in Python
+# cost a pull ~0.05 ms.
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def check_id(kind: str, value: str) -> str:
     if not value:
         raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must not be empty")
-    if len(value) > _MAX_ID or any(ord(c) < 32 for c in value):
+    if len(value) > _MAX_ID or _CONTROL.search(value):
         raise SidecarError(Code.INVALID_ARGUMENT, f"{kind} must be at most {_MAX_ID} printable characters")
     return value
 

@@ -21,6 +21,7 @@ from kv_sidecar.plan.blocks import (
 )
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, Layout, PlanError
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 HEAD_LAYOUTS = [layout.value for layout in Layout if layout is not Layout.MLA]
 
@@ -181,14 +182,16 @@ def test_needed_src_blocks() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     ids=st.lists(st.one_of(st.integers(-3, 40), st.booleans(), st.just(2**70)), max_size=30),
-    num_blocks=st.integers(1, 40),
+    # Past 8x the ids the uniqueness check sorts instead of counting: both branches run.
+    num_blocks=st.one_of(st.integers(1, 40), st.integers(241, 100_000)),
     unique=st.booleans(),
-    as_array=st.booleans(),
+    form=st.sampled_from(["list", "array", "proto"]),
 )
 def test_check_block_ids_fast_path_agrees_with_the_loop(
-    ids: list[Any], num_blocks: int, unique: bool, as_array: bool
+    ids: list[Any], num_blocks: int, unique: bool, form: str
 ) -> None:
-    """The vectorised accept path must accept exactly what the position-by-position check accepts."""
+    """The vectorised accept path must accept exactly what the position-by-position check accepts,
+    for a list, an array and a protobuf repeated field (how a request's ids arrive)."""
 
     def slow_ok() -> bool:
         seen: set[int] = set()
@@ -198,12 +201,14 @@ def test_check_block_ids_fast_path_agrees_with_the_loop(
             seen.add(v)
         return True
 
-    if as_array:
-        if any(isinstance(v, bool) or not -(2**62) < v < 2**62 for v in ids):
-            return
-        arg: Any = np.asarray(ids, dtype=np.int64)
-    else:
-        arg = ids
+    low, high = {"list": (None, None), "array": (-(2**62), 2**62), "proto": (0, 2**32)}[form]
+    if low is not None and any(isinstance(v, bool) or not low <= v < high for v in ids):
+        return  # an int64 array, a uint32 field cannot hold these
+    arg: Any = ids
+    if form == "array":
+        arg = np.asarray(ids, dtype=np.int64)
+    elif form == "proto":
+        arg = engine_pb2.PublishRequest(block_ids=ids).block_ids
     try:
         check_block_ids("x", arg, num_blocks, unique)
         ok = True

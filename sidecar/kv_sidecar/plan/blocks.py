@@ -120,23 +120,32 @@ def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool
 
 
 def _ids_ok(ids: Sequence[int], num_blocks: int, unique: bool) -> bool:
-    """Vectorised fast path: a request has thousands of ids; the loop above only finds the culprit."""
+    """Vectorised fast path: a request has thousands of ids; the loop above only finds the culprit.
+    Its cost must follow the request, not the cache: engines have 10^5 blocks and more."""
     if isinstance(ids, np.ndarray):
         arr = ids.reshape(-1)
     else:
-        seq = list(ids)
-        if any(isinstance(v, bool) for v in seq):
-            return False
         try:
-            arr = np.asarray(seq)
+            if isinstance(ids, (list, tuple)):
+                # A bool is an int to numpy, and fromiter would cut 1.5 to 1: a list is checked whole.
+                if bool in set(map(type, ids)):
+                    return False
+                arr = np.asarray(ids)
+            else:  # protobuf's repeated int64 field (a request's ids): ints only, read ~2x faster
+                arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
         except (TypeError, ValueError, OverflowError):
             return False
-    if arr.size == 0:
+    n = arr.size
+    if n == 0:
         return True
     if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= num_blocks:
         return False
-    # bincount, not np.unique: O(n + num_blocks) and far faster for a request's few thousand ids.
-    return not unique or int(np.bincount(arr, minlength=num_blocks).max()) <= 1
+    if not unique or n == 1:
+        return True
+    if num_blocks <= 8 * n:  # O(n + num_blocks), the fastest where the cache is not much larger
+        return int(np.bincount(arr, minlength=num_blocks).max()) <= 1
+    ordered = np.sort(arr)
+    return bool((ordered[1:] != ordered[:-1]).all())
 
 
 def _as_int(value: object) -> int | None:
