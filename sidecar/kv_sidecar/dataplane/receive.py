@@ -41,7 +41,7 @@ class _Credits:
         ring_slots: list[int],
         agent: str,
         transfer_id: str,
-        inbox: queue.Queue[Any],
+        inbox: queue.SimpleQueue[Any],
     ) -> None:
         self.state = state
         self.ready = ready
@@ -109,7 +109,9 @@ class Reception:
         self._held = contextlib.ExitStack()
         self._copies: GpuCopies | HostCopies | None = None
         self._credits: _Credits | None = None
-        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._inbox: queue.SimpleQueue[Any] = (
+            queue.SimpleQueue()
+        )  # put from the NIXL thread: C, no GIL-held lock dance
         self.nbytes = 0
         t = job.tokens
         self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)

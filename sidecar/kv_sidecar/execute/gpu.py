@@ -12,6 +12,7 @@ tens of thousands of per-block copies.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -112,8 +113,9 @@ def staging_view(
     return GpuRankView(mini, rank, device, tuple(ptrs), geo.layer_addresses(mini, ptrs), keep)
 
 
+@functools.lru_cache(maxsize=1024)
 def staging_bytes(spec: EngineSpec, num_blocks: int) -> int:
-    """Bytes a `staging_view` of `num_blocks` blocks needs."""
+    """Bytes a `staging_view` of `num_blocks` blocks needs (both ends of every staged pull ask)."""
     mini = replace(spec, num_blocks=num_blocks)
     return geo.tensor_nbytes(mini) * len(mini.rank_tensor_shapes())
 
