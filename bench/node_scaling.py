@@ -23,7 +23,11 @@ With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ a
 is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
 interleaved, the order of the two trees alternating: only ratios measured side by side mean anything.
 --profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
-pulls in flight, for one pull size.
+pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
+counts as busy); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
+timed by the thread's own CPU clock (bench/cpu_sampler/, Python 3.11 only), over all their rows, into
+DIR/<path>.<pid>.sidecar; read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows
+are marked and left out of ratios.
 
     python bench/node_scaling.py --paths host-nixl,host-direct --baseline 2b8f1ac   # the CPU machine
     python bench/node_scaling.py --paths gpu-staged,gpu-direct --pairs 1,2 --out $OUT  # a GPU machine
@@ -165,7 +169,7 @@ class Row:
     consumed: int
     paths: dict[str, int]
     errors: list[str]
-    profiled: bool = False  # py-spy sampled the sidecars: slower, not comparable with other rows
+    profiled: str = ""  # the profiler that ran on the sidecars: slower, not comparable with other rows
 
     @property
     def rate(self) -> float:
@@ -197,6 +201,7 @@ class Node:
         extra: list[str] | None = None,
     ) -> None:
         self.tree, self.path = tree, path
+        self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
         decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
         # The prefill cache holds the source requests of every size, one after another.
@@ -210,7 +215,7 @@ class Node:
             offset += b * source_count(b)
         prefill_spec = dataclasses.replace(decode_spec, num_blocks=offset)
         self.spec = decode_spec
-        tag = f"{'base' if env else 'this'}-{path}"
+        tag = f"{'this' if tree.startswith('this tree') else 'base'}-{path}"
         two = path in ("gpu-staged", "host-nixl", "host-ring")
         b_extra = (RING if path == "host-ring" else []) + (extra or [])
         sidecars = together(
@@ -336,7 +341,7 @@ class Node:
             consumed=consumed,
             paths=paths,
             errors=errors[:10],
-            profiled=profile is not None,
+            profiled="py-spy" if profile is not None else self.profiler,
         )
 
     def close(self) -> None:
@@ -390,7 +395,7 @@ def table(rows: list[Row]) -> str:
         b = f"{r.cpu.get('sidecar B', 0):.0f}" if "sidecar B" in r.cpu else "-"
         p50 = r.pct(0.5)
         out.append(
-            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{' (py-spy)' if r.profiled else ''} | "
+            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{f' ({r.profiled})' if r.profiled else ''} | "
             f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
             f"{r.cpu['sidecar A']:.0f} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
@@ -468,6 +473,11 @@ def main() -> int:
         help="also run this tree's sidecars with these more options, side by side (repeatable)",
     )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
+    ap.add_argument(
+        "--cpu-profile",
+        type=Path,
+        help="cProfile (thread CPU time) this tree's sidecars over every row, into DIR",
+    )
     ap.add_argument("--out", type=Path, help="write the section and the rows' JSON into DIR (not into docs/)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
@@ -493,7 +503,15 @@ def main() -> int:
 
         places = gpu_pairs(max(pair_counts), torch.cuda.device_count())
     extra = args.sidecar_args.split()
-    trees: list[tuple[str, dict[str, str] | None, list[str]]] = [("this tree", None, extra)]
+    mine: dict[str, str] | None = None
+    if args.cpu_profile:
+        args.cpu_profile.mkdir(parents=True, exist_ok=True)
+        sampler = str(Path(__file__).resolve().parent / "cpu_sampler")
+        mine = {
+            "PYTHONPATH": os.pathsep.join(p for p in (sampler, os.environ.get("PYTHONPATH", "")) if p),
+            "KVS_CPU_PROFILE": str(args.cpu_profile.resolve() / "{path}"),
+        }
+    trees: list[tuple[str, dict[str, str] | None, list[str]]] = [("this tree", mine, extra)]
     for v in args.variant:  # the same code, other settings, in the same run
         trees.append((f"this tree, {v}", None, extra + v.split()))
     if args.baseline:
@@ -504,7 +522,17 @@ def main() -> int:
     rows: list[Row] = []
     turn = 0
     for path in paths:
-        nodes = [Node(name, env, path, places, sizes, more) for name, env, more in trees]
+        nodes = [
+            Node(
+                name,
+                env and {k: v.replace("{path}", path) for k, v in env.items()},
+                path,
+                places,
+                sizes,
+                more,
+            )
+            for name, env, more in trees
+        ]
         try:
             for node in nodes:  # warm-up: handshakes, first touch of the caches and rings
                 for b in sizes:
