@@ -233,6 +233,30 @@ def test_send_state_gathers_ahead_writes_in_order_and_needs_credits() -> None:
     assert st.written == 4 and not st.finished
 
 
+def test_send_state_says_when_its_pump_may_park_and_when_to_wake_it() -> None:
+    """The source's NIXL-thread pump parks unless `may_write`; every event that can make a chunk
+    writable (a gather launched, a credit back, an early credit honoured) calls `on_writable`."""
+    chunks = sp.plan_chunks(0, 48, 16, 1)  # 3 chunks
+    st = sp.SendState(chunks, send_slots=[0, 1], recv_slots=[0])
+    woken: list[int] = []
+    st.on_writable = lambda: woken.append(1)
+    assert not st.may_write()  # nothing gathered
+    st.next_gather(forever)
+    st.gathered(0, 0, "e0")
+    assert len(woken) == 1 and st.may_write()  # its gather may still run: keep polling
+    w0 = st.next_write(lambda m: True)
+    assert w0 is not None and not st.may_write()
+    st.next_gather(forever)
+    st.gathered(1, 1, "e1")
+    assert len(woken) == 2 and not st.may_write()  # gathered, but the reader holds the one slot
+    st.credit(0)  # early: before our poll saw the WRITE complete
+    assert len(woken) == 2 and not st.may_write()
+    st.write_done(0)  # the early credit is honoured now
+    assert len(woken) == 3 and st.may_write()
+    st.fail(sp.Stopped("stop"))
+    assert not st.may_write()
+
+
 def test_send_state_refuses_credits_it_never_gave_and_stops() -> None:
     st = sp.SendState([(0, 16)], [0], [0])
     with pytest.raises(sp.ProtocolError):

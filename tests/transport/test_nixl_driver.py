@@ -1,13 +1,15 @@
-"""The NIXL driver thread: its timed waits, and notifications sent from it."""
+"""The NIXL driver thread: its timed waits, notifications sent from it, and parked pollers."""
 
 from __future__ import annotations
 
 import ctypes
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
-from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver
 
 _PR_GET_TIMERSLACK = 30
 
@@ -41,3 +43,39 @@ def test_a_notification_that_cannot_be_sent_is_logged_and_its_future_still_ends(
         assert "could not send a NIXL notification to no-such-agent" in caplog.text
     finally:
         driver.stop()
+
+
+def test_a_parked_poller_is_not_run_until_resumed_and_is_told_of_shutdown() -> None:
+    """A reception waiting for its next chunk parks (dataplane/receive.py): the loop must not poll it
+    every turn, must poll it again once resumed, and must still tell it that the agent is going."""
+    driver = NixlDriver("park-test", on_notif=lambda agent, msg: None)
+    driver.start()
+    calls: list[object] = []
+    answers = [PARK, PARK, False, PARK]  # park; (resumed) park; poll again; park
+
+    def poller(agent: object) -> bool | str:
+        calls.append(agent)
+        return answers[len(calls) - 1] if len(calls) <= len(answers) else PARK
+
+    try:
+        driver.add_poller(poller)
+        wait_until(lambda: len(calls) == 1)
+        time.sleep(0.05)  # hundreds of loop turns
+        assert len(calls) == 1, "a parked poller was polled"
+        driver.resume(poller)
+        wait_until(lambda: len(calls) == 2)
+        driver.resume(poller)  # parked again: runs, answers False, runs the next turn, parks
+        wait_until(lambda: len(calls) == 4)
+        time.sleep(0.05)
+        assert len(calls) == 4
+        assert all(a is not None for a in calls)
+    finally:
+        driver.stop()
+    assert calls[-1] is None, "a parked poller must hear that the driver is shutting down"
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)

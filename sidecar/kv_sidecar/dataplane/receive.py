@@ -22,7 +22,7 @@ from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class _Credits:
         agent: str,
         transfer_id: str,
         inbox: queue.SimpleQueue[Any],
+        resume: Callable[[Callable[[Any], bool | str]], None],
     ) -> None:
         self.state = state
         self.ready = ready
@@ -53,12 +54,14 @@ class _Credits:
         self.pending: deque[tuple[Any, int]] = deque()
         self.lock = threading.Lock()
         self.closed = False
+        self._resume = resume
 
     def add(self, marker: Any, slot: int) -> None:
         with self.lock:
             self.pending.append((marker, slot))
+        self._resume(self.poll)
 
-    def poll(self, a: Any) -> bool:
+    def poll(self, a: Any) -> bool | str:
         with self.lock:
             if self.closed:
                 return True
@@ -75,7 +78,7 @@ class _Credits:
                 self.closed = True
                 self.inbox.put(e)
                 return True
-            return False
+            return False if self.pending else PARK  # parked until the next scatter (`add`)
 
     def _credit(self, a: Any, slot: int) -> None:
         try:
@@ -90,6 +93,7 @@ class _Credits:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+        self._resume(self.poll)  # a parked poller must run once more to be dropped
 
 
 class Reception:
@@ -176,7 +180,14 @@ class Reception:
             copies = host
         self._copies = copies
         self._credits = _Credits(
-            self._state, copies.ready, ring, self._slots, job.source_agent, job.transfer_id, self._inbox
+            self._state,
+            copies.ready,
+            ring,
+            self._slots,
+            job.source_agent,
+            job.transfer_id,
+            self._inbox,
+            self._nixl.resume,
         )
         self._nixl.add_poller(self._credits.poll)
 

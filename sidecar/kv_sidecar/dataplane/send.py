@@ -24,7 +24,7 @@ from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.transport.nixl_driver import NixlDriver, ucx_emulation_disabled
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, ucx_emulation_disabled
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _Pump:
         self.lock = threading.Lock()
         self.closed = False
 
-    def poll(self, a: Any) -> bool:
+    def poll(self, a: Any) -> bool | str:
         with self.lock:
             if self.closed:
                 return True
@@ -88,7 +88,8 @@ class _Pump:
                     w.future.add_done_callback(functools.partial(self._written, w.index))
             except Exception as e:
                 st.fail(self._write_error(e))
-            return False
+            # Parked until a gather is launched or a credit comes back (SendState.on_writable).
+            return False if st.may_write() else PARK
 
     def _written(self, index: int, fut: Future[None]) -> None:
         err = fut.exception()
@@ -115,9 +116,13 @@ class _Pump:
             Code.UNAVAILABLE, f"transfer from peer failed: NIXL WRITE into the reader's ring failed: {e}"
         )
 
+    def wake(self) -> None:
+        self.nixl.resume(self.poll)
+
     def close(self) -> None:
         with self.lock:
             self.closed = True
+        self.wake()  # a parked poller must run once more to be dropped
 
 
 def _quiesce(nixl: NixlDriver, state: sp.SendState) -> bool:
@@ -210,6 +215,7 @@ class Transmission:
                         host.view, job.reader_spec, job.reader_rank, job.heads, ids, ring, True
                     )
                 pump = _Pump(self._nixl, self._metrics, state, copies, ring, job, job.deadline, per_block)
+                state.on_writable = pump.wake
                 self.quiet = False
                 self._nixl.add_poller(pump.poll)
                 try:

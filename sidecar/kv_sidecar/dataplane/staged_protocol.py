@@ -258,6 +258,9 @@ class SendState:
         self._writing: dict[int, _Write] = {}
         self.written = 0
         self.error: BaseException | None = None
+        # Called (under the state's lock, so it must not block) when a chunk may have become
+        # writable: one was gathered, or a credit came back. The NIXL thread's pump parks otherwise.
+        self.on_writable: Callable[[], None] = lambda: None
 
     # handler thread
     def next_gather(self, remaining: Callable[[], float]) -> tuple[int, int] | None:
@@ -278,6 +281,7 @@ class SendState:
         """Chunk `index` is being gathered into `send_slot`; `marker` says when it is done."""
         with self._cond:
             self._gathered.append((index, send_slot, marker))
+            self.on_writable()
 
     def wait_finished(self, remaining: Callable[[], float]) -> None:
         with self._cond:
@@ -287,6 +291,12 @@ class SendState:
             self._raise_if_failed()
 
     # NIXL driver thread
+    def may_write(self) -> bool:
+        """Whether a write may become possible without news: a gathered chunk (its gather may still
+        be running) and a credit to write it with."""
+        with self._cond:
+            return self.error is None and bool(self._gathered) and bool(self._credits)
+
     def next_write(self, ready: Callable[[Any], bool]) -> _Write | None:
         """The oldest gathered chunk, if its gather is done and a credit is free; None otherwise."""
         with self._cond:
@@ -328,6 +338,7 @@ class SendState:
     def _give_credit(self, recv_slot: int) -> None:
         self._recv[recv_slot] = "credit"
         self._credits.append(recv_slot)
+        self.on_writable()
         self._cond.notify_all()
 
     # any thread

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -70,6 +70,20 @@ class _Released:
 
 _RELEASED = _Released()
 _WAKE: Any = ("wake",)  # a queue item that only makes the driver thread poll
+
+# What a poller returns when it has nothing to do until its owner calls `NixlDriver.resume` (a
+# reception with no scatter in flight, a transmission with no gathered chunk or no credit): parked
+# pollers cost the loop nothing, where polling each of 16 idle transfers every turn held the GIL
+# the transfers themselves need.
+PARK: Final = "park"
+Poller = Callable[[Any], "bool | str"]
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """A queue item: poll `fn` again if it is parked."""
+
+    fn: Poller
 
 
 _PR_SET_TIMERSLACK = 29
@@ -139,7 +153,8 @@ class NixlDriver:
         self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
         # The staged protocol (server/staged_reader.py, staged_source.py): functions run every loop turn on this
         # thread, and notification listeners by message prefix (all of one length).
-        self._pollers: list[Callable[[Any], bool]] = []
+        self._pollers: list[Poller] = []
+        self._parked: set[Poller] = set()
         self._listeners: dict[bytes, Callable[[str, bytes], None]] = {}
         self._listen_len = 0
         self._routed: tuple[bytes, ...] = ()  # prefixes of messages that only listeners take
@@ -196,6 +211,11 @@ class NixlDriver:
                 return
             if item is _WAKE:
                 self._last_activity = time.monotonic()
+            elif type(item) is _Resume:
+                if item.fn in self._parked:
+                    self._parked.discard(item.fn)
+                    self._pollers.append(item.fn)
+                continue
             elif item:
                 fn, fut = item
                 self._last_activity = time.monotonic()
@@ -231,7 +251,7 @@ class NixlDriver:
         ("consumed") arrive promptly. Quiet for a second: a longer one, so an
         idle sidecar costs ~1 % of a core instead of waking 500 times a second.
         """
-        if self._inflight or self._pollers:
+        if self._inflight or self._pollers or self._parked:  # parked: still waiting for notifications
             return self._busy
         if self._serving():
             return self._serving_wait
@@ -306,17 +326,20 @@ class NixlDriver:
             except Exception:
                 log.exception("NIXL poller failed; dropping it")
                 finished = True
-            if not finished:
+            if finished == PARK:
+                self._parked.add(fn)
+            elif not finished:
                 keep.append(fn)
         self._pollers = keep
 
     def _shutdown(self) -> None:
-        for fn in self._pollers:
+        for fn in (*self._pollers, *self._parked):
             try:
                 fn(None)  # None: the agent is going away; pollers fail their transfer
             except Exception:
                 log.debug("poller failed at shutdown", exc_info=True)
         self._pollers.clear()
+        self._parked.clear()
         for x in self._inflight:
             x.future.set_exception(TransferError("sidecar is shutting down"))
         self._inflight.clear()
@@ -512,8 +535,9 @@ class NixlDriver:
         return fut
 
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
-    def add_poller(self, fn: Callable[[Any], bool]) -> None:
-        """Run `fn(agent)` on the driver thread every loop turn until it returns True.
+    def add_poller(self, fn: Poller) -> None:
+        """Run `fn(agent)` on the driver thread every loop turn until it returns True; one that
+        returns PARK is not run again until `resume(fn)`.
 
         While any poller is registered the loop does not idle-wait, so a poller
         sees CUDA events, completions and notifications within microseconds.
@@ -523,6 +547,12 @@ class NixlDriver:
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
         self._queue.put((lambda a: self._pollers.append(fn), Future()))
+
+    def resume(self, fn: Poller) -> None:
+        """Poll `fn` again from the next loop turn if it parked (any thread; nothing if it did not).
+        Its owner calls this after anything that may give it work, and when it closes."""
+        if self._thread.is_alive():
+            self._queue.put(_Resume(fn))
 
     def route(self, tag: bytes) -> None:
         """Messages starting with `tag` go to listeners only (never to on_notif); unclaimed ones are dropped."""
