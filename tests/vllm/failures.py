@@ -22,8 +22,7 @@ from typing import Any, Literal
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 
-from .harness import EnginePair, VllmEngine, metric, wait_until
-from .test_hybrid import assert_same_output, pulls_of
+from .harness import EnginePair, VllmEngine, assert_same_output, metric, pulls_of, wait_until
 
 Side = Literal["prefill", "decode"]
 

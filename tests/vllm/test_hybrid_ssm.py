@@ -26,9 +26,17 @@ import pytest
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 
-from .harness import EnginePair, VllmEngine, metric, start_all
+from .harness import (
+    LOGPROB_TOLERANCE,
+    EnginePair,
+    VllmEngine,
+    assert_same_output,
+    metric,
+    pulls_of,
+    start_all,
+)
 from .models import GRANITE4_HYBRID, write_weights
-from .test_hybrid import LOGPROB_TOLERANCE, assert_same_output, prompt, pulls_of
+from .test_hybrid import prompt
 
 BLOCK = 128  # vLLM's attention block size for this model (one Mamba page)
 REGIONS = 2  # layer positions: (Mamba layer 0, attention layer 1), (Mamba layer 2, attention layer 3)
