@@ -62,6 +62,7 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
+from kv_sidecar_client.session import reconnect_options
 from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
 from kv_sidecar_client.vllm.groups import (
     GROUPS_KEY,
@@ -165,7 +166,11 @@ class SidecarScheduler:
                 f"block size ({block_size})"
             )
         self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
-        self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
+        # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
+        # within a second, not after gRPC's default reconnect backoff.
+        self.client = SidecarClient(
+            config.sidecar_socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
+        )
         wait_for_sidecar(self.client, config)
         self._lock = threading.Lock()
         self._orders = StepOrders()
