@@ -180,6 +180,7 @@ class SidecarScheduler:
         self._waiting: dict[str, list[TransferParams]] = {}  # queued decode requests: kept alive
         self._loading: dict[str, list[TransferParams]] = {}  # pulls ordered, not yet finished
         self._loading_blocks: dict[str, set[int]] = {}  # the local blocks their pulls fill
+        self._load_failed: set[str] = set()  # loading requests with a block vLLM recomputes
         # Releases the local sidecar could not take: (params, why, give up at monotonic time).
         self._retry: list[tuple[TransferParams, str, float]] = []
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvs-sched")
@@ -402,11 +403,14 @@ class SidecarScheduler:
         invalid = set(invalid_blocks)
         gave_up = []
         with self._lock:
+            if invalid:  # with TP, a rank's unfilled blocks may come steps before the request finishes
+                self._load_failed |= {r for r, blocks in self._loading_blocks.items() if blocks & invalid}
             for req_id in req_ids:
                 plist = self._loading.pop(req_id, None)
-                blocks = self._loading_blocks.pop(req_id, set())
-                if plist and (req_id in failed or blocks & invalid):
+                self._loading_blocks.pop(req_id, None)
+                if plist and (req_id in failed or req_id in self._load_failed):
                     gave_up.append(plist)
+                self._load_failed.discard(req_id)
         for plist in gave_up:
             for params in plist:
                 self._release(params, "its pull failed; the decode engine computes it")
@@ -423,6 +427,7 @@ class SidecarScheduler:
         with self._lock:
             plist = self._waiting.pop(req_id, None) or self._loading.pop(req_id, None)
             self._loading_blocks.pop(req_id, None)
+            self._load_failed.discard(req_id)
         if plist is None and not handled and kvp.get("do_remote_prefill"):
             try:  # aborted before vLLM ever asked about its tokens
                 params = remote_params(kvp)
@@ -657,7 +662,8 @@ class SidecarScheduler:
                 # Our sidecar is down or restarting: a restarted one takes it (the prefill's sidecar
                 # still holds the blocks). Otherwise, or for too long, the lease frees them anyway.
                 until = give_up_at if give_up_at is not None else time.monotonic() + RELEASE_RETRY_S
-                if e.code == "UNAVAILABLE" and time.monotonic() < until and not self._stop.is_set():
+                retry = e.code == "UNAVAILABLE" and time.monotonic() < until and not self._stop.is_set()
+                if retry:
                     with self._lock:
                         self._retry.append((params, why, until))
                     if give_up_at is not None:
@@ -667,7 +673,7 @@ class SidecarScheduler:
                     params.request_id,
                     why,
                     e,
-                    "; trying again" if e.code == "UNAVAILABLE" and give_up_at is None else "",
+                    "; trying again each keep-alive interval" if retry else "",
                 )
 
         self._calls.submit(call)
