@@ -15,6 +15,7 @@ import pytest
 
 from .failures import (
     FailurePair,
+    Side,
     a_request_nobody_pulls_is_freed_at_lease_expiry,
     a_waiting_request_is_kept_alive_past_the_lease,
     abort_of_a_waiting_request_releases_every_group,
@@ -48,15 +49,12 @@ def ssm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SsmFailures]:
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
-def test_sidecar_killed_mid_pull_then_restarted(ssm: SsmFailures, side: str) -> None:
+def test_sidecar_killed_mid_pull_then_restarted(ssm: SsmFailures, side: Side) -> None:
     """Either sidecar dies while both groups' pulls are in flight: the decode engine computes the
     request from its first token (a Mamba group's state cannot be patched block by block)."""
     seed = 61 if side == "prefill" else 62
     pulls = sidecar_killed_mid_pull_then_restarted(
-        ssm,
-        "prefill" if side == "prefill" else "decode",
-        prompt(700, seed=seed),
-        prompt(300, seed=seed + 10),
+        ssm, side, prompt(700, seed=seed), prompt(300, seed=seed + 10)
     )
     assert not any(q["ok"] for q in pulls), pulls  # neither group was pulled from a dead sidecar
 
