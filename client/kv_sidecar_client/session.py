@@ -68,6 +68,16 @@ class _Rank:
     stream: EventStream | None = None
 
 
+def reconnect_options(backoff: Backoff = Backoff()) -> tuple[tuple[str, int], ...]:
+    """gRPC channel options whose own reconnect timer waits no longer than `backoff`: a channel to a
+    sidecar that went away otherwise waits up to gRPC's default (minutes) before it sees a restarted one."""
+    return (
+        ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+        ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", int(backoff.max_s * 1000)),
+    )
+
+
 class EngineSession:
     """Registered ranks that survive sidecar restarts. Use `client` for publish, pull, abort."""
 
@@ -80,17 +90,7 @@ class EngineSession:
     ) -> None:
         self._backoff = backoff
         self._on_event = on_event or (lambda engine_id, rank, ev: None)
-        # gRPC's own reconnect timer must not wait longer than our schedule.
-        max_ms = int(backoff.max_s * 1000)
-        self.client = SidecarClient(
-            target,
-            timeout_s,
-            channel_options=(
-                ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
-                ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial_s * 1000))),
-                ("grpc.max_reconnect_backoff_ms", max_ms),
-            ),
-        )
+        self.client = SidecarClient(target, timeout_s, channel_options=reconnect_options(backoff))
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()

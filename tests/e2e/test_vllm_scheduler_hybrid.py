@@ -5,6 +5,7 @@ record is released. (Real engines: tests/vllm/test_hybrid.py.)"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess
-from kv_sidecar_client import SidecarClient, params_from_json
+from kv_sidecar_client import SidecarClient, params_from_json, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.groups import KVGroup
@@ -336,3 +337,111 @@ def test_a_mamba_hybrid_publishes_its_state_block_and_the_decode_pulls_it_whole(
         decode.shutdown()
         sched.shutdown()
         w.shutdown()
+
+
+# Other blocks than TABLES (of the prefill worker's 24): the prefill sidecar holds two requests at once.
+TABLES_B = [[0, 0, 0, 0, 1, 2], [0, 0, 0, 0, 3, 4], [15, 16, 17, 18, 19, 20]]
+
+
+def _loading(decode: SidecarScheduler, rid: str, out: dict[str, Any]) -> None:
+    """A decode request of the prefill's `out` whose three pulls are ordered, as vLLM drives it."""
+    req = vllm_request(rid, 200, out)
+    assert decode.matched_tokens(req, 0) == (191, True)
+    decode.after_alloc_groups(
+        req, [([0] * 4 + [31, 32], 0, 4), ([0] * 4 + [33, 34], 0, 4), (list(range(40, 46)), 0, 0)], 191
+    )
+    assert len(decode.take_orders().group_pulls[rid]) == 3
+
+
+def _release_all(sidecar: SidecarProcess, out: dict[str, Any]) -> None:
+    with SidecarClient(sidecar.socket) as c:
+        for g in out["kv_sidecar_groups"]:
+            c.abort("hy-d", g["params"]["request_id"], params_from_json(g["params"]))
+
+
+def test_a_failed_load_releases_every_groups_record_at_once(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """vLLM computes a request whose load failed (failed_recving) and never reads its records: the
+    prefill's sidecar releases them now, not when their lease ends. A load that finished well releases
+    nothing here (its reads consumed the records)."""
+    sched, _ = prefill
+    a, b = sidecar_pair
+    before = _published(a)
+    _, good = _finish(sched, "h7", 200, TABLES)
+    _, bad = _finish(sched, "h8", 200, TABLES_B)
+    assert _published(a) == before + 6
+    decode = _decode(b, GROUPS)
+    try:
+        _loading(decode, "d7", good)
+        _loading(decode, "d8", bad)
+        decode.finished_loading(["d7", "d8"], failed={"d8"})
+        _until(lambda: _published(a) == before + 3, "the failed load's three records to be released")
+        time.sleep(0.5)
+        assert _published(a) == before + 3
+    finally:
+        decode.shutdown()
+        _release_all(b, good)
+
+
+def test_a_partly_failed_load_of_one_group_releases_its_record(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """A model of one group: vLLM recomputes the blocks a pull left unfilled (invalid_block_ids); a request
+    with such a block releases its record, one whose blocks all loaded does not. (`prefill`: its worker
+    registers engine hy-p, which publishes these.)"""
+    a, b = sidecar_pair
+    before = _published(a)
+    with SidecarClient(a.socket) as c:
+        published = {
+            rid: c.publish("hy-p", rid, blocks, 64) for rid, blocks in (("x1", [3, 4]), ("x2", [5, 6]))
+        }
+    decode = _decode(b, None)
+    try:
+        for rid, params in published.items():
+            req = vllm_request(
+                f"d-{rid}", 100, {"do_remote_prefill": True, "kv_sidecar": json.loads(params_to_json(params))}
+            )
+            assert decode.matched_tokens(req, 0) == (64, True)
+            decode.after_alloc(req, [50, 51] if rid == "x1" else [60, 61], 0, 64)
+        decode.take_orders()
+        # With TP, one rank's unfilled block may be reported steps before every rank has finished.
+        decode.finished_loading([], invalid_blocks={51, 99})
+        time.sleep(0.3)
+        assert _published(a) == before + 2
+        decode.finished_loading(["d-x1", "d-x2"])
+        _until(lambda: _published(a) == before + 1, "x1's record to be released")
+        time.sleep(0.5)
+        assert _published(a) == before + 1
+    finally:
+        decode.shutdown()
+        with SidecarClient(b.socket) as c:
+            c.abort("hy-d", "x2", published["x2"])
+
+
+def test_a_release_the_decode_sidecar_cannot_take_goes_through_once_it_is_back(
+    prefill: tuple[SidecarScheduler, Any], sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """The decode engine's sidecar died with the pull (its engine computes the request): the release is
+    tried again each keep-alive interval, and the prefill's records go once a sidecar answers on the socket
+    again, not at the end of their lease."""
+    sched, _ = prefill
+    a, _ = sidecar_pair
+    c = SidecarProcess("dying-decode-node")
+    before = _published(a)
+    _, out = _finish(sched, "h9", 200, TABLES_B)
+    decode = SidecarScheduler(
+        ConnectorConfig(sidecar_socket=c.socket, keepalive_interval_s=0.2), "hy-d", BLOCK, groups=GROUPS
+    )
+    try:
+        _loading(decode, "d9", out)
+        c.kill()
+        decode.finished_loading(["d9"], failed={"d9"})
+        time.sleep(1.5)  # several tries while no sidecar answers: the records stay
+        assert _published(a) == before + 3
+        c = SidecarProcess(c.name, workdir=c.workdir)
+        _until(lambda: _published(a) == before, "the release to go through the restarted sidecar")
+    finally:
+        decode.shutdown()
+        c.stop()
+        _release_all(a, out)

@@ -173,6 +173,28 @@ class EnginePair:
         assert codes == (0, 0), f"sidecars exited with {codes}"
 
 
+LOGPROB_TOLERANCE = 1e-4  # the same computation in another batch: float noise, not a wrong KV
+
+
+def assert_same_output(
+    got: list[dict[str, Any]], want: list[dict[str, Any]], lengths: tuple[int, ...]
+) -> None:
+    for n, g, w in zip(lengths, got, want, strict=True):
+        assert g["tokens"] == w["tokens"], f"{n} tokens"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
+        assert worst < LOGPROB_TOLERANCE, f"{n} tokens: log-probabilities differ by {worst}"
+
+
+def pulls_of(engine: VllmEngine, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """The decode engine's pull records (one per KV cache group) of these requests."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for p in engine.state()["pulls"]:
+        for r in request_ids:
+            if p["request_id"] == r or p["request_id"].startswith(f"{r}-"):
+                out.setdefault(r, []).append(p)
+    return out
+
+
 def metric(port: int, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric over its label sets (those with these label values), read from a
     sidecar's /metrics."""

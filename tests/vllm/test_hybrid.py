@@ -19,7 +19,6 @@ and decode node).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +28,12 @@ from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
-from .harness import EnginePair, VllmEngine, metric
+from .failures import (
+    a_request_nobody_pulls_is_freed_at_lease_expiry,
+    a_waiting_request_is_kept_alive_past_the_lease,
+    abort_of_a_waiting_request_releases_every_group,
+)
+from .harness import EnginePair, VllmEngine, assert_same_output, metric, pulls_of
 from .models import ARCHITECTURES, write_random_model
 
 W = ARCHITECTURES["gemma3"]["sliding_window"]
@@ -40,7 +44,6 @@ REGIONS = 2  # layer positions per group (3 groups of 2 layers each): the regist
 GROUPS = 3
 LENGTHS = (20, 63, 64, 65, 96, 150, 400, 1000)
 MAX_TOKENS = 10
-LOGPROB_TOLERANCE = 1e-4
 LEASE_MS = 30000
 ALIGNMENT = 64
 KV_BYTES = 64 << 20  # tests/vllm/engine.py's default kv_cache_bytes
@@ -81,25 +84,6 @@ def hy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
     fixture = Hybrid(str(tmp_path_factory.mktemp("vllm-hybrid")))
     yield fixture
     fixture.close()
-
-
-def assert_same_output(
-    got: list[dict[str, Any]], want: list[dict[str, Any]], lengths: tuple[int, ...]
-) -> None:
-    for n, g, w in zip(lengths, got, want, strict=True):
-        assert g["tokens"] == w["tokens"], f"{n} tokens"
-        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
-        assert worst < LOGPROB_TOLERANCE, f"{n} tokens: log-probabilities differ by {worst}"
-
-
-def pulls_of(engine: VllmEngine, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """The decode engine's pull records (one per KV cache group) of these requests."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for p in engine.state()["pulls"]:
-        for r in request_ids:
-            if p["request_id"] == r or p["request_id"].startswith(f"{r}-"):
-                out.setdefault(r, []).append(p)
-    return out
 
 
 def test_the_hybrid_manager_is_on_and_the_decode_keeps_its_capacity(hy: Hybrid) -> None:
@@ -217,46 +201,13 @@ def test_a_failed_pull_of_one_group_is_computed_from_the_start(hy: Hybrid) -> No
 
 
 def test_abort_of_a_waiting_hybrid_request_releases_every_group(hy: Hybrid) -> None:
-    p = prompt(300, seed=77)
-    (params,) = hy.prefill(hy.h32, [p])
-    (did,) = hy.ids("abort-", 1)
-    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
-    hy.d32.call({"cmd": "add", "id": did, "prompt": p, "max_tokens": 5, "kv_transfer_params": params})
-    hy.d32.call({"cmd": "abort", "ids": [did]})
-    t0 = time.monotonic()
-    hy.settled(hy.h32)  # within a third of the lease: every group's record released
-    assert time.monotonic() - t0 < LEASE_MS / 1000 / 3
-    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries
+    abort_of_a_waiting_request_releases_every_group(hy, hy.h32, hy.d32, prompt(300, seed=77))
 
 
 def test_a_waiting_hybrid_request_is_kept_alive_past_the_lease(hy: Hybrid) -> None:
     """Queued, not stepped: only KeepAlive of every group's record holds the prefill's blocks."""
-    p = prompt(200, seed=78)
-    want = hy.reference([p])
-    (params,) = hy.prefill(hy.h32, [p])
-    (did,) = hy.ids("alive-", 1)
-    hy.d32.call(
-        {
-            "cmd": "add",
-            "id": did,
-            "prompt": p,
-            "max_tokens": MAX_TOKENS,
-            "logprobs": 0,
-            "kv_transfer_params": params,
-        }
-    )
-    time.sleep(LEASE_MS / 1000 + 2)
-    out = hy.d32.call({"cmd": "run", "ids": [did]})["outputs"][did]
-    assert_same_output([out], want, (200,))
-    pulls = pulls_of(hy.d32, [did])[did]
-    assert len(pulls) == GROUPS and all(q["ok"] for q in pulls), pulls
-    hy.settled(hy.h32)
+    a_waiting_request_is_kept_alive_past_the_lease(hy, hy.h32, hy.d32, prompt(200, seed=78), GROUPS)
 
 
 def test_a_hybrid_request_nobody_pulls_is_freed_when_its_lease_expires(hy: Hybrid) -> None:
-    expiries = metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total")
-    hy.prefill(hy.h32, [prompt(250, seed=79)])
-    assert hy.h32.state()["free_blocks"] < hy.free["hy-h32"]
-    state = hy.h32.settle(LEASE_MS / 1000 + 10)
-    assert state["ok"] and state["free_blocks"] == hy.free["hy-h32"], state
-    assert metric(hy.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries + GROUPS
+    a_request_nobody_pulls_is_freed_at_lease_expiry(hy, hy.h32, prompt(250, seed=79), GROUPS)

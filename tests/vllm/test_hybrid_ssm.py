@@ -26,9 +26,17 @@ import pytest
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 
-from .harness import EnginePair, VllmEngine, metric, start_all
+from .harness import (
+    LOGPROB_TOLERANCE,
+    EnginePair,
+    VllmEngine,
+    assert_same_output,
+    metric,
+    pulls_of,
+    start_all,
+)
 from .models import GRANITE4_HYBRID, write_weights
-from .test_hybrid import LOGPROB_TOLERANCE, assert_same_output, prompt, pulls_of
+from .test_hybrid import prompt
 
 BLOCK = 128  # vLLM's attention block size for this model (one Mamba page)
 REGIONS = 2  # layer positions: (Mamba layer 0, attention layer 1), (Mamba layer 2, attention layer 3)
@@ -45,11 +53,13 @@ class SsmPair(EnginePair):
     max_tokens, lease_ms = MAX_TOKENS, LEASE_MS
     params_key = "kv_sidecar_groups"  # a Mamba hybrid's prefill publishes every group
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, prefix: str = "ssm", **conn: Any) -> None:
+        """`conn`: connector settings over the defaults (a 60 s pull timeout, a 30 s lease)."""
         model = write_weights(f"{tmp}/granite4", GRANITE4_HYBRID)
         self.model = model
-        self.sp, self.sd = SidecarProcess("ssm-prefill-node"), SidecarProcess("ssm-decode-node")
-        conn = {"pull_timeout_s": 60.0, "lease_ms": LEASE_MS}
+        self.sp, self.sd = SidecarProcess(f"{prefix}-prefill-node"), SidecarProcess(f"{prefix}-decode-node")
+        conn = {"pull_timeout_s": 60.0, "lease_ms": LEASE_MS} | conn
+        self.lease_ms = conn["lease_ms"]
         # block_size None: vLLM sets it from the Mamba page; prefix caching off: mamba_cache_mode "none".
         self.base = {"model": model, "hybrid": True, "block_size": None, "prefix_caching": False}
 
@@ -57,7 +67,7 @@ class SsmPair(EnginePair):
             opts = self.base | over
             if sidecar is not None:
                 opts["connector"] = conn | {"sidecar_socket": sidecar.socket, "engine_id": name}
-            return VllmEngine(f"ssm-{name}", opts)
+            return VllmEngine(f"{prefix}-{name}", opts)
 
         self.P = engine("p", self.sp)
         self.D = engine("d", self.sd)

@@ -1,28 +1,31 @@
-"""Failures around real vLLM engines: no sidecar at start, a sidecar killed mid-pull and restarted, a
-Publish while the prefill sidecar is down."""
+"""Failures around real vLLM engines: no sidecar at start, either sidecar killed mid-pull and restarted
+(tests/vllm/failures.py, shared with the hybrid models), a Publish while the prefill sidecar is down, a
+silent prefill sidecar."""
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kv_sidecar.refengine.procs import ProcessError, SidecarProcess
-from kv_sidecar_client import SidecarClient
 
 from .engine import write_model
-from .harness import VllmEngine, start_all, wait_until
+from .failures import FailurePair, published, registered_ranks, sidecar_killed_mid_pull_then_restarted
+from .harness import VllmEngine, wait_until
 from .test_pd import BLOCK, prompt
 
 PULL_TIMEOUT_S = 8.0
 PUBLISH_TIMEOUT_S = 2.0  # the connector's default
 
 
-class Pair:
+class Pair(FailurePair):
+    max_tokens, lease_ms = 8, 30000
+    groups, pull_timeout_s = 1, PULL_TIMEOUT_S
+
     def __init__(self, tmp: str) -> None:
         self.model = write_model(f"{tmp}/model")
         self.sp, self.sd = SidecarProcess("prefill-node"), SidecarProcess("decode-node")
@@ -43,15 +46,9 @@ class Pair:
                 "connector": conn | {"sidecar_socket": self.sd.socket, "engine_id": "decode"},
             },
         )
-        self.R = VllmEngine("reference", {"model": self.model, "block_size": BLOCK})
-        start_all(self.P, self.D, self.R)
-        self.p_free = self.P.ready["free_blocks"]
-
-    def close(self) -> None:
-        for e in (self.P, self.D, self.R):
-            e.stop()
-        self.sp.stop()
-        self.sd.stop()
+        self.ref = VllmEngine("reference", {"model": self.model, "block_size": BLOCK})
+        self.start(self.P, self.D, self.ref)
+        self.p_free = self.free[self.P.name]
 
 
 @pytest.fixture(scope="module")
@@ -78,92 +75,27 @@ def test_engine_start_fails_naming_an_unknown_config_key(pair: Pair) -> None:
         engine.wait_ready()
 
 
-def _registered_ranks(sidecar: SidecarProcess) -> int:
-    with SidecarClient(sidecar.socket) as c:
-        return len(c.status().ranks)
-
-
-def _published(sidecar: SidecarProcess) -> int:
-    with SidecarClient(sidecar.socket) as c:
-        return c.status().published_requests
-
-
-def _pulling(sidecar: SidecarProcess) -> bool:
-    with SidecarClient(sidecar.socket) as c:
-        return len(c.status().inflight) > 0
-
-
 def _pd_matches(pair: Pair, n: int, tokens: int, seed: int) -> None:
-    """A request prefilled by P through its sidecar and pulled by D gives the tokens R computes alone."""
+    """A request prefilled by P through its sidecar and pulled by D gives the tokens the reference computes alone."""
     q, p, d, r = prompt(tokens, seed=seed), f"p{n}", f"d{n}", f"r{n}"
     params = pair.P.generate({p: q}, 1, {p: {"do_remote_decode": True}})[p]["kv_transfer_params"]
     assert params is not None and params["kv_sidecar"]["sidecar_address"] == pair.sp.peer_address, params
-    assert pair.D.generate({d: q}, 6, {d: params})[d]["tokens"] == pair.R.generate({r: q}, 6)[r]["tokens"]
+    assert pair.D.generate({d: q}, 6, {d: params})[d]["tokens"] == pair.ref.generate({r: q}, 6)[r]["tokens"]
     assert pair.D.state()["pulls"][-1]["ok"]
 
 
 def test_prefill_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
-    p = prompt(600, seed=21)
-    want = pair.R.generate({"r1": p}, 8)["r1"]["tokens"]
-    params = pair.P.generate({"p1": p}, 1, {"p1": {"do_remote_decode": True}})["p1"]["kv_transfer_params"]
-    held = pair.P.state()["free_blocks"]
-    assert held < pair.p_free
-
-    # Freeze the prefill sidecar so the pull is surely in flight, then kill it.
-    os.kill(pair.sp.proc.pid, signal.SIGSTOP)
-
-    def kill_when_pulling() -> None:
-        wait_until(lambda: _pulling(pair.sd), 30, "the decode sidecar to start the pull")
-        pair.sp.kill()
-
-    killer = threading.Thread(target=kill_when_pulling)
-    killer.start()
-    t0 = time.monotonic()
-    out = pair.D.generate({"d1": p}, 8, {"d1": params})["d1"]
-    killer.join()
-    assert out["tokens"] == want, "the decode engine must recompute what the pull did not fill"
-    assert time.monotonic() - t0 < PULL_TIMEOUT_S + 30, "the request must not hang"
-    (pull,) = pair.D.state()["pulls"][-1:]
-    assert not pull["ok"] and pull["unfilled"], pull
-
-    # The prefill engine still holds the published blocks; its sidecar comes back on the same socket.
-    assert pair.P.state()["free_blocks"] == held
-    pair.sp = SidecarProcess("prefill-node", workdir=pair.sp.workdir)
-    settled = pair.P.settle(30)  # re-registered; the new sidecar knows no request: held blocks are freed
-    assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
-
-    # And the pair works again through the new sidecar.
-    _pd_matches(pair, 2, 140, seed=22)
-    assert pair.P.settle(30)["free_blocks"] == pair.p_free
+    (pull,) = sidecar_killed_mid_pull_then_restarted(
+        pair, "prefill", prompt(600, seed=21), prompt(140, seed=22)
+    )
+    assert not pull["ok"] and pull["unfilled"], pull  # vLLM recomputes exactly the blocks not filled
 
 
 def test_decode_sidecar_killed_mid_pull_then_restarted(pair: Pair) -> None:
-    p = prompt(500, seed=31)
-    want = pair.R.generate({"r3": p}, 8)["r3"]["tokens"]
-    params = pair.P.generate({"p3": p}, 1, {"p3": {"do_remote_decode": True}})["p3"]["kv_transfer_params"]
-    os.kill(pair.sp.proc.pid, signal.SIGSTOP)  # hold the pull in flight at the prefill side
-
-    def kill_when_pulling() -> None:
-        wait_until(lambda: _pulling(pair.sd), 30, "the decode sidecar to start the pull")
-        pair.sd.kill()
-
-    killer = threading.Thread(target=kill_when_pulling)
-    killer.start()
-    try:
-        out = pair.D.generate({"d3": p}, 8, {"d3": params})["d3"]
-    finally:
-        killer.join()
-        os.kill(pair.sp.proc.pid, signal.SIGCONT)
-    assert out["tokens"] == want, "the decode engine must recompute what the pull did not fill"
-    assert not pair.D.state()["pulls"][-1]["ok"]
-
-    # A new decode sidecar on the same socket: the decode engine registers again and pulls through it.
-    pair.sd = SidecarProcess("decode-node", workdir=pair.sd.workdir)
-    wait_until(lambda: _registered_ranks(pair.sd) == 1, 30, "the decode engine to re-register")
-    _pd_matches(pair, 4, 90, seed=32)
-    # The prefill side's first request was released when its reader went away, the second consumed.
-    settled = pair.P.settle(40)
-    assert settled["ok"] and settled["free_blocks"] == pair.p_free, settled
+    (pull,) = sidecar_killed_mid_pull_then_restarted(
+        pair, "decode", prompt(500, seed=31), prompt(90, seed=32)
+    )
+    assert not pull["ok"], pull
 
 
 def test_publish_fails_while_the_prefill_sidecar_is_gone(pair: Pair) -> None:
@@ -179,12 +111,12 @@ def test_publish_fails_while_the_prefill_sidecar_is_gone(pair: Pair) -> None:
     assert pair.P.state()["free_blocks"] == pair.p_free  # nothing held for a reader
     assert took < 5, f"the prefill request took {took:.1f} s with its sidecar gone"
     # The decode engine, sent the request without params (as a router does then), computes it itself.
-    assert pair.D.generate({"d5": p}, 6)["d5"]["tokens"] == pair.R.generate({"r5": p}, 6)["r5"]["tokens"]
+    assert pair.D.generate({"d5": p}, 6)["d5"]["tokens"] == pair.ref.generate({"r5": p}, 6)["r5"]["tokens"]
     assert not any(pull["request_id"].startswith("d5") for pull in pair.D.state()["pulls"])
 
     # Back on the same socket: once the engine has registered again (its backoff), it publishes.
-    pair.sp = SidecarProcess("prefill-node", workdir=pair.sp.workdir)
-    wait_until(lambda: _registered_ranks(pair.sp) == 1, 30, "the prefill engine to register again")
+    pair.restart("prefill")
+    wait_until(lambda: registered_ranks(pair.sp) == 1, 30, "the prefill engine to register again")
     _pd_matches(pair, 6, 120, seed=42)
     assert pair.P.settle(30)["free_blocks"] == pair.p_free
 
@@ -217,7 +149,7 @@ def test_a_silent_prefill_sidecar_does_not_stall_the_prefill_engine(pair: Pair) 
     # Awake again: the probe hears it and first withdraws the Publish that timed out, which the woken
     # sidecar carried out (it would hold it for its 30 s lease); then the next request is published.
     wait_until(lambda: not pair.P.state()["publishing_paused"], 30, "publishing to resume")
-    assert _published(pair.sp) == 0
+    assert published(pair.sp) == 0
     _pd_matches(pair, 7, 130, seed=59)
     assert pair.P.state()["unpublished"] == unpublished
     assert pair.P.settle(30)["free_blocks"] == pair.p_free

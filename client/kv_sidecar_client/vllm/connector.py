@@ -361,7 +361,11 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.finished_loading(list(connector_output.finished_recving or ()))
+        self._scheduler.finished_loading(
+            list(connector_output.finished_recving or ()),
+            connector_output.failed_recving or (),
+            connector_output.invalid_block_ids or (),
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -10,8 +10,11 @@ Decode (`do_remote_prefill` with `kv_sidecar` params): report the prompt
 tokens the prefill holds beyond the local prefix cache as loadable
 asynchronously; once vLLM has allocated blocks, order the workers to pull
 exactly the missing tail. While a request waits in the queue its lease is
-renewed (KeepAlive); if it is aborted before its pull finishes, the prefill
-side is told to free its blocks now (Abort).
+renewed (KeepAlive); if it is aborted before its pull finishes, or its pull
+fails (vLLM then computes what was not loaded and never reads those blocks
+again), the prefill side is told to free its blocks now (Abort). A release the
+local sidecar cannot take (it is down or restarting) is tried again each
+keep-alive interval, for up to RELEASE_RETRY_S.
 
 Sliding-window models (window.py): the prefill stops a request a little
 short of its prompt (the decode engine computes the rest) and publishes only
@@ -48,7 +51,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,6 +62,7 @@ from kv_sidecar_client.client import (
     params_from_json,
     params_to_json,
 )
+from kv_sidecar_client.session import reconnect_options
 from kv_sidecar_client.vllm.config import CONFIG_KEY, ConnectorConfig, ConnectorConfigError, wait_for_sidecar
 from kv_sidecar_client.vllm.groups import (
     GROUPS_KEY,
@@ -84,6 +88,9 @@ PARAMS_KEY = "kv_sidecar"  # our TransferParams inside vLLM's kv_transfer_params
 PUBLISHED_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 PROBE_INTERVAL_S = 0.5  # how often a paused scheduler asks a silent sidecar whether it answers again
 WITHDRAW_TRIES = 3
+# How long a release refused because the local sidecar is unavailable (down, restarting) is tried again:
+# past the leases the connector's keep-alive could have extended, which free the blocks anyway.
+RELEASE_RETRY_S = 60.0
 
 
 class BadParams(ValueError):
@@ -159,7 +166,11 @@ class SidecarScheduler:
                 f"block size ({block_size})"
             )
         self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
-        self.client = SidecarClient(config.sidecar_socket, timeout_s=config.pull_timeout_s)
+        # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
+        # within a second, not after gRPC's default reconnect backoff.
+        self.client = SidecarClient(
+            config.sidecar_socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
+        )
         wait_for_sidecar(self.client, config)
         self._lock = threading.Lock()
         self._orders = StepOrders()
@@ -168,6 +179,10 @@ class SidecarScheduler:
         # Decode requests' params, one per KV cache group (one for a model of one group).
         self._waiting: dict[str, list[TransferParams]] = {}  # queued decode requests: kept alive
         self._loading: dict[str, list[TransferParams]] = {}  # pulls ordered, not yet finished
+        self._loading_blocks: dict[str, set[int]] = {}  # the local blocks their pulls fill
+        self._load_failed: set[str] = set()  # loading requests with a block vLLM recomputes
+        # Releases the local sidecar could not take: (params, why, give up at monotonic time).
+        self._retry: list[tuple[TransferParams, str, float]] = []
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvs-sched")
         self._stop = threading.Event()
         # Set while the sidecar has left a Publish unanswered and not answered a probe since.
@@ -361,6 +376,7 @@ class SidecarScheduler:
             )
         with self._lock:
             self._loading[req_id] = plist
+            self._loading_blocks[req_id] = {b for o in orders for b in o.block_ids}
             if len(orders) == 1:
                 self._orders.pulls[req_id] = orders[0]
             else:
@@ -377,10 +393,27 @@ class SidecarScheduler:
             blocks, error = [], str(e)
         return PullOrder(json.loads(params_to_json(params)), blocks, 0, restart_on_failure=True, error=error)
 
-    def finished_loading(self, req_ids: Sequence[str]) -> None:
+    def finished_loading(
+        self, req_ids: Sequence[str], failed: Collection[str] = (), invalid_blocks: Collection[int] = ()
+    ) -> None:
+        """Pulls ended (vLLM's finished_recving); `failed`: requests vLLM computes from their start
+        (failed_recving), `invalid_blocks`: blocks it recomputes (a partly failed pull). The prefill's
+        records of a failed load are released now: nobody will read them, and else the prefill engine
+        would hold their blocks until the lease ends."""
+        invalid = set(invalid_blocks)
+        gave_up = []
         with self._lock:
+            if invalid:  # with TP, a rank's unfilled blocks may come steps before the request finishes
+                self._load_failed |= {r for r, blocks in self._loading_blocks.items() if blocks & invalid}
             for req_id in req_ids:
-                self._loading.pop(req_id, None)
+                plist = self._loading.pop(req_id, None)
+                self._loading_blocks.pop(req_id, None)
+                if plist and (req_id in failed or req_id in self._load_failed):
+                    gave_up.append(plist)
+                self._load_failed.discard(req_id)
+        for plist in gave_up:
+            for params in plist:
+                self._release(params, "its pull failed; the decode engine computes it")
 
     # -- either side ---------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -393,6 +426,8 @@ class SidecarScheduler:
         self._handled.discard(req_id)
         with self._lock:
             plist = self._waiting.pop(req_id, None) or self._loading.pop(req_id, None)
+            self._loading_blocks.pop(req_id, None)
+            self._load_failed.discard(req_id)
         if plist is None and not handled and kvp.get("do_remote_prefill"):
             try:  # aborted before vLLM ever asked about its tokens
                 params = remote_params(kvp)
@@ -616,13 +651,29 @@ class SidecarScheduler:
             except KVSidecarError:
                 return
 
-    def _release(self, params: TransferParams, why: str) -> None:
+    def _release(self, params: TransferParams, why: str, give_up_at: float | None = None) -> None:
+        """Abort `params` through the local sidecar, which releases them at the prefill's; `give_up_at`
+        set: a retry of one the sidecar could not take."""
+
         def call() -> None:
             try:
                 self.client.abort(self.engine_id, params.request_id, params)
-            except KVSidecarError as e:  # the lease frees them anyway
+            except KVSidecarError as e:
+                # Our sidecar is down or restarting: a restarted one takes it (the prefill's sidecar
+                # still holds the blocks). Otherwise, or for too long, the lease frees them anyway.
+                until = give_up_at if give_up_at is not None else time.monotonic() + RELEASE_RETRY_S
+                retry = e.code == "UNAVAILABLE" and time.monotonic() < until and not self._stop.is_set()
+                if retry:
+                    with self._lock:
+                        self._retry.append((params, why, until))
+                    if give_up_at is not None:
+                        return  # said once, at the first try
                 log.warning(
-                    "KVSidecarConnector: could not release request %s (%s): %s", params.request_id, why, e
+                    "KVSidecarConnector: could not release request %s (%s): %s%s",
+                    params.request_id,
+                    why,
+                    e,
+                    "; trying again each keep-alive interval" if retry else "",
                 )
 
         self._calls.submit(call)
@@ -637,6 +688,12 @@ class SidecarScheduler:
         while not self._stop.wait(self.config.keepalive_interval_s):
             with self._lock:
                 alive = [p for plist in (*self._waiting.values(), *self._loading.values()) for p in plist]
+                retry, self._retry = self._retry, []
+            for params, why, until in retry:
+                try:
+                    self._release(params, why, until)
+                except RuntimeError:  # shutting down: the executor takes no more calls
+                    return
             by_peer: dict[str, list[TransferParams]] = defaultdict(list)
             for p in alive:
                 by_peer[p.sidecar_address].append(p)
