@@ -14,6 +14,7 @@ Pure: plain values, no torch, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -146,3 +147,27 @@ def _merged(moves: list[StateMove]) -> tuple[StateMove, ...]:
         else:
             out.append(m)
     return tuple(out)
+
+
+def check_state_pull(
+    plan_prefill: EngineSpec,
+    plan_decode: EngineSpec,
+    group: int,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    start_token: int,
+) -> None:
+    """A pull of a Mamba group's record whose state is converted: one published state block into one
+    block here, all of it (a state has no token prefix). INVALID_ARGUMENT otherwise."""
+    what = f"a pull of KV cache group {group}'s Mamba state"
+    if start_token:
+        raise PlanError(f"{what} moves the whole state: start_token must be 0, got {start_token}")
+    for side, ids, spec in (
+        ("remote (prefill)", src_block_ids, plan_prefill),
+        ("local (decode)", dst_block_ids, plan_decode),
+    ):
+        if len(ids) != 1:
+            raise PlanError(f"{what} moves one state block; the {side} block list has {len(ids)}")
+        block = int(ids[0])
+        if not 0 <= block < spec.num_blocks:
+            raise PlanError(f"{what}: {side} block id {block} is out of range [0, {spec.num_blocks})")
