@@ -70,10 +70,10 @@ class Engines:
     sharded at ts (random elsewhere), and a decode engine of `td` ranks on `b`, random."""
 
     def __init__(
-        self, a: SidecarProcess, b: SidecarProcess, ts: int, td: int, name: str, **decode: Any
+        self, a: SidecarProcess, b: SidecarProcess, ts: int, td: int, name: str, kv: int = 4, **decode: Any
     ) -> None:
         self.a, self.b, self.ts, self.td, self.name = a, b, ts, td, name
-        self.ps, self.ds = spec(ts), spec(td, **decode)
+        self.ps, self.ds = spec(ts, num_kv_heads=kv), spec(td, num_kv_heads=kv, **decode)
         # Each layer position (region) its own model state: a run copied into the wrong one shows.
         self.models = [model_state(mamba2(1), seed=ts * 10 + td + 100 * j) for j in range(self.ps.num_layers)]
         self.p = [ShmKVCache(self.ps.rank_tensor_shapes(), torch.float16) for _ in range(ts)]
@@ -117,12 +117,14 @@ class Engines:
             c.close()
 
 
-@pytest.mark.parametrize(("ts", "td"), [(1, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize(("ts", "td", "kv"), [(1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 2, 1)])
 def test_two_sidecars_convert_the_state_block_between_tp_sizes(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], ts: int, td: int
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], ts: int, td: int, kv: int
 ) -> None:
+    """(4, 2, 1): one KV head, so decode rank 0 reads attention from prefill rank 0 only but state from
+    ranks 0 and 1 (plan/pair.py makes rank 1 wait for it)."""
     a, b = sidecar_pair
-    e = Engines(a, b, ts, td, f"tp{ts}{td}")
+    e = Engines(a, b, ts, td, f"tp{ts}{td}{kv}", kv)
     try:
         with SidecarClient(a.socket) as pc, SidecarClient(b.socket) as dc:
             e.register(pc, dc)

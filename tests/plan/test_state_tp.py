@@ -168,17 +168,26 @@ def _page(spec: EngineSpec) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(desc=described, ts=st.sampled_from(TPS), td=st.sampled_from(TPS), seed=st.integers(0, 2**16))
+@given(
+    desc=described,
+    ts=st.sampled_from(TPS),
+    td=st.sampled_from(TPS),
+    kv=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
 def test_every_decode_state_byte_comes_from_exactly_one_source_byte_as_vllm_shards_it(
-    desc: list[dict[str, Any]], ts: int, td: int, seed: int
+    desc: list[dict[str, Any]], ts: int, td: int, kv: int, seed: int
 ) -> None:
     """Each decode rank's arrays are written byte for byte exactly once, nothing else in its block is,
     every byte read lies in a source rank's arrays, and the result is the model's state sharded for the
-    decode TP size: what that engine would have computed."""
+    decode TP size: what that engine would have computed. Every prefill rank a decode rank reads state
+    from counts it among its consumers (whatever the KV heads' plan)."""
     max_tp = max(TPS)
     sa, da = arrays_at(desc, ts, max_tp), arrays_at(desc, td, max_tp)
-    src, dst = engine(ts, sa), engine(td, da)
+    src, dst = engine(ts, sa, num_kv_heads=kv), engine(td, da, num_kv_heads=kv)
     plan = plan_pair(src, dst)
+    for r, moves in enumerate(plan.state_moves(0)):
+        assert all(r in plan.consumers_of(m.src_rank) for m in moves)
     model = model_state(sa, seed)
     sp, dp = _page(src), _page(dst)
     sources = [shard(sa, model, ts, q, sp) for q in range(ts)]
@@ -317,16 +326,21 @@ def test_a_segment_that_does_not_split_evenly_is_refused() -> None:
         engine(1, _with(granite_state(1), 0, tp_dim=3))
 
 
-def test_a_decode_rank_reading_state_of_a_prefill_rank_it_does_not_depend_on_is_refused() -> None:
-    """One KV head over TP 4 → 2: decode rank 0 reads the head from prefill rank 0 and is told of rank 2,
-    but its state is prefill ranks 0 and 1's: rank 1 could free its blocks before the read."""
-    with pytest.raises(PlanError) as info:
-        plan_pair(engine(4, granite_state(4), num_kv_heads=1), engine(2, granite_state(2), num_kv_heads=1))
-    assert info.value.code == "FAILED_PRECONDITION"
-    assert (
-        "layer model.layers.0.mixer) holds Mamba state that decode rank 0 would read from prefill rank 1"
-        in str(info.value)
+def test_a_prefill_rank_holding_state_but_no_head_a_decode_rank_reads_waits_for_it() -> None:
+    """One KV head over TP 4 -> 2: decode rank 0 reads the head from prefill rank 0 and is told of rank 2,
+    but its state (heads 0-3, x channels 0-255) is prefill ranks 0 and 1's: rank 1 joins its notify_only,
+    so that rank 1 keeps the request's blocks until rank 0 is done (consumers_of)."""
+    plan = plan_pair(engine(4, granite_state(4), num_kv_heads=1), engine(2, granite_state(2), num_kv_heads=1))
+    d0, d1 = plan.decode_ranks
+    assert [r.prefill_rank for r in d0.reads] == [0] and d0.notify_only == (1, 2)
+    assert [r.prefill_rank for r in d1.reads] == [1] and d1.notify_only == (2, 3)
+    assert plan.consumers_of(1) == {0, 1} and plan.consumers_of(3) == {1}
+    assert {m.src_rank for m in plan.state_moves(0)[0]} == {0, 1}
+    # Without a state group the heads' plan is as before (rank 1 is read by decode rank 1 only).
+    bare = plan_pair(
+        engine(4, granite_state(4), num_kv_heads=1, groups=()), engine(2, [], num_kv_heads=1, groups=())
     )
+    assert bare.decode_ranks[0].notify_only == (2,)
 
 
 def test_the_plan_command_shows_the_state_moves() -> None:

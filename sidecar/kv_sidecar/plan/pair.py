@@ -6,7 +6,10 @@ heads it holds, every prefill rank offers the heads it holds, and a read is
 the intersection of the two. Ranks that hold replicated heads (tp > heads)
 or an MLA latent (replicated everywhere) are read from by exactly one decode
 rank per head; the other holders are only told "consumed" (`notify_only`), so
-every prefill rank learns when it may free its blocks.
+every prefill rank learns when it may free its blocks. A Mamba group's state
+(plan/state.py) may lie on prefill ranks whose heads a decode rank does not
+read (fewer KV heads than ranks): those ranks are in its `notify_only` too, so
+they keep their blocks until it is done.
 """
 
 from __future__ import annotations
@@ -207,29 +210,25 @@ def _check_groups(prefill: EngineSpec, decode: EngineSpec) -> None:
 
 
 def _state_plans(
-    prefill: EngineSpec, decode: EngineSpec, ranks: tuple[DecodeRankPlan, ...]
+    prefill: EngineSpec, decode: EngineSpec
 ) -> tuple[tuple[tuple[StateMove, ...], ...] | None, ...]:
-    """Each Mamba group's state moves; FAILED_PRECONDITION where a decode rank would read a prefill rank
-    the plan does not make it depend on (that rank could free its blocks before the read)."""
-    out: list[tuple[tuple[StateMove, ...], ...] | None] = []
-    for i, (p, d) in enumerate(zip(prefill.groups, decode.groups, strict=True)):
-        if not p.state:
-            out.append(None)
-            continue
-        moves = state_moves(prefill, decode, p, d)
-        for rank_plan, rank_moves in zip(ranks, moves, strict=True):
-            known = {r.prefill_rank for r in rank_plan.reads} | set(rank_plan.notify_only)
-            extra = sorted(state_sources(rank_moves) - known)
-            if extra:
-                raise PlanError(
-                    f"KV cache group {i} (layer {p.layers[0]}) holds Mamba state that decode rank "
-                    f"{rank_plan.rank} would read from prefill rank {extra[0]}, whose attention heads it neither "
-                    f"reads nor is told of (KV heads {prefill.num_kv_heads}, tp_size prefill {prefill.tp_size}, "
-                    f"decode {decode.tp_size})",
-                    PRECONDITION,
-                )
-        out.append(moves)
-    return tuple(out)
+    """Each Mamba group's state moves (None for the other groups)."""
+    return tuple(
+        state_moves(prefill, decode, p, d) if p.state else None
+        for p, d in zip(prefill.groups, decode.groups, strict=True)
+    )
+
+
+def _state_dependencies(
+    state: tuple[tuple[tuple[StateMove, ...], ...] | None, ...],
+    reads: list[list[Read]],
+    notify: list[set[int]],
+) -> None:
+    """Add to a decode rank's `notify` the prefill ranks its state runs read but its attention reads do
+    not, so that they count it among their consumers and keep the request's blocks until it is done."""
+    for moves in state:
+        for d, rank_moves in enumerate(moves or ()):
+            notify[d] |= state_sources(rank_moves) - {r.prefill_rank for r in reads[d]}
 
 
 def plan_pair(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
@@ -241,13 +240,13 @@ def plan_pair(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
     else:
         reads = [_merge_reads(_head_sources(prefill, decode, d)) for d in range(decode.tp_size)]
     notify = _notify_only(prefill, decode, reads)
+    state = _state_plans(prefill, decode)
+    _state_dependencies(state, reads, notify)
     ranks = tuple(
         DecodeRankPlan(rank=d, reads=tuple(reads[d]), notify_only=tuple(sorted(notify[d])))
         for d in range(decode.tp_size)
     )
-    return PairPlan(
-        prefill=prefill, decode=decode, decode_ranks=ranks, state=_state_plans(prefill, decode, ranks)
-    )
+    return PairPlan(prefill=prefill, decode=decode, decode_ranks=ranks, state=state)
 
 
 def _holders(spec: EngineSpec, head: int) -> list[int]:
