@@ -28,18 +28,17 @@ def _pages(geo: ChunkGeometry, bases: list[int], block: int, positions: int, sid
     return [bases[j] + block * geo.chunk for j in range(positions)]
 
 
-def _check_runs(moves: tuple[StateMove, ...], src_page: dict[int, int], dst_page: int) -> None:
-    """memmove and NIXL trust their addresses: every run inside both pages (the plan's, checked again)."""
+def _check_runs(moves: tuple[StateMove, ...], src_page: dict[int, int] | None, dst_page: int | None) -> None:
+    """memmove and NIXL trust their addresses: every run inside its source page (`src_page`: bytes per
+    source rank) and the destination page (the plan's runs, checked again here); None: not checked."""
     for m in moves:
-        if (
-            m.src_rank not in src_page
-            or m.src + m.nbytes > src_page[m.src_rank]
-            or m.dst + m.nbytes > dst_page
-        ):
+        src_ok = src_page is None or (m.src_rank in src_page and m.src + m.nbytes <= src_page[m.src_rank])
+        if not src_ok or (dst_page is not None and m.dst + m.nbytes > dst_page):
             raise SidecarError(Code.INTERNAL, f"state run {m} does not fit the pages")
 
 
 def copy_state_local(ranks: MappedRanks, job: StateCopy, halt: Halt) -> int:
+    """host-direct: the runs copied between ranks mapped here, in each layer position."""
     halt.remaining()
     b = job.block
     dst = ranks.host(job.dst)
@@ -77,9 +76,7 @@ def remote_pages(job: StateRead) -> dict[int, list[int]]:
     out = {}
     for src in job.sources:
         geo = chunk_geometry(src.spec)
-        _check_runs(
-            tuple(m for m in job.block.moves if m.src_rank == src.rank), {src.rank: geo.chunk}, 1 << 62
-        )
+        _check_runs(tuple(m for m in job.block.moves if m.src_rank == src.rank), {src.rank: geo.chunk}, None)
         out[src.rank] = _pages(
             geo, list(src.region_bases), job.block.src_block, job.block.positions, "source"
         )
@@ -87,8 +84,7 @@ def remote_pages(job: StateRead) -> dict[int, list[int]]:
 
 
 def dst_pages(ranks: MappedRanks, job: StateRead) -> list[int]:
+    """The destination rank's page addresses of the destination block."""
     dst = ranks.host(job.dst)
-    _check_runs(
-        tuple(m for m in job.block.moves), {m.src_rank: 1 << 62 for m in job.block.moves}, dst.geometry.chunk
-    )
+    _check_runs(job.block.moves, None, dst.geometry.chunk)
     return _pages(dst.geometry, dst.region_bases, job.block.dst_block, job.block.positions, "destination")
