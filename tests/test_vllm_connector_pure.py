@@ -586,6 +586,63 @@ def test_a_request_has_one_state_block_and_the_prefill_stops_one_token_short() -
     assert [prefill_tokens(n) for n in (1, 2, 128, 129)] == [None, 1, 127, 128]
 
 
+def test_mamba2_sharding_is_vllms_and_described_state_corresponds_across_tp_sizes() -> None:
+    """The test model (8 heads of 64, state 16, one group, conv kernel 4) at TP 1, 2 and 4: x split, the
+    one group's B and C split at TP 1 and whole on every rank above (vLLM's extra groups); SSM by heads.
+    Arrays that do not fit Mamba-2's formula stay undescribed; described arrays of one model correspond
+    at any TP size, other head splits do not."""
+    from kv_sidecar_client.vllm.groups import KVGroup, mismatch
+    from kv_sidecar_client.vllm.mamba_state import mamba2_sharding, state_arrays
+
+    model = ((3, 544), (8, 64, 16))
+
+    def at(tp: int, conv_dim_first: bool = False) -> tuple[Any, ...]:
+        channels = 512 // tp + 32  # x's share, then B and C (one group: whole at any TP size)
+        shape = (channels, 3) if conv_dim_first else (3, channels)
+        arrays = state_arrays("m0", (shape, (8 // tp, 64, 16)), ("float32", "float32"))
+        m = ((544, 3), model[1]) if conv_dim_first else model
+        return mamba2_sharding(arrays, m, tp, conv_dim_first)
+
+    one, two, four = at(1), at(2), at(4)
+    assert (one[0].tp_dim, one[0].segments) == (1, ((512, False), (16, False), (16, False)))
+    assert (two[0].tp_dim, two[0].segments) == (1, ((512, False), (16, True), (16, True)))
+    assert four[0].shape == (3, 160) and four[0].segments[1] == (16, True)
+    assert (two[1].tp_dim, two[1].segments) == (0, ((8, False),))
+    assert (at(2, True)[0].tp_dim, at(2, True)[0].shape) == (0, (288, 3))  # VLLM_SSM_CONV_STATE_LAYOUT=DS
+    # Two groups at TP 2: one per rank, split (vLLM's MergedColumnParallelLinear, no extra groups).
+    g2 = mamba2_sharding(
+        state_arrays("m0", ((3, 256 + 32), (4, 64, 16)), ("float32", "float32")),
+        ((3, 512 + 64), (8, 64, 16)),
+        2,
+        False,
+    )
+    assert g2[0].segments == ((512, False), (32, False), (32, False))
+    # Shapes that are not Mamba-2's at that TP size, or no TP 1 shapes: undescribed.
+    plain = state_arrays("m0", ((3, 300), (4, 64, 16)), ("float32", "float32"))
+    assert mamba2_sharding(plain, model, 2, False) == plain
+    bare = state_arrays("m0", ((3, 288), (4, 64, 16)), ("float32", "float32"))
+    assert mamba2_sharding(bare, None, 2, False) == bare
+    # In transfer params, and compared by the decode side.
+    attention = KVGroup(("a1", "a3"), None)
+    groups = {
+        tp: [KVGroup(("m0", "m2"), None, arrays), attention] for tp, arrays in ((1, one), (2, two), (4, four))
+    }
+    assert KVGroup.from_json(groups[2][0].to_json()) == groups[2][0]
+    assert all(mismatch(groups[a], groups[b]) is None for a in groups for b in groups)
+    heads = mamba2_sharding(
+        state_arrays("m0", ((3, 288), (8, 32, 16)), ("float32", "float32")),
+        ((3, 544), (16, 32, 16)),
+        2,
+        False,
+    )
+    assert heads[1].segments == ((16, False),)
+    assert "ssm (8, 32, 16) float32 at byte 3456) on this engine" in (
+        mismatch(groups[2], [KVGroup(("m0", "m2"), None, heads), attention]) or ""
+    )
+    undescribed = state_arrays("m0", ((3, 288), (4, 64, 16)), ("float32", "float32"))
+    assert mismatch(groups[1], [KVGroup(("m0", "m2"), None, undescribed), attention])
+
+
 def test_state_groups_in_transfer_params_and_their_mismatches() -> None:
     from kv_sidecar_client import params_to_json
     from kv_sidecar_client.client import TransferParams

@@ -49,8 +49,10 @@ def pull_request(
     ranks: Sequence[int],
     start_token: int,
     timeout_s: float,
+    group: int | None = None,
 ) -> engine_pb2.PullRequest:
-    """The Pull call's request (the sync, future and polled clients send the same one)."""
+    """The Pull call's request (the sync, future and polled clients send the same one). `group`: the KV
+    cache group of a hybrid model the pull fills (needed where the sidecar converts Mamba state)."""
     return engine_pb2.PullRequest(
         params=params,
         engine_id=engine_id,
@@ -58,6 +60,7 @@ def pull_request(
         block_ids=list(block_ids),
         start_token=start_token,
         timeout_ms=int(timeout_s * 1000),
+        group=group,
     )
 
 
@@ -271,9 +274,10 @@ class SidecarClient:
         ranks: Sequence[int] = (),
         start_token: int = 0,
         timeout_s: float | None = None,
+        group: int | None = None,
     ) -> PullResult:
         """Fill local blocks; never raises for a failed transfer (see PullResult)."""
-        return self.pull_async(params, engine_id, block_ids, ranks, start_token, timeout_s).result()
+        return self.pull_async(params, engine_id, block_ids, ranks, start_token, timeout_s, group).result()
 
     def pull_async(
         self,
@@ -283,11 +287,12 @@ class SidecarClient:
         ranks: Sequence[int] = (),
         start_token: int = 0,
         timeout_s: float | None = None,
+        group: int | None = None,
     ) -> PendingPull:
         """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
         so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
-        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout)
+        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout, group)
         if self.lane is not None:
             pending = start_lane_pull(self.lane, req, timeout)
             if pending is not None:

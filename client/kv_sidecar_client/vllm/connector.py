@@ -31,7 +31,7 @@ from kv_sidecar_client.vllm.kv_layout import (
     describe,
     transferred_layers,
 )
-from kv_sidecar_client.vllm.mamba_state import check_settings, state_arrays, state_bytes
+from kv_sidecar_client.vllm.mamba_state import check_settings, mamba2_sharding, state_arrays, state_bytes
 from kv_sidecar_client.vllm.metadata import StepOrders
 from kv_sidecar_client.vllm.scheduler import SidecarScheduler
 from kv_sidecar_client.vllm.worker import SidecarWorker
@@ -229,7 +229,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(spec, SlidingWindowSpec):
                 window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
             if len(groups) > 1 and type(spec) is MambaSpec:
-                out.append(KVGroup(tuple(g.layer_names), None, _mamba_arrays(first, spec)))
+                out.append(KVGroup(tuple(g.layer_names), None, _mamba_arrays(first, spec, self._vllm_config)))
                 continue
             # Exactly these kinds in a hybrid: subclasses (MLA, sinks, ...) are not tested with groups.
             if len(groups) > 1 and type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
@@ -438,8 +438,38 @@ def _shorten_prompt(request: Any, keep: int) -> None:
     request.max_tokens = 1  # a longer prefill would free more of the window than the decode engine needs
 
 
-def _mamba_arrays(layer: str, spec: Any) -> tuple[StateArray, ...]:
-    return state_arrays(layer, spec.shapes, [str(d).removeprefix("torch.") for d in spec.dtypes])
+def _mamba_arrays(layer: str, spec: Any, vllm_config: VllmConfig) -> tuple[StateArray, ...]:
+    """The layer's state arrays, with their TP sharding where the sidecar can convert them (Mamba-2)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    arrays = state_arrays(layer, spec.shapes, [str(d).removeprefix("torch.") for d in spec.dtypes])
+    if getattr(getattr(spec, "mamba_type", None), "name", None) != "MAMBA2":
+        return arrays
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return mamba2_sharding(arrays, _model_state_shapes(vllm_config), tp, is_conv_state_dim_first())
+
+
+def _model_state_shapes(vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...] | None:
+    """The Mamba state shapes of the model at TP 1, as vLLM computes them for any TP
+    (`get_mamba_state_shape_from_config`, the model class's own, given a copy of the config at TP 1);
+    None where that cannot be had."""
+    import copy
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        model_cls, _ = ModelRegistry.resolve_model_cls(
+            vllm_config.model_config.architecture, model_config=vllm_config.model_config
+        )
+        at_one = copy.copy(vllm_config)
+        parallel = copy.copy(vllm_config.parallel_config)
+        object.__setattr__(parallel, "tensor_parallel_size", 1)
+        object.__setattr__(at_one, "parallel_config", parallel)
+        shapes = model_cls.get_mamba_state_shape_from_config(at_one)
+        return tuple(tuple(int(x) for x in shape) for shape in shapes)
+    except Exception as e:  # undescribed: such state moves only between engines of one TP size
+        log.info("KVSidecarConnector: no Mamba state shapes at TP 1 (%s); state converts only at equal TP", e)
+        return None
 
 
 def _state_views(vllm_config: VllmConfig, name: str) -> tuple[torch.Tensor, ...]:

@@ -39,16 +39,50 @@ class StateArray:
     shape: tuple[int, ...]
     dtype: str  # torch's name without "torch."
     offset: int
+    # How TP shards it (the sidecar's StateArray; empty: not described): dim `tp_dim` of `shape` is this
+    # rank's share of each (model size, replicated) segment, in order (mamba_state.mamba2_sharding).
+    tp_dim: int = 0
+    segments: tuple[tuple[int, bool], ...] = ()
 
     def describe(self) -> str:
         return f"{self.name} {self.shape} {self.dtype} at byte {self.offset}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset}
+        d: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "offset": self.offset,
+        }
+        if self.segments:
+            d["tp_dim"] = self.tp_dim
+            d["segments"] = [{"size": n, "replicated": r} for n, r in self.segments]
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StateArray:
-        return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]), int(d["offset"]))
+        return cls(
+            str(d["name"]),
+            tuple(int(x) for x in d["shape"]),
+            str(d["dtype"]),
+            int(d["offset"]),
+            int(d.get("tp_dim", 0)),
+            tuple((int(g["size"]), bool(g.get("replicated", False))) for g in d.get("segments", ())),
+        )
+
+    def corresponds(self, other: StateArray) -> bool:
+        """Whether the sidecar converts this array into `other` (plan/state.check_state_pair): the same
+        array, or both sharded the same way over the model and alike beyond their TP-sharded dim."""
+        if self == other:
+            return True
+        if not self.segments or not other.segments or len(self.shape) != len(other.shape):
+            return False
+        beyond = [i for i in range(len(self.shape)) if i != self.tp_dim]
+        return (
+            (self.name, self.dtype, self.tp_dim) == (other.name, other.dtype, other.tp_dim)
+            and [n for n, _ in self.segments] == [n for n, _ in other.segments]
+            and [self.shape[i] for i in beyond] == [other.shape[i] for i in beyond]
+        )
 
 
 @dataclass(frozen=True)
@@ -117,7 +151,10 @@ def mismatch(prefill: Sequence[KVGroup], own: Sequence[KVGroup]) -> str | None:
                     f"KV cache group {g}, position {j}: the prefill engine has layer {a} there, this "
                     f"engine {b}"
                 )
-        if theirs.window != mine.window or theirs.state != mine.state:
+        converts = len(theirs.state) == len(mine.state) and all(
+            a.corresponds(b) for a, b in zip(theirs.state, mine.state, strict=True)
+        )
+        if theirs.window != mine.window or not converts:
             return (
                 f"layer {mine.layers[0] if mine.layers else '?'} (KV cache group {g}) is {theirs.kind} on "
                 f"the prefill engine and {mine.kind} on this engine"

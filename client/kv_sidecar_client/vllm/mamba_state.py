@@ -24,6 +24,7 @@ Pure: plain values, no vLLM or torch import.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from math import prod
 
 from kv_sidecar_client.vllm.groups import StateArray
@@ -68,6 +69,50 @@ def state_arrays(
         out.append(StateArray(name, tuple(int(s) for s in shape), dtype, offset))
         offset += prod(shape) * DTYPE_SIZES[dtype]
     return tuple(out)
+
+
+def mamba2_sharding(
+    arrays: Sequence[StateArray],
+    model_shapes: Sequence[Sequence[int]] | None,
+    tp_size: int,
+    conv_dim_first: bool,
+) -> tuple[StateArray, ...]:
+    """A Mamba-2 layer's (conv, ssm) arrays with how vLLM 0.32 shards them over `tp_size` ranks, from
+    their shapes at TP 1 (`model_shapes`), so that the sidecar can convert them between TP sizes.
+
+    vLLM (mamba_utils.mamba2_state_shape, MambaMixer2): the conv state's channels are x (intermediate
+    size = heads x head_dim), then B and C (n_groups x state size each), each split over the ranks on
+    its own (conv1d is a MergedColumnParallelLinear of those three); where n_groups does not divide TP
+    (vLLM allows only n_groups 1 then), every rank holds the one group's B and C whole
+    (`extra_groups_for_head_shards`, `mamba_v2_sharded_weight_loader` with duplicate_groups). The
+    channels are the conv state's last dim (layout SD) or first (DS). The SSM state (heads, head_dim,
+    state size) is split by heads. Arrays whose shapes do not fit that are returned undescribed (the
+    sidecar then moves them only between engines of the same TP size)."""
+    if model_shapes is None or len(arrays) != 2 or len(model_shapes) != 2:
+        return tuple(arrays)
+    conv, ssm = arrays
+    conv1, ssm1 = (tuple(int(x) for x in s) for s in model_shapes)
+    k = 0 if conv_dim_first else 1
+    if len(conv.shape) != 2 or len(conv1) != 2 or len(ssm.shape) != 3 or len(ssm1) != 3:
+        return tuple(arrays)
+    heads, head_dim, state_size = ssm1
+    x = heads * head_dim
+    groups_size, odd = divmod(conv1[k] - x, 2)
+    n_groups = groups_size // state_size if state_size else 0
+    if odd or n_groups <= 0 or n_groups * state_size != groups_size or heads % tp_size or x % tp_size:
+        return tuple(arrays)
+    replicated = n_groups % tp_size != 0
+    if replicated and n_groups != 1:
+        return tuple(arrays)  # vLLM refuses such an engine; nothing to describe
+    local_groups = groups_size if replicated else groups_size // tp_size
+    want_conv = list(conv1)
+    want_conv[k] = x // tp_size + 2 * local_groups
+    if list(conv.shape) != want_conv or ssm.shape != (heads // tp_size, head_dim, state_size):
+        return tuple(arrays)
+    return (
+        replace(conv, tp_dim=k, segments=((x, False), (groups_size, replicated), (groups_size, replicated))),
+        replace(ssm, tp_dim=0, segments=((heads, False),)),
+    )
 
 
 def state_bytes(arrays: Sequence[StateArray]) -> int:

@@ -19,6 +19,9 @@ class PullOrder:
     # must compute the request from its start, not from the first unfilled block.
     restart_on_failure: bool = False
     error: str = ""  # set: do not pull; the load failed for this reason (vLLM recomputes the request)
+    # A hybrid model's KV cache group this pull fills (None: a model of one group). The sidecar needs it
+    # where it converts a Mamba group's state between TP sizes (PullRequest.group).
+    group: int | None = None
 
 
 @dataclass

@@ -351,11 +351,11 @@ class SidecarScheduler:
             return
         orders = []
         groups = self.groups or [None] * len(plist)
-        for group, params, (block_ids, num_cached_blocks, num_null_blocks) in zip(
-            groups, plist, tables, strict=True
+        for g, (group, params, (block_ids, num_cached_blocks, num_null_blocks)) in enumerate(
+            zip(groups, plist, tables, strict=True)
         ):
             if group is not None and group.state:
-                orders.append(self._state_order(request, group, params, block_ids))
+                orders.append(self._state_order(request, g, group, params, block_ids))
                 continue
             first = num_null_blocks + num_cached_blocks
             need = -(-params.num_tokens // self.block_size) - first
@@ -372,6 +372,7 @@ class SidecarScheduler:
                     # a partial recompute would miss): a failed pull computes the request from its start.
                     restart_on_failure=num_null_blocks > 0 or len(plist) > 1,
                     error=error,
+                    group=g if group is not None else None,
                 )
             )
         with self._lock:
@@ -383,15 +384,18 @@ class SidecarScheduler:
                 self._orders.group_pulls[req_id] = orders
 
     def _state_order(
-        self, request: Any, group: KVGroup, params: TransferParams, block_ids: Sequence[int]
+        self, request: Any, g: int, group: KVGroup, params: TransferParams, block_ids: Sequence[int]
     ) -> PullOrder:
-        """A Mamba group: the prefill's state block into this request's one state block, whole."""
+        """A Mamba group (group `g`): the prefill's state block into this request's one state block (whole,
+        or converted by the sidecar between TP sizes)."""
         error = ""
         try:
             blocks = [state_block(request.request_id, group.layers[0], block_ids, NULL_BLOCK_ID)]
         except UnsupportedMambaState as e:
             blocks, error = [], str(e)
-        return PullOrder(json.loads(params_to_json(params)), blocks, 0, restart_on_failure=True, error=error)
+        return PullOrder(
+            json.loads(params_to_json(params)), blocks, 0, restart_on_failure=True, error=error, group=g
+        )
 
     def finished_loading(
         self, req_ids: Sequence[str], failed: Collection[str] = (), invalid_blocks: Collection[int] = ()

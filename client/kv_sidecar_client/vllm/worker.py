@@ -174,6 +174,7 @@ class SidecarWorker:
                 ranks=[self.rank],
                 start_token=order.start_token,
                 timeout_s=self.config.pull_timeout_s,
+                group=order.group,
             )
         except Exception as e:  # never lose a request: report it with every block unfilled
             failed = PullResult(

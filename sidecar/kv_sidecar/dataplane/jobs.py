@@ -18,6 +18,7 @@ import numpy as np
 
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.plan.state import StateMove
 
 HOST = -1  # the device key of host memory (a CUDA ordinal otherwise)
 
@@ -140,6 +141,41 @@ class ConvertedRead:
     plan: PairPlan
     heads: tuple[int, int] | None
     tokens: Tokens
+
+
+@dataclass(frozen=True)
+class StateBlock:
+    """One request's Mamba state block into one decode rank: the plan's byte runs (plan/state.py) from
+    the source ranks' block `src_block` into block `dst_block` here, in each of the group's first
+    `positions` layer positions (regions)."""
+
+    src_block: int
+    dst_block: int
+    positions: int
+    moves: tuple[StateMove, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions * sum(m.nbytes for m in self.moves)
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """host-direct for a Mamba group whose state is converted: `sources[q]` is prefill rank q here."""
+
+    dst: RankKey
+    sources: tuple[RankKey, ...]
+    block: StateBlock
+
+
+@dataclass(frozen=True)
+class StateRead:
+    """host-nixl-state: NIXL READs of a Mamba group's state runs straight into the destination block,
+    one READ per source rank (`sources`: the ranks the runs read)."""
+
+    dst: RankKey
+    sources: tuple[RemoteRank, ...]
+    block: StateBlock
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, BlockReads, ConvertedRead, Halt, RemoteRank
+from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, BlockReads, ConvertedRead, Halt, RemoteRank, StateRead
 from kv_sidecar.dataplane.ranks import MappedRanks
+from kv_sidecar.dataplane.state_copies import dst_pages, remote_pages, state_descriptors
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.metrics import Metrics
@@ -208,3 +209,25 @@ class NixlReads:
         last_dst = math.ceil((t1 - t.start_token) / bd)
         dst = self._ranks.host(job.dst)
         return copy_request(view, dst.view, job.heads, staged_ids, t.dst_blocks[first_dst:last_dst], t1, t0)
+
+    def read_state(self, job: StateRead, halt: Halt) -> int:
+        """A Mamba state block's runs, one READ per source rank straight into the destination block
+        (no staging: the runs are already where the destination keeps them); all posted, then waited."""
+        halt.remaining()  # stopped before touching (possibly unregistered) memory
+        pages = dst_pages(self._ranks, job)
+        src_pages = remote_pages(job)
+        posted: list[PostedRead] = []
+        try:
+            for src in job.sources:
+                local, remote = state_descriptors(job.block, src.rank, src_pages[src.rank], pages)
+                if not len(local):
+                    continue
+                fut = self._nixl.read(src.agent, local, remote, b"", halt.remaining())
+                self._metrics.nixl_descriptors.observe(len(local))
+                self._metrics.inflight.inc()
+                posted.append(PostedRead(fut, int(local[:, 1].sum())))
+        except BaseException:
+            self.abandon(posted)
+            raise
+        self.finish(posted, halt)
+        return job.block.nbytes

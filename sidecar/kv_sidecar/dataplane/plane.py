@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kv_sidecar.config import Settings
-from kv_sidecar.dataplane import local_copies
+from kv_sidecar.dataplane import local_copies, state_copies
 from kv_sidecar.dataplane.jobs import (
     HOST,
     BlockReads,
@@ -30,6 +30,8 @@ from kv_sidecar.dataplane.jobs import (
     Receive,
     Send,
     ShmTensor,
+    StateCopy,
+    StateRead,
 )
 from kv_sidecar.dataplane.nixl_reads import NixlReads, PostedRead
 from kv_sidecar.dataplane.ranks import MappedRanks
@@ -181,6 +183,14 @@ class DataPlane:
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
+
+    def copy_state(self, job: StateCopy, halt: Halt) -> int:
+        """host-direct of a converted Mamba state block (host ranks only: the caller checked)."""
+        return state_copies.copy_state_local(self.ranks, job, halt)
+
+    def read_state(self, job: StateRead, halt: Halt) -> int:
+        """host-nixl-state: a converted Mamba state block READ from another sidecar's host ranks."""
+        return self._reads.read_state(job, halt)
 
     def post_reads(self, job: BlockReads, halt: Halt) -> list[PostedRead]:
         return self._reads.post(job, halt)

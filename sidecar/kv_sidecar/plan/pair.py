@@ -6,7 +6,10 @@ heads it holds, every prefill rank offers the heads it holds, and a read is
 the intersection of the two. Ranks that hold replicated heads (tp > heads)
 or an MLA latent (replicated everywhere) are read from by exactly one decode
 rank per head; the other holders are only told "consumed" (`notify_only`), so
-every prefill rank learns when it may free its blocks.
+every prefill rank learns when it may free its blocks. A Mamba group's state
+(plan/state.py) may lie on prefill ranks whose heads a decode rank does not
+read (fewer KV heads than ranks): those ranks are in its `notify_only` too, so
+they keep their blocks until it is done.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from kv_sidecar.plan.spec import MUST_MATCH, EngineSpec, PlanError, rank_block_bytes, token_bytes_per_head
+from kv_sidecar.plan.state import StateMove, check_state_pair, state_moves, state_sources
 
 PRECONDITION = "FAILED_PRECONDITION"
 
@@ -52,6 +56,9 @@ class PairPlan:
     prefill: EngineSpec
     decode: EngineSpec
     decode_ranks: tuple[DecodeRankPlan, ...]
+    # Per KV cache group (empty: no groups), for a Mamba group the byte runs of each decode rank's state
+    # block (plan/state.py), else None. Derived from the two specs, so the hash need not cover it.
+    state: tuple[tuple[tuple[StateMove, ...], ...] | None, ...] = ()
 
     def mapping_json(self) -> list[dict[str, Any]]:
         return [rank_plan.to_json() for rank_plan in self.decode_ranks]
@@ -85,7 +92,26 @@ class PairPlan:
                 {**rank_plan.to_json(), "bytes_per_token": self.read_bytes_per_token(rank_plan)}
                 for rank_plan in self.decode_ranks
             ],
+            **(
+                {
+                    "state_moves": {
+                        str(g): [[m.to_json() for m in rank] for rank in moves]
+                        for g, moves in enumerate(self.state)
+                        if moves is not None
+                    }
+                }
+                if any(m is not None for m in self.state)
+                else {}
+            ),
         }
+
+    def state_moves(self, group: int) -> tuple[tuple[StateMove, ...], ...]:
+        """Each decode rank's byte runs of Mamba group `group`'s state block; INVALID_ARGUMENT if the
+        group is not one."""
+        moves = self.state[group] if 0 <= group < len(self.state) else None
+        if moves is None:
+            raise PlanError(f"KV cache group {group} is not a Mamba state group of the decode engine")
+        return moves
 
     def read_bytes_per_token(self, rank_plan: DecodeRankPlan) -> list[int]:
         """Bytes one token moves for each of `rank_plan.reads` (all layers, K and V)."""
@@ -173,32 +199,36 @@ def _check_groups(prefill: EngineSpec, decode: EngineSpec) -> None:
                     f"KV cache group {i} differs at layer position {j}: prefill layer {a}, decode layer {b}",
                     PRECONDITION,
                 )
-        if p.sliding_window != d.sliding_window or p.state != d.state:
+        if p.sliding_window != d.sliding_window or bool(p.state) != bool(d.state):
             raise PlanError(
                 f"KV cache group {i} (layer {p.layers[0]}) differs: prefill {p.kind}, decode {d.kind}",
                 PRECONDITION,
             )
         if p.state:
-            _check_state_geometry(i, p.layers[0], prefill, decode)
+            # Its state moves as byte runs inside the blocks (plan/state.py), whatever the page geometry.
+            check_state_pair(i, prefill, decode, p, d)
 
 
-# What two engines must share for a Mamba group's block to be copied as it is: its state lies at fixed
-# byte offsets of the block, split over TP ranks by Mamba heads and conv channels (not KV heads), and
-# the block is one page of the layer position's region, whose size the attention geometry sets.
-STATE_GEOMETRY = ("tp_size", "block_size", "kernel_block_size", "layout", "num_kv_heads", "head_dim", "dtype")
+def _state_plans(
+    prefill: EngineSpec, decode: EngineSpec
+) -> tuple[tuple[tuple[StateMove, ...], ...] | None, ...]:
+    """Each Mamba group's state moves (None for the other groups)."""
+    return tuple(
+        state_moves(prefill, decode, p, d) if p.state else None
+        for p, d in zip(prefill.groups, decode.groups, strict=True)
+    )
 
 
-def _check_state_geometry(group: int, layer: str, prefill: EngineSpec, decode: EngineSpec) -> None:
-    """A Mamba group moves whole state blocks, byte for byte: refuse engines whose blocks differ."""
-    for name in STATE_GEOMETRY:
-        p, d = getattr(prefill, name), getattr(decode, name)
-        if p != d:
-            shown = (p.value, d.value) if name == "layout" else (p, d)
-            raise PlanError(
-                f"KV cache group {group} (layer {layer}) holds Mamba state, which moves only between engines "
-                f"of the same TP size and page geometry; {name} differs: prefill {shown[0]}, decode {shown[1]}",
-                PRECONDITION,
-            )
+def _state_dependencies(
+    state: tuple[tuple[tuple[StateMove, ...], ...] | None, ...],
+    reads: list[list[Read]],
+    notify: list[set[int]],
+) -> None:
+    """Add to a decode rank's `notify` the prefill ranks its state runs read but its attention reads do
+    not, so that they count it among their consumers and keep the request's blocks until it is done."""
+    for moves in state:
+        for d, rank_moves in enumerate(moves or ()):
+            notify[d] |= state_sources(rank_moves) - {r.prefill_rank for r in reads[d]}
 
 
 def plan_pair(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
@@ -210,11 +240,13 @@ def plan_pair(prefill: EngineSpec, decode: EngineSpec) -> PairPlan:
     else:
         reads = [_merge_reads(_head_sources(prefill, decode, d)) for d in range(decode.tp_size)]
     notify = _notify_only(prefill, decode, reads)
+    state = _state_plans(prefill, decode)
+    _state_dependencies(state, reads, notify)
     ranks = tuple(
         DecodeRankPlan(rank=d, reads=tuple(reads[d]), notify_only=tuple(sorted(notify[d])))
         for d in range(decode.tp_size)
     )
-    return PairPlan(prefill=prefill, decode=decode, decode_ranks=ranks)
+    return PairPlan(prefill=prefill, decode=decode, decode_ranks=ranks, state=state)
 
 
 def _holders(spec: EngineSpec, head: int) -> list[int]:

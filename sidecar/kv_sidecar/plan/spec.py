@@ -102,17 +102,61 @@ def _positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True)
+class StateSegment:
+    """A run of a state array's TP-sharded dim that TP shards on its own: vLLM shards Mamba-2's conv
+    channels as x, then B, then C, each split separately, so a rank holds its slice of each, back to
+    back. `size` is the run's length in the model (over all ranks); `replicated`: every rank holds all
+    of it (vLLM's one group of B and C when TP > 1, `extra_groups_for_head_shards`), else rank r holds
+    [r * size / tp, (r + 1) * size / tp)."""
+
+    size: int
+    replicated: bool = False
+
+    def local(self, tp_size: int) -> int:
+        """Its length on one rank of an engine of `tp_size` ranks."""
+        return self.size if self.replicated else self.size // tp_size
+
+    def held(self, tp_size: int, rank: int) -> tuple[int, int]:
+        """The model indices [start, stop) rank `rank` holds."""
+        if self.replicated:
+            return (0, self.size)
+        n = self.size // tp_size
+        return (rank * n, rank * n + n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "replicated": self.replicated}
+
+
+@dataclass(frozen=True)
 class StateArray:
     """One array of a Mamba layer's per-request state on one rank (vLLM's MambaSpec shapes and dtypes):
-    contiguous, `offset` bytes into its block."""
+    contiguous, `offset` bytes into its block.
+
+    `segments` (empty: not described) say how TP shards it: dim `tp_dim` of `shape` is this rank's
+    part of each segment, in order; every other dim is the model's. The planner converts state between
+    TP sizes only where both engines describe it (plan/state.py)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     offset: int
+    tp_dim: int = 0
+    segments: tuple[StateSegment, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(
+            self,
+            "segments",
+            tuple(s if isinstance(s, StateSegment) else StateSegment(**s) for s in self.segments),
+        )
+
+    def sharding(self) -> str:
+        """How TP shards it, for messages: e.g. "dim 1 = [512, 16 replicated, 16 replicated]"."""
+        if not self.segments:
+            return "sharding not described"
+        runs = ", ".join(f"{s.size}{' replicated' if s.replicated else ''}" for s in self.segments)
+        return f"dim {self.tp_dim} = [{runs}]"
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +169,16 @@ class StateArray:
         return f"{self.name} {self.shape} {self.dtype} at byte {self.offset}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset}
+        d: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "offset": self.offset,
+        }
+        if self.segments:  # an undescribed array reads (and hashes) as before sharding was described
+            d["tp_dim"] = self.tp_dim
+            d["segments"] = [s.to_dict() for s in self.segments]
+        return d
 
 
 @dataclass(frozen=True)
@@ -279,11 +332,36 @@ class EngineSpec:
                     f"{where}: state array {a.describe()} ({a.nbytes} bytes) does not fit in a block of "
                     f"{block} bytes of its layer position"
                 )
+            if a.segments:
+                self._validate_sharding(where, a)
             spans.append((a.offset, a.offset + a.nbytes, a.name))
         spans.sort()
         for (_, end, first), (start, _, second) in pairwise(spans):
             if start < end:
                 raise PlanError(f"{where}: state arrays {first} and {second} overlap")
+
+    def _validate_sharding(self, where: str, a: StateArray) -> None:
+        """The segments describe this rank's `tp_dim` exactly, each split evenly over the TP ranks."""
+        if len(a.segments) > 16:
+            raise PlanError(
+                f"{where}: state array {a.name} has {len(a.segments)} segments, above the maximum 16"
+            )
+        if isinstance(a.tp_dim, bool) or not isinstance(a.tp_dim, int) or not 0 <= a.tp_dim < len(a.shape):
+            raise PlanError(f"{where}: state array {a.name} shape {a.shape} has no dim {a.tp_dim!r} to shard")
+        for s in a.segments:
+            if isinstance(s.size, bool) or not isinstance(s.size, int) or s.size <= 0:
+                raise PlanError(f"{where}: state array {a.name} has a segment of size {s.size!r}")
+            if not s.replicated and s.size % self.tp_size:
+                raise PlanError(
+                    f"{where}: state array {a.name}'s segment of {s.size} does not split evenly over "
+                    f"tp_size {self.tp_size}"
+                )
+        local = sum(s.local(self.tp_size) for s in a.segments)
+        if local != a.shape[a.tp_dim]:
+            raise PlanError(
+                f"{where}: state array {a.name} {a.sharding()} holds {local} per rank at tp_size "
+                f"{self.tp_size}, its shape {a.shape} {a.shape[a.tp_dim]}"
+            )
 
     # -- derived geometry -------------------------------------------------
     @property

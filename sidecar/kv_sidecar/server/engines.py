@@ -13,7 +13,7 @@ from typing import Protocol
 from kv_sidecar.dataplane.jobs import IpcTensorRef, RankKey, RankMemory, ShmTensor
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
-from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError, StateArray
+from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError, StateArray, StateSegment
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,17 @@ def _build_spec(msg: common_pb2.EngineSpec) -> EngineSpec:
             KVGroupSpec(
                 tuple(g.layers),
                 g.sliding_window,
-                tuple(StateArray(a.name, tuple(a.shape), a.dtype, a.offset) for a in g.state),
+                tuple(
+                    StateArray(
+                        a.name,
+                        tuple(a.shape),
+                        a.dtype,
+                        a.offset,
+                        a.tp_dim,
+                        tuple(StateSegment(s.size, s.replicated) for s in a.segments),
+                    )
+                    for a in g.state
+                ),
             )
             for g in msg.groups
         ),

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 
 from kv_sidecar.config import Settings
-from kv_sidecar.dataplane.jobs import BlockReads, ConvertedRead
+from kv_sidecar.dataplane.jobs import BlockReads, ConvertedRead, StateRead
 from kv_sidecar.dataplane.plane import DataPlane, PostedRead
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address
 from kv_sidecar.metrics import Metrics
@@ -40,7 +40,14 @@ from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import DirectPulls
-from kv_sidecar.server.pull_job import PullJob, build_job, unfilled_blocks
+from kv_sidecar.server.pull_job import (
+    PullJob,
+    build_job,
+    build_state_job,
+    state_blocks,
+    state_group,
+    unfilled_blocks,
+)
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
 from kv_sidecar.server.staged_reader import StagedReader
@@ -50,6 +57,8 @@ from kv_sidecar.transport.notifications import done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
+
+PATH_STATE = "host-nixl-state"  # a Mamba group's state converted: its runs READ into the state blocks
 
 
 class _Retry(Exception):
@@ -355,8 +364,8 @@ class Puller:
         several local ranks, several holders). Unlike an early READ this needs no lease check: the
         source opens and checks the request before it WRITEs anything."""
         p = req.params
-        if not self._staged(remote, local):
-            return None
+        if not self._staged(remote, local) or state_group(req, remote.plan) is not None:
+            return None  # a converted Mamba state: the usual path says what is wrong
         if len({remote.memory_kind == "VRAM", *(e.on_gpu for e in local)}) > 1:
             return None  # host and GPU memory mixed: the usual path says what is wrong
         if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
@@ -385,6 +394,9 @@ class Puller:
         after: Later,
     ) -> tuple[int, str]:
         p = req.params
+        group = state_group(req, remote.plan)
+        if group is not None:
+            return self._read_state(req, local, remote, group, opened, cancel, deadline, after)
         job = build_job(
             req,
             local,
@@ -420,6 +432,35 @@ class Puller:
         if ring:
             return nbytes, _ring_path(job)
         return nbytes, "host-nixl" if identity else "host-nixl-staged"
+
+    def _read_state(
+        self,
+        req: engine_pb2.PullRequest,
+        local: list[RankEntry],
+        remote: RemoteEngine,
+        group: int,
+        opened: peer_pb2.OpenReadResponse,
+        cancel: PullTicket,
+        deadline: float,
+        after: Later,
+    ) -> tuple[int, str]:
+        """host-nixl-state: a Mamba group's state converted between TP sizes (or page geometries), its
+        runs READ straight into each local rank's state block. Host memory over NIXL READs only."""
+        if remote.memory_kind != "DRAM" or any(e.on_gpu for e in local) or self._host_ring:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"KV cache group {group} (layer {remote.plan.decode.groups[group].layers[0]}) holds Mamba state "
+                "that these engines keep differently (another TP size or page geometry); it is converted only "
+                "between host-memory engines over NIXL READs, not on GPU memory or with host_transfer: ring",
+            )
+        job = build_state_job(req, local, remote.plan, group, list(opened.block_ids), cancel, deadline)
+        nbytes = 0
+        for entry, block in zip(job.local, state_blocks(job, group), strict=True):
+            job.remaining()  # stopped before touching (possibly unregistered) memory
+            sources = tuple(remote.remote_rank(q) for q in sorted({m.src_rank for m in block.moves}))
+            nbytes += self._plane.read_state(StateRead(entry.key, sources, block), job)
+        after.append(functools.partial(self._notify_done, req, remote, job))
+        return nbytes, PATH_STATE
 
     def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:
         """Tell each source sidecar which of its ranks each local rank is done with. A pull runs this

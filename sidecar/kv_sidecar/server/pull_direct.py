@@ -5,10 +5,11 @@ data plane's (dataplane/local_copies.py); no NIXL, no peer.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
-from kv_sidecar.dataplane.jobs import LocalCopy, RankRead
+from kv_sidecar.dataplane.jobs import LocalCopy, RankRead, StateCopy
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.server.engine_calls import Later
@@ -17,7 +18,7 @@ from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import PublishedStore
-from kv_sidecar.server.pull_job import PullJob, build_job
+from kv_sidecar.server.pull_job import PullJob, build_job, build_state_job, state_blocks, state_group
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 PATH_DIRECT = "gpu-direct"
@@ -78,13 +79,44 @@ class DirectPulls:
             [e.rank for e in local],
             deadline - time.monotonic(),
         )
-        job = build_job(req, local, plan, item.block_ids, item.num_tokens, cancel, deadline, item.first_token)
+        group = state_group(req, plan)
         try:
+            if group is not None:
+                job = build_state_job(req, local, plan, group, list(item.block_ids), cancel, deadline)
+                return self._copy_state(job, group, src_ranks, after)
+            job = build_job(
+                req, local, plan, item.block_ids, item.num_tokens, cancel, deadline, item.first_token
+            )
             return self._copy(job, src_ranks, after)
         except Exception:
             if release_now(cancel):
                 self._release(p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
             raise
+
+    def _copy_state(
+        self, job: PullJob, group: int, src_ranks: list[RankEntry], after: Later
+    ) -> tuple[int, str]:
+        """A Mamba group's state converted between TP sizes (or page geometries): its runs copied into
+        each local rank's state block; host memory only. "consumed" as for `_copy`."""
+        if any(e.on_gpu for e in [*src_ranks, *job.local]):
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"KV cache group {group} (layer {job.plan.decode.groups[group].layers[0]}) holds Mamba state that "
+                "these engines keep differently (another TP size or page geometry); it is converted only between "
+                "host-memory engines",
+            )
+        sources = tuple(e.key for e in src_ranks)
+        nbytes = 0
+        for entry, block in zip(job.local, state_blocks(job, group), strict=True):
+            nbytes += self._plane.copy_state(StateCopy(entry.key, sources, block), job)
+        after.append(functools.partial(self._mark_done, job))
+        return nbytes, "host-direct"
+
+    def _mark_done(self, job: PullJob) -> None:
+        p = job.params
+        for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
+            done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
+            self._published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
 
     def _copy(self, job: PullJob, src_ranks: list[RankEntry], after: Later) -> tuple[int, str]:
         """The copies, then "consumed" once the pull has answered (`after`): the prefill engine frees

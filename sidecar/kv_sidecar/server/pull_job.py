@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kv_sidecar.dataplane.jobs import Tokens
+from kv_sidecar.dataplane.jobs import StateBlock, Tokens
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.blocks import check_pull, source_block_list
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
+from kv_sidecar.plan.state import check_state_pull
 from kv_sidecar.server.engines import RankEntry
 from kv_sidecar.server.inflight import stopped_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
@@ -104,3 +105,53 @@ def build_job(
         deadline,
         cancel,
     )
+
+
+def state_group(req: engine_pb2.PullRequest, plan: PairPlan) -> int | None:
+    """The Mamba group whose state this pull converts (plan/state.py); None where its blocks move as
+    tokens, which includes every pull of an identity plan (a state block is then copied whole).
+    A converting plan's pulls must name their group: a state record is one block, which moved as
+    tokens would land as attention bytes."""
+    if plan.is_identity() or all(moves is None for moves in plan.state):
+        return None
+    g = next(i for i, moves in enumerate(plan.state) if moves is not None)
+    if not req.HasField("group"):
+        raise SidecarError(
+            Code.FAILED_PRECONDITION,
+            f"engines {req.params.engine_id!r} and {req.engine_id!r} convert the Mamba state of KV cache group "
+            f"{g} (layer {plan.decode.groups[g].layers[0]}): a pull between them must name its KV cache group "
+            "(PullRequest.group; the connector of this version does)",
+        )
+    if req.group >= len(plan.state):
+        raise SidecarError(
+            Code.INVALID_ARGUMENT,
+            f"group {req.group} is out of range: the engines have {len(plan.state)} groups",
+        )
+    return req.group if plan.state[req.group] is not None else None
+
+
+def build_state_job(
+    req: engine_pb2.PullRequest,
+    local: list[RankEntry],
+    plan: PairPlan,
+    group: int,
+    src_blocks: list[int],
+    cancel: threading.Event,
+    deadline: float,
+) -> PullJob:
+    """A pull of Mamba group `group`'s state block (its record's one block) into the request's one block."""
+    check_state_pull(plan.prefill, plan.decode, group, src_blocks, list(req.block_ids), req.start_token)
+    src = np.asarray(src_blocks, dtype=np.int64)
+    dst = np.asarray(list(req.block_ids), dtype=np.int64)
+    return PullJob(req.params, local, plan, src, dst, req.params.num_tokens, 0, deadline, cancel)
+
+
+def state_blocks(job: PullJob, group: int) -> list[StateBlock]:
+    """Each local rank's state block of the job: its runs (plan/state.py) in each of the group's layer
+    positions."""
+    moves = job.plan.state_moves(group)
+    positions = len(job.plan.decode.groups[group].layers)
+    return [
+        StateBlock(int(job.src_blocks[0]), int(job.dst_blocks[0]), positions, moves[e.rank])
+        for e in job.local
+    ]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\"\xfc\x01\n\nEngineSpec\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x19\n\x11kernel_block_size\x18\t \x01(\r\x12\x13\n\x0b\x63ross_layer\x18\n \x01(\x08\x12*\n\x06groups\x18\x0b \x03(\x0b\x32\x1a.kvsidecar.v1.KVCacheGroup\"_\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\t\x12\x16\n\x0esliding_window\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x03(\x0b\x32\x18.kvsidecar.v1.StateArray\"H\n\nStateArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\")\n\tShmTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"D\n\rCudaIpcTensor\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\xa0\x01\n\x0cTensorHandle\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvsidecar.v1.ShmTensorH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.kvsidecar.v1.CudaIpcTensorH\x00\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0f\n\x07strides\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\tB\x08\n\x06memory\"\xc0\x01\n\x0eTransferParams\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x17\n\x0fsidecar_address\x18\x02 \x01(\t\x12\x12\n\nsidecar_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\"\xfc\x01\n\nEngineSpec\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x19\n\x11kernel_block_size\x18\t \x01(\r\x12\x13\n\x0b\x63ross_layer\x18\n \x01(\x08\x12*\n\x06groups\x18\x0b \x03(\x0b\x32\x1a.kvsidecar.v1.KVCacheGroup\"_\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\t\x12\x16\n\x0esliding_window\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x03(\x0b\x32\x18.kvsidecar.v1.StateArray\"\x86\x01\n\nStateArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06tp_dim\x18\x05 \x01(\r\x12,\n\x08segments\x18\x06 \x03(\x0b\x32\x1a.kvsidecar.v1.StateSegment\"0\n\x0cStateSegment\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x12\n\nreplicated\x18\x02 \x01(\x08\")\n\tShmTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"D\n\rCudaIpcTensor\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\xa0\x01\n\x0cTensorHandle\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvsidecar.v1.ShmTensorH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.kvsidecar.v1.CudaIpcTensorH\x00\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0f\n\x07strides\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\tB\x08\n\x06memory\"\xc0\x01\n\x0eTransferParams\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x17\n\x0fsidecar_address\x18\x02 \x01(\t\x12\x12\n\nsidecar_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESPEC']._serialized_end=296
   _globals['_KVCACHEGROUP']._serialized_start=298
   _globals['_KVCACHEGROUP']._serialized_end=393
-  _globals['_STATEARRAY']._serialized_start=395
-  _globals['_STATEARRAY']._serialized_end=467
-  _globals['_SHMTENSOR']._serialized_start=469
-  _globals['_SHMTENSOR']._serialized_end=510
-  _globals['_CUDAIPCTENSOR']._serialized_start=512
-  _globals['_CUDAIPCTENSOR']._serialized_end=580
-  _globals['_TENSORHANDLE']._serialized_start=583
-  _globals['_TENSORHANDLE']._serialized_end=743
-  _globals['_TRANSFERPARAMS']._serialized_start=746
-  _globals['_TRANSFERPARAMS']._serialized_end=938
+  _globals['_STATEARRAY']._serialized_start=396
+  _globals['_STATEARRAY']._serialized_end=530
+  _globals['_STATESEGMENT']._serialized_start=532
+  _globals['_STATESEGMENT']._serialized_end=580
+  _globals['_SHMTENSOR']._serialized_start=582
+  _globals['_SHMTENSOR']._serialized_end=623
+  _globals['_CUDAIPCTENSOR']._serialized_start=625
+  _globals['_CUDAIPCTENSOR']._serialized_end=693
+  _globals['_TENSORHANDLE']._serialized_start=696
+  _globals['_TENSORHANDLE']._serialized_end=856
+  _globals['_TRANSFERPARAMS']._serialized_start=859
+  _globals['_TRANSFERPARAMS']._serialized_end=1051
 # @@protoc_insertion_point(module_scope)

@@ -43,16 +43,28 @@ class KVCacheGroup(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., state: _Optional[_Iterable[_Union[StateArray, _Mapping]]] = ...) -> None: ...
 
 class StateArray(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "offset")
+    __slots__ = ("name", "shape", "dtype", "offset", "tp_dim", "segments")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TP_DIM_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     offset: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    tp_dim: int
+    segments: _containers.RepeatedCompositeFieldContainer[StateSegment]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., tp_dim: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StateSegment, _Mapping]]] = ...) -> None: ...
+
+class StateSegment(_message.Message):
+    __slots__ = ("size", "replicated")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    replicated: bool
+    def __init__(self, size: _Optional[int] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("name", "offset")

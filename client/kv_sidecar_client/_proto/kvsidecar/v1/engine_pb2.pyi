@@ -115,20 +115,22 @@ class PublishResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("params", "engine_id", "ranks", "block_ids", "start_token", "timeout_ms")
+    __slots__ = ("params", "engine_id", "ranks", "block_ids", "start_token", "timeout_ms", "group")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.TransferParams
     engine_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     start_token: int
     timeout_ms: int
-    def __init__(self, params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ..., engine_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, params: _Optional[_Union[_common_pb2.TransferParams, _Mapping]] = ..., engine_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("bytes", "duration_us", "path")
