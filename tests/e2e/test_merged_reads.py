@@ -1,4 +1,5 @@
-"""host-nixl merges runs of consecutive block ids into one descriptor: real sidecars, every byte checked.
+"""host-nixl with `host_read_merge` on posts one descriptor per run of consecutive block ids, and with
+it off (the default) one per block: real sidecars, every byte checked either way.
 
 The engines are this process's clients (KV caches in shared memory), so that the test sees the whole
 destination segment: the requested blocks must hold the source's bytes, and every other byte of the
@@ -9,6 +10,7 @@ segment (other blocks, padding between layer tensors) must be as it was. The dec
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,9 +21,10 @@ from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import metric, spec_dict
+from .conftest import Spawn, metric, spec_dict
 
 DESCS = "kvsidecar_nixl_descriptors_per_transfer"
+MERGE = ["--host-read-merge", "true"]
 _ids = itertools.count()
 
 
@@ -30,11 +33,24 @@ def whole_segment(cache: ShmKVCache) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(cache.tensors[0].untyped_storage())
 
 
-@pytest.mark.parametrize("layout", ["flash_attn_nhd", "flashinfer_hnd"])
+@pytest.fixture(scope="module")
+def merging_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
+    spawn = Spawn()
+    try:
+        yield tuple(  # type: ignore[misc]
+            spawn.together(*(lambda n=n: SidecarProcess(n, extra=MERGE) for n in ("merge-a", "merge-b")))
+        )
+    finally:
+        spawn.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("layout", "merge"), [("flash_attn_nhd", True), ("flashinfer_hnd", True), ("flash_attn_nhd", False)]
+)
 def test_runs_and_gaps_move_exactly_the_requested_blocks(
-    sidecar_pair: tuple[SidecarProcess, SidecarProcess], layout: str
+    request: pytest.FixtureRequest, layout: str, merge: bool
 ) -> None:
-    a, b = sidecar_pair
+    a, b = request.getfixturevalue("merging_pair" if merge else "sidecar_pair")
     spec = EngineSpec.from_dict(spec_dict(layout=layout, num_layers=3))
     geo = chunk_geometry(spec)
     axis = tensor_dims(spec).index("N")  # the block axis of each registered tensor
@@ -48,10 +64,11 @@ def test_runs_and_gaps_move_exactly_the_requested_blocks(
         (
             [3, 4, 5, 6, 7, 8, 12, 20, 21, 22, 23, 24, 25, 40],
             [40, 41, 42, 43, 44, 45, 7, 50, 51, 52, 53, 9, 10, 11],
-            5,
+            5,  # runs: 5 * 2 <= 14 blocks, so they merge
         ),
         ([30, 31, 32, 33, 34, 35, 36, 37], [20, 21, 22, 23, 24, 25, 26, 27], 1),  # fully consecutive
         ([50, 49, 48, 47], [30, 31, 32, 33], 4),  # reversed on one side: nothing merges
+        ([10, 11, 12, 13, 40, 41], [0, 1, 2, 3, 5, 6], 2),  # runs on both sides, a gap on both
         ([60], [63], 1),  # a single block
     ]
     try:
@@ -78,9 +95,10 @@ def test_runs_and_gaps_move_exactly_the_requested_blocks(
                     f"{int(wrong[0])}"
                 )
                 after = (metric(b.metrics_port, DESCS + "_count"), metric(b.metrics_port, DESCS + "_sum"))
-                # One READ; one descriptor per (layer tensor, K/V plane, run), not per block.
+                # One READ; merging: one descriptor per (layer tensor, K/V plane, run), not per block.
                 assert after[0] - before[0] == 1
-                assert after[1] - before[1] == geo.regions * geo.outer * runs, (i, geo)
+                per = runs if merge else len(src_ids)
+                assert after[1] - before[1] == geo.regions * geo.outer * per, (i, geo)
             pc.unregister_rank(f"merge-p{n}", 0)
             dc.unregister_rank(f"merge-d{n}", 0)
     finally:

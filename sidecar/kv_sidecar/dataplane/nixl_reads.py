@@ -35,9 +35,10 @@ from kv_sidecar.plan.chunks import (
 )
 from kv_sidecar.transport.nixl_driver import NixlDriver
 
-# host-nixl posts lists built for the pull (one descriptor per run of consecutive block ids) only when
-# that at least halves the descriptors: building and initialising a list costs ~20 us more than indexing
-# the prepared per-block lists (NIXL 1.5.1, CPU machine), which a fragmented pull does not win back.
+# With `merge` on, host-nixl posts lists built for the pull (one descriptor per run of consecutive block
+# ids) only when that at least halves the descriptors: building and initialising a list costs 50-300 us
+# more than indexing the prepared per-block lists (NIXL 1.5.1, CPU machine), which a fragmented pull
+# does not win back.
 MERGE_MIN_SHRINK = 2
 
 
@@ -76,8 +77,11 @@ class NixlReads:
     """Posts, waits for and abandons READs into host ranks here; one per sidecar (descriptor lists
     are prepared once per rank, ours and the peers')."""
 
-    def __init__(self, ranks: MappedRanks, nixl: NixlDriver, metrics: Metrics, staging_bytes: int) -> None:
+    def __init__(
+        self, ranks: MappedRanks, nixl: NixlDriver, metrics: Metrics, staging_bytes: int, merge: bool = False
+    ) -> None:
         self._ranks, self._nixl, self._metrics = ranks, nixl, metrics
+        self._merge = merge
         self._staging = Staging(nixl, metrics, staging_bytes)
         self._dlist_lock = threading.Lock()
         self._remote_dlists: dict[tuple[str, str, int, tuple[int, ...]], int] = {}
@@ -112,9 +116,9 @@ class NixlReads:
 
     def post(self, job: BlockReads, halt: Halt) -> list[PostedRead]:
         """Same geometry both sides: one READ per local rank, each source chunk into the matching
-        destination chunk. Runs of consecutive block ids (on both sides) go as one descriptor per
-        region and outer index, in lists built for this pull, where that shrinks the list enough;
-        otherwise by index into the per-block lists prepared once. Posted, not waited for."""
+        destination chunk, by index into the per-block lists prepared once; with `merge`, runs of
+        consecutive block ids (on both sides) go as one descriptor per region and outer index, in
+        lists built for this pull, where that shrinks the list enough. Posted, not waited for."""
         t = job.tokens
         reads: list[PostedRead] = []
         try:
@@ -126,7 +130,11 @@ class NixlReads:
                 src_geo = chunk_geometry(src.spec)
                 n = len(src_ids)
                 # A one-block pull (the latency-bound case) skips even counting runs.
-                if n >= MERGE_MIN_SHRINK and len(block_runs(t.dst_blocks, src_ids)) * MERGE_MIN_SHRINK <= n:
+                if (
+                    self._merge
+                    and n >= MERGE_MIN_SHRINK
+                    and len(block_runs(t.dst_blocks, src_ids)) * MERGE_MIN_SHRINK <= n
+                ):
                     segments = merged_segments(dst.geometry, src_geo, t.dst_blocks, src_ids)
                     local, remote = segment_descriptors(segments, dst.region_bases, list(src.region_bases))
                     fut = self._nixl.read(src.agent, local, remote, b"", halt.remaining())
