@@ -105,8 +105,12 @@ def pull_blocks(
     prefill: SidecarClient, pid: str, decode: SidecarClient, did: str, n: int, order: str
 ) -> float:
     """Publish n blocks with consecutive ids, pull them into n blocks whose ids are consecutive too
-    (`order` "consecutive") or the same ids backwards ("reversed": no two neighbours on both sides)."""
-    params = prefill.publish(pid, f"r{next(_ids)}", list(range(4, 4 + n)), n * SPEC.block_size)
+    (`order` "consecutive"), or the same ids backwards ("reversed": no two neighbours on both sides), or
+    both lists backwards ("both reversed": as vLLM's tables often are, its blocks freed last first)."""
+    src = list(range(4, 4 + n))
+    params = prefill.publish(
+        pid, f"r{next(_ids)}", src[::-1] if order == "both reversed" else src, n * SPEC.block_size
+    )
     dst = list(range(n + 8, 2 * n + 8))
     t = time.perf_counter()
     res = decode.pull(params, did, dst if order == "consecutive" else dst[::-1])
@@ -214,8 +218,8 @@ def main() -> int:
     ap.add_argument(
         "--blocks",
         default="",
-        help="also pull this many blocks (comma-separated) across sidecars, into consecutive and into "
-        "reversed block ids",
+        help="also pull this many blocks (comma-separated) across sidecars: consecutive ids, the destination "
+        "ids reversed, and both lists reversed",
     )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
@@ -263,7 +267,7 @@ def main() -> int:
         wide = [pairs[0], *variants, *pairs[2:]]
         wide_names = [names[0], *(f"this tree, {v}" for v in args.variant), *names[2:]]
         for n in sizes:
-            for order in ("consecutive", "reversed"):
+            for order in ("consecutive", "reversed", "both reversed"):
                 mib = n * rank_block_bytes(SPEC) / MIB
                 for name, xs in zip(
                     wide_names,

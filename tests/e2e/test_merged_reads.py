@@ -37,9 +37,10 @@ def whole_segment(cache: ShmKVCache) -> torch.Tensor:
 def merging_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     spawn = Spawn()
     try:
-        yield tuple(  # type: ignore[misc]
-            spawn.together(*(lambda n=n: SidecarProcess(n, extra=MERGE) for n in ("merge-a", "merge-b")))
+        a, b = spawn.together(
+            lambda: SidecarProcess("merge-a", extra=MERGE), lambda: SidecarProcess("merge-b", extra=MERGE)
         )
+        yield a, b
     finally:
         spawn.stop_all()
 
@@ -68,6 +69,7 @@ def test_runs_and_gaps_move_exactly_the_requested_blocks(
         ),
         ([30, 31, 32, 33, 34, 35, 36, 37], [20, 21, 22, 23, 24, 25, 26, 27], 1),  # fully consecutive
         ([50, 49, 48, 47], [30, 31, 32, 33], 4),  # reversed on one side: nothing merges
+        ([45, 44, 43, 42], [60, 59, 58, 57], 1),  # reversed on both sides: the same blocks forwards
         ([10, 11, 12, 13, 40, 41], [0, 1, 2, 3, 5, 6], 2),  # runs on both sides, a gap on both
         ([60], [63], 1),  # a single block
     ]

@@ -105,6 +105,7 @@ def test_merged_segments_move_the_same_bytes_as_per_block_descriptors(
     # One descriptor per (region, outer index, run), runs maximal: never more than per block.
     runs = block_runs(dst, src)
     assert len(segments) == local.regions * local.outer * len(runs) <= local.regions * local.outer * n
+    assert (np.diff(runs[:, 0]) > 0).all(), "runs go by destination id"
     if len(runs) > 1:  # neighbouring runs could not have been one
         joined = (runs[:-1, 0] + runs[:-1, 2] == runs[1:, 0]) & (runs[:-1, 1] + runs[:-1, 2] == runs[1:, 1])
         assert not joined.any()
@@ -115,10 +116,13 @@ def test_merged_segments_move_the_same_bytes_as_per_block_descriptors(
     [
         ([5], [9], [[5, 9, 1]]),
         ([0, 1, 2, 3], [10, 11, 12, 13], [[0, 10, 4]]),
-        ([3, 2, 1, 0], [3, 2, 1, 0], [[3, 3, 1], [2, 2, 1], [1, 1, 1], [0, 0, 1]]),
+        # Backwards on both sides: the same blocks forwards, one run.
+        ([3, 2, 1, 0], [13, 12, 11, 10], [[0, 10, 4]]),
+        # Backwards on one side only: nothing merges.
+        ([3, 2, 1, 0], [0, 1, 2, 3], [[0, 3, 1], [1, 2, 1], [2, 1, 1], [3, 0, 1]]),
         # Consecutive on one side only: no merge there.
         ([0, 1, 2], [4, 6, 7], [[0, 4, 1], [1, 6, 2]]),
-        ([7, 8, 1, 2, 3, 20], [0, 1, 2, 3, 4, 5], [[7, 0, 2], [1, 2, 3], [20, 5, 1]]),
+        ([7, 8, 1, 2, 3, 20], [0, 1, 2, 3, 4, 5], [[1, 2, 3], [7, 0, 2], [20, 5, 1]]),
     ],
 )
 def test_block_runs(dst: list[int], src: list[int], runs: list[list[int]]) -> None:

@@ -26,6 +26,7 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import needed_src_blocks
 from kv_sidecar.plan.chunks import (
     block_runs,
+    by_destination,
     chunk_geometry,
     chunk_indices,
     descriptor_table,
@@ -140,12 +141,16 @@ class NixlReads:
                     fut = self._nixl.read(src.agent, local, remote, b"", halt.remaining())
                     count, nbytes = len(local), int(segments[:, 3].sum())
                 else:
-                    local_idx = chunk_indices(dst.geometry, t.dst_blocks)
+                    # By destination id: NIXL coalesces prepared descriptors that are neighbours in the
+                    # list and in memory on both sides (docs/benchmarks.md, "host-nixl descriptor
+                    # merging"), which a table running backwards on both sides then is.
+                    dst_ids, ordered_src = by_destination(t.dst_blocks, src_ids)
+                    local_idx = chunk_indices(dst.geometry, dst_ids)
                     fut = self._nixl.read_prepped(
                         self._ranks.local_dlist(dst),
                         local_idx,
                         self._remote_dlist(src),
-                        chunk_indices(src_geo, src_ids),
+                        chunk_indices(src_geo, ordered_src),
                         b"",
                         halt.remaining(),
                     )

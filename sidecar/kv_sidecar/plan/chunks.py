@@ -80,13 +80,26 @@ def descriptor_table(geo: ChunkGeometry, region_bases: list[int], device: int = 
     return descriptors(geo, region_bases, np.arange(geo.num_blocks), device)
 
 
-def block_runs(dst_ids: np.ndarray, src_ids: np.ndarray) -> np.ndarray:
-    """(R, 3) int64 [dst start, src start, count]: maximal runs of positions where both the destination
-    and the source block ids go up by one, in order. A run's blocks sit back to back on both sides."""
+def by_destination(dst_ids: np.ndarray, src_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (destination, source) block pairs ordered by destination id. Which block goes where is
+    unchanged; a table that runs backwards on both sides (vLLM frees a request's blocks last first, so
+    its next requests often get descending ids) then runs forwards, and its blocks are neighbours in
+    the descriptor list too."""
     dst = np.asarray(dst_ids, dtype=np.int64)
     src = np.asarray(src_ids, dtype=np.int64)
     if dst.shape != src.shape or dst.ndim != 1:
         raise ValueError(f"block id lists differ in shape: {dst.shape} and {src.shape}")
+    if dst.size > 1 and not (np.diff(dst) > 0).all():
+        order = np.argsort(dst, kind="stable")
+        dst, src = dst[order], src[order]
+    return dst, src
+
+
+def block_runs(dst_ids: np.ndarray, src_ids: np.ndarray) -> np.ndarray:
+    """(R, 3) int64 [dst start, src start, count]: the pairs ordered by destination id, cut into maximal
+    runs where both the destination and the source block ids go up by one. A run's blocks sit back to
+    back on both sides."""
+    dst, src = by_destination(dst_ids, src_ids)
     if dst.size == 0:
         return np.empty((0, 3), dtype=np.int64)
     breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
@@ -100,7 +113,7 @@ def merged_segments(
 ) -> np.ndarray:
     """(M, 4) int64 [region, local offset, remote offset, length]: the bytes an identity READ of
     src_ids into dst_ids moves, one segment per (region, outer index, run of `block_runs`), ordered
-    region, outer, run. Offsets are from the region's start; the two sides may hold different numbers
+    region, outer, run (runs by destination id). Offsets are from the region's start; the two sides may hold different numbers
     of blocks (so different outer strides) but must agree on everything else."""
     if (local.regions, local.outer, local.chunk) != (remote.regions, remote.outer, remote.chunk):
         raise ValueError(f"chunk geometries differ beyond their block counts: {local} and {remote}")
