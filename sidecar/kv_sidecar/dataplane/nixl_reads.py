@@ -1,6 +1,6 @@
 """NIXL READs for host-memory pulls across sidecars: the identity path (`host-nixl`: every block
-chunk straight into the destination blocks, one descriptor per run of consecutive block ids, or from
-per-block descriptor lists prepared once per rank where the ids are fragmented) and the
+chunk straight into the destination blocks, from per-block descriptor lists prepared once per rank,
+or with `host_read_merge` one descriptor per run of consecutive block ids) and the
 converting one (`host-nixl-staged`: the source blocks into sidecar-owned staging memory, laid out as
 the source engine's cache, then the host executor converts them into the destination blocks).
 """
