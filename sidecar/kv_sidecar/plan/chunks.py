@@ -113,8 +113,8 @@ def merged_segments(
 ) -> np.ndarray:
     """(M, 4) int64 [region, local offset, remote offset, length]: the bytes an identity READ of
     src_ids into dst_ids moves, one segment per (region, outer index, run of `block_runs`), ordered
-    region, outer, run (runs by destination id). Offsets are from the region's start; the two sides may hold different numbers
-    of blocks (so different outer strides) but must agree on everything else."""
+    region, outer, run (runs by destination id). Offsets are from the region's start; the two sides may
+    hold different numbers of blocks (so different outer strides) but must agree on everything else."""
     if (local.regions, local.outer, local.chunk) != (remote.regions, remote.outer, remote.chunk):
         raise ValueError(f"chunk geometries differ beyond their block counts: {local} and {remote}")
     runs = block_runs(dst_ids, src_ids)
