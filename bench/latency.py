@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import itertools
 import os
@@ -34,7 +35,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
@@ -57,6 +58,7 @@ SPEC = EngineSpec.from_dict(
     }
 )
 _ids = itertools.count()
+MIB = 1 << 20
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -82,9 +84,9 @@ def health_check(target: str) -> Callable[[], object]:
     return lambda: stub.Check(req, timeout=10)
 
 
-def register(client: SidecarClient, engine_id: str) -> ShmKVCache:
-    cache = ShmKVCache(SPEC.rank_tensor_shapes(), torch.bfloat16)
-    client.register_rank(engine_id, 0, SPEC.to_dict(), cache.handles())
+def register(client: SidecarClient, engine_id: str, spec: EngineSpec = SPEC) -> ShmKVCache:
+    cache = ShmKVCache(spec.rank_tensor_shapes(), torch.bfloat16)
+    client.register_rank(engine_id, 0, spec.to_dict(), cache.handles())
     return cache
 
 
@@ -93,6 +95,25 @@ def pull_once(prefill: SidecarClient, pid: str, decode: SidecarClient, did: str)
     params = prefill.publish(pid, f"r{next(_ids)}", [3], SPEC.block_size)
     t = time.perf_counter()
     res = decode.pull(params, did, [7])
+    elapsed = time.perf_counter() - t
+    if not res.ok:
+        raise RuntimeError(f"pull failed: {res.error_code}: {res.error}")
+    return elapsed
+
+
+def pull_blocks(
+    prefill: SidecarClient, pid: str, decode: SidecarClient, did: str, n: int, order: str
+) -> float:
+    """Publish n blocks with consecutive ids, pull them into n blocks whose ids are consecutive too
+    (`order` "consecutive"), or the same ids backwards ("reversed": no two neighbours on both sides), or
+    both lists backwards ("both reversed": as vLLM's tables often are, its blocks freed last first)."""
+    src = list(range(4, 4 + n))
+    params = prefill.publish(
+        pid, f"r{next(_ids)}", src[::-1] if order == "both reversed" else src, n * SPEC.block_size
+    )
+    dst = list(range(n + 8, 2 * n + 8))
+    t = time.perf_counter()
+    res = decode.pull(params, did, dst if order == "consecutive" else dst[::-1])
     elapsed = time.perf_counter() - t
     if not res.ok:
         raise RuntimeError(f"pull failed: {res.error_code}: {res.error}")
@@ -109,24 +130,33 @@ def handshake_seconds(metrics_port: int) -> tuple[float, float]:
 class Pair:
     """Two sidecars (prefill node, decode node) of one source tree, and the engines on them."""
 
-    def __init__(self, tag: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tag: str,
+        env: dict[str, str] | None = None,
+        spec: EngineSpec = SPEC,
+        extra: list[str] | None = None,
+    ) -> None:
         self.tag = tag
         self.caches: list[ShmKVCache] = []
         self.owner = True
         self.sidecars = [
-            SidecarProcess(f"lat-{tag}-prefill", env=env, start_timeout_s=120),
-            SidecarProcess(f"lat-{tag}-decode", env=env, start_timeout_s=120),
+            SidecarProcess(f"lat-{tag}-prefill", env=env, start_timeout_s=120, extra=extra),
+            SidecarProcess(f"lat-{tag}-decode", env=env, start_timeout_s=120, extra=extra),
         ]
         a, b = self.sidecars
         self.ca, self.cb = SidecarClient(a.socket), SidecarClient(b.socket)
         self.caches += [
-            register(self.ca, "lat-p"),
-            register(self.cb, "lat-d"),
-            register(self.ca, "lat-d-local"),
+            register(self.ca, "lat-p", spec),
+            register(self.cb, "lat-d", spec),
+            register(self.ca, "lat-d-local", spec),
         ]
 
     def remote(self) -> float:
         return pull_once(self.ca, "lat-p", self.cb, "lat-d")
+
+    def remote_blocks(self, n: int, order: str) -> float:
+        return pull_blocks(self.ca, "lat-p", self.cb, "lat-d", n, order)
 
     def local(self) -> float:
         return pull_once(self.ca, "lat-p", self.ca, "lat-d-local")
@@ -179,18 +209,35 @@ def main() -> int:
         metavar="GIT_REF",
         help="also run the sidecar of this revision (git archive of it), samples interleaved with this tree's",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="also run this tree's sidecars with these more options (repeatable), in the many-block rows",
+    )
+    ap.add_argument(
+        "--blocks",
+        default="",
+        help="also pull this many blocks (comma-separated) across sidecars: consecutive ids, the destination "
+        "ids reversed, and both lists reversed",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
+    sizes = [int(b) for b in args.blocks.split(",") if b]
+    # Room for a request of the largest size and its destination blocks after it.
+    spec = dataclasses.replace(SPEC, num_blocks=max(SPEC.num_blocks, 2 * max(sizes, default=0) + 16))
     load_before = os.getloadavg()[0]
     pairs: list[Pair] = []
+    variants: list[Pair] = []
     rows: list[tuple[str, dict[str, float]]] = []
     try:
-        pairs.append(Pair("new"))
+        pairs.append(Pair("new", spec=spec))
         pairs.append(pairs[0].over_grpc())
         if args.baseline:
-            pairs.append(Pair("old", env=baseline.env(baseline.export(args.baseline))))
+            pairs.append(Pair("old", env=baseline.env(baseline.export(args.baseline)), spec=spec))
         names = ["this tree, engine lane", "this tree, gRPC"]
         names += [baseline.describe(args.baseline)] if args.baseline else []
+        variants += [Pair(f"v{i}", spec=spec, extra=v.split()) for i, v in enumerate(args.variant)]
         _, b = pairs[0].sidecars
         rows.append(
             (
@@ -216,6 +263,23 @@ def main() -> int:
             rows.append((f"Publish, 1 block — {name}", percentiles(xs)))
         for name, xs in zip(names, interleaved(pairs, Pair.remote, args.iters), strict=True):
             rows.append((f"Pull 1 block (256 KiB), other sidecar (host-nixl) — {name}", percentiles(xs)))
+        # Many blocks: the engine lane is not what these rows are about; this tree over it, and the baseline.
+        wide = [pairs[0], *variants, *pairs[2:]]
+        wide_names = [names[0], *(f"this tree, {v}" for v in args.variant), *names[2:]]
+        for n in sizes:
+            for order in ("consecutive", "reversed", "both reversed"):
+                mib = n * rank_block_bytes(SPEC) / MIB
+                for name, xs in zip(
+                    wide_names,
+                    interleaved(wide, lambda p, n=n, order=order: p.remote_blocks(n, order), args.iters),
+                    strict=True,
+                ):
+                    rows.append(
+                        (
+                            f"Pull {n} blocks ({mib:g} MiB), {order} ids, other sidecar (host-nixl) — {name}",
+                            percentiles(xs),
+                        )
+                    )
         for name, xs in zip(names, interleaved(pairs, Pair.local, args.iters), strict=True):
             rows.append((f"Pull 1 block (256 KiB), same sidecar (host-direct) — {name}", percentiles(xs)))
         hs0 = [handshake_seconds(p.sidecars[1].metrics_port) for p in pairs]
@@ -238,7 +302,7 @@ def main() -> int:
                 )
             )
     finally:
-        for p in reversed(pairs):  # views before the pair that owns their sidecars
+        for p in [*variants, *reversed(pairs)]:  # views before the pair that owns their sidecars
             p.close()
 
     def ms(x: float) -> str:
@@ -255,6 +319,8 @@ def main() -> int:
         )
         cmd = f"python bench/latency.py --iters {args.iters} --first-contact {args.first_contact}"
         cmd += f" --baseline {args.baseline}" if args.baseline else ""
+        cmd += f" --blocks {args.blocks}" if args.blocks else ""
+        cmd += "".join(f" --variant '{v}'" for v in args.variant)
         body = (
             f"Command: `{cmd}` · machine: {machine} · date: {datetime.date.today()}\n\n"
             "Wall time seen by the engine (the thin client) for one call, both sidecars on this machine over "

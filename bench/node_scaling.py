@@ -199,11 +199,14 @@ class Node:
         pairs: list[tuple[int, int]] | None,
         sizes: list[int],
         extra: list[str] | None = None,
+        decode_blocks: int = 0,
     ) -> None:
         self.tree, self.path = tree, path
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
         decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
+        if decode_blocks:
+            decode_spec = dataclasses.replace(decode_spec, num_blocks=decode_blocks)
         # The prefill cache holds the source requests of every size, one after another.
         self.sources: dict[int, list[tuple[list[int], int]]] = {}
         offset = 0
@@ -459,6 +462,13 @@ def main() -> int:
     ap.add_argument(
         "--pulls", type=int, default=0, help="pulls per pair and row (default: GPU 2048, host 300)"
     )
+    ap.add_argument(
+        "--decode-blocks",
+        type=int,
+        default=0,
+        help="blocks of each decode cache (default: GPU 8192, host 512); a row's pulls land in blocks of "
+        "their own, so it has at most this / --blocks pulls",
+    )
     ap.add_argument("--baseline", default="", help="also run this git revision's sidecars, side by side")
     ap.add_argument(
         "--baseline-tree", default="", help="a directory holding another revision's sidecar/ and client/"
@@ -530,6 +540,7 @@ def main() -> int:
                 places,
                 sizes,
                 more,
+                args.decode_blocks,
             )
             for name, env, more in trees
         ]

@@ -24,6 +24,7 @@ class Settings:
     gpu_staging_bytes: int = 512 << 20
     gpu_staging_slots: int = 4
     host_transfer: str = "read"
+    host_read_merge: bool = False
     device_workers: bool = False
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
@@ -60,6 +61,10 @@ class Settings:
         "host_transfer": "host-memory pulls from another sidecar: read (NIXL READs into the engine or into "
         "host staging, converted here) or ring (the GPU staged protocol through host rings sized like the GPU "
         "ones; what CI uses to run it without GPUs)",
+        "host_read_merge": "host-nixl READs post one descriptor per layer tensor for each run of block ids "
+        "consecutive on both sides (lists built per pull), as vLLM's NixlConnector does, where that at least "
+        "halves them; off: per-block descriptors from lists prepared once. Off by default: on one CPU host "
+        "(UCX over shared memory) merged pulls measured slower (docs/benchmarks.md); for RDMA, unmeasured",
         "device_workers": "run each device's local copies (host-direct, gpu-direct) in a worker process of "
         "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
         "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "

@@ -1,5 +1,6 @@
 """NIXL READs for host-memory pulls across sidecars: the identity path (`host-nixl`: every block
-chunk straight into the destination blocks, from descriptor lists prepared once per rank) and the
+chunk straight into the destination blocks, from per-block descriptor lists prepared once per rank,
+or with `host_read_merge` one descriptor per run of consecutive block ids) and the
 converting one (`host-nixl-staged`: the source blocks into sidecar-owned staging memory, laid out as
 the source engine's cache, then the host executor converts them into the destination blocks).
 """
@@ -24,8 +25,23 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import needed_src_blocks
-from kv_sidecar.plan.chunks import chunk_geometry, chunk_indices, descriptor_table, descriptors
+from kv_sidecar.plan.chunks import (
+    block_runs,
+    by_destination,
+    chunk_geometry,
+    chunk_indices,
+    descriptor_table,
+    descriptors,
+    merged_segments,
+    segment_descriptors,
+)
 from kv_sidecar.transport.nixl_driver import NixlDriver
+
+# With `merge` on, host-nixl posts lists built for the pull (one descriptor per run of consecutive block
+# ids) only when that at least halves the descriptors: building and initialising a list costs 50-300 us
+# more than indexing the prepared per-block lists (NIXL 1.5.1, CPU machine), which a fragmented pull
+# does not win back.
+MERGE_MIN_SHRINK = 2
 
 
 @dataclass
@@ -63,8 +79,11 @@ class NixlReads:
     """Posts, waits for and abandons READs into host ranks here; one per sidecar (descriptor lists
     are prepared once per rank, ours and the peers')."""
 
-    def __init__(self, ranks: MappedRanks, nixl: NixlDriver, metrics: Metrics, staging_bytes: int) -> None:
+    def __init__(
+        self, ranks: MappedRanks, nixl: NixlDriver, metrics: Metrics, staging_bytes: int, merge: bool = False
+    ) -> None:
         self._ranks, self._nixl, self._metrics = ranks, nixl, metrics
+        self._merge = merge
         self._staging = Staging(nixl, metrics, staging_bytes)
         self._dlist_lock = threading.Lock()
         self._remote_dlists: dict[tuple[str, str, int, tuple[int, ...]], int] = {}
@@ -99,7 +118,9 @@ class NixlReads:
 
     def post(self, job: BlockReads, halt: Halt) -> list[PostedRead]:
         """Same geometry both sides: one READ per local rank, each source chunk into the matching
-        destination chunk, from descriptor lists prepared once. Posted, not waited for."""
+        destination chunk, by index into the per-block lists prepared once; with `merge`, runs of
+        consecutive block ids (on both sides) go as one descriptor per region and outer index, in
+        lists built for this pull, where that shrinks the list enough. Posted, not waited for."""
         t = job.tokens
         reads: list[PostedRead] = []
         try:
@@ -108,19 +129,36 @@ class NixlReads:
                 src_ids = t.src_blocks[first : first + len(t.dst_blocks)]
                 halt.remaining()  # stopped before touching (possibly unregistered) memory
                 dst = self._ranks.host(dst_key)
-                local_idx = chunk_indices(dst.geometry, t.dst_blocks)
-                remote_idx = chunk_indices(chunk_geometry(src.spec), src_ids)
-                fut = self._nixl.read_prepped(
-                    self._ranks.local_dlist(dst),
-                    local_idx,
-                    self._remote_dlist(src),
-                    remote_idx,
-                    b"",
-                    halt.remaining(),
-                )
-                self._metrics.nixl_descriptors.observe(len(local_idx))
+                src_geo = chunk_geometry(src.spec)
+                n = len(src_ids)
+                # A one-block pull (the latency-bound case) skips even counting runs.
+                if (
+                    self._merge
+                    and n >= MERGE_MIN_SHRINK
+                    and len(block_runs(t.dst_blocks, src_ids)) * MERGE_MIN_SHRINK <= n
+                ):
+                    segments = merged_segments(dst.geometry, src_geo, t.dst_blocks, src_ids)
+                    local, remote = segment_descriptors(segments, dst.region_bases, list(src.region_bases))
+                    fut = self._nixl.read(src.agent, local, remote, b"", halt.remaining())
+                    count, nbytes = len(local), int(segments[:, 3].sum())
+                else:
+                    # By destination id: NIXL coalesces prepared descriptors that are neighbours in the
+                    # list and in memory on both sides (docs/benchmarks.md, "host-nixl descriptor
+                    # merging"), which a table running backwards on both sides then is.
+                    dst_ids, ordered_src = by_destination(t.dst_blocks, src_ids)
+                    local_idx = chunk_indices(dst.geometry, dst_ids)
+                    fut = self._nixl.read_prepped(
+                        self._ranks.local_dlist(dst),
+                        local_idx,
+                        self._remote_dlist(src),
+                        chunk_indices(src_geo, ordered_src),
+                        b"",
+                        halt.remaining(),
+                    )
+                    count, nbytes = len(local_idx), len(local_idx) * dst.geometry.chunk
+                self._metrics.nixl_descriptors.observe(count)
                 self._metrics.inflight.inc()
-                reads.append(PostedRead(fut, len(local_idx) * dst.geometry.chunk))
+                reads.append(PostedRead(fut, nbytes))
         except BaseException:
             self.abandon(reads)
             raise

@@ -122,7 +122,9 @@ class DataPlane:
         # A transfer's notifications (staged_protocol.prefix) go to the transfer listening for them.
         nixl.route(TRANSFER_TAG + SEP)
         self.ranks = MappedRanks(nixl, on_gpu_device=self._ready_device)
-        self._reads = NixlReads(self.ranks, nixl, metrics, settings.staging_bytes)
+        self._reads = NixlReads(
+            self.ranks, nixl, metrics, settings.staging_bytes, merge=settings.host_read_merge
+        )
         self._lock = threading.Lock()
         self._devices: dict[int, DevicePlane] = {}
         self._uploads: OrderedDict[tuple[str, str], tuple[tuple[int, ...], dict[int, Future[Any]]]] = (

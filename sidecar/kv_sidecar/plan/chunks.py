@@ -78,3 +78,70 @@ def descriptors(
 def descriptor_table(geo: ChunkGeometry, region_bases: list[int], device: int = 0) -> np.ndarray:
     """Every chunk of a rank, to prepare once as a NIXL dlist."""
     return descriptors(geo, region_bases, np.arange(geo.num_blocks), device)
+
+
+def by_destination(dst_ids: np.ndarray, src_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (destination, source) block pairs ordered by destination id. Which block goes where is
+    unchanged; a table that runs backwards on both sides (vLLM frees a request's blocks last first, so
+    its next requests often get descending ids) then runs forwards, and its blocks are neighbours in
+    the descriptor list too."""
+    dst = np.asarray(dst_ids, dtype=np.int64)
+    src = np.asarray(src_ids, dtype=np.int64)
+    if dst.shape != src.shape or dst.ndim != 1:
+        raise ValueError(f"block id lists differ in shape: {dst.shape} and {src.shape}")
+    if dst.size > 1 and not (np.diff(dst) > 0).all():
+        order = np.argsort(dst, kind="stable")
+        dst, src = dst[order], src[order]
+    return dst, src
+
+
+def block_runs(dst_ids: np.ndarray, src_ids: np.ndarray) -> np.ndarray:
+    """(R, 3) int64 [dst start, src start, count]: the pairs ordered by destination id, cut into maximal
+    runs where both the destination and the source block ids go up by one. A run's blocks sit back to
+    back on both sides."""
+    dst, src = by_destination(dst_ids, src_ids)
+    if dst.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [dst.size])))
+    return np.stack([dst[starts], src[starts], counts], axis=1)
+
+
+def merged_segments(
+    local: ChunkGeometry, remote: ChunkGeometry, dst_ids: np.ndarray, src_ids: np.ndarray
+) -> np.ndarray:
+    """(M, 4) int64 [region, local offset, remote offset, length]: the bytes an identity READ of
+    src_ids into dst_ids moves, one segment per (region, outer index, run of `block_runs`), ordered
+    region, outer, run (runs by destination id). Offsets are from the region's start; the two sides may
+    hold different numbers of blocks (so different outer strides) but must agree on everything else."""
+    if (local.regions, local.outer, local.chunk) != (remote.regions, remote.outer, remote.chunk):
+        raise ValueError(f"chunk geometries differ beyond their block counts: {local} and {remote}")
+    runs = block_runs(dst_ids, src_ids)
+    outer = np.arange(local.outer, dtype=np.int64)
+    # (outer, run) grid, then repeated per region.
+    loc = (outer * local.outer_stride)[:, None] + (runs[:, 0] * local.chunk)[None, :]
+    rem = (outer * remote.outer_stride)[:, None] + (runs[:, 1] * remote.chunk)[None, :]
+    length = np.broadcast_to((runs[:, 2] * local.chunk)[None, :], loc.shape)
+    per_region = loc.size
+    out = np.empty((local.regions * per_region, 4), dtype=np.int64)
+    out[:, 0] = np.repeat(np.arange(local.regions, dtype=np.int64), per_region)
+    out[:, 1] = np.tile(loc.reshape(-1), local.regions)
+    out[:, 2] = np.tile(rem.reshape(-1), local.regions)
+    out[:, 3] = np.tile(length.reshape(-1), local.regions)
+    return out
+
+
+def segment_descriptors(
+    segments: np.ndarray, local_bases: list[int], remote_bases: list[int], device: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) (M, 3) uint64 [address, length, device] lists of `merged_segments`."""
+    regions = segments[:, 0]
+    out = []
+    for bases, col in ((local_bases, 1), (remote_bases, 2)):
+        d = np.empty((len(segments), 3), dtype=np.uint64)
+        d[:, 0] = np.asarray(bases, dtype=np.uint64)[regions] + segments[:, col].astype(np.uint64)
+        d[:, 1] = segments[:, 3]
+        d[:, 2] = device
+        out.append(d)
+    return out[0], out[1]
