@@ -24,7 +24,7 @@ from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
-from .harness import EnginePair, VllmEngine, metric
+from .harness import EnginePair, VllmEngine, assert_same_output, metric
 from .models import MISTRAL_SLIDING, SLIDING_WINDOW, write_weights
 
 W = SLIDING_WINDOW
@@ -35,7 +35,6 @@ TOKEN_BYTES = 4 * 2 * 2 * 64 * 4
 # windows (1000 tokens: 15 of them).
 LENGTHS = (20, 63, 64, 65, 95, 96, 127, 150, 400, 1000)
 MAX_TOKENS = 10
-LOGPROB_TOLERANCE = 1e-4  # the same computation in another batch: float noise, not a wrong KV
 LEASE_MS = 30000
 
 
@@ -90,15 +89,6 @@ def sw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Windows]:
     fixture = Windows(str(tmp_path_factory.mktemp("vllm-sliding-window")))
     yield fixture
     fixture.close()
-
-
-def assert_same_output(
-    got: list[dict[str, Any]], want: list[dict[str, Any]], lengths: tuple[int, ...]
-) -> None:
-    for n, g, w in zip(lengths, got, want, strict=True):
-        assert g["tokens"] == w["tokens"], f"{n} tokens"
-        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
-        assert worst < LOGPROB_TOLERANCE, f"{n} tokens: log-probabilities differ by {worst}"
 
 
 def pulls_of(engine: VllmEngine, request_ids: list[str]) -> dict[str, dict[str, Any]]:
