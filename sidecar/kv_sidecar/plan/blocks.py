@@ -131,7 +131,7 @@ def _ids_ok(ids: Sequence[int], num_blocks: int, unique: bool) -> bool:
                 if bool in set(map(type, ids)):
                     return False
                 arr = np.asarray(ids)
-            else:  # protobuf's repeated int64 field (a request's ids): ints only, read ~2x faster
+            else:  # a protobuf repeated integer field (a request's ids): ints only, read ~2x faster
                 arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
         except (TypeError, ValueError, OverflowError):
             return False
