@@ -22,7 +22,7 @@ from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.transport.nixl_driver import PARK, NixlDriver
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, Poller
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class _Credits:
         agent: str,
         transfer_id: str,
         inbox: queue.SimpleQueue[Any],
-        resume: Callable[[Callable[[Any], bool | str]], None],
+        resume: Callable[[Poller], None],
     ) -> None:
         self.state = state
         self.ready = ready
@@ -113,9 +113,8 @@ class Reception:
         self._held = contextlib.ExitStack()
         self._copies: GpuCopies | HostCopies | None = None
         self._credits: _Credits | None = None
-        self._inbox: queue.SimpleQueue[Any] = (
-            queue.SimpleQueue()
-        )  # put from the NIXL thread: C, no GIL-held lock dance
+        # Put from the NIXL thread: SimpleQueue's put and get run in C, without a Python lock dance.
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.nbytes = 0
         t = job.tokens
         self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)
