@@ -1,7 +1,8 @@
 """Issue 10's failure cases as scenarios, shared by the dense model (test_pd_failures.py), the
 Gemma-3 hybrid (test_hybrid_failures.py, test_hybrid.py) and the Mamba hybrid
 (test_hybrid_ssm_failures.py): a sidecar killed mid-pull and restarted, abort of a waiting request,
-a waiting request kept alive past its lease, a request nobody pulls freed at lease expiry.
+a waiting request kept alive past its lease, a request nobody pulls freed at lease expiry, and (for a
+model of several KV cache groups) a failed pull of one group.
 
 Each scenario runs on a `FailurePair` (an EnginePair whose prefill engine `P` publishes through `sp`
 and whose decode engine `D` pulls through `sd`) and checks what issue 10 asks of every model: the
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from kv_sidecar.refengine.procs import SidecarProcess
-from kv_sidecar_client import SidecarClient
+from kv_sidecar_client import SidecarClient, params_from_json
 
 from .harness import EnginePair, VllmEngine, assert_same_output, metric, pulls_of, wait_until
 
@@ -202,3 +203,24 @@ def a_request_nobody_pulls_is_freed_at_lease_expiry(
     state = prefill.settle(pair.lease_ms / 1000 + 10)
     assert state["ok"] and state["free_blocks"] == pair.free[prefill.name], state
     assert metric(pair.sp.metrics_port, "kvsidecar_lease_expiries_total") == expiries + groups
+
+
+def a_failed_pull_of_one_group_is_computed(
+    pair: EnginePair, prefill: VllmEngine, decode: VllmEngine, decode_engine_id: str, p: list[int], group: int
+) -> None:
+    """Group `group`'s record cannot be pulled (the prefill's sidecar knows no such request): vLLM must
+    compute the request from its first token, the other groups' pulls notwithstanding."""
+    want = pair.reference([p])
+    (params,) = pair.prefill(prefill, [p])
+    groups = list(params["kv_sidecar_groups"])
+    real = groups[group]["params"]
+    groups[group] = groups[group] | {"params": real | {"request_id": "no-such-request"}}
+    got, ids = pair.decode(decode, [p], [params | {"kv_sidecar_groups": groups}])
+    assert_same_output(got, want, (len(p),))
+    pulls = pulls_of(decode, ids)[ids[0]]
+    assert sorted(q["ok"] for q in pulls) == [False] + [True] * (len(groups) - 1), pulls
+    assert any("no-such-request" in q["error"] for q in pulls), pulls
+    # The record never read: release it as its reader would; the prefill then frees the request.
+    with SidecarClient(pair.sd.socket) as client:
+        assert client.abort(decode_engine_id, real["request_id"], params_from_json(real))
+    pair.settled(prefill)

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess
-from kv_sidecar_client import SidecarClient, params_from_json
 from kv_sidecar_client.vllm.window import first_kept_token, prefill_tokens
 
 from .failures import (
+    a_failed_pull_of_one_group_is_computed,
     a_request_nobody_pulls_is_freed_at_lease_expiry,
     a_waiting_request_is_kept_alive_past_the_lease,
     abort_of_a_waiting_request_releases_every_group,
@@ -180,24 +180,7 @@ def test_groups_that_do_not_correspond_are_computed_by_the_decode_engine(hy: Hyb
 
 
 def test_a_failed_pull_of_one_group_is_computed_from_the_start(hy: Hybrid) -> None:
-    """One group's record cannot be pulled (the prefill's sidecar knows no such request): vLLM must
-    compute the request from its first token, the other groups' pulls notwithstanding."""
-    n = 400
-    p = [prompt(n, seed=4343)]
-    want = hy.reference(p)
-    (params,) = hy.prefill(hy.h32, p)
-    groups = list(params["kv_sidecar_groups"])
-    real = groups[2]["params"]
-    groups[2] = groups[2] | {"params": real | {"request_id": "no-such-request"}}
-    got, ids = hy.decode(hy.d32, p, [params | {"kv_sidecar_groups": groups}])
-    assert_same_output(got, want, (n,))
-    pulls = pulls_of(hy.d32, ids)[ids[0]]
-    assert sorted(q["ok"] for q in pulls) == [False, True, True], pulls
-    assert any("no-such-request" in q["error"] for q in pulls), pulls
-    # The record never read: release it as its reader would; the prefill then frees the request.
-    with SidecarClient(hy.sd.socket) as client:
-        assert client.abort("d32", real["request_id"], params_from_json(real))
-    hy.settled(hy.h32)
+    a_failed_pull_of_one_group_is_computed(hy, hy.h32, hy.d32, "d32", prompt(400, seed=4343), group=2)
 
 
 def test_abort_of_a_waiting_hybrid_request_releases_every_group(hy: Hybrid) -> None:

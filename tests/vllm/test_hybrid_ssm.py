@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess
-from kv_sidecar_client import SidecarClient, params_from_json
 
+from .failures import a_failed_pull_of_one_group_is_computed
 from .harness import (
     LOGPROB_TOLERANCE,
     EnginePair,
@@ -177,31 +177,16 @@ def test_a_state_of_the_whole_prompt_is_not_loaded(ssm: SsmPair) -> None:
 
 
 def test_a_failed_pull_of_the_mamba_group_is_computed_by_the_decode_engine(ssm: SsmPair) -> None:
-    n = 300
-    p = [prompt(n, seed=4242)]
-    want = ssm.reference(p)
-    (params,) = ssm.prefill(ssm.P, p)
-    groups = list(params["kv_sidecar_groups"])
-    real = groups[0]["params"]
-    groups[0] = groups[0] | {"params": real | {"request_id": "no-such-state"}}
-    got, ids = ssm.decode(ssm.D, p, [params | {"kv_sidecar_groups": groups}])
-    assert_same_output(got, want, (n,))
-    pulls = pulls_of(ssm.D, ids)[ids[0]]
-    assert sorted(q["ok"] for q in pulls) == [False, True], pulls
-    assert any("no-such-state" in q["error"] for q in pulls), pulls
-    with SidecarClient(ssm.sd.socket) as client:  # the record never read: release it as its reader would
-        assert client.abort("d", real["request_id"], params_from_json(real))
-    ssm.settled(ssm.P)
+    a_failed_pull_of_one_group_is_computed(ssm, ssm.P, ssm.D, "d", prompt(300, seed=4242), group=0)
 
 
-@pytest.fixture(scope="module")
-def tp2(ssm: SsmPair) -> Iterator[VllmEngine]:
+def _tp2_engine(ssm: SsmPair, name: str, sidecar: SidecarProcess, engine_id: str) -> Iterator[VllmEngine]:
     engine = VllmEngine(
-        "ssm-d-tp2",
+        name,
         ssm.base
         | {
             "tensor_parallel_size": 2,
-            "connector": {"sidecar_socket": ssm.sd.socket, "engine_id": "d-tp2", "lease_ms": LEASE_MS},
+            "connector": {"sidecar_socket": sidecar.socket, "engine_id": engine_id, "lease_ms": LEASE_MS},
         },
     )
     try:
@@ -209,6 +194,11 @@ def tp2(ssm: SsmPair) -> Iterator[VllmEngine]:
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tp2(ssm: SsmPair) -> Iterator[VllmEngine]:
+    yield from _tp2_engine(ssm, "ssm-d-tp2", ssm.sd, "d-tp2")
 
 
 # One TP 2 rank's Mamba state: conv (3, 256 + 16 + 16) and SSM (4, 64, 16), float32.
@@ -273,19 +263,7 @@ def test_tp1_to_tp2_converts_the_state_into_each_ranks_shard(ssm: SsmPair, tp2: 
 
 @pytest.fixture(scope="module")
 def tp2_prefill(ssm: SsmPair, tp2: VllmEngine) -> Iterator[VllmEngine]:
-    engine = VllmEngine(
-        "ssm-p-tp2",
-        ssm.base
-        | {
-            "tensor_parallel_size": 2,
-            "connector": {"sidecar_socket": ssm.sp.socket, "engine_id": "p-tp2", "lease_ms": LEASE_MS},
-        },
-    )
-    try:
-        start_all(engine)
-        yield engine
-    finally:
-        engine.stop()
+    yield from _tp2_engine(ssm, "ssm-p-tp2", ssm.sp, "p-tp2")
 
 
 def test_tp2_to_tp2_moves_each_ranks_state_shard(
