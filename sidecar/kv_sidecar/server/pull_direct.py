@@ -113,6 +113,7 @@ class DirectPulls:
         return nbytes, "host-direct"
 
     def _mark_done(self, job: PullJob) -> None:
+        """Mark "consumed": every prefill rank each local rank read or only waited for is done with."""
         p = job.params
         for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
@@ -122,16 +123,6 @@ class DirectPulls:
         """The copies, then "consumed" once the pull has answered (`after`): the prefill engine frees
         its blocks no sooner than the bytes are in place, and the event's wake-up of the prefill's
         event stream no longer competes with the answer."""
-        p = job.params
-        done_ranks = [
-            (entry, [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only))
-            for entry, rplan in zip(job.local, job.rank_plans(), strict=True)
-        ]
-
-        def consumed() -> None:
-            for entry, done in done_ranks:
-                self._published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
-
         reads = tuple(
             RankRead(entry.key, src_ranks[read.prefill_rank].key, read.heads)
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True)
@@ -144,5 +135,5 @@ class DirectPulls:
             require_gpu(job.local, "decode")
             path = PATH_DIRECT
         nbytes = self._plane.copy_local(copy, job)
-        after.append(consumed)
+        after.append(functools.partial(self._mark_done, job))
         return nbytes, path
