@@ -48,6 +48,14 @@ class SidecarError(Exception):
         self.metadata = metadata
 
 
+def waited_for(e: SidecarError, what: str) -> SidecarError:
+    """`e` with what its operation was waiting for, if it ran out of time or was stopped while waiting:
+    a stalled transfer's error says where it stalled. Subclasses, which callers tell apart, are kept."""
+    if type(e) is not SidecarError or e.code not in (Code.DEADLINE_EXCEEDED, Code.CANCELLED):
+        return e
+    return SidecarError(e.code, f"{e.message} ({what})", e.metadata)
+
+
 def as_sidecar_error(e: Exception) -> SidecarError:
     if isinstance(e, SidecarError):
         return e

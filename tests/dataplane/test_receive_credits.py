@@ -8,7 +8,6 @@ send is one way to get that answer."""
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from kv_sidecar.dataplane.jobs import HOST
 from kv_sidecar.dataplane.receive import _Credits
 from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.mailbox import Mailbox
 from kv_sidecar.transport.nixl_driver import PARK
 
 
@@ -34,9 +34,7 @@ class Agent:
         self.sent.append((agent, msg))
 
 
-def _credits(
-    inbox: queue.SimpleQueue[Any], resumed: list[Any] | None = None
-) -> tuple[_Credits, sp.RecvState]:
+def _credits(inbox: Mailbox[Any], resumed: list[Any] | None = None) -> tuple[_Credits, sp.RecvState]:
     # Four one-block chunks through two slots: each of the first two scatters owes the source a credit.
     state = sp.RecvState(0, 64, 16, {0: 100, 1: 100}, lambda k: k * 100)
     ring = Ring(HOST, torch.empty(200, dtype=torch.uint8), 2, 100, sp.SlotPool(2), 0)
@@ -45,7 +43,7 @@ def _credits(
 
 
 def test_a_scattered_slot_is_credited_to_the_source_then_the_poller_parks() -> None:
-    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    inbox: Mailbox[Any] = Mailbox()
     resumed: list[Any] = []
     credits, state = _credits(inbox, resumed)
     agent = Agent()
@@ -62,7 +60,7 @@ def test_a_scattered_slot_is_credited_to_the_source_then_the_poller_parks() -> N
 
 
 def test_a_scatter_still_running_keeps_the_poller_polling() -> None:
-    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    inbox: Mailbox[Any] = Mailbox()
     state = sp.RecvState(0, 64, 16, {0: 100, 1: 100}, lambda k: k * 100)
     ring = Ring(HOST, torch.empty(200, dtype=torch.uint8), 2, 100, sp.SlotPool(2), 0)
     done: set[str] = set()
@@ -78,7 +76,7 @@ def test_a_scatter_still_running_keeps_the_poller_polling() -> None:
 
 
 def test_a_credit_the_dead_source_cannot_take_ends_the_pull_as_unavailable() -> None:
-    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    inbox: Mailbox[Any] = Mailbox()
     credits, state = _credits(inbox)
     agent = Agent()
     agent.gone = True

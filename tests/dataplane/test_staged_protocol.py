@@ -257,6 +257,27 @@ def test_send_state_says_when_its_pump_may_park_and_when_to_wake_it() -> None:
     assert not st.may_write()
 
 
+def test_where_a_transfer_stands_is_described_for_its_error() -> None:
+    """A transfer that runs out of time says what it was waiting for: its ends' state, the pool's."""
+    pool = sp.SlotPool(2)
+    pool.acquire(2, forever)
+    assert pool.describe() == "0 of 2 slots free, 0 quarantined, 0 transfers waiting"
+    st = sp.SendState([(0, 16), (16, 32), (32, 48)], [0, 1], [0])
+    assert st.next_gather(forever) == (0, 0)
+    st.gathered(0, 0, None)
+    w = st.next_write(lambda m: True)
+    assert w is not None
+    st.write_done(w.index)
+    assert st.describe() == (
+        "1 of 3 chunks gathering or gathered, 0 of them waiting to be written, 0 being written, "
+        "1 written; receive slots {0: 'reader'}, early credits []"
+    )
+    rs = sp.RecvState(0, 48, 16, {0: 1 << 20}, lambda k: k)
+    assert rs.arrived == 0
+    rs.arrive(0, 3, 0, 0, 16)
+    assert rs.arrived == 1
+
+
 def test_send_state_refuses_credits_it_never_gave_and_stops() -> None:
     st = sp.SendState([(0, 16)], [0], [0])
     with pytest.raises(sp.ProtocolError):

@@ -563,6 +563,12 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, starte
         res = json.loads(decode.readline(30))
         assert not res["ok"], "the pull finished within its timeout; make it longer (LONG)"
         assert res["error_code"] in ("DEADLINE_EXCEEDED", "CANCELLED"), res["error"]
+        if res["error_code"] == "DEADLINE_EXCEEDED":  # the error says where the transfer stood
+            assert re.search(
+                r"\(staged read from \S+: Push sent by (notification|call) \d+ ms ago, .*; "
+                r"\d+ of (\d+|\?) chunks arrived, \d+ scatters not yet done\)",
+                res["error"],
+            ), res["error"]
         assert res["unfilled_blocks"] == dst
         assert res["verified"], res["errors"]  # no byte outside the requested blocks changed
         assert not res["untouched"], "nothing was written before the deadline: the test proves little"

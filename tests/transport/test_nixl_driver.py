@@ -58,10 +58,12 @@ def test_a_parked_poller_is_not_run_until_resumed_and_is_told_of_shutdown() -> N
         return answers[len(calls) - 1] if len(calls) <= len(answers) else PARK
 
     try:
+        assert driver.poller_state(poller) == "not registered"
         driver.add_poller(poller)
         wait_until(lambda: len(calls) == 1)
         time.sleep(0.05)  # hundreds of loop turns
         assert len(calls) == 1, "a parked poller was polled"
+        assert driver.poller_state(poller) == "parked"  # what a stalled transfer's error says
         driver.resume(poller)
         wait_until(lambda: len(calls) == 2)
         driver.resume(poller)  # parked again: runs, answers False, runs the next turn, parks

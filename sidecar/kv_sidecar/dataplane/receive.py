@@ -19,8 +19,9 @@ from kv_sidecar.dataplane.chunk_copies import GpuCopies, HostCopies
 from kv_sidecar.dataplane.jobs import QUARANTINE_S, Halt, Receive, ReceiveSlots
 from kv_sidecar.dataplane.ranks import MappedRanks
 from kv_sidecar.dataplane.rings import Ring
-from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.execute import gpu
+from kv_sidecar.mailbox import Mailbox
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, Poller
 
@@ -41,7 +42,7 @@ class _Credits:
         ring_slots: list[int],
         agent: str,
         transfer_id: str,
-        inbox: queue.SimpleQueue[Any],
+        inbox: Mailbox[Any],
         resume: Callable[[Poller], None],
     ) -> None:
         self.state = state
@@ -113,11 +114,14 @@ class Reception:
         self._held = contextlib.ExitStack()
         self._copies: GpuCopies | HostCopies | None = None
         self._credits: _Credits | None = None
-        # Put from the NIXL thread: SimpleQueue's put and get run in C, without a Python lock dance.
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Put from the NIXL thread: a Mailbox's put and get run in C, without a Python lock dance.
+        self._inbox: Mailbox[Any] = Mailbox()
         self.nbytes = 0
         t = job.tokens
-        self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)
+        try:
+            self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)
+        except SidecarError as e:
+            raise waited_for(e, f"waiting for a receive slot: {ring.pool.describe()}") from None
         per_block = self._per_block
         self._state = sp.RecvState(
             t.start_token,
@@ -147,6 +151,12 @@ class Reception:
     def chunks(self) -> int | None:
         """How many chunks the source said it sends (None until its first arrived)."""
         return self._state.count
+
+    def describe(self) -> str:
+        """How far the transfer got, for an error that ends it."""
+        count = "?" if self._state.count is None else str(self._state.count)
+        pending = 0 if self._credits is None else len(self._credits.pending)
+        return f"{self._state.arrived} of {count} chunks arrived, {pending} scatters not yet done"
 
     def prepare(self) -> None:
         """Validate and upload the scatters' ids and start the credits, while the source gathers its

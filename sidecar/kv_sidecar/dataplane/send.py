@@ -21,7 +21,7 @@ from kv_sidecar.dataplane.chunk_copies import GpuCopies, HostCopies, block_size_
 from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, QUARANTINE_S, Halt, Send, Sent
 from kv_sidecar.dataplane.ranks import MappedRanks
 from kv_sidecar.dataplane.rings import Ring
-from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, ucx_emulation_disabled
@@ -178,7 +178,10 @@ class Transmission:
         if not chunks:
             return Sent(0, 0)
         self._nixl.load_remote(job.reader_agent, job.reader_metadata)
-        send_slots = ring.pool.acquire(min(len(chunks), len(job.reader_slots) + 1), halt.remaining)
+        try:
+            send_slots = ring.pool.acquire(min(len(chunks), len(job.reader_slots) + 1), halt.remaining)
+        except SidecarError as e:
+            raise waited_for(e, f"waiting for a send slot: {ring.pool.describe()}") from None
         state = sp.SendState(chunks, send_slots, list(range(len(job.reader_slots))))
         with self._lock:
             self._state = state
@@ -229,6 +232,9 @@ class Transmission:
                     state.wait_finished(halt.remaining)
                     self.quiet = True
                     return Sent(len(chunks), nbytes)
+                except SidecarError as e:
+                    where = f"{state.describe()}; its pump {self._nixl.poller_state(pump.poll)}"
+                    raise waited_for(e, where) from None
                 finally:
                     if not self.quiet:
                         state.fail(sp.Stopped("the push failed"))

@@ -148,6 +148,13 @@ class SlotPool:
         with self._lock:
             return len(self._waiting)
 
+    def describe(self) -> str:
+        with self._lock:
+            free, waiting = len(self._free), len(self._waiting)
+        return (
+            f"{free} of {self.slots} slots free, {self.quarantined} quarantined, {waiting} transfers waiting"
+        )
+
     def _wake_first(self) -> None:
         """With `_lock` held: the first waiter looks again if a slot is free for it."""
         if self._waiting and self._free:
@@ -361,6 +368,15 @@ class SendState:
         with self._cond:
             return list(self._writing.values())
 
+    def describe(self) -> str:
+        """Where the transfer stands, for an error that ends it (a deadline says what it waited for)."""
+        with self._cond:
+            return (
+                f"{self._to_gather} of {len(self.chunks)} chunks gathering or gathered, {len(self._gathered)} "
+                f"of them waiting to be written, {len(self._writing)} being written, {self.written} "
+                f"written; receive slots {self._recv}, early credits {sorted(self._early)}"
+            )
+
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
@@ -461,6 +477,12 @@ class RecvState:
             if self._left:
                 raise ProtocolError(f"all {self.count} chunks arrived but {self._left} blocks are missing")
             return True
+
+    @property
+    def arrived(self) -> int:
+        """How many chunks arrived."""
+        with self._lock:
+            return len(self._seen)
 
     def held(self) -> list[int]:
         """Slots not yet given back to the pool."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kv_sidecar.dataplane.jobs import IpcTensorRef, RankKey, RankMemory, ShmTensor
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.mailbox import Mailbox
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.spec import EngineSpec, KVGroupSpec, PlanError, StateArray, StateSegment
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
@@ -83,7 +83,7 @@ class RankEntry:
     spec: EngineSpec
     geometry: ChunkGeometry
     memory: RankMemory
-    events: queue.SimpleQueue[engine_pb2.Event | None] = field(default_factory=queue.SimpleQueue)
+    events: Mailbox[engine_pb2.Event | None] = field(default_factory=Mailbox)
     sessions: int = 0
 
     @property

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from kv_sidecar.dataplane import staged_protocol as sp
 from kv_sidecar.errors import Code, SidecarError, handler_error
+from kv_sidecar.mailbox import Mailbox
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.drain import Drain, draining_message
 from kv_sidecar.server.peer_calls import PeerFuture, peer_error
@@ -146,7 +147,7 @@ class NotifiedOpen:
         self._what = f"to open request {msg.request_id!r}"
         self.reply_id = sp.new_transfer_id()
         # Answers: the notification's bytes, or the OpenRead call's future where one was made.
-        self._answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._answers: Mailbox[Any] = Mailbox()
         self._waiting = True
         req = peer_pb2.OpenReadRequest()
         req.CopyFrom(msg)

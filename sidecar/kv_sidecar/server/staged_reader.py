@@ -12,7 +12,7 @@ from typing import Any
 from kv_sidecar.dataplane import staged_protocol as sp
 from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Receive
 from kv_sidecar.dataplane.plane import DataPlane, Reception
-from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.peer_calls import PeerCallError
@@ -70,6 +70,7 @@ class _PushCall:
         self.job = job
         self.reception = reception
         self.call: Any = None
+        self.called_at = 0.0
         self.notified = req.notified
         self.sent_at = time.monotonic()
         self.due = self.sent_at + call_after_s(link.notified_push_s) if req.notified else 0.0
@@ -99,8 +100,21 @@ class _PushCall:
         stop.stopping = True
         self._send(stop, CANCEL_WAIT_S + 1, "stop")
 
+    def describe(self) -> str:
+        """Where the Push stands, for an error that ends its read."""
+        ago = time.monotonic() - self.sent_at
+        how = "by notification" if self.notified else "by call"
+        if self.call is None:
+            return f"Push sent {how} {ago * 1000:.0f} ms ago, its call not sent"
+        state = "not answered"
+        if self.call.done():
+            err = None if self.call.cancelled() else self.call.exception()
+            state = "answered OK" if err is None else f"answered {type(err).__name__}: {err}"
+        return f"Push sent {how} {ago * 1000:.0f} ms ago, its call {(self.called_at - self.sent_at) * 1000:.0f} ms after: {state}"
+
     def _send(self, req: peer_pb2.PushRequest, timeout_s: float, why: str) -> None:
         self.metrics.push_calls.labels(why).inc()
+        self.called_at = time.monotonic()
         self.call = self.threads.call(self.link.client.push, req, timeout_s)
         self.call.add_done_callback(functools.partial(_learn_key, self.link))
         self.call.add_done_callback(lambda _: self.reception.poke())
@@ -194,6 +208,10 @@ class StagedReader:
             if push.notified:
                 link.notified_push_done(time.monotonic() - push.sent_at)
             return nbytes
+        except SidecarError as e:
+            if push is None:
+                raise
+            raise waited_for(e, f"staged read from {address}: {push.describe()}; {rx.describe()}") from None
         except sp.ProtocolError as e:
             self._metrics.failures.labels("staged_protocol").inc()
             raise SidecarError(

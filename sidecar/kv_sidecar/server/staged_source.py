@@ -298,6 +298,10 @@ class StagedSource:
             return peer_pb2.PushResponse(chunks=sent.chunks, bytes=sent.nbytes)
         except sp.Stopped as e:
             raise SidecarError(Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}") from None
+        except SidecarError as e:
+            if e.code is Code.DEADLINE_EXCEEDED:  # its reader times out too, and may not see this answer
+                log.warning("transfer %s to %s: %s", req.transfer_id, req.reader_agent, e.message)
+            raise
         finally:
             quiet[0] = tx.quiet
 

@@ -22,6 +22,8 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
+from kv_sidecar.mailbox import Mailbox
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -139,9 +141,10 @@ class NixlDriver:
         self._serving = serving or (lambda: False)
         self._serving_wait = serving_wait_s
         self._last_activity = 0.0
-        # SimpleQueue: its get and put run in C; this loop waits on it ~10^4 times a second when busy,
-        # and queue.Queue's Python Condition cost every wait GIL time the transfers need.
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Mailbox: its put and get run in C; this loop waits on it ~10^4 times a second when busy,
+        # and queue.Queue's Python Condition cost every wait GIL time the transfers need. Not a bare
+        # SimpleQueue, whose timed get can wait for the next put instead (kv_sidecar/mailbox.py).
+        self._queue: Mailbox[Any] = Mailbox()
         self._inflight: list[_Inflight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._ready: Future[None] = Future()
@@ -553,6 +556,12 @@ class NixlDriver:
         Its owner calls this after anything that may give it work, and when it closes."""
         if self._thread.is_alive():
             self._queue.put(_Resume(fn))
+
+    def poller_state(self, fn: Poller) -> str:
+        """ "polled", "parked" or "not registered" (read without the driver thread: for error messages)."""
+        if fn in self._parked:
+            return "parked"
+        return "polled" if fn in self._pollers else "not registered"
 
     def route(self, tag: bytes) -> None:
         """Messages starting with `tag` go to listeners only (never to on_notif); unclaimed ones are dropped."""
