@@ -9,7 +9,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-PATHS = ("host-direct", "host-nixl", "host-nixl-staged", "host-ring", "gpu-direct", "gpu-staged")
+# Every pull path and outcome (docs/operations.md lists them): their series exist from the first scrape,
+# at 0, so that rate() and alerts on a path that has not failed yet see a rate of 0, not no data.
+PATHS = (
+    "host-direct",
+    "host-nixl",
+    "host-nixl-staged",
+    "host-nixl-state",
+    "host-ring",
+    "gpu-direct",
+    "gpu-staged",
+)
 OUTCOMES = ("ok", "error", "cancelled", "timeout")
 
 _SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
@@ -38,6 +48,10 @@ class Metrics:
             buckets=_THROUGHPUT_BUCKETS,
             registry=r,
         )
+        for path in PATHS:
+            self.pull_bytes.labels(path)
+            for outcome in OUTCOMES:
+                self.pulls.labels(path, outcome)
         self.nixl_descriptors = Histogram(
             "kvsidecar_nixl_descriptors_per_transfer",
             "NIXL descriptors per transfer",

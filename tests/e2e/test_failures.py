@@ -126,7 +126,10 @@ def test_decode_engine_dies_mid_pull(
     prefill = spawn(EngineProcess(a.socket, "die-p", SRC))
     decode = spawn(EngineProcess(sc.socket, "die-d", DST))
     pid = decode.proc.pid
-    cancelled = metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+    # Counted under the path it was taking: another layout, so host-nixl-staged (SRC -> DST).
+    cancelled = metric(
+        sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl-staged"}'
+    )
     try:
         reads = metric(sc.metrics_port, READS)
         _start_long_pull(prefill, decode, timeout_s=60)
@@ -153,7 +156,9 @@ def test_decode_engine_dies_mid_pull(
         while _mapped(sc.proc.pid, f"kvsidecar-{pid}-"):
             assert time.monotonic() < deadline, "the dead engine's memory is still mapped"
             time.sleep(0.05)
-        after = metric(sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl"}')
+        after = metric(
+            sc.metrics_port, "kvsidecar_pulls_total", '{outcome="cancelled",path="host-nixl-staged"}'
+        )
         assert after == cancelled + 1, "the in-flight pull was not cancelled"
         assert sc.alive and _serving(f"unix:{sc.socket}")
     finally:

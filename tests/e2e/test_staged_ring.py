@@ -536,6 +536,13 @@ def _wait_moving(sc: SidecarProcess) -> None:
     time.sleep(0.2)
 
 
+def _failed_ring_pulls(sc: SidecarProcess) -> float:
+    return sum(
+        metric(sc, "kvsidecar_pulls_total", f'{{outcome="{o}",path="host-ring"}}')
+        for o in ("timeout", "cancelled")
+    )
+
+
 @pytest.mark.parametrize("started_by", ["call", "notification"])
 def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, started_by: str) -> None:
     """The reader's deadline passes with chunks in flight: it stops the source, which answers once
@@ -558,10 +565,12 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, starte
     # next one tries again (the case is about the other).
     for attempt in range(4):
         before = metric(a, "kvsidecar_push_starts_total", by)
+        failed = _failed_ring_pulls(b)
         # Other bytes each time: a block rewritten with the same bytes would look untouched.
         dst = _start_long_pull(prefill, decode, 0.3, request_id=f"long{attempt}", seed=10 + attempt)
         res = json.loads(decode.readline(30))
         assert not res["ok"], "the pull finished within its timeout; make it longer (LONG)"
+        assert _failed_ring_pulls(b) == failed + 1  # counted under the path it was taking
         assert res["error_code"] in ("DEADLINE_EXCEEDED", "CANCELLED"), res["error"]
         if res["error_code"] == "DEADLINE_EXCEEDED":  # the error says where the transfer stood
             assert re.search(

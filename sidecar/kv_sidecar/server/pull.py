@@ -39,7 +39,7 @@ from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
-from kv_sidecar.server.pull_direct import DirectPulls
+from kv_sidecar.server.pull_direct import PATH_DIRECT, DirectPulls
 from kv_sidecar.server.pull_job import (
     PullJob,
     build_job,
@@ -160,7 +160,8 @@ class Puller:
         timeout_s = req.timeout_ms / 1000 if req.timeout_ms else self._default_timeout_s
         start = time.perf_counter()
         remote_here = p.sidecar_id == self._sidecar_id
-        path = "host-direct" if remote_here else "host-nixl"
+        # The path a failed pull is counted and logged under: the one it was taking when it failed.
+        route = ["host-direct" if remote_here else "host-nixl"]
         track = self._transfers.begin_pull(
             req.engine_id, p.request_id, p.engine_id, "local" if remote_here else p.sidecar_address
         )
@@ -171,12 +172,15 @@ class Puller:
             local = self._local_ranks(req, cancel.ranks)
             if remote_here:
                 deadline = time.monotonic() + timeout_s
+                if any(e.on_gpu for e in local):
+                    route[0] = PATH_DIRECT
                 nbytes, path = self._direct.pull(req, local, cancel, deadline, after, self._release_now)
             else:
                 nbytes, path = self._pull_remote_fresh(
-                    req, local, cancel, time.monotonic() + timeout_s, after
+                    req, local, cancel, time.monotonic() + timeout_s, after, route
                 )
         except Exception as e:
+            path = route[0]
             err = as_sidecar_error(e)
             outcome = {Code.CANCELLED: "cancelled", Code.DEADLINE_EXCEEDED: "timeout"}.get(err.code, "error")
             self._metrics.pulls.labels(path, outcome).inc()
@@ -221,6 +225,7 @@ class Puller:
         cancel: PullTicket,
         deadline: float,
         after: Later,
+        route: list[str],
     ) -> tuple[int, str]:
         """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
 
@@ -229,10 +234,10 @@ class Puller:
         failed attempt partly wrote is harmless: OpenRead checks the lease again first.
         """
         try:
-            return self._pull_remote(req, local, cancel, deadline, after, may_retry=True)
+            return self._pull_remote(req, local, cancel, deadline, after, route, may_retry=True)
         except _Retry as first:
             try:
-                return self._pull_remote(req, local, cancel, deadline, after, may_retry=False)
+                return self._pull_remote(req, local, cancel, deadline, after, route, may_retry=False)
             except SidecarError as again:
                 # The peer answered a new handshake, yet its agent is "disconnected" again at the READ.
                 if _agent_lost(first) and _agent_lost(again) and ucx_emulation_disabled():
@@ -247,6 +252,7 @@ class Puller:
         cancel: PullTicket,
         deadline: float,
         after: Later,
+        route: list[str],
         may_retry: bool,
     ) -> tuple[int, str]:
         p = req.params
@@ -272,6 +278,7 @@ class Puller:
             pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
+                route[0] = _ring_path(pushed)
                 (rplan,) = pushed.rank_plans()
                 nbytes = self._staged_reader.read(
                     pushed,
@@ -303,7 +310,7 @@ class Puller:
                     early
                 )  # the source holds other blocks than the params say: read those
             early = []
-            return self._read_remote(req, local, remote, opened, cancel, deadline, after)
+            return self._read_remote(req, local, remote, opened, cancel, deadline, after, route)
         except Exception as e:
             self._plane.abandon_reads(early)  # no byte moves once the engine has its answer
             if opening is not None:
@@ -392,10 +399,12 @@ class Puller:
         cancel: PullTicket,
         deadline: float,
         after: Later,
+        route: list[str],
     ) -> tuple[int, str]:
         p = req.params
         group = state_group(req, remote.plan)
         if group is not None:
+            route[0] = PATH_STATE
             return self._read_state(req, local, remote, group, opened, cancel, deadline, after)
         job = build_job(
             req,
@@ -415,6 +424,7 @@ class Puller:
                 f"engine {p.engine_id!r} is in host memory while local engine {req.engine_id!r} is in GPU "
                 "memory; host<->GPU pulls are not supported",
             )
+        route[0] = _ring_path(job) if ring else "host-nixl" if identity else "host-nixl-staged"
         nbytes = 0
         if identity and not ring:
             nbytes = self._plane.finish_reads(self._plane.post_reads(_block_reads(job, remote), job), job)
@@ -429,9 +439,7 @@ class Puller:
                         converted = ConvertedRead(entry.key, src, job.plan, read.heads, job.tokens)
                         nbytes += self._plane.read_converted(converted, job)
         after.append(functools.partial(self._notify_done, req, remote, job))
-        if ring:
-            return nbytes, _ring_path(job)
-        return nbytes, "host-nixl" if identity else "host-nixl-staged"
+        return nbytes, route[0]
 
     def _read_state(
         self,
