@@ -332,7 +332,7 @@ def main() -> int:
             "beside the gRPC one, the client's default); 'gRPC' rows call the same sidecars with "
             "SidecarClient(lane=False). "
             + (
-                f"Rows marked {names[1]} run that revision's sidecar (exported with git archive) on a second "
+                f"Rows marked {names[2]} run that revision's sidecar (exported with git archive) on a second "
                 "pair of sidecars in the same run, its samples interleaved with this tree's, so both see "
                 "the same machine. "
                 if args.baseline

@@ -16,7 +16,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
-from tests.plan.test_state_tp import model_state, shard
+from tests.plan.state_oracle import model_state, shard
 
 from .conftest import spec_dict
 

@@ -1,8 +1,7 @@
 """Mamba/SSM state between engines of different TP sizes (plan/state.py): each decode rank's state block
 must hold exactly what an engine of its TP size computes, i.e. the model's state sharded the way vLLM
-shards it. The reference here shards a model-wide state as vLLM's Mamba-2 weight loader does
-(`mamba_v2_sharded_weight_loader`: each segment of the sharded dim split evenly, or, for the one group
-of B and C when TP > 1, whole on every rank) and checks the planned byte runs against it."""
+shards it. The planned byte runs are checked against the reference in state_oracle.py, which shards a
+model-wide state as vLLM's Mamba-2 weight loader does."""
 
 from __future__ import annotations
 
@@ -16,6 +15,8 @@ from hypothesis import strategies as st
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import DTYPE_SIZES, EngineSpec, PlanError, rank_block_bytes
 from kv_sidecar.plan.state import StateMove
+
+from .state_oracle import model_state, shard
 
 TPS = (1, 2, 4)
 LAYERS = ("model.layers.0.mixer",)
@@ -67,36 +68,7 @@ def engine(tp: int, state: list[dict[str, Any]], **over: Any) -> EngineSpec:
     return EngineSpec(**{**base, **over})
 
 
-# -- the reference: a model-wide state, sharded as vLLM shards it ----------------------------------
-
-
-def model_state(arrays: list[dict[str, Any]], seed: int) -> list[np.ndarray]:
-    """Each array over the whole model (its sharded dim the sum of the segments), distinct bytes."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for a in arrays:
-        shape = list(a["shape"])
-        shape[a["tp_dim"]] = sum(s["size"] for s in a["segments"])
-        n = int(np.prod(shape)) * DTYPE_SIZES[a["dtype"]]
-        out.append(rng.integers(0, 256, size=n, dtype=np.uint8).reshape(*shape, DTYPE_SIZES[a["dtype"]]))
-    return out
-
-
-def shard(arrays: list[dict[str, Any]], model: list[np.ndarray], tp: int, rank: int, page: int) -> np.ndarray:
-    """One rank's state block: each array's share (vLLM's loader: rank r takes [r * n / tp, (r + 1) * n /
-    tp) of each split segment, all of a replicated one), at its offset; the rest of the page zero."""
-    block = np.zeros(page, dtype=np.uint8)
-    for a, whole in zip(arrays, model, strict=True):
-        k, start, parts = a["tp_dim"], 0, []
-        for s in a["segments"]:
-            seg = np.take(whole, range(start, start + s["size"]), axis=k)
-            start += s["size"]
-            n = s["size"] if s.get("replicated") else s["size"] // tp
-            first = 0 if s.get("replicated") else rank * n
-            parts.append(np.take(seg, range(first, first + n), axis=k))
-        data = np.concatenate(parts, axis=k).reshape(-1)
-        block[a["offset"] : a["offset"] + data.size] = data
-    return block
+# -- the reference (state_oracle.py) applied: the moves' result -----------------------------------
 
 
 def apply(
