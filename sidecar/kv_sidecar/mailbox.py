@@ -6,7 +6,7 @@ finds nothing, and recomputes the time left. A thread that ran past its deadline
 (preempted on a busy machine) then waits with a negative timeout, which the lock takes as "forever".
 The NIXL thread waits 20 us at a time, thousands of times a second: on 2 loaded cores it hung now
 and then with transfers in flight that only its own polling could move, and they stalled until their
-deadline (tests/test_mailbox.py shows the flaw and that this queue does not have it).
+deadline (tests/test_mailbox.py: its stress catches a SimpleQueue, never a Mailbox).
 
 `Mailbox` keeps SimpleQueue's put and get_nowait (C, no Python lock) and waits on a plain lock used
 as a doorbell, whose timed acquire ends at its timeout.

@@ -114,7 +114,7 @@ class Reception:
         self._held = contextlib.ExitStack()
         self._copies: GpuCopies | HostCopies | None = None
         self._credits: _Credits | None = None
-        # Put from the NIXL thread: a Mailbox's put and get run in C, without a Python lock dance.
+        # Put from the NIXL thread: a Mailbox is a few C calls a hand-off, no Python Condition.
         self._inbox: Mailbox[Any] = Mailbox()
         self.nbytes = 0
         t = job.tokens

@@ -141,7 +141,7 @@ class NixlDriver:
         self._serving = serving or (lambda: False)
         self._serving_wait = serving_wait_s
         self._last_activity = 0.0
-        # Mailbox: its put and get run in C; this loop waits on it ~10^4 times a second when busy,
+        # Mailbox: a few C calls a hand-off; this loop waits on it ~10^4 times a second when busy,
         # and queue.Queue's Python Condition cost every wait GIL time the transfers need. Not a bare
         # SimpleQueue, whose timed get can wait for the next put instead (kv_sidecar/mailbox.py).
         self._queue: Mailbox[Any] = Mailbox()
@@ -558,7 +558,8 @@ class NixlDriver:
             self._queue.put(_Resume(fn))
 
     def poller_state(self, fn: Poller) -> str:
-        """ "polled", "parked" or "not registered" (read without the driver thread: for error messages)."""
+        """Whether `fn` is "polled", "parked" or "not registered" (read off the driver thread: for error
+        messages)."""
         if fn in self._parked:
             return "parked"
         return "polled" if fn in self._pollers else "not registered"
