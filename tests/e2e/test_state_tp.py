@@ -16,7 +16,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
-from tests.plan.state_oracle import model_state, shard
+from tests.plan.state_oracle import mamba2_state, model_state, shard
 
 from .conftest import spec_dict
 
@@ -25,27 +25,8 @@ SRC, DST = 3, 5  # the state block published, and the one it is pulled into
 
 
 def mamba2(tp: int) -> list[dict[str, Any]]:
-    """A small Mamba-2 state as vLLM shards it: 4 heads of 4, state size 8, one group (B and C whole on
-    every rank when tp > 1), conv kernel 4 (3 rows, layout SD)."""
-    x = 16 // tp
-    return [
-        {
-            "name": "conv",
-            "shape": (3, x + 16),
-            "dtype": "float32",
-            "offset": 0,
-            "tp_dim": 1,
-            "segments": [{"size": 16}, {"size": 8, "replicated": tp > 1}, {"size": 8, "replicated": tp > 1}],
-        },
-        {
-            "name": "ssm",
-            "shape": (4 // tp, 4, 8),
-            "dtype": "float32",
-            "offset": 3 * (x + 16) * 4,
-            "tp_dim": 0,
-            "segments": [{"size": 4}],
-        },
-    ]
+    """A small Mamba-2 state as vLLM shards it: 4 heads of 4, state size 8."""
+    return mamba2_state(tp, heads=4, head_dim=4, d_state=8)
 
 
 def spec(tp: int, state: list[dict[str, Any]] | None = None, **over: Any) -> EngineSpec:

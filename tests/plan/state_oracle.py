@@ -12,6 +12,35 @@ import numpy as np
 from kv_sidecar.plan.spec import DTYPE_SIZES
 
 
+def mamba2_state(tp: int, heads: int, head_dim: int, d_state: int) -> list[dict[str, Any]]:
+    """A Mamba-2 layer's state at `tp`, described as vLLM 0.32 shards it (one group, conv kernel 4, conv
+    layout SD): conv (3, heads * head_dim / tp + 2 * d_state), its x channels split and the group's B and
+    C whole on every rank when tp > 1; SSM (heads / tp, head_dim, d_state), split by heads."""
+    x = heads * head_dim // tp
+    return [
+        {
+            "name": "conv",
+            "shape": (3, x + 2 * d_state),
+            "dtype": "float32",
+            "offset": 0,
+            "tp_dim": 1,
+            "segments": [
+                {"size": heads * head_dim},
+                {"size": d_state, "replicated": tp > 1},
+                {"size": d_state, "replicated": tp > 1},
+            ],
+        },
+        {
+            "name": "ssm",
+            "shape": (heads // tp, head_dim, d_state),
+            "dtype": "float32",
+            "offset": 3 * (x + 2 * d_state) * 4,
+            "tp_dim": 0,
+            "segments": [{"size": heads}],
+        },
+    ]
+
+
 def model_state(arrays: list[dict[str, Any]], seed: int) -> list[np.ndarray]:
     """Each array over the whole model (its sharded dim the sum of the segments), distinct bytes."""
     rng = np.random.default_rng(seed)

@@ -16,38 +16,15 @@ from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import DTYPE_SIZES, EngineSpec, PlanError, rank_block_bytes
 from kv_sidecar.plan.state import StateMove
 
-from .state_oracle import model_state, shard
+from .state_oracle import mamba2_state, model_state, shard
 
 TPS = (1, 2, 4)
 LAYERS = ("model.layers.0.mixer",)
 
 
 def granite_state(tp: int) -> list[dict[str, Any]]:
-    """The Granite-4-shaped test model's Mamba-2 state at `tp` (vLLM 0.32, conv layout SD): conv
-    (3, 512 / tp + 2 * 16): x split, the one group's B and C replicated when tp > 1; SSM (8 / tp, 64, 16)."""
-    x = 512 // tp
-    return [
-        {
-            "name": "conv",
-            "shape": (3, x + 32),
-            "dtype": "float32",
-            "offset": 0,
-            "tp_dim": 1,
-            "segments": [
-                {"size": 512},
-                {"size": 16, "replicated": tp > 1},
-                {"size": 16, "replicated": tp > 1},
-            ],
-        },
-        {
-            "name": "ssm",
-            "shape": (8 // tp, 64, 16),
-            "dtype": "float32",
-            "offset": 3 * (x + 32) * 4,
-            "tp_dim": 0,
-            "segments": [{"size": 8}],
-        },
-    ]
+    """The Granite-4-shaped test model's Mamba-2 state at `tp`: 8 heads of 64, state size 16."""
+    return mamba2_state(tp, heads=8, head_dim=64, d_state=16)
 
 
 def engine(tp: int, state: list[dict[str, Any]], **over: Any) -> EngineSpec:
