@@ -200,8 +200,10 @@ class Node:
         sizes: list[int],
         extra: list[str] | None = None,
         decode_blocks: int = 0,
+        per_call: int = 1,
     ) -> None:
-        self.tree, self.path = tree, path
+        """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls)."""
+        self.tree, self.path, self.per_call = tree, path, per_call
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
         decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
@@ -292,12 +294,15 @@ class Node:
         before_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
         before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
         start_at = time.time() + 0.2
+        per_call = min(self.per_call, concurrency)  # 4 in flight with batches of 16: batches of 4
         for i in range(pairs):  # every pair's batch starts at start_at
             self.decode[i].post(
                 {
                     "cmd": "pull_batch",
                     "items": items[i],
-                    "concurrency": concurrency,
+                    # The same pulls in flight: `concurrency` Pull calls, or fewer PullBatch calls of per_call.
+                    "concurrency": max(1, concurrency // per_call),
+                    **({"per_call": per_call} if per_call > 1 else {}),
                     "num_tokens": tokens,
                     "start_at": start_at,
                 }
@@ -482,6 +487,13 @@ def main() -> int:
         default=[],
         help="also run this tree's sidecars with these more options, side by side (repeatable)",
     )
+    ap.add_argument(
+        "--per-call",
+        type=int,
+        default=1,
+        help="also run this tree with each decode thread sending this many pulls in one PullBatch call "
+        "(in flight per pair stays the same: fewer threads), side by side",
+    )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
     ap.add_argument(
         "--cpu-profile",
@@ -521,14 +533,16 @@ def main() -> int:
             "PYTHONPATH": os.pathsep.join(p for p in (sampler, os.environ.get("PYTHONPATH", "")) if p),
             "KVS_CPU_PROFILE": str(args.cpu_profile.resolve() / "{path}"),
         }
-    trees: list[tuple[str, dict[str, str] | None, list[str]]] = [("this tree", mine, extra)]
+    trees: list[tuple[str, dict[str, str] | None, list[str], int]] = [("this tree", mine, extra, 1)]
+    if args.per_call > 1:
+        trees.append((f"this tree, PullBatch of {args.per_call}", None, extra, args.per_call))
     for v in args.variant:  # the same code, other settings, in the same run
-        trees.append((f"this tree, {v}", None, extra + v.split()))
+        trees.append((f"this tree, {v}", None, extra + v.split(), 1))
     if args.baseline:
-        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), []))
+        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), [], 1))
     elif args.baseline_tree:
         tree = Path(args.baseline_tree)
-        trees.append((f"baseline ({tree.name})", baseline.env(str(tree.resolve())), []))
+        trees.append((f"baseline ({tree.name})", baseline.env(str(tree.resolve())), [], 1))
     rows: list[Row] = []
     turn = 0
     for path in paths:
@@ -541,8 +555,9 @@ def main() -> int:
                 sizes,
                 more,
                 args.decode_blocks,
+                per_call,
             )
-            for name, env, more in trees
+            for name, env, more, per_call in trees
         ]
         try:
             for node in nodes:  # warm-up: handshakes, first touch of the caches and rings

@@ -2,6 +2,7 @@
 
 from kv_sidecar_client.client import (
     DEFAULT_SOCKET,
+    BatchPull,
     EngineSpec,
     Event,
     EventStream,
@@ -18,6 +19,7 @@ from kv_sidecar_client.session import Backoff, EngineSession
 __all__ = [
     "DEFAULT_SOCKET",
     "Backoff",
+    "BatchPull",
     "EngineSession",
     "EngineSpec",
     "Event",

@@ -16,7 +16,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine
 from kv_sidecar_client.lane import Lane, LanePull, lane_for, raise_for_answer
 from kv_sidecar_client.results import KVSidecarError, PendingPull, PullResult, pull_failure
 
-__all__ = ["KVSidecarError", "PendingPull", "PullResult", "pull_failure"]  # re-exported from results
+__all__ = ["BatchPull", "KVSidecarError", "PendingPull", "PullResult", "pull_failure"]
 
 DEFAULT_SOCKET = "/run/kv-sidecar/engine.sock"
 TransferParams = common_pb2.TransferParams
@@ -62,6 +62,25 @@ def pull_request(
         timeout_ms=int(timeout_s * 1000),
         group=group,
     )
+
+
+@dataclass(frozen=True)
+class BatchPull:
+    """One member of SidecarClient.pull_batch: what `pull` takes for one request."""
+
+    params: TransferParams
+    block_ids: Sequence[int]
+    ranks: Sequence[int] = ()
+    start_token: int = 0
+    group: int | None = None
+
+
+def batch_outcome(outcome: engine_pb2.PullOutcome, block_ids: list[int]) -> PullResult:
+    """A PullBatch member's outcome as a PullResult."""
+    if outcome.code:
+        return pull_failure(outcome.code, outcome.message, outcome.trailers.items(), block_ids)
+    r = outcome.response
+    return PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
 
 
 def start_lane_pull(lane: Lane, request: engine_pb2.PullRequest, timeout_s: float) -> LanePull | None:
@@ -298,6 +317,42 @@ class SidecarClient:
             if pending is not None:
                 return pending
         return PullCall(self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids))
+
+    def pull_batch(
+        self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float | None = None
+    ) -> list[PullResult]:
+        """Many pulls (a step's requests) in one call; a result per member, in order. The members run side
+        by side and each fails alone; a call that fails as a whole (draining, too many members, the
+        sidecar gone) fails every member with its error. Never raises for a failed transfer."""
+        timeout = timeout_s or self.timeout_s
+        batch = engine_pb2.PullBatchRequest(
+            pulls=[
+                pull_request(m.params, engine_id, m.block_ids, m.ranks, m.start_token, timeout, m.group)
+                for m in pulls
+            ]
+        )
+        blocks = [list(m.block_ids) for m in pulls]
+        try:
+            answer = (
+                self.lane.call(engine_pb2.LaneCall(pull_batch=batch), timeout + PULL_GRACE_S)
+                if self.lane
+                else None
+            )
+            if answer is not None:
+                resp = raise_for_answer(answer).pull_batch
+            else:
+                resp = self._stub.PullBatch(batch, timeout=timeout + PULL_GRACE_S)
+        except (KVSidecarError, grpc.RpcError) as e:
+            err = e if isinstance(e, KVSidecarError) else _error(e)
+            return [pull_failure(err.code, err.message, (), b) for b in blocks]
+        if len(resp.outcomes) != len(blocks):
+            return [
+                pull_failure(
+                    "INTERNAL", f"the sidecar answered {len(resp.outcomes)} of {len(blocks)} pulls", (), b
+                )
+                for b in blocks
+            ]
+        return [batch_outcome(o, b) for o, b in zip(resp.outcomes, blocks, strict=True)]
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(

@@ -34,6 +34,7 @@ class Settings:
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
     engine_workers: int = 256
+    max_pull_batch: int = 256
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
@@ -88,6 +89,8 @@ class Settings:
         "engine_workers": "threads serving the engine API (started on demand). Each open event stream (one "
         "per registered rank) holds one for its whole life; a quarter (at least 4) is kept for the other "
         "calls (register, publish, pull), so more streams than that are refused with RESOURCE_EXHAUSTED",
+        "max_pull_batch": "most pulls one PullBatch call may carry (a decode engine's pulls of one step); "
+        "its pulls from other sidecars wait side by side on up to engine_workers threads",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
@@ -106,7 +109,7 @@ class Settings:
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
     # idle NIXL thread would spin, a wait would be negative.
-    MINIMA = {"engine_workers": 8, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0}
+    MINIMA = {"engine_workers": 8, "max_pull_batch": 1, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0}
 
     CHOICES = {
         "host_transfer": ("read", "ring"),

@@ -283,3 +283,63 @@ def test_staged_pull_timing_out_mid_transfer_stops_both_ends(
         prefill.stop()
         decode.stop()
     run_case(a.socket, b.socket, "homogeneous", "gpu-staged")
+
+
+def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
+    pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """One PullBatch into a GPU engine: members through the staged ring (another sidecar) and the kernel
+    path (this sidecar), of other layouts and block sizes, side by side; a bad member fails alone."""
+    a, b = pair
+    n = next(_count)
+    dspec = EngineSpec.from_dict(BASE | {"num_blocks": 64})  # room for every member's own blocks
+    sources = {
+        "staged": (a, BASE, "gpu-staged"),
+        "staged-hnd": (a, BASE | {"layout": "flash_attn_hnd"}, "gpu-staged"),
+        "direct": (b, BASE, "gpu-direct"),
+        "direct-block32": (b, BASE | {"block_size": 32, "num_blocks": 20}, "gpu-direct"),
+    }
+    engines = {
+        k: EngineProcess(sc.socket, f"pb-{k}-{n}", EngineSpec.from_dict(over), devices=[GPU_A])
+        for k, (sc, over, _) in sources.items()
+    }
+    decode = EngineProcess(b.socket, f"pb-d-{n}", dspec, devices=[GPU_B])
+    try:
+        pulls = []
+        for i, (k, eng) in enumerate(engines.items()):
+            bs = sources[k][1]["block_size"]
+            pub = eng.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"m{i}",
+                    "block_ids": list(range(2, 2 + -(-NUM_TOKENS // bs))),
+                    "num_tokens": NUM_TOKENS,
+                    "seed": n + i,
+                }
+            )
+            assert pub["ok"], pub
+            first = 1 + i * 10  # each member's own decode blocks
+            pulls.append(
+                {"params": pub["params"], "block_ids": list(range(first, first + 10)), "seed": n + i}
+            )
+        pub = engines["staged"].send(
+            {
+                "cmd": "prefill",
+                "request_id": "bad",
+                "block_ids": list(range(20, 30)),
+                "num_tokens": NUM_TOKENS,
+                "seed": n,
+            }
+        )
+        assert pub["ok"], pub
+        # A block id out of range: refused alone.
+        bad = {"params": pub["params"], "block_ids": [*range(41, 50), dspec.num_blocks], "seed": n}
+        out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})
+        *good, refused = out["results"]
+        assert out["untouched_outside"], out["outside_errors"]
+        for res, (_, _, path) in zip(good, sources.values(), strict=True):
+            assert res["ok"] and res["verified"] and res["path"] == path, res
+        assert refused["error_code"] == "INVALID_ARGUMENT", refused
+    finally:
+        for e in (*engines.values(), decode):
+            e.stop()

@@ -97,6 +97,8 @@ class World:
             self.lease_view,
             lambda item, ranks: None,
             PublishRefusals(self.metrics),
+            max_pull_batch=8,
+            batch_threads=4,
         )
 
 

@@ -9,6 +9,11 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
       on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
       -> {"ok": .., "bytes": .., "duration_s": .., "gbps": .., "path": .., "verified": .., "errors": [..]}
+  {"cmd": "pull_many", "pulls": [{"params": {...}, "block_ids": [..], "seed": S, "start_token": 0,
+   "ranks": []}, ..], "timeout_s": T}
+      -> {"ok": .., "results": [{"ok": .., "path": .., "verified": .., "errors": [..], ..}, ..],
+          "untouched_outside": ..}   (one PullBatch call; each member checked as "pull" checks it, and
+      no byte outside the members' blocks changed)
   {"cmd": "randomize"} -> {"ok": true}   (every cache byte random: fast set-up for large benchmarks)
   {"cmd": "digest", "block_ids": [..]} -> {"ok": true, "digests": {rank: hex}}
       (sha256 of the blocks in logical token order: equal across layouts for equal block sizes)
@@ -17,10 +22,11 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "publish_batch", "prefix": "b0-", "block_ids": [[..], ..], "num_tokens": N, "lease_ms": 0}
       -> {"ok": true, "params": [{...}, ..]}   (request prefix+i of block_ids[i], filled before)
   {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S}, ..], "concurrency": C,
-   "num_tokens": N, "start_at": T}
+   "num_tokens": N, "start_at": T, "per_call": K}
       -> {"ok": .., "lat": [..], "wall_s": .., "t_end": .., "paths": {..}, "errors": [..]}
       (C threads pull the items in turn, each into blocks no other item shares; with start_at, a
-      time.time() on this host, the pulls start then: several engines' batches start together)
+      time.time() on this host, the pulls start then: several engines' batches start together; with
+      per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call)
   {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..]}
       (every byte the last pull_batch's pulls wrote, against their seeds)
   {"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": N}
@@ -52,7 +58,7 @@ from kv_sidecar.refengine.layout_io import (
     gather_blocks,
     logical_kv,
 )
-from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json, params_to_json
+from kv_sidecar_client import BatchPull, KVSidecarError, SidecarClient, params_from_json, params_to_json
 from kv_sidecar_client.shm import ShmKVCache
 
 
@@ -174,6 +180,58 @@ class RefEngine:
             )
         return out
 
+    def pull_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One PullBatch call; every member checked as `pull` checks one."""
+        members = cmd["pulls"]
+        ranks = sorted(self.caches)
+        before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks}
+        batch = [
+            BatchPull(
+                params_from_json(m["params"]),
+                m["block_ids"],
+                ranks=m.get("ranks") or (),
+                start_token=m.get("start_token", 0),
+            )
+            for m in members
+        ]
+        t0 = time.perf_counter()
+        results = self.client.pull_batch(self.engine_id, batch, timeout_s=cmd.get("timeout_s"))
+        wall = time.perf_counter() - t0
+        out: list[dict[str, Any]] = []
+        for m, b, res in zip(members, batch, results, strict=True):
+            one: dict[str, Any] = {
+                "ok": res.ok,
+                "bytes": res.bytes,
+                "path": res.path,
+                "error_code": res.error_code,
+                "error": res.error,
+                "unfilled_blocks": res.unfilled_blocks,
+            }
+            if res.ok:
+                logical = logical_kv(self.spec, b.params.num_tokens, m["seed"])
+                errors = [
+                    e
+                    for r in (m.get("ranks") or ranks)
+                    for e in check_request(
+                        self.spec, r, self.caches[r].tensors, m["block_ids"], logical, b.start_token
+                    )
+                ]
+                one["verified"] = not errors
+                one["errors"] = errors[:20]
+            out.append(one)
+        # A member that failed, like one that succeeded, wrote nowhere but the members' blocks.
+        every = sorted({x for m in members for x in m["block_ids"]})
+        outside = [
+            e for r in ranks for e in changed_outside(self.spec, before[r], self.caches[r].tensors, every)
+        ]
+        return {
+            "ok": all(o["ok"] for o in out),
+            "results": out,
+            "wall_s": wall,
+            "untouched_outside": not outside,
+            "outside_errors": outside[:20],
+        }
+
     def randomize(self, cmd: dict[str, Any]) -> dict[str, Any]:
         g = torch.Generator(device=next(iter(self.caches.values())).tensors[0].device).manual_seed(
             cmd.get("seed", 0)
@@ -224,18 +282,28 @@ class RefEngine:
         results: list[Any] = [None] * len(items)
         lock = threading.Lock()
         order = iter(range(len(items)))
+        per_call = cmd.get("per_call", 1)
 
         def worker() -> None:
             while True:
                 with lock:
-                    i = next(order, None)
-                if i is None:
+                    take = [i for i in (next(order, None) for _ in range(per_call)) if i is not None]
+                if not take:
                     return
                 t0 = time.perf_counter()
-                results[i] = self.client.pull(
-                    params_from_json(items[i]["params"]), self.engine_id, items[i]["block_ids"]
-                )
-                lat[i] = time.perf_counter() - t0
+                if per_call == 1:
+                    (i,) = take
+                    results[i] = self.client.pull(
+                        params_from_json(items[i]["params"]), self.engine_id, items[i]["block_ids"]
+                    )
+                else:
+                    batch = [
+                        BatchPull(params_from_json(items[i]["params"]), items[i]["block_ids"]) for i in take
+                    ]
+                    for i, res in zip(take, self.client.pull_batch(self.engine_id, batch), strict=True):
+                        results[i] = res
+                for i in take:
+                    lat[i] = time.perf_counter() - t0
 
         workers = [threading.Thread(target=worker) for _ in range(cmd["concurrency"])]
         if "start_at" in cmd:
@@ -335,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "abort": engine.abort,
         "publish_batch": engine.publish_batch,
         "pull_batch": engine.pull_batch,
+        "pull_many": engine.pull_many,
         "verify_batch": engine.verify_batch,
         "count_events": engine.count_events,
     }

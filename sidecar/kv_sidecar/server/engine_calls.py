@@ -20,6 +20,7 @@ from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.pull_batch import PullBatches
 from kv_sidecar.server.release import Releases
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
@@ -64,9 +65,12 @@ class EngineCalls:
         lease_view: LeaseView,
         on_published: Callable[[Published, Iterable[RankEntry]], None],
         refusals: PublishRefusals,
+        max_pull_batch: int,
+        batch_threads: int,
     ) -> None:
         """on_published: a request was just published here (PushThreads.expect_read); refusals: where a
-        refused Publish is counted."""
+        refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and the
+        threads its members from other sidecars wait on."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -80,6 +84,10 @@ class EngineCalls:
         self._lease_view = lease_view
         self._on_published = on_published
         self._refusals = refusals
+        self._batches = PullBatches(self.pull, max_pull_batch, identity.sidecar_id, batch_threads)
+
+    def close(self) -> None:
+        self._batches.stop()
 
     # -- registration ------------------------------------------------------------------
     def register_rank(
@@ -196,6 +204,17 @@ class EngineCalls:
             return self._run_pull(request, ticket, later)
         finally:
             self._pulls.end(ticket)
+
+    def pull_batch(
+        self, request: engine_pb2.PullBatchRequest, on_hangup: OnHangup, later: Later | None = None
+    ) -> engine_pb2.PullBatchResponse:
+        """Every member run as `pull` runs it, side by side; `later` as for `pull`."""
+        after: Later = [] if later is None else later
+        try:
+            return self._batches.run(request, on_hangup, after)
+        finally:
+            if later is None:
+                run_later(after)
 
     def keep_alive(self, params: Sequence[common_pb2.TransferParams]) -> list[int]:
         """Extend the leases of requests, here or on the sidecars that published them."""

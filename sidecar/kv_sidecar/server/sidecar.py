@@ -150,6 +150,8 @@ class Sidecar:
             lease_view,
             threads.expect_read,
             refusals,
+            s.max_pull_batch,
+            s.engine_workers,
         )
         self.peer_requests = PeerRequests(
             me,
@@ -250,6 +252,7 @@ class Sidecar:
         self.engines.close()
         self.nixl.stop()  # deregisters the GPU rings before their memory goes
         self.push_threads.close()
+        self.engine_calls.close()
         self.plane.close()
         log.info("sidecar %s stopped", self.sidecar_id)
 

@@ -1,4 +1,4 @@
-"""The engine lane: Publish and Pull over a plain unix socket beside the gRPC engine socket.
+"""The engine lane: Publish, Pull and PullBatch over a plain unix socket beside the gRPC engine socket.
 
 One unary gRPC call from Python costs ~0.45 ms on loopback, as much as the rest of a same-sidecar
 pull; one frame of multiprocessing.connection costs ~0.02 ms (docs/benchmarks.md). The protocol
@@ -18,6 +18,7 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -30,6 +31,8 @@ from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 from kv_sidecar_client.lane import LANE_VERSION, shut_down
 
 log = logging.getLogger(__name__)
+
+_A = TypeVar("_A")
 
 
 class EngineLane:
@@ -157,16 +160,20 @@ class EngineLane:
         try:
             call = engine_pb2.LaneCall.FromString(data)
             kind = call.WhichOneof("call")
-            if kind == "pull":
+            if kind in ("pull", "pull_batch"):
                 if not self._drain.enter():
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
                 counted = True
-                return engine_pb2.LaneAnswer(pull=self._pull(conn, call.pull, later)), counted
+                if kind == "pull_batch":
+                    batch = self._busy_while(conn, self._calls.pull_batch, call.pull_batch, later)
+                    return engine_pb2.LaneAnswer(pull_batch=batch), counted
+                pull = self._busy_while(conn, self._calls.pull, call.pull, later)
+                return engine_pb2.LaneAnswer(pull=pull), counted
             if kind == "publish":
                 if self._drain.draining:
                     raise SidecarError(Code.UNAVAILABLE, draining_message("Publish"))
                 return engine_pb2.LaneAnswer(publish=self._calls.publish(call.publish)), counted
-            raise SidecarError(Code.INVALID_ARGUMENT, "a LaneCall must carry pull or publish")
+            raise SidecarError(Code.INVALID_ARGUMENT, "a LaneCall must carry pull, pull_batch or publish")
         except DecodeError:
             err = SidecarError(Code.INVALID_ARGUMENT, "not a LaneCall message")
         except Exception as e:
@@ -174,11 +181,12 @@ class EngineLane:
         answer = engine_pb2.LaneAnswer(code=err.code.name, message=err.message, trailers=dict(err.metadata))
         return answer, counted
 
-    def _pull(
-        self, conn: Connection, request: engine_pb2.PullRequest, later: engine_calls.Later
-    ) -> engine_pb2.PullResponse:
+    def _busy_while(
+        self, conn: Connection, call: Callable[..., _A], request: Any, later: engine_calls.Later
+    ) -> _A:
+        """Run a pull (or batch) call; while it runs, the connection's closing stops it."""
         try:
-            return self._calls.pull(request, lambda stop: self._set_busy(conn, stop), later)
+            return call(request, lambda stop: self._set_busy(conn, stop), later)
         finally:
             with self._lock:
                 self._busy.pop(conn, None)

@@ -101,6 +101,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return self._calls.pull(request, context.add_callback)
 
     @rpc
+    def PullBatch(
+        self, request: engine_pb2.PullBatchRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.PullBatchResponse:
+        return self._calls.pull_batch(request, context.add_callback)
+
+    @rpc
     def KeepAlive(
         self, request: engine_pb2.KeepAliveRequest, context: grpc.ServicerContext
     ) -> engine_pb2.KeepAliveResponse:

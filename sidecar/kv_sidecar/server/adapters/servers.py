@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 # Refused with UNAVAILABLE while draining; the drain waits for in-flight Pulls.
-DRAIN_REFUSED_ENGINE = tuple(f"/{ENGINE_SERVICE}/{m}" for m in ("RegisterRank", "Publish", "Pull"))
+DRAIN_REFUSED_ENGINE = tuple(
+    f"/{ENGINE_SERVICE}/{m}" for m in ("RegisterRank", "Publish", "Pull", "PullBatch")
+)
 DRAIN_REFUSED_PEER = tuple(f"/{PEER_SERVICE}/{m}" for m in ("Handshake", "OpenRead"))
-DRAIN_WAITED = (f"/{ENGINE_SERVICE}/Pull",)
+DRAIN_WAITED = (f"/{ENGINE_SERVICE}/Pull", f"/{ENGINE_SERVICE}/PullBatch")
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 

@@ -142,6 +142,39 @@ class PullResponse(_message.Message):
     path: str
     def __init__(self, bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
+class PullBatchRequest(_message.Message):
+    __slots__ = ("pulls",)
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
+
+class PullOutcome(_message.Message):
+    __slots__ = ("response", "code", "message", "trailers")
+    class TrailersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    response: PullResponse
+    code: str
+    message: str
+    trailers: _containers.ScalarMap[str, str]
+    def __init__(self, response: _Optional[_Union[PullResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PullBatchResponse(_message.Message):
+    __slots__ = ("outcomes", "duration_us")
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[PullOutcome]
+    duration_us: int
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[PullOutcome, _Mapping]]] = ..., duration_us: _Optional[int] = ...) -> None: ...
+
 class KeepAliveRequest(_message.Message):
     __slots__ = ("params",)
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -183,15 +216,17 @@ class LaneHello(_message.Message):
     def __init__(self, version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., max_call_bytes: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class LaneCall(_message.Message):
-    __slots__ = ("pull", "publish")
+    __slots__ = ("pull", "publish", "pull_batch")
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     publish: PublishRequest
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishRequest, _Mapping]] = ...) -> None: ...
+    pull_batch: PullBatchRequest
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
 
 class LaneAnswer(_message.Message):
-    __slots__ = ("pull", "publish", "code", "message", "trailers")
+    __slots__ = ("pull", "publish", "pull_batch", "code", "message", "trailers")
     class TrailersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,12 +236,14 @@ class LaneAnswer(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
     pull: PullResponse
     publish: PublishResponse
+    pull_batch: PullBatchResponse
     code: str
     message: str
     trailers: _containers.ScalarMap[str, str]
-    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...

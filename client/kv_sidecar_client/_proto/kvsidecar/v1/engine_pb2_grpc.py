@@ -61,6 +61,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PullRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullBatch = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/PullBatch',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PullBatchRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PullBatchResponse.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/kvsidecar.v1.EngineService/KeepAlive',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.KeepAliveRequest.SerializeToString,
@@ -123,6 +128,18 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBatch(self, request, context):
+        """Decode: many pulls in one call (a step's requests). Each member runs as
+        its own Pull would, side by side, and gets its own outcome: a member that
+        fails (bad block id, unknown request, aborted) fails alone. The call
+        itself fails only for the batch as a whole (no member, too many, draining).
+        Abort of a member's request stops that member only; ending the call
+        stops them all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeepAlive(self, request, context):
         """Decode: extend the lease of requests it will pull later.
         """
@@ -172,6 +189,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PullRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.PullResponse.SerializeToString,
+            ),
+            'PullBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBatch,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PullBatchRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.PullBatchResponse.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
@@ -325,6 +347,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Pull',
             kvsidecar_dot_v1_dot_engine__pb2.PullRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/PullBatch',
+            kvsidecar_dot_v1_dot_engine__pb2.PullBatchRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.PullBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,146 @@
+"""PullBatch: a decode engine's pulls for one step in one call.
+
+Each member runs as its own Pull would (admitted, stoppable by Abort of its request, its own deadline
+and its own outcome), so a member that fails fails alone. What the batch saves is per call: one
+engine-lane frame each way instead of one per request, one thread serving the call instead of one
+per request (pulls from another sidecar wait side by side on this module's pool, same-sidecar copies
+run one after another on the call's thread, without the hand-offs between many threads that
+contend for the one interpreter), and the work left for after the answer (log records, "consumed"
+events) runs once the whole answer is out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
+
+# engine_calls' own aliases (that module builds PullBatches, so this one cannot import it).
+Later = list[Callable[[], None]]
+OnHangup = Callable[[Callable[[], None]], None]
+# Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
+MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
+
+
+class _Hangup:
+    """The batch's one hang-up: stops every member admitted so far, and each one admitted later at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stops: list[Callable[[], None]] = []
+        self._hung_up = False
+
+    def register(self, stop: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._hung_up:
+                self._stops.append(stop)
+                return
+        stop()
+
+    def fire(self) -> None:
+        with self._lock:
+            self._hung_up = True
+            stops, self._stops = self._stops, []
+        for stop in stops:
+            stop()
+
+
+def _overlap(a: engine_pb2.PullRequest, b: engine_pb2.PullRequest) -> bool:
+    """Whether two members pull the same request into the same ranks (no ranks: every rank)."""
+    same = (a.engine_id, a.params.engine_id, a.params.request_id, a.HasField("group") and a.group) == (
+        b.engine_id,
+        b.params.engine_id,
+        b.params.request_id,
+        b.HasField("group") and b.group,
+    )
+    return same and (not a.ranks or not b.ranks or bool(set(a.ranks) & set(b.ranks)))
+
+
+def repeated_members(pulls: list[engine_pb2.PullRequest]) -> dict[int, int]:
+    """Members that repeat an earlier one (the same request into overlapping ranks): index -> the earlier."""
+    out: dict[int, int] = {}
+    by_request: dict[tuple[str, str, str], list[int]] = {}
+    for i, p in enumerate(pulls):
+        seen = by_request.setdefault((p.engine_id, p.params.engine_id, p.params.request_id), [])
+        for j in seen:
+            if _overlap(pulls[j], p):
+                out[i] = j
+                break
+        seen.append(i)
+    return out
+
+
+def failed(e: BaseException) -> engine_pb2.PullOutcome:
+    err = as_sidecar_error(e)
+    return engine_pb2.PullOutcome(code=err.code.name, message=err.message, trailers=dict(err.metadata))
+
+
+class PullBatches:
+    """Runs the members of PullBatch calls."""
+
+    def __init__(self, run_member: MemberFn, max_members: int, local_sidecar_id: str, threads: int) -> None:
+        self._run_member = run_member
+        self._max = max_members
+        self._me = local_sidecar_id
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch")
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(
+        self, batch: engine_pb2.PullBatchRequest, on_hangup: OnHangup, later: Later
+    ) -> engine_pb2.PullBatchResponse:
+        """Every member's outcome, in order. Raises only for the batch as a whole."""
+        pulls = list(batch.pulls)
+        if not pulls:
+            raise SidecarError(Code.INVALID_ARGUMENT, "a PullBatch needs at least one pull")
+        if len(pulls) > self._max:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"a PullBatch of {len(pulls)} pulls is more than this sidecar takes in one call "
+                f"(max_pull_batch {self._max}); split it",
+            )
+        start = time.perf_counter()
+        hangup = _Hangup()
+        on_hangup(hangup.fire)
+        outcomes: list[engine_pb2.PullOutcome | None] = [None] * len(pulls)
+        for i, j in repeated_members(pulls).items():
+            p = pulls[i]
+            outcomes[i] = failed(
+                SidecarError(
+                    Code.INVALID_ARGUMENT,
+                    f"pulls[{i}] pulls request {p.params.request_id!r} of engine {p.params.engine_id!r} into "
+                    f"ranks that pulls[{j}] fills too",
+                )
+            )
+        # Pulls from another sidecar wait on the network: side by side on the pool. Copies on this node
+        # are CPU work: one after another here, while those wait.
+        remote: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
+        local: list[int] = []
+        for i, p in enumerate(pulls):
+            if outcomes[i] is not None:
+                continue
+            if p.params.sidecar_id == self._me:
+                local.append(i)
+            else:
+                remote.append((i, self._pool.submit(self._member, p, hangup, later)))
+        for i in local:
+            outcomes[i] = self._member(pulls[i], hangup, later)
+        for i, fut in remote:
+            outcomes[i] = fut.result()
+        return engine_pb2.PullBatchResponse(
+            outcomes=outcomes, duration_us=int((time.perf_counter() - start) * 1e6)
+        )
+
+    def _member(self, req: engine_pb2.PullRequest, hangup: _Hangup, later: Later) -> engine_pb2.PullOutcome:
+        mine: Later = []
+        try:
+            return engine_pb2.PullOutcome(response=self._run_member(req, hangup.register, mine))
+        except Exception as e:
+            return failed(e)
+        finally:
+            later.extend(mine)  # list.extend is atomic: members on the pool append side by side
