@@ -13,8 +13,17 @@ import grpc
 from google.protobuf import json_format
 
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
-from kv_sidecar_client.lane import Lane, LanePull, lane_for, raise_for_answer
-from kv_sidecar_client.results import KVSidecarError, PendingPull, PullResult, pull_failure
+from kv_sidecar_client.lane import Lane, LaneBatch, LanePull, lane_for, raise_for_answer
+from kv_sidecar_client.results import (
+    BatchMember,
+    KVSidecarError,
+    PendingBatch,
+    PendingPull,
+    PullResult,
+    batch_failed,
+    batch_results,
+    pull_failure,
+)
 
 __all__ = ["BatchPull", "KVSidecarError", "PendingPull", "PullResult", "pull_failure"]
 
@@ -75,12 +84,27 @@ class BatchPull:
     group: int | None = None
 
 
-def batch_outcome(outcome: engine_pb2.PullOutcome, block_ids: list[int]) -> PullResult:
-    """A PullBatch member's outcome as a PullResult."""
-    if outcome.code:
-        return pull_failure(outcome.code, outcome.message, outcome.trailers.items(), block_ids)
-    r = outcome.response
-    return PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
+def batch_request(
+    engine_id: str, pulls: Sequence[BatchPull], timeout_s: float
+) -> tuple[engine_pb2.PullBatchRequest, list[list[int]]]:
+    """The PullBatch call's request, and each member's blocks (what it leaves unfilled if it fails)."""
+    req = engine_pb2.PullBatchRequest(
+        pulls=[
+            pull_request(m.params, engine_id, m.block_ids, m.ranks, m.start_token, timeout_s, m.group)
+            for m in pulls
+        ]
+    )
+    return req, [list(m.block_ids) for m in pulls]
+
+
+def start_lane_batch(
+    lane: Lane, request: engine_pb2.PullBatchRequest, blocks: list[list[int]], timeout_s: float
+) -> LaneBatch | None:
+    """Send a PullBatch over the engine lane; None: it goes over gRPC."""
+    conn = lane.send(engine_pb2.LaneCall(pull_batch=request))
+    if conn is None:
+        return None
+    return LaneBatch(lane, conn, blocks, time.monotonic() + timeout_s + PULL_GRACE_S)
 
 
 def start_lane_pull(lane: Lane, request: engine_pb2.PullRequest, timeout_s: float) -> LanePull | None:
@@ -124,12 +148,11 @@ class Event:
     reason: str = ""  # "released": why the reader gave the request up
 
 
-class PullCall:
-    """A pull in flight (SidecarClient.pull_async)."""
+class _FutureCall:
+    """A call in flight over gRPC, as a future."""
 
-    def __init__(self, future: Any, block_ids: list[int]) -> None:
+    def __init__(self, future: Any) -> None:
         self._future = future
-        self._block_ids = block_ids
         self.done_at = 0.0  # time.monotonic() when the answer arrived
         future.add_done_callback(self._stamp)
 
@@ -140,8 +163,16 @@ class PullCall:
         return self._future.done()
 
     def cancel(self) -> None:
-        """Give up waiting; the sidecar stops the pull and releases the source blocks."""
+        """Give up waiting; the sidecar stops the call's pulls and releases the source blocks."""
         self._future.cancel()
+
+
+class PullCall(_FutureCall):
+    """A pull in flight (SidecarClient.pull_async)."""
+
+    def __init__(self, future: Any, block_ids: list[int]) -> None:
+        super().__init__(future)
+        self._block_ids = block_ids
 
     def result(self) -> PullResult:
         """The outcome (waits if not done). Never raises for a failed transfer: see PullResult."""
@@ -156,6 +187,24 @@ class PullCall:
             trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else ()
             return pull_failure(err.code, err.message, trailers, self._block_ids)
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+
+
+class BatchCall(_FutureCall):
+    """A PullBatch in flight over gRPC (a PendingBatch)."""
+
+    def __init__(self, future: Any, blocks: list[list[int]]) -> None:
+        super().__init__(future)
+        self._blocks = blocks
+
+    def results(self) -> list[PullResult]:
+        try:
+            resp = self._future.result()
+        except grpc.FutureCancelledError:
+            return batch_failed("CANCELLED", "cancelled", self._blocks)
+        except grpc.RpcError as e:
+            err = _error(e)
+            return batch_failed(err.code, err.message, self._blocks)
+        return batch_results(resp.outcomes, self._blocks)
 
 
 class EventStream:
@@ -324,35 +373,22 @@ class SidecarClient:
         """Many pulls (a step's requests) in one call; a result per member, in order. The members run side
         by side and each fails alone; a call that fails as a whole (draining, too many members, the
         sidecar gone) fails every member with its error. Never raises for a failed transfer."""
+        members = self.pull_batch_async(engine_id, pulls, timeout_s)
+        return [m.result() for m in members]
+
+    def pull_batch_async(
+        self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float | None = None
+    ) -> list[PendingPull]:
+        """Start a PullBatch and return at once: a PendingPull per member, all done together (they share
+        one call, so cancelling one cancels the batch; to stop one member, `abort` its request)."""
         timeout = timeout_s or self.timeout_s
-        batch = engine_pb2.PullBatchRequest(
-            pulls=[
-                pull_request(m.params, engine_id, m.block_ids, m.ranks, m.start_token, timeout, m.group)
-                for m in pulls
-            ]
-        )
-        blocks = [list(m.block_ids) for m in pulls]
-        try:
-            answer = (
-                self.lane.call(engine_pb2.LaneCall(pull_batch=batch), timeout + PULL_GRACE_S)
-                if self.lane
-                else None
-            )
-            if answer is not None:
-                resp = raise_for_answer(answer).pull_batch
-            else:
-                resp = self._stub.PullBatch(batch, timeout=timeout + PULL_GRACE_S)
-        except (KVSidecarError, grpc.RpcError) as e:
-            err = e if isinstance(e, KVSidecarError) else _error(e)
-            return [pull_failure(err.code, err.message, (), b) for b in blocks]
-        if len(resp.outcomes) != len(blocks):
-            return [
-                pull_failure(
-                    "INTERNAL", f"the sidecar answered {len(resp.outcomes)} of {len(blocks)} pulls", (), b
-                )
-                for b in blocks
-            ]
-        return [batch_outcome(o, b) for o, b in zip(resp.outcomes, blocks, strict=True)]
+        req, blocks = batch_request(engine_id, pulls, timeout)
+        batch: PendingBatch | None = None
+        if self.lane is not None:
+            batch = start_lane_batch(self.lane, req, blocks, timeout)
+        if batch is None:
+            batch = BatchCall(self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks)
+        return [BatchMember(batch, i) for i in range(len(blocks))]
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(

@@ -17,12 +17,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from multiprocessing.connection import Client, Connection
 
 from google.protobuf.message import DecodeError
 
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
-from kv_sidecar_client.results import KVSidecarError, PullResult, pull_failure
+from kv_sidecar_client.results import KVSidecarError, PullResult, batch_failed, batch_results, pull_failure
 
 LANE_VERSION = 1
 LANE_SUFFIX = ".lane"
@@ -155,35 +156,33 @@ def raise_for_answer(answer: engine_pb2.LaneAnswer) -> engine_pb2.LaneAnswer:
     return answer
 
 
-class LanePull:
-    """A pull in flight on the lane; `done()`, `result()` and `cancel()` as on SidecarClient's."""
+class _LaneCallInFlight:
+    """A pull call in flight on the lane, its answer polled from its connection; the subclass turns the
+    answer (or the call's failure) into its results."""
 
-    def __init__(self, lane: Lane, conn: Connection, block_ids: list[int], deadline: float) -> None:
+    def __init__(self, lane: Lane, conn: Connection, deadline: float) -> None:
         self._lane = lane
         self._conn = conn
-        self._block_ids = block_ids
         self._deadline = deadline
-        self._result: PullResult | None = None
+        self._finished = False
         self._cancelled = False
         self.done_at = 0.0
 
     def done(self) -> bool:
-        if self._result is None and (self._cancelled or self._ready()):
+        if not self._finished and (self._cancelled or self._ready()):
             self._finish(0.0)
-        return self._result is not None
-
-    def result(self) -> PullResult:
-        if self._result is None:
-            self._finish(self._deadline - time.monotonic())
-        assert self._result is not None
-        return self._result
+        return self._finished
 
     def cancel(self) -> None:
-        """Give up; closing the connection stops the pull on the sidecar, which releases the source."""
-        if self._result is not None:
+        """Give up; closing the connection stops the call on the sidecar, which releases the sources."""
+        if self._finished:
             return
         self._cancelled = True
         shut_down(self._conn)  # not close: it also wakes a result() waiting on another thread
+
+    def _wait(self) -> None:
+        if not self._finished:
+            self._finish(self._deadline - time.monotonic())
 
     def _ready(self) -> bool:
         try:
@@ -199,16 +198,59 @@ class LanePull:
         except KVSidecarError as e:
             self._conn.close()
             code = "CANCELLED" if self._cancelled else e.code
-            self._result = pull_failure(
-                code, e.message if code == e.code else "cancelled", (), self._block_ids
-            )
+            self._failed(code, e.message if code == e.code else "cancelled")
         else:
             self._lane.give_back(self._conn)
             if answer.code:
-                self._result = pull_failure(
-                    answer.code, answer.message, answer.trailers.items(), self._block_ids
-                )
+                self._failed(answer.code, answer.message, answer.trailers.items())
             else:
-                r = answer.pull
-                self._result = PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
+                self._answered(answer)
+        self._finished = True
         self.done_at = time.monotonic()
+
+    def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
+        raise NotImplementedError
+
+    def _answered(self, answer: engine_pb2.LaneAnswer) -> None:
+        raise NotImplementedError
+
+
+class LanePull(_LaneCallInFlight):
+    """A pull in flight on the lane; `done()`, `result()` and `cancel()` as on SidecarClient's."""
+
+    def __init__(self, lane: Lane, conn: Connection, block_ids: list[int], deadline: float) -> None:
+        super().__init__(lane, conn, deadline)
+        self._block_ids = block_ids
+        self._result: PullResult | None = None
+
+    def result(self) -> PullResult:
+        self._wait()
+        assert self._result is not None
+        return self._result
+
+    def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
+        self._result = pull_failure(code, message, trailers, self._block_ids)
+
+    def _answered(self, answer: engine_pb2.LaneAnswer) -> None:
+        r = answer.pull
+        self._result = PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
+
+
+class LaneBatch(_LaneCallInFlight):
+    """A PullBatch in flight on the lane (a PendingBatch)."""
+
+    def __init__(self, lane: Lane, conn: Connection, blocks: list[list[int]], deadline: float) -> None:
+        super().__init__(lane, conn, deadline)
+        self._blocks = blocks
+        self._results: list[PullResult] | None = None
+
+    def results(self) -> list[PullResult]:
+        self._wait()
+        assert self._results is not None
+        return self._results
+
+    def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
+        self._results = batch_failed(code, message, self._blocks)
+
+    def _answered(self, answer: engine_pb2.LaneAnswer) -> None:
+        self._results = batch_results(answer.pull_batch.outcomes, self._blocks)

@@ -24,15 +24,18 @@ import grpc
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc
 from kv_sidecar_client.client import (
     PULL_GRACE_S,
+    BatchPull,
     PullResult,
     TransferParams,
+    batch_request,
     pull_failure,
     pull_request,
+    start_lane_batch,
     start_lane_pull,
     target_of,
 )
 from kv_sidecar_client.lane import lane_for
-from kv_sidecar_client.results import PendingPull
+from kv_sidecar_client.results import BatchMember, PendingBatch, PendingPull, batch_failed, batch_results
 
 _local = threading.local()
 
@@ -82,6 +85,36 @@ class PolledPull:
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
+class PolledBatch:
+    """A PullBatch in flight on the loop (a PendingBatch)."""
+
+    def __init__(self, owner: PolledPulls, task: asyncio.Task[Any], blocks: list[list[int]]) -> None:
+        self._owner = owner
+        self._task = task
+        self._blocks = blocks
+        self.done_at = 0.0
+        task.add_done_callback(lambda _: setattr(self, "done_at", time.monotonic()))
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+        self._owner.poll()
+
+    def results(self) -> list[PullResult]:
+        if not self._task.done():
+            self._owner.wait(self._task)
+        if self._task.cancelled():
+            return batch_failed("CANCELLED", "cancelled", self._blocks)
+        exc = self._task.exception()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return batch_failed(exc.code().name, exc.details() or "", self._blocks)
+        if exc is not None:
+            return batch_failed("UNKNOWN", str(exc), self._blocks)
+        return batch_results(self._task.result().outcomes, self._blocks)
+
+
 class PolledPulls:
     """A grpc.aio channel to a sidecar's engine socket on a loop that only `poll()` runs."""
 
@@ -125,12 +158,33 @@ class PolledPulls:
         async def call() -> Any:
             return await self._stub.Pull(req, timeout=timeout_s + PULL_GRACE_S)
 
-        task = self._loop.create_task(call())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        pull = PolledPull(self, task, list(block_ids))
+        pull = PolledPull(self, self._run(call()), list(block_ids))
         self.poll()  # send it now
         return pull
+
+    def start_batch(
+        self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float = 30.0
+    ) -> list[PendingPull]:
+        """Many pulls in one PullBatch call: a PendingPull per member, all done together (see
+        SidecarClient.pull_batch_async)."""
+        req, blocks = batch_request(engine_id, pulls, timeout_s)
+        batch: PendingBatch | None = None
+        if self.lane is not None:
+            batch = start_lane_batch(self.lane, req, blocks, timeout_s)
+        if batch is None:
+
+            async def call() -> Any:
+                return await self._stub.PullBatch(req, timeout=timeout_s + PULL_GRACE_S)
+
+            batch = PolledBatch(self, self._run(call()), blocks)
+            self.poll()
+        return [BatchMember(batch, i) for i in range(len(blocks))]
+
+    def _run(self, coro: Any) -> asyncio.Task[Any]:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def poll(self) -> None:
         """One pass of the loop: send what is queued, take in what has arrived. Does not block."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class KVSidecarError(Exception):
@@ -48,6 +48,63 @@ def pull_failure(
             if key == "kvsidecar-unfilled-blocks" and value != "all":
                 unfilled = [int(b) for b in value.split(",") if b]
     return PullResult(False, error_code=code, error=details, unfilled_blocks=unfilled)
+
+
+class PendingBatch(Protocol):
+    """A PullBatch call in flight, however it was sent: one answer for every member."""
+
+    done_at: float
+
+    def done(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def results(self) -> list[PullResult]:
+        """Every member's outcome, in order (waits if not done). Never raises for a failed transfer."""
+        ...
+
+
+class BatchMember:
+    """One member of a PullBatch in flight, as a PendingPull: done when the batch's answer is in (the
+    members share one call). `cancel()` gives up the whole batch; to stop one member, abort its request."""
+
+    def __init__(self, batch: PendingBatch, index: int) -> None:
+        self._batch = batch
+        self._index = index
+
+    @property
+    def done_at(self) -> float:
+        return self._batch.done_at
+
+    def done(self) -> bool:
+        return self._batch.done()
+
+    def cancel(self) -> None:
+        self._batch.cancel()
+
+    def result(self) -> PullResult:
+        return self._batch.results()[self._index]
+
+
+def batch_results(outcomes: Sequence[Any], blocks: list[list[int]]) -> list[PullResult]:
+    """A PullBatch answer's outcomes (PullOutcome messages) as PullResults, in order."""
+    if len(outcomes) != len(blocks):
+        return batch_failed(
+            "INTERNAL", f"the sidecar answered {len(outcomes)} of {len(blocks)} pulls", blocks
+        )
+    out = []
+    for o, b in zip(outcomes, blocks, strict=True):
+        if o.code:
+            out.append(pull_failure(o.code, o.message, o.trailers.items(), b))
+        else:
+            r = o.response
+            out.append(PullResult(True, r.bytes, r.duration_us / 1e6, r.path))
+    return out
+
+
+def batch_failed(code: str, message: str, blocks: list[list[int]]) -> list[PullResult]:
+    """A PullBatch call that failed as a whole: every member failed with its error, every block unfilled."""
+    return [PullResult(False, error_code=code, error=message, unfilled_blocks=list(b)) for b in blocks]
 
 
 class PendingPull(Protocol):

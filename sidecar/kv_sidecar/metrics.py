@@ -99,6 +99,12 @@ class Metrics:
         self.staging_in_use = Gauge("kvsidecar_staging_bytes_in_use", "Staging bytes in use", registry=r)
         self.staging_capacity = Gauge("kvsidecar_staging_bytes_capacity", "Staging bytes owned", registry=r)
         self.inflight = Gauge("kvsidecar_inflight_transfers", "Pulls in progress", registry=r)
+        self.pull_batch_pulls = Histogram(
+            "kvsidecar_pull_batch_pulls",
+            "Pulls per PullBatch call (its members also count in kvsidecar_pulls_total)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self.engine_lane_connections = Gauge(
             "kvsidecar_engine_lane_connections", "Open connections to the engine lane", registry=r
         )

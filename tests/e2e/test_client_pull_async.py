@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess
-from kv_sidecar_client import SidecarClient, TransferParams
+from kv_sidecar_client import BatchPull, SidecarClient, TransferParams
 from kv_sidecar_client.polled import PolledPulls
 
 
@@ -70,3 +70,42 @@ def test_polled_grpc_pull_is_not_advanced_without_polls_and_can_be_cancelled(
         assert second.result().error_code in ("CANCELLED", "NOT_FOUND")
     finally:
         pulls.close()
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+@pytest.mark.parametrize("kind", ["future", "polled"])
+def test_a_batch_in_flight_gives_each_member_its_outcome_when_the_call_answers(
+    kind: str, lane: bool, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """pull_batch_async / PolledPulls.start_batch: a PendingPull per member, done together, each with its
+    own outcome (here: an unknown local engine, then an unknown request), and a batch the sidecar refuses
+    whole (too many members) fails every member with its status and blocks."""
+    a, b = sidecar_pair
+    members = [BatchPull(unknown_request(a), [5, 6]), BatchPull(unknown_request(a), [7])]
+    too_many = [BatchPull(unknown_request(a), [i]) for i in range(300)]  # max_pull_batch is 256
+    pulls = PolledPulls(b.socket, lane=lane) if kind == "polled" else None
+    try:
+        with SidecarClient(b.socket, lane=lane) as c:
+            if pulls is None:
+                calls = c.pull_batch_async("nobody-local", members, timeout_s=5)
+                refused = c.pull_batch_async("nobody-local", too_many, timeout_s=5)
+            else:
+                calls = pulls.start_batch("nobody-local", members, timeout_s=5)
+                refused = pulls.start_batch("nobody-local", too_many, timeout_s=5)
+            deadline = time.monotonic() + 10
+            while not all(x.done() for x in (*calls, *refused)) and time.monotonic() < deadline:
+                if pulls is not None:
+                    pulls.poll()
+                time.sleep(0.001)
+            assert all(x.done() for x in (*calls, *refused)), "the calls must complete"
+            results = [x.result() for x in calls]
+    finally:
+        if pulls is not None:
+            pulls.close()
+    # The first member is refused for the unknown local engine; the second repeats its request.
+    assert [r.error_code for r in results] == ["NOT_FOUND", "INVALID_ARGUMENT"], results
+    assert [r.unfilled_blocks for r in results] == [[5, 6], [7]]
+    assert calls[0].done_at == calls[1].done_at > 0
+    over = [x.result() for x in refused]
+    assert all(r.error_code == "INVALID_ARGUMENT" and "max_pull_batch 256" in r.error for r in over), over[0]
+    assert [r.unfilled_blocks for r in over] == [[i] for i in range(300)]

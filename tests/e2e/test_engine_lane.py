@@ -129,7 +129,10 @@ def test_bad_frames_get_a_status_or_a_closed_connection_and_the_sidecar_keeps_se
         garbage = _ask(conn, b"\xff\x00 not protobuf")
         assert (garbage.code, garbage.message) == ("INVALID_ARGUMENT", "not a LaneCall message")
         empty = _ask(conn, b"")
-        assert (empty.code, empty.message) == ("INVALID_ARGUMENT", "a LaneCall must carry pull, pull_batch or publish")
+        assert (empty.code, empty.message) == (
+            "INVALID_ARGUMENT",
+            "a LaneCall must carry pull, pull_batch or publish",
+        )
         # The same connection still answers a real call.
         unknown = _ask(
             conn, engine_pb2.LaneCall(publish=engine_pb2.PublishRequest(engine_id="none")).SerializeToString()

@@ -23,6 +23,7 @@ from .conftest import (
     Spawn,
     frozen,
     in_background,
+    metric,
     no_transfer_in_flight,
     pulls_in_flight,
     spec_dict,
@@ -78,8 +79,12 @@ def test_members_of_other_requests_sizes_sources_and_layouts_arrive_bit_exact(
     for i, (src, blocks, tokens, dst, start, _) in enumerate(members):
         params = _publish(src, f"m{i}", blocks, tokens, seed=10 + i)
         pulls.append({"params": params, "block_ids": dst, "seed": 10 + i, "start_token": start})
+    batches = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_count")
+    members_before = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum")
     out = decode.send({"cmd": "pull_many", "pulls": pulls})
     assert out["ok"] and out["untouched_outside"], out
+    assert metric(b.metrics_port, "kvsidecar_pull_batch_pulls_count") == batches + 1
+    assert metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum") == members_before + len(members)
     for res, (*_, path) in zip(out["results"], members, strict=True):
         assert res["verified"] and res["path"] == path, res
     # Each member answered its own "consumed" to its own source, once.

@@ -5,6 +5,7 @@ tests/gpu/test_vllm_connector_gpu.py; real vLLM engines: tests/vllm.)"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -16,9 +17,11 @@ from kv_sidecar_client import SidecarClient, params_to_json
 from kv_sidecar_client.vllm import worker as worker_module
 from kv_sidecar_client.vllm.config import ConnectorConfig
 from kv_sidecar_client.vllm.kv_layout import VllmKVInfo, describe
-from kv_sidecar_client.vllm.metadata import StepOrders
+from kv_sidecar_client.vllm.metadata import PullOrder, StepOrders
 from kv_sidecar_client.vllm.worker import SidecarWorker
 from tests.vllm.views import VllmCache, assert_pulled_exactly, pull_through_worker
+
+from .conftest import metric
 
 NUM_TOKENS = 150
 CASES = {
@@ -30,12 +33,11 @@ CASES = {
 
 
 def worker(
-    sidecar: SidecarProcess, engine_id: str, spec: tuple[str, int, int | None]
+    sidecar: SidecarProcess, engine_id: str, spec: tuple[str, int, int | None], pull_batch: bool = False
 ) -> tuple[SidecarWorker, VllmCache]:
     layout, block, kernel = spec
-    w = SidecarWorker(
-        ConnectorConfig(sidecar_socket=sidecar.socket, pull_timeout_s=30.0), engine_id, 0, on_cpu=True
-    )
+    config = ConnectorConfig(sidecar_socket=sidecar.socket, pull_timeout_s=30.0, pull_batch=pull_batch)
+    w = SidecarWorker(config, engine_id, 0, on_cpu=True)
     assert w.pool is not None
     cache = VllmCache(
         "cpu", layout, block, kernel, blocks=24, layers=2, heads=2, head=32, allocation=w.pool.allocation()
@@ -63,6 +65,54 @@ def test_vllm_shaped_host_caches_pull_bit_exact(
         result = pull_through_worker(dw, params_to_json(params), d_blocks)
         assert result.ok and result.path == ("host-direct" if same_sidecar else remote_path), result
         assert_pulled_exactly(prefill, decode, p_blocks, d_blocks, NUM_TOKENS, before)
+    finally:
+        dw.shutdown()
+        pw.shutdown()
+
+
+def test_with_pull_batch_a_steps_pulls_go_in_one_call_and_a_bad_one_fails_alone(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """pull_batch: the step's three pulls go in one PullBatch; two arrive bit-exact, the third (a block id
+    past the cache) fails alone, naming its blocks, and vLLM is told which to recompute."""
+    a, b = sidecar_pair
+    spec = ("LBHNC", 32, None)
+    pw, prefill = worker(a, "vb-p", spec)
+    dw, decode = worker(b, "vb-d", spec, pull_batch=True)
+    try:
+        n_blocks = -(-NUM_TOKENS // 32)
+        before = decode.raw.clone()
+        orders, wanted = {}, {}
+        with SidecarClient(a.socket) as c:
+            for i in range(3):
+                p_blocks = [i * n_blocks + k for k in range(n_blocks)]
+                d_blocks = (
+                    [i * n_blocks + k for k in range(n_blocks)] if i < 2 else [20, 21, 22, 24, 99][:n_blocks]
+                )
+                params = c.publish("vb-p", f"r{i}", p_blocks, NUM_TOKENS)
+                orders[f"r{i}"] = PullOrder(json.loads(params_to_json(params)), d_blocks, 0)
+                wanted[f"r{i}"] = (p_blocks, d_blocks)
+        batches = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum")
+        dw.take_orders(StepOrders(pulls=orders))
+        done: set[str] = set()
+        deadline = time.monotonic() + 60
+        while done != set(orders) and time.monotonic() < deadline:
+            done |= dw.finished()[1]
+            time.sleep(0.001)
+        assert done == set(orders), done
+        results = {rec.request_id: rec.result for rec in dw.pull_log[-3:]}
+        assert results["r0"].ok and results["r1"].ok, results
+        assert (
+            results["r2"].error_code == "INVALID_ARGUMENT"
+            and results["r2"].unfilled_blocks == wanted["r2"][1]
+        )
+        assert dw.load_errors() == set(wanted["r2"][1])
+        assert metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum") - batches == 3
+        # Both good requests bit-exact (whole blocks: the plan is the identity), nothing else changed.
+        good = sorted(set(wanted["r0"][1]) | set(wanted["r1"][1]))
+        assert_pulled_exactly(
+            prefill, decode, wanted["r0"][0] + wanted["r1"][0], good, len(good) * 32, before
+        )
     finally:
         dw.shutdown()
         pw.shutdown()

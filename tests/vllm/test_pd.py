@@ -58,7 +58,9 @@ class PD:
             {
                 "model": model,
                 "block_size": 64,
-                "connector": conn | {"sidecar_socket": self.sd.socket, "engine_id": "decode64"},
+                # A step's pulls in one PullBatch call: the other decode engine sends one Pull each.
+                "connector": conn
+                | {"sidecar_socket": self.sd.socket, "engine_id": "decode64", "pull_batch": True},
             },
         )
         self.R = VllmEngine("reference", {"model": model, "block_size": BLOCK})
@@ -130,9 +132,12 @@ def test_disaggregated_output_equals_aggregated(pd: PD) -> None:
 
 def test_different_block_sizes_give_identical_output(pd: PD) -> None:
     prompts = [prompt(n, seed=100 + n) for n in (7, 64, 65, 250)]
+    batched = metric(pd.sd.metrics_port, "kvsidecar_pull_batch_pulls_sum")
     assert pd.disaggregated(prompts, 12, decode=pd.D64) == pd.reference(prompts, 12)
     pulls = last_pulls(pd.D64, len(prompts))
     assert all(p["ok"] and p["path"] == "host-nixl-staged" for p in pulls), pulls
+    # D64 sends a step's pulls in PullBatch calls (pull_batch): every one of these went in one.
+    assert metric(pd.sd.metrics_port, "kvsidecar_pull_batch_pulls_sum") - batched == len(prompts)
     assert pd.P.settle(30)["free_blocks"] == pd.p_free
 
 

@@ -45,6 +45,11 @@ class ConnectorConfig:
     # fills only whole blocks; that engine computes up to this many prompt tokens itself. Set it to a
     # multiple of every decode block size this engine serves (docs/vllm.md, "Sliding-window models").
     window_alignment: int = 0
+    # Decode: send a step's pulls in one PullBatch call instead of one Pull call each. Each still fails
+    # alone, but all of a step's requests are ready when the slowest is: same-node pulls under load
+    # ran 1.4-1.9x the pulls/s with a much shorter tail, pulls from another node no faster
+    # (docs/benchmarks.md, "Issue 32: PullBatch").
+    pull_batch: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kv_sidecar_client.client import Event, PendingPull, PullResult, params_from_json
+from kv_sidecar_client.client import BatchPull, Event, PendingPull, PullResult, params_from_json
 from kv_sidecar_client.polled import PolledPulls
 from kv_sidecar_client.session import EngineSession
 from kv_sidecar_client.vllm.config import ConnectorConfig, wait_for_sidecar
@@ -149,21 +149,60 @@ class SidecarWorker:
                 else:
                     self._finished_sending.add(req_id)
         now = time.monotonic()
-        for req_id, order in orders.pulls.items():
-            self._start_pull(req_id, order, now)
+        starts = [(req_id, order, 0) for req_id, order in orders.pulls.items()]
         for req_id, parts in orders.group_pulls.items():
             with self._lock:
                 self._pulls_left[req_id] = len(parts)
-            for part, order in enumerate(parts):
-                self._start_pull(req_id, order, now, part)
+            starts += [(req_id, order, part) for part, order in enumerate(parts)]
+        if self.config.pull_batch and self._polled is not None and len(starts) > 1:
+            self._start_batch(starts, now)
+            return
+        for req_id, order, part in starts:
+            self._start_pull(req_id, order, now, part)
+
+    def _start_batch(self, starts: list[tuple[str, PullOrder, int]], ordered_at: float) -> None:
+        """The step's pulls in one PullBatch call (`pull_batch`): each member still fails alone, and all
+        of them are done when the call answers."""
+        assert self._polled is not None
+        started = time.monotonic()
+        members: list[tuple[str, PullOrder, int]] = []
+        batch: list[BatchPull] = []
+        for req_id, order, part in starts:
+            if order.error:
+                self._fail_now(req_id, order, ordered_at, "FAILED_PRECONDITION", order.error, [])
+                continue
+            try:
+                params = params_from_json(order.params)
+            except Exception as e:  # never lose a request: report it with every block unfilled
+                self._fail_now(req_id, order, ordered_at, "INTERNAL", str(e), list(order.block_ids))
+                continue
+            members.append((req_id, order, part))
+            batch.append(BatchPull(params, order.block_ids, [self.rank], order.start_token, order.group))
+        if not batch:
+            return
+        try:
+            calls = self._polled.start_batch(self.engine_id, batch, timeout_s=self.config.pull_timeout_s)
+        except Exception as e:
+            for req_id, order, _ in members:
+                self._fail_now(req_id, order, ordered_at, "INTERNAL", str(e), list(order.block_ids))
+            return
+        with self._lock:
+            for (req_id, order, part), call in zip(members, calls, strict=True):
+                self._inflight[(req_id, part)] = (call, order, ordered_at, started)
+
+    def _fail_now(
+        self, req_id: str, order: PullOrder, ordered_at: float, code: str, error: str, unfilled: list[int]
+    ) -> None:
+        now = time.monotonic()
+        failed = PullResult(False, error_code=code, error=error, unfilled_blocks=unfilled)
+        self._record(req_id, order, (ordered_at, now, now), failed)
 
     def _start_pull(self, req_id: str, order: PullOrder, ordered_at: float, part: int = 0) -> None:
         # Issued from vLLM's own thread and advanced in finished(): a pull costs this loop no thread
         # switch (each one can wait a whole GIL switch interval behind the busy engine loop).
         started = time.monotonic()
         if order.error:
-            failed = PullResult(False, error_code="FAILED_PRECONDITION", error=order.error)
-            self._record(req_id, order, (ordered_at, started, started), failed)
+            self._fail_now(req_id, order, ordered_at, "FAILED_PRECONDITION", order.error, [])
             return
         try:
             start = self._polled.start if self._polled is not None else self.session.client.pull_async
@@ -177,10 +216,7 @@ class SidecarWorker:
                 group=order.group,
             )
         except Exception as e:  # never lose a request: report it with every block unfilled
-            failed = PullResult(
-                False, error_code="INTERNAL", error=str(e), unfilled_blocks=list(order.block_ids)
-            )
-            self._record(req_id, order, (ordered_at, started, started), failed)
+            self._fail_now(req_id, order, ordered_at, "INTERNAL", str(e), list(order.block_ids))
             return
         with self._lock:
             self._inflight[(req_id, part)] = (call, order, ordered_at, started)

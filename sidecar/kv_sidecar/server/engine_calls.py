@@ -67,10 +67,11 @@ class EngineCalls:
         refusals: PublishRefusals,
         max_pull_batch: int,
         batch_threads: int,
+        observe_batch: Callable[[int], None] = lambda n: None,
     ) -> None:
         """on_published: a request was just published here (PushThreads.expect_read); refusals: where a
         refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and the
-        threads its members from other sidecars wait on."""
+        threads its members from other sidecars wait on; observe_batch: each batch's size (metrics)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -84,7 +85,9 @@ class EngineCalls:
         self._lease_view = lease_view
         self._on_published = on_published
         self._refusals = refusals
-        self._batches = PullBatches(self.pull, max_pull_batch, identity.sidecar_id, batch_threads)
+        self._batches = PullBatches(
+            self.pull, max_pull_batch, identity.sidecar_id, batch_threads, observe_batch
+        )
 
     def close(self) -> None:
         self._batches.stop()

@@ -49,19 +49,20 @@ class _Hangup:
             stop()
 
 
+def _group(p: engine_pb2.PullRequest) -> int | None:
+    return p.group if p.HasField("group") else None
+
+
 def _overlap(a: engine_pb2.PullRequest, b: engine_pb2.PullRequest) -> bool:
-    """Whether two members pull the same request into the same ranks (no ranks: every rank)."""
-    same = (a.engine_id, a.params.engine_id, a.params.request_id, a.HasField("group") and a.group) == (
-        b.engine_id,
-        b.params.engine_id,
-        b.params.request_id,
-        b.HasField("group") and b.group,
-    )
-    return same and (not a.ranks or not b.ranks or bool(set(a.ranks) & set(b.ranks)))
+    """Whether two members pull the same request's group into the same ranks (no ranks: every rank)."""
+    if _group(a) != _group(b):
+        return False  # a hybrid model's groups of one request are pulls of their own
+    return not a.ranks or not b.ranks or bool(set(a.ranks) & set(b.ranks))
 
 
 def repeated_members(pulls: list[engine_pb2.PullRequest]) -> dict[int, int]:
-    """Members that repeat an earlier one (the same request into overlapping ranks): index -> the earlier."""
+    """Members that repeat an earlier one (the same request and group into overlapping ranks): index -> the
+    earlier one."""
     out: dict[int, int] = {}
     by_request: dict[tuple[str, str, str], list[int]] = {}
     for i, p in enumerate(pulls):
@@ -82,8 +83,16 @@ def failed(e: BaseException) -> engine_pb2.PullOutcome:
 class PullBatches:
     """Runs the members of PullBatch calls."""
 
-    def __init__(self, run_member: MemberFn, max_members: int, local_sidecar_id: str, threads: int) -> None:
+    def __init__(
+        self,
+        run_member: MemberFn,
+        max_members: int,
+        local_sidecar_id: str,
+        threads: int,
+        observe_size: Callable[[int], None],
+    ) -> None:
         self._run_member = run_member
+        self._observe_size = observe_size
         self._max = max_members
         self._me = local_sidecar_id
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch")
@@ -104,6 +113,7 @@ class PullBatches:
                 f"a PullBatch of {len(pulls)} pulls is more than this sidecar takes in one call "
                 f"(max_pull_batch {self._max}); split it",
             )
+        self._observe_size(len(pulls))
         start = time.perf_counter()
         hangup = _Hangup()
         on_hangup(hangup.fire)

@@ -152,6 +152,7 @@ class Sidecar:
             refusals,
             s.max_pull_batch,
             s.engine_workers,
+            self.metrics.pull_batch_pulls.observe,
         )
         self.peer_requests = PeerRequests(
             me,
