@@ -16,8 +16,11 @@ decode engine pulls its N with C threads, all pairs starting at one instant, eac
 its own. pulls/s and GB/s are all pairs' pulls and bytes over the wall time from that instant to the
 last pull's end; p50/p99 are the engines' pull() calls. After the row every byte of every pull is
 checked against its seed, and every prefill engine must get exactly N "consumed" events. Each
-process's CPU over the row is reported (100 % = one core): a load bench must show that it is not
-itself the bottleneck it measures.
+process's CPU over the row is reported (100 % = one core), a sidecar's child processes (device_workers)
+beside it: a load bench must show that it is not itself the bottleneck it measures.
+
+--per-call K also runs this tree with each decode thread sending K pulls in one PullBatch call, the
+same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 are the batch calls'.
 
 With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ and client/, where there
 is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
@@ -37,6 +40,7 @@ are marked and left out of ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -121,6 +125,29 @@ def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
             out[int(tid)] = (name, cpu_ticks(pid, int(tid)))
         except OSError:  # the thread ended meanwhile
             continue
+    return out
+
+
+def child_ticks(pid: int) -> dict[int, int]:
+    """CPU ticks of every process below `pid` (device_workers' workers, multiprocessing's helpers)."""
+    out: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                with contextlib.suppress(OSError):
+                    out[kid] = cpu_ticks(kid)
+                todo.append(kid)
     return out
 
 
@@ -293,6 +320,7 @@ class Node:
         sidecars = {name: p.proc.pid for name, p in procs.items() if name.startswith("sidecar")}
         before_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
         before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
+        before_kids = {name: child_ticks(pid) for name, pid in sidecars.items()}
         start_at = time.time() + 0.2
         per_call = min(self.per_call, concurrency)  # 4 in flight with batches of 16: batches of 4
         for i in range(pairs):  # every pair's batch starts at start_at
@@ -309,6 +337,7 @@ class Node:
             )
         got = [json.loads(self.decode[i].readline(900)) for i in range(pairs)]
         after = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
+        after_kids = {name: child_ticks(pid) for name, pid in sidecars.items()}
         after_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
         span = max(time.time() - start_at, 1e-9)
         for spy in spies:
@@ -339,7 +368,17 @@ class Node:
             pulls=pulls * pairs,
             wall_s=wall,
             lat_s=[x for g in got for x in g.get("lat", [])],
-            cpu={name: 100.0 * (after[name] - before[name]) / HZ / span for name in procs},
+            cpu={name: 100.0 * (after[name] - before[name]) / HZ / span for name in procs}
+            | {
+                # A sidecar's child processes (device_workers), over the row: a worker started during it
+                # counts from zero, one that exited is not counted.
+                f"{name} children": 100.0
+                * sum(t - before_kids[name].get(k, 0) for k, t in after_kids[name].items())
+                / HZ
+                / span
+                for name in sidecars
+                if after_kids[name]
+            },
             threads={
                 name: thread_cpu(before_threads[name], after_threads[name], python_thread_names(pid), span)
                 for name, pid in sidecars.items()
@@ -393,6 +432,12 @@ def size_label(row: Row) -> str:
     return f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
 
 
+def _sidecar_cpu(r: Row, name: str) -> str:
+    """A sidecar's CPU %, and its child processes' (device_workers) where it has any."""
+    kids = r.cpu.get(f"{name} children")
+    return f"{r.cpu[name]:.0f}" + (f" (+{kids:.0f} in child processes)" if kids is not None else "")
+
+
 def table(rows: list[Row]) -> str:
     out = [
         "| path | pairs | in flight per pair | pull | sidecars | pulls | pulls/s | GB/s | p50 ms | p99 ms | "
@@ -400,13 +445,13 @@ def table(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        b = f"{r.cpu.get('sidecar B', 0):.0f}" if "sidecar B" in r.cpu else "-"
+        b = _sidecar_cpu(r, "sidecar B") if "sidecar B" in r.cpu else "-"
         p50 = r.pct(0.5)
         out.append(
             f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{f' ({r.profiled})' if r.profiled else ''} | "
             f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
-            f"{r.cpu['sidecar A']:.0f} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
+            f"{_sidecar_cpu(r, 'sidecar A')} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
             f"{'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
         )
     return "\n".join(out)

@@ -48,13 +48,12 @@ def _thread_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class PolledPull:
-    """One pull in flight; `done()` and `result()` as on a future."""
+class _PolledCall:
+    """A call in flight on the loop, done when a poll sees its task finish."""
 
-    def __init__(self, owner: PolledPulls, task: asyncio.Task[Any], block_ids: list[int]) -> None:
+    def __init__(self, owner: PolledPulls, task: asyncio.Task[Any]) -> None:
         self._owner = owner
         self._task = task
-        self._block_ids = block_ids
         self.done_at = 0.0  # time.monotonic() of the poll that saw it finish
         task.add_done_callback(lambda _: setattr(self, "done_at", time.monotonic()))
 
@@ -62,57 +61,51 @@ class PolledPull:
         return self._task.done()
 
     def cancel(self) -> None:
-        """Give up; the sidecar stops the pull and releases the source blocks."""
+        """Give up; the sidecar stops the call's pulls and releases the source blocks."""
         self._task.cancel()
         self._owner.poll()
+
+    def _outcome(self) -> tuple[Any, str, str, Any]:
+        """(the answer, or None with the failure's code, message and trailers); runs the loop until done."""
+        if not self._task.done():
+            self._owner.wait(self._task)
+        if self._task.cancelled():
+            return None, "CANCELLED", "cancelled", ()
+        exc = self._task.exception()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return None, exc.code().name, exc.details() or "", exc.trailing_metadata()
+        if exc is not None:
+            return None, "UNKNOWN", str(exc), ()
+        return self._task.result(), "", "", ()
+
+
+class PolledPull(_PolledCall):
+    """One pull in flight; `done()` and `result()` as on a future."""
+
+    def __init__(self, owner: PolledPulls, task: asyncio.Task[Any], block_ids: list[int]) -> None:
+        super().__init__(owner, task)
+        self._block_ids = block_ids
 
     def result(self) -> PullResult:
         """The outcome (runs the loop until it is there). Never raises for a failed transfer."""
-        if not self._task.done():
-            self._owner.wait(self._task)
-        if self._task.cancelled():
-            return PullResult(
-                False, error_code="CANCELLED", error="cancelled", unfilled_blocks=self._block_ids
-            )
-        exc = self._task.exception()
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return pull_failure(
-                exc.code().name, exc.details() or "", exc.trailing_metadata(), self._block_ids
-            )
-        if exc is not None:
-            return PullResult(False, error_code="UNKNOWN", error=str(exc), unfilled_blocks=self._block_ids)
-        resp = self._task.result()
+        resp, code, message, trailers = self._outcome()
+        if resp is None:
+            return pull_failure(code, message, trailers, self._block_ids)
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
-class PolledBatch:
+class PolledBatch(_PolledCall):
     """A PullBatch in flight on the loop (a PendingBatch)."""
 
     def __init__(self, owner: PolledPulls, task: asyncio.Task[Any], blocks: list[list[int]]) -> None:
-        self._owner = owner
-        self._task = task
+        super().__init__(owner, task)
         self._blocks = blocks
-        self.done_at = 0.0
-        task.add_done_callback(lambda _: setattr(self, "done_at", time.monotonic()))
-
-    def done(self) -> bool:
-        return self._task.done()
-
-    def cancel(self) -> None:
-        self._task.cancel()
-        self._owner.poll()
 
     def results(self) -> list[PullResult]:
-        if not self._task.done():
-            self._owner.wait(self._task)
-        if self._task.cancelled():
-            return batch_failed("CANCELLED", "cancelled", self._blocks)
-        exc = self._task.exception()
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return batch_failed(exc.code().name, exc.details() or "", self._blocks)
-        if exc is not None:
-            return batch_failed("UNKNOWN", str(exc), self._blocks)
-        return batch_results(self._task.result().outcomes, self._blocks)
+        resp, code, message, _ = self._outcome()
+        if resp is None:
+            return batch_failed(code, message, self._blocks)
+        return batch_results(resp.outcomes, self._blocks)
 
 
 class PolledPulls:

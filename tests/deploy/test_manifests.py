@@ -85,6 +85,7 @@ HISTOGRAMS = {
     "kvsidecar_pull_throughput_bytes_per_second",
     "kvsidecar_nixl_descriptors_per_transfer",
     "kvsidecar_handshake_duration_seconds",
+    "kvsidecar_pull_batch_pulls",
 }
 GAUGES = {
     "kvsidecar_registered_engines",

@@ -22,7 +22,7 @@ from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.server.engines import spec_to_proto
-from kv_sidecar_client import KVSidecarError, SidecarClient, params_from_json
+from kv_sidecar_client import BatchPull, KVSidecarError, SidecarClient, params_from_json
 from kv_sidecar_client._proto.kvsidecar.v1 import (
     engine_pb2_grpc,
     peer_pb2,
@@ -100,6 +100,15 @@ def test_sigterm_drains_in_flight_pull_and_refuses_new_work(
                 res = client.pull(params_from_json(spare), decode.engine_id, [40])
                 assert (res.ok, res.error_code) == (False, "UNAVAILABLE"), res
                 assert "sidecar is draining" in res.error and "Pull is refused" in res.error
+                # A PullBatch too, over the lane and over gRPC: every member fails with the drain's status.
+                for lane in (True, False):
+                    with SidecarClient(b.socket, lane=lane) as batcher:
+                        (member,) = batcher.pull_batch(
+                            decode.engine_id, [BatchPull(params_from_json(spare), [41])]
+                        )
+                    assert member.error_code == "UNAVAILABLE" and "PullBatch is refused" in member.error, (
+                        member
+                    )
                 for call in (
                     lambda: client.publish(decode.engine_id, "new", [0], 1),
                     lambda: client.register_rank("late-engine", 0, SPEC.to_dict(), []),

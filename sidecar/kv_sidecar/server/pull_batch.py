@@ -113,7 +113,7 @@ class PullBatches:
                 f"a PullBatch of {len(pulls)} pulls is more than this sidecar takes in one call "
                 f"(max_pull_batch {self._max}); split it",
             )
-        self._observe_size(len(pulls))
+        self._observe_size(len(pulls))  # a batch served (refused ones are not)
         start = time.perf_counter()
         hangup = _Hangup()
         on_hangup(hangup.fire)

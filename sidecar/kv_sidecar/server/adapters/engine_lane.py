@@ -162,7 +162,9 @@ class EngineLane:
             kind = call.WhichOneof("call")
             if kind in ("pull", "pull_batch"):
                 if not self._drain.enter():
-                    raise SidecarError(Code.UNAVAILABLE, draining_message("Pull"))
+                    raise SidecarError(
+                        Code.UNAVAILABLE, draining_message("PullBatch" if kind == "pull_batch" else "Pull")
+                    )
                 counted = True
                 if kind == "pull_batch":
                     batch = self._busy_while(conn, self._calls.pull_batch, call.pull_batch, later)
