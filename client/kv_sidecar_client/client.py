@@ -20,6 +20,7 @@ from kv_sidecar_client.results import (
     PendingBatch,
     PendingPull,
     PullResult,
+    WholeBatch,
     batch_failed,
     batch_results,
     pull_failure,
@@ -101,7 +102,8 @@ def start_lane_batch(
     lane: Lane, request: engine_pb2.PullBatchRequest, blocks: list[list[int]], timeout_s: float
 ) -> LaneBatch | None:
     """Send a PullBatch over the engine lane; None: it goes over gRPC."""
-    conn = lane.send(engine_pb2.LaneCall(pull_batch=request))
+    streamed = engine_pb2.PullBatchRequest(pulls=request.pulls, stream_outcomes=True)
+    conn = lane.send(engine_pb2.LaneCall(pull_batch=streamed))
     if conn is None:
         return None
     return LaneBatch(lane, conn, blocks, time.monotonic() + timeout_s + PULL_GRACE_S)
@@ -189,7 +191,7 @@ class PullCall(_FutureCall):
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
-class BatchCall(_FutureCall):
+class BatchCall(_FutureCall, WholeBatch):
     """A PullBatch in flight over gRPC (a PendingBatch)."""
 
     def __init__(self, future: Any, blocks: list[list[int]]) -> None:

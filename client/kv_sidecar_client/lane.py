@@ -157,8 +157,9 @@ def raise_for_answer(answer: engine_pb2.LaneAnswer) -> engine_pb2.LaneAnswer:
 
 
 class _LaneCallInFlight:
-    """A pull call in flight on the lane, its answer polled from its connection; the subclass turns the
-    answer (or the call's failure) into its results."""
+    """A pull call in flight on the lane, its frames polled from its connection: a PullBatch's members'
+    outcomes ahead (`_ahead`), then the call's own answer; the subclass turns them (or the call's
+    failure) into its results."""
 
     def __init__(self, lane: Lane, conn: Connection, deadline: float) -> None:
         self._lane = lane
@@ -169,8 +170,8 @@ class _LaneCallInFlight:
         self.done_at = 0.0
 
     def done(self) -> bool:
-        if not self._finished and (self._cancelled or self._ready()):
-            self._finish(0.0)
+        while not self._finished and (self._cancelled or self._ready()):
+            self._take(0.0)
         return self._finished
 
     def cancel(self) -> None:
@@ -181,16 +182,17 @@ class _LaneCallInFlight:
         shut_down(self._conn)  # not close: it also wakes a result() waiting on another thread
 
     def _wait(self) -> None:
-        if not self._finished:
-            self._finish(self._deadline - time.monotonic())
+        while not self._finished:
+            self._take(self._deadline - time.monotonic())
 
     def _ready(self) -> bool:
         try:
             return self._conn.poll(0)
         except OSError:
-            return True  # closed: _finish says so
+            return True  # closed: _take says so
 
-    def _finish(self, timeout_s: float) -> None:
+    def _take(self, timeout_s: float) -> None:
+        """Read the next frame, waiting up to `timeout_s`; the call ends at its answer or a failure."""
         try:
             if self._cancelled:
                 raise KVSidecarError("CANCELLED", "cancelled")
@@ -200,6 +202,9 @@ class _LaneCallInFlight:
             code = "CANCELLED" if self._cancelled else e.code
             self._failed(code, e.message if code == e.code else "cancelled")
         else:
+            if answer.WhichOneof("result") == "pull_outcome":
+                self._ahead(answer.pull_outcome)
+                return
             self._lane.give_back(self._conn)
             if answer.code:
                 self._failed(answer.code, answer.message, answer.trailers.items())
@@ -207,6 +212,9 @@ class _LaneCallInFlight:
                 self._answered(answer)
         self._finished = True
         self.done_at = time.monotonic()
+
+    def _ahead(self, outcome: engine_pb2.PullOutcome) -> None:
+        """A member's outcome before the call's answer (PullBatch.stream_outcomes)."""
 
     def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
         raise NotImplementedError
@@ -237,17 +245,39 @@ class LanePull(_LaneCallInFlight):
 
 
 class LaneBatch(_LaneCallInFlight):
-    """A PullBatch in flight on the lane (a PendingBatch)."""
+    """A PullBatch in flight on the lane (a PendingBatch), sent with stream_outcomes: each member is done
+    when its own outcome arrives, ahead of the call's answer, so that it does not wait for the slowest."""
 
     def __init__(self, lane: Lane, conn: Connection, blocks: list[list[int]], deadline: float) -> None:
         super().__init__(lane, conn, deadline)
         self._blocks = blocks
+        self._early: dict[int, tuple[PullResult, float]] = {}  # index -> (outcome, when it arrived)
         self._results: list[PullResult] | None = None
 
-    def results(self) -> list[PullResult]:
-        self._wait()
+    def member_done(self, index: int) -> bool:
+        return index in self._early or self.done() or index in self._early
+
+    def member_done_at(self, index: int) -> float:
+        early = self._early.get(index)
+        return early[1] if early is not None else self.done_at
+
+    def member_result(self, index: int) -> PullResult:
+        while index not in self._early and not self._finished:
+            self._take(self._deadline - time.monotonic())
+        early = self._early.get(index)
+        if early is not None:
+            return early[0]
         assert self._results is not None
-        return self._results
+        return self._results[index]
+
+    def results(self) -> list[PullResult]:
+        return [self.member_result(i) for i in range(len(self._blocks))]
+
+    def _ahead(self, outcome: engine_pb2.PullOutcome) -> None:
+        i = outcome.index
+        if 0 <= i < len(self._blocks) and i not in self._early:
+            (result,) = batch_results([outcome], [self._blocks[i]])
+            self._early[i] = (result, time.monotonic())
 
     def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
         self._results = batch_failed(code, message, self._blocks)

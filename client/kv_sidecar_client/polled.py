@@ -35,7 +35,14 @@ from kv_sidecar_client.client import (
     target_of,
 )
 from kv_sidecar_client.lane import lane_for
-from kv_sidecar_client.results import BatchMember, PendingBatch, PendingPull, batch_failed, batch_results
+from kv_sidecar_client.results import (
+    BatchMember,
+    PendingBatch,
+    PendingPull,
+    WholeBatch,
+    batch_failed,
+    batch_results,
+)
 
 _local = threading.local()
 
@@ -94,7 +101,7 @@ class PolledPull(_PolledCall):
         return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
 
 
-class PolledBatch(_PolledCall):
+class PolledBatch(_PolledCall, WholeBatch):
     """A PullBatch in flight on the loop (a PendingBatch)."""
 
     def __init__(self, owner: PolledPulls, task: asyncio.Task[Any], blocks: list[list[int]]) -> None:

@@ -51,22 +51,46 @@ def pull_failure(
 
 
 class PendingBatch(Protocol):
-    """A PullBatch call in flight, however it was sent: one answer for every member."""
+    """A PullBatch call in flight, however it was sent. Over the engine lane each member's outcome
+    arrives as it ends; over gRPC, all of them with the call's answer."""
 
-    done_at: float
+    def member_done(self, index: int) -> bool: ...
 
-    def done(self) -> bool: ...
+    def member_done_at(self, index: int) -> float:
+        """time.monotonic() when the member's outcome was seen; 0 before."""
+        ...
+
+    def member_result(self, index: int) -> PullResult:
+        """The member's outcome (waits if not there). Never raises for a failed transfer."""
+        ...
 
     def cancel(self) -> None: ...
 
+
+class WholeBatch:
+    """PendingBatch's member view of a call whose answer holds every member: each is done with the call."""
+
+    done_at: float
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
     def results(self) -> list[PullResult]:
-        """Every member's outcome, in order (waits if not done). Never raises for a failed transfer."""
-        ...
+        raise NotImplementedError
+
+    def member_done(self, index: int) -> bool:
+        return self.done()
+
+    def member_done_at(self, index: int) -> float:
+        return self.done_at
+
+    def member_result(self, index: int) -> PullResult:
+        return self.results()[index]
 
 
 class BatchMember:
-    """One member of a PullBatch in flight, as a PendingPull: done when the batch's answer is in (the
-    members share one call). `cancel()` gives up the whole batch; to stop one member, abort its request."""
+    """One member of a PullBatch in flight, as a PendingPull. `cancel()` gives up the whole batch (the
+    members share one call); to stop one member, abort its request."""
 
     def __init__(self, batch: PendingBatch, index: int) -> None:
         self._batch = batch
@@ -74,16 +98,16 @@ class BatchMember:
 
     @property
     def done_at(self) -> float:
-        return self._batch.done_at
+        return self._batch.member_done_at(self._index)
 
     def done(self) -> bool:
-        return self._batch.done()
+        return self._batch.member_done(self._index)
 
     def cancel(self) -> None:
         self._batch.cancel()
 
     def result(self) -> PullResult:
-        return self._batch.results()[self._index]
+        return self._batch.member_result(self._index)
 
 
 def batch_results(outcomes: Sequence[Any], blocks: list[list[int]]) -> list[PullResult]:

@@ -189,6 +189,39 @@ def test_aborting_one_members_request_stops_only_it(
     no_transfer_in_flight(b)
 
 
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_over_the_lane_a_member_is_done_when_it_ends_not_when_the_slowest_does(
+    pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, lane: bool
+) -> None:
+    """A batch with a member whose source hangs: over the lane the other member's outcome arrives at
+    once (its engine can go on); over gRPC it comes with the call's answer, after the abort."""
+    _, b = pair
+    far = spawn(SidecarProcess(f"batch-far3-{lane}"))
+    hung, local, decode = spawn.together(
+        lambda: EngineProcess(far.socket, f"bs-far-{lane}", SPEC),
+        lambda: EngineProcess(b.socket, f"bs-local-{lane}", SPEC),
+        lambda: EngineProcess(b.socket, f"bs-d-{lane}", SPEC),
+    )
+    stuck = params_from_json(_publish(hung, "stuck", [1, 2], 20, seed=5))
+    fine = params_from_json(_publish(local, "fine", [3, 4], 20, seed=6))
+    with frozen(far), SidecarClient(b.socket, lane=lane) as client:
+        slow, quick = client.pull_batch_async(
+            decode.engine_id, [BatchPull(stuck, [8, 9]), BatchPull(fine, [10, 11])], timeout_s=60
+        )
+        wait_for("the stuck member to run", lambda: pulls_in_flight(b.socket, "stuck") == 1, 10)
+        if lane:
+            wait_for("the quick member's outcome", quick.done, 10)
+            assert quick.result().ok and quick.result().path == "host-direct", quick.result()
+        time.sleep(0.3)
+        assert not slow.done() and quick.done() == lane
+        assert client.abort(decode.engine_id, "stuck")
+        wait_for("the batch's answer", lambda: slow.done() and quick.done(), 5)
+    assert slow.result().error_code == "CANCELLED", slow.result()
+    assert quick.result().ok, quick.result()
+    assert quick.done_at < slow.done_at if lane else quick.done_at == slow.done_at
+    no_transfer_in_flight(b)
+
+
 def test_the_engine_going_away_stops_every_member(
     pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:

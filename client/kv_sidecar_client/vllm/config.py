@@ -46,9 +46,9 @@ class ConnectorConfig:
     # multiple of every decode block size this engine serves (docs/vllm.md, "Sliding-window models").
     window_alignment: int = 0
     # Decode: send a step's pulls in one PullBatch call instead of one Pull call each. Each still fails
-    # alone, but all of a step's requests are ready when the slowest is: same-node pulls under load
-    # ran 1.4-1.9x the pulls/s with a much shorter tail, pulls from another node no faster
-    # (docs/benchmarks.md, "Issue 32: PullBatch").
+    # alone, and over the engine lane each is done when it ends (over gRPC, when the slowest does).
+    # Same-node pulls under load ran 1.4-1.9x the pulls/s with a much shorter tail, pulls from another
+    # node no faster (docs/benchmarks.md, "Issue 32: PullBatch"); not yet measured through vLLM.
     pull_batch: bool = False
 
     @classmethod

@@ -20,7 +20,7 @@ from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
-from kv_sidecar.server.pull_batch import PullBatches
+from kv_sidecar.server.pull_batch import OnOutcome, PullBatches
 from kv_sidecar.server.release import Releases
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
@@ -209,12 +209,17 @@ class EngineCalls:
             self._pulls.end(ticket)
 
     def pull_batch(
-        self, request: engine_pb2.PullBatchRequest, on_hangup: OnHangup, later: Later | None = None
+        self,
+        request: engine_pb2.PullBatchRequest,
+        on_hangup: OnHangup,
+        later: Later | None = None,
+        on_outcome: OnOutcome | None = None,
     ) -> engine_pb2.PullBatchResponse:
-        """Every member run as `pull` runs it, side by side; `later` as for `pull`."""
+        """Every member run as `pull` runs it, side by side; `later` as for `pull`; `on_outcome`: told
+        each member's outcome as it ends (the lane sends it ahead)."""
         after: Later = [] if later is None else later
         try:
-            return self._batches.run(request, on_hangup, after)
+            return self._batches.run(request, on_hangup, after, on_outcome)
         finally:
             if later is None:
                 run_later(after)

@@ -11,6 +11,7 @@ events) runs once the whole answer is out.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +20,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
+log = logging.getLogger(__name__)
+
 # engine_calls' own aliases (that module builds PullBatches, so this one cannot import it).
 Later = list[Callable[[], None]]
 OnHangup = Callable[[Callable[[], None]], None]
 # Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
 MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
+# Told each member's outcome the moment it ends (from whichever thread ran it), its index set.
+OnOutcome = Callable[[engine_pb2.PullOutcome], None]
 
 
 class _Hangup:
@@ -75,9 +80,11 @@ def repeated_members(pulls: list[engine_pb2.PullRequest]) -> dict[int, int]:
     return out
 
 
-def failed(e: BaseException) -> engine_pb2.PullOutcome:
+def failed(e: BaseException, index: int) -> engine_pb2.PullOutcome:
     err = as_sidecar_error(e)
-    return engine_pb2.PullOutcome(code=err.code.name, message=err.message, trailers=dict(err.metadata))
+    return engine_pb2.PullOutcome(
+        code=err.code.name, message=err.message, trailers=dict(err.metadata), index=index
+    )
 
 
 class PullBatches:
@@ -101,9 +108,14 @@ class PullBatches:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def run(
-        self, batch: engine_pb2.PullBatchRequest, on_hangup: OnHangup, later: Later
+        self,
+        batch: engine_pb2.PullBatchRequest,
+        on_hangup: OnHangup,
+        later: Later,
+        on_outcome: OnOutcome | None = None,
     ) -> engine_pb2.PullBatchResponse:
-        """Every member's outcome, in order. Raises only for the batch as a whole."""
+        """Every member's outcome, in order. Raises only for the batch as a whole (before any member ran,
+        so before any `on_outcome`)."""
         pulls = list(batch.pulls)
         if not pulls:
             raise SidecarError(Code.INVALID_ARGUMENT, "a PullBatch needs at least one pull")
@@ -118,6 +130,7 @@ class PullBatches:
         hangup = _Hangup()
         on_hangup(hangup.fire)
         outcomes: list[engine_pb2.PullOutcome | None] = [None] * len(pulls)
+        told = on_outcome or (lambda _: None)
         for i, j in repeated_members(pulls).items():
             p = pulls[i]
             outcomes[i] = failed(
@@ -125,8 +138,10 @@ class PullBatches:
                     Code.INVALID_ARGUMENT,
                     f"pulls[{i}] pulls request {p.params.request_id!r} of engine {p.params.engine_id!r} into "
                     f"ranks that pulls[{j}] fills too",
-                )
+                ),
+                i,
             )
+            told(outcomes[i])
         # Pulls from another sidecar wait on the network: side by side on the pool. Copies on this node
         # are CPU work: one after another here, while those wait.
         remote: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
@@ -137,20 +152,29 @@ class PullBatches:
             if p.params.sidecar_id == self._me:
                 local.append(i)
             else:
-                remote.append((i, self._pool.submit(self._member, p, hangup, later)))
+                remote.append((i, self._pool.submit(self._member, i, p, hangup, later, told)))
         for i in local:
-            outcomes[i] = self._member(pulls[i], hangup, later)
+            outcomes[i] = self._member(i, pulls[i], hangup, later, told)
         for i, fut in remote:
             outcomes[i] = fut.result()
         return engine_pb2.PullBatchResponse(
             outcomes=outcomes, duration_us=int((time.perf_counter() - start) * 1e6)
         )
 
-    def _member(self, req: engine_pb2.PullRequest, hangup: _Hangup, later: Later) -> engine_pb2.PullOutcome:
+    def _member(
+        self, index: int, req: engine_pb2.PullRequest, hangup: _Hangup, later: Later, told: OnOutcome
+    ) -> engine_pb2.PullOutcome:
         mine: Later = []
         try:
-            return engine_pb2.PullOutcome(response=self._run_member(req, hangup.register, mine))
+            outcome = engine_pb2.PullOutcome(
+                response=self._run_member(req, hangup.register, mine), index=index
+            )
         except Exception as e:
-            return failed(e)
+            outcome = failed(e, index)
         finally:
             later.extend(mine)  # list.extend is atomic: members on the pool append side by side
+        try:
+            told(outcome)
+        except Exception:  # the engine went away: the call's own answer will fail the same way
+            log.debug("could not send pulls[%d]'s outcome ahead", index, exc_info=True)
+        return outcome

@@ -122,6 +122,13 @@ class EngineLane:
 
     def _serve(self, conn: Connection) -> None:
         self._metrics.engine_lane_connections.inc()
+        lock = threading.Lock()
+
+        def send(answer: engine_pb2.LaneAnswer) -> None:
+            # One frame at a time: a PullBatch's members send their outcomes from their own threads.
+            with lock:
+                conn.send_bytes(answer.SerializeToString())
+
         try:
             conn.send_bytes(self._hello())
             while not self._stopped.is_set():
@@ -135,9 +142,9 @@ class EngineLane:
                         log.warning("engine lane: closing a connection: %s", e)
                     return
                 later: engine_calls.Later = []
-                answer, counted = self._answer(conn, data, later)
+                answer, counted = self._answer(conn, data, later, send)
                 try:
-                    conn.send_bytes(answer.SerializeToString())
+                    send(answer)
                 finally:
                     engine_calls.run_later(later)  # the pull's log record, "consumed" events
                     if counted:  # a drain waits until the pull's answer is out, then stop() cuts
@@ -153,7 +160,11 @@ class EngineLane:
 
     # -- calls ------------------------------------------------------------------------
     def _answer(
-        self, conn: Connection, data: bytes, later: engine_calls.Later
+        self,
+        conn: Connection,
+        data: bytes,
+        later: engine_calls.Later,
+        send: Callable[[engine_pb2.LaneAnswer], None],
     ) -> tuple[engine_pb2.LaneAnswer, bool]:
         """The call's answer, and whether it is a pull the drain counts (until its answer is sent)."""
         counted = False
@@ -167,8 +178,7 @@ class EngineLane:
                     )
                 counted = True
                 if kind == "pull_batch":
-                    batch = self._busy_while(conn, self._calls.pull_batch, call.pull_batch, later)
-                    return engine_pb2.LaneAnswer(pull_batch=batch), counted
+                    return self._pull_batch(conn, call.pull_batch, later, send), counted
                 pull = self._busy_while(conn, self._calls.pull, call.pull, later)
                 return engine_pb2.LaneAnswer(pull=pull), counted
             if kind == "publish":
@@ -182,6 +192,24 @@ class EngineLane:
             err = handler_error(e)
         answer = engine_pb2.LaneAnswer(code=err.code.name, message=err.message, trailers=dict(err.metadata))
         return answer, counted
+
+    def _pull_batch(
+        self,
+        conn: Connection,
+        request: engine_pb2.PullBatchRequest,
+        later: engine_calls.Later,
+        send: Callable[[engine_pb2.LaneAnswer], None],
+    ) -> engine_pb2.LaneAnswer:
+        """A PullBatch; with stream_outcomes, each member's outcome goes as a frame of its own as it ends."""
+
+        def ahead(outcome: engine_pb2.PullOutcome) -> None:
+            send(engine_pb2.LaneAnswer(pull_outcome=outcome))
+
+        streamed = ahead if request.stream_outcomes else None
+        batch = self._busy_while(
+            conn, lambda req, hangup, lt: self._calls.pull_batch(req, hangup, lt, streamed), request, later
+        )
+        return engine_pb2.LaneAnswer(pull_batch=batch)
 
     def _busy_while(
         self, conn: Connection, call: Callable[..., _A], request: Any, later: engine_calls.Later

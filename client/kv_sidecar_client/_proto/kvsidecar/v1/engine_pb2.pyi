@@ -143,13 +143,15 @@ class PullResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
-    __slots__ = ("pulls",)
+    __slots__ = ("pulls", "stream_outcomes")
     PULLS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
-    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
+    stream_outcomes: bool
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., stream_outcomes: _Optional[bool] = ...) -> None: ...
 
 class PullOutcome(_message.Message):
-    __slots__ = ("response", "code", "message", "trailers")
+    __slots__ = ("response", "code", "message", "trailers", "index")
     class TrailersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,11 +163,13 @@ class PullOutcome(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     response: PullResponse
     code: str
     message: str
     trailers: _containers.ScalarMap[str, str]
-    def __init__(self, response: _Optional[_Union[PullResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    index: int
+    def __init__(self, response: _Optional[_Union[PullResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PullBatchResponse(_message.Message):
     __slots__ = ("outcomes", "duration_us")
@@ -226,7 +230,7 @@ class LaneCall(_message.Message):
     def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
 
 class LaneAnswer(_message.Message):
-    __slots__ = ("pull", "publish", "pull_batch", "code", "message", "trailers")
+    __slots__ = ("pull", "publish", "pull_batch", "pull_outcome", "code", "message", "trailers")
     class TrailersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,13 +241,15 @@ class LaneAnswer(_message.Message):
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PULL_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
     pull: PullResponse
     publish: PublishResponse
     pull_batch: PullBatchResponse
+    pull_outcome: PullOutcome
     code: str
     message: str
     trailers: _containers.ScalarMap[str, str]
-    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., pull_outcome: _Optional[_Union[PullOutcome, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -133,6 +133,7 @@ class EngineServiceServicer:
         its own Pull would, side by side, and gets its own outcome: a member that
         fails (bad block id, unknown request, aborted) fails alone. The call
         itself fails only for the batch as a whole (no member, too many, draining).
+        Over the engine lane, stream_outcomes sends each member's outcome as it ends.
         Abort of a member's request stops that member only; ending the call
         stops them all.
         """
