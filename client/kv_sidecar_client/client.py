@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from kv_sidecar_client.results import (
     batch_failed,
     batch_results,
     pull_failure,
+    pull_success,
 )
 
 __all__ = ["BatchPull", "KVSidecarError", "PendingPull", "PullResult", "pull_failure"]
@@ -85,28 +86,32 @@ class BatchPull:
     group: int | None = None
 
 
-def batch_request(
-    engine_id: str, pulls: Sequence[BatchPull], timeout_s: float
-) -> tuple[engine_pb2.PullBatchRequest, list[list[int]]]:
-    """The PullBatch call's request, and each member's blocks (what it leaves unfilled if it fails)."""
+def start_batch(
+    lane: Lane | None,
+    engine_id: str,
+    pulls: Sequence[BatchPull],
+    timeout_s: float,
+    over_grpc: Callable[[engine_pb2.PullBatchRequest, list[list[int]]], PendingBatch],
+) -> list[PendingPull]:
+    """A PullBatch sent over the engine lane (each member's outcome streamed as it ends), or, where the
+    lane does not take it, by `over_grpc` (the request, each member's blocks); a PendingPull per member.
+    Cancelling one cancels the batch (they share one call); to stop one member, `abort` its request."""
     req = engine_pb2.PullBatchRequest(
         pulls=[
             pull_request(m.params, engine_id, m.block_ids, m.ranks, m.start_token, timeout_s, m.group)
             for m in pulls
         ]
     )
-    return req, [list(m.block_ids) for m in pulls]
-
-
-def start_lane_batch(
-    lane: Lane, request: engine_pb2.PullBatchRequest, blocks: list[list[int]], timeout_s: float
-) -> LaneBatch | None:
-    """Send a PullBatch over the engine lane; None: it goes over gRPC."""
-    streamed = engine_pb2.PullBatchRequest(pulls=request.pulls, stream_outcomes=True)
-    conn = lane.send(engine_pb2.LaneCall(pull_batch=streamed))
-    if conn is None:
-        return None
-    return LaneBatch(lane, conn, blocks, time.monotonic() + timeout_s + PULL_GRACE_S)
+    blocks = [list(m.block_ids) for m in pulls]
+    batch: PendingBatch | None = None
+    if lane is not None:
+        streamed = engine_pb2.PullBatchRequest(pulls=req.pulls, stream_outcomes=True)
+        conn = lane.send(engine_pb2.LaneCall(pull_batch=streamed))
+        if conn is not None:
+            batch = LaneBatch(lane, conn, blocks, time.monotonic() + timeout_s + PULL_GRACE_S)
+    if batch is None:
+        batch = over_grpc(req, blocks)
+    return [BatchMember(batch, i) for i in range(len(blocks))]
 
 
 def start_lane_pull(lane: Lane, request: engine_pb2.PullRequest, timeout_s: float) -> LanePull | None:
@@ -188,7 +193,7 @@ class PullCall(_FutureCall):
             err = _error(e)
             trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else ()
             return pull_failure(err.code, err.message, trailers, self._block_ids)
-        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+        return pull_success(resp)
 
 
 class BatchCall(_FutureCall, WholeBatch):
@@ -381,16 +386,13 @@ class SidecarClient:
     def pull_batch_async(
         self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float | None = None
     ) -> list[PendingPull]:
-        """Start a PullBatch and return at once: a PendingPull per member, all done together (they share
-        one call, so cancelling one cancels the batch; to stop one member, `abort` its request)."""
+        """Start a PullBatch and return at once: a PendingPull per member (see `start_batch`)."""
         timeout = timeout_s or self.timeout_s
-        req, blocks = batch_request(engine_id, pulls, timeout)
-        batch: PendingBatch | None = None
-        if self.lane is not None:
-            batch = start_lane_batch(self.lane, req, blocks, timeout)
-        if batch is None:
-            batch = BatchCall(self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks)
-        return [BatchMember(batch, i) for i in range(len(blocks))]
+
+        def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
+            return BatchCall(self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks)
+
+        return start_batch(self.lane, engine_id, pulls, timeout, over_grpc)
 
     def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
         return list(

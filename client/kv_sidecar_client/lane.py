@@ -23,7 +23,14 @@ from multiprocessing.connection import Client, Connection
 from google.protobuf.message import DecodeError
 
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
-from kv_sidecar_client.results import KVSidecarError, PullResult, batch_failed, batch_results, pull_failure
+from kv_sidecar_client.results import (
+    KVSidecarError,
+    PullResult,
+    batch_failed,
+    batch_results,
+    pull_failure,
+    pull_success,
+)
 
 LANE_VERSION = 1
 LANE_SUFFIX = ".lane"
@@ -240,8 +247,7 @@ class LanePull(_LaneCallInFlight):
         self._result = pull_failure(code, message, trailers, self._block_ids)
 
     def _answered(self, answer: engine_pb2.LaneAnswer) -> None:
-        r = answer.pull
-        self._result = PullResult(True, r.bytes, r.duration_us / 1e6, r.path)
+        self._result = pull_success(answer.pull)
 
 
 class LaneBatch(_LaneCallInFlight):
@@ -255,7 +261,9 @@ class LaneBatch(_LaneCallInFlight):
         self._results: list[PullResult] | None = None
 
     def member_done(self, index: int) -> bool:
-        return index in self._early or self.done() or index in self._early
+        if index not in self._early:
+            self.done()  # takes in every frame that has arrived
+        return index in self._early or self._finished
 
     def member_done_at(self, index: int) -> float:
         early = self._early.get(index)

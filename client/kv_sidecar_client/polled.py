@@ -21,27 +21,26 @@ from typing import Any
 
 import grpc
 
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2_grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kv_sidecar_client.client import (
     PULL_GRACE_S,
     BatchPull,
     PullResult,
     TransferParams,
-    batch_request,
-    pull_failure,
     pull_request,
-    start_lane_batch,
+    start_batch,
     start_lane_pull,
     target_of,
 )
 from kv_sidecar_client.lane import lane_for
 from kv_sidecar_client.results import (
-    BatchMember,
     PendingBatch,
     PendingPull,
     WholeBatch,
     batch_failed,
     batch_results,
+    pull_failure,
+    pull_success,
 )
 
 _local = threading.local()
@@ -98,7 +97,7 @@ class PolledPull(_PolledCall):
         resp, code, message, trailers = self._outcome()
         if resp is None:
             return pull_failure(code, message, trailers, self._block_ids)
-        return PullResult(True, resp.bytes, resp.duration_us / 1e6, resp.path)
+        return pull_success(resp)
 
 
 class PolledBatch(_PolledCall, WholeBatch):
@@ -165,20 +164,17 @@ class PolledPulls:
     def start_batch(
         self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float = 30.0
     ) -> list[PendingPull]:
-        """Many pulls in one PullBatch call: a PendingPull per member, all done together (see
-        SidecarClient.pull_batch_async)."""
-        req, blocks = batch_request(engine_id, pulls, timeout_s)
-        batch: PendingBatch | None = None
-        if self.lane is not None:
-            batch = start_lane_batch(self.lane, req, blocks, timeout_s)
-        if batch is None:
+        """Many pulls in one PullBatch call: a PendingPull per member (see client.start_batch)."""
 
+        def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
             async def call() -> Any:
                 return await self._stub.PullBatch(req, timeout=timeout_s + PULL_GRACE_S)
 
             batch = PolledBatch(self, self._run(call()), blocks)
-            self.poll()
-        return [BatchMember(batch, i) for i in range(len(blocks))]
+            self.poll()  # send it now
+            return batch
+
+        return start_batch(self.lane, engine_id, pulls, timeout_s, over_grpc)
 
     def _run(self, coro: Any) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro)

@@ -110,6 +110,11 @@ class BatchMember:
         return self._batch.member_result(self._index)
 
 
+def pull_success(response: Any) -> PullResult:
+    """A PullResponse (however it arrived) as the PullResult of a pull that succeeded."""
+    return PullResult(True, response.bytes, response.duration_us / 1e6, response.path)
+
+
 def batch_results(outcomes: Sequence[Any], blocks: list[list[int]]) -> list[PullResult]:
     """A PullBatch answer's outcomes (PullOutcome messages) as PullResults, in order."""
     if len(outcomes) != len(blocks):
@@ -121,8 +126,7 @@ def batch_results(outcomes: Sequence[Any], blocks: list[list[int]]) -> list[Pull
         if o.code:
             out.append(pull_failure(o.code, o.message, o.trailers.items(), b))
         else:
-            r = o.response
-            out.append(PullResult(True, r.bytes, r.duration_us / 1e6, r.path))
+            out.append(pull_success(o.response))
     return out
 
 

@@ -161,8 +161,8 @@ class SidecarWorker:
             self._start_pull(req_id, order, now, part)
 
     def _start_batch(self, starts: list[tuple[str, PullOrder, int]], ordered_at: float) -> None:
-        """The step's pulls in one PullBatch call (`pull_batch`): each member still fails alone, and all
-        of them are done when the call answers."""
+        """The step's pulls in one PullBatch call (`pull_batch`): each member still fails alone, and is
+        done when its own outcome arrives (over the engine lane) or when the call answers (gRPC)."""
         assert self._polled is not None
         started = time.monotonic()
         members: list[tuple[str, PullOrder, int]] = []

@@ -156,12 +156,8 @@ class RefEngine:
             "unfilled_blocks": res.unfilled_blocks,
         }
         if res.ok and verify:
-            logical = logical_kv(self.spec, params.num_tokens, cmd["seed"])
-            errors: list[str] = []
+            errors = self._check_filled(ranks, cmd["block_ids"], params.num_tokens, cmd["seed"], start)
             for r in ranks:
-                errors += check_request(
-                    self.spec, r, self.caches[r].tensors, cmd["block_ids"], logical, start
-                )
                 errors += changed_outside(self.spec, before[r], self.caches[r].tensors, cmd["block_ids"])
             out["verified"] = not errors
             out["errors"] = errors[:20]
@@ -179,6 +175,17 @@ class RefEngine:
                 changed_outside(self.spec, before[r], self.caches[r].tensors, []) for r in ranks
             )
         return out
+
+    def _check_filled(
+        self, ranks: list[int], block_ids: list[int], num_tokens: int, seed: int, start_token: int
+    ) -> list[str]:
+        """What differs from the seed's tokens [start_token, num_tokens) in these blocks of these ranks."""
+        logical = logical_kv(self.spec, num_tokens, seed)
+        return [
+            e
+            for r in ranks
+            for e in check_request(self.spec, r, self.caches[r].tensors, block_ids, logical, start_token)
+        ]
 
     def pull_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """One PullBatch call; every member checked as `pull` checks one."""
@@ -208,14 +215,9 @@ class RefEngine:
                 "unfilled_blocks": res.unfilled_blocks,
             }
             if res.ok:
-                logical = logical_kv(self.spec, b.params.num_tokens, m["seed"])
-                errors = [
-                    e
-                    for r in (m.get("ranks") or ranks)
-                    for e in check_request(
-                        self.spec, r, self.caches[r].tensors, m["block_ids"], logical, b.start_token
-                    )
-                ]
+                errors = self._check_filled(
+                    m.get("ranks") or ranks, m["block_ids"], b.params.num_tokens, m["seed"], b.start_token
+                )
                 one["verified"] = not errors
                 one["errors"] = errors[:20]
             out.append(one)
