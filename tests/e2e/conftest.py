@@ -36,8 +36,10 @@ def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = together(lambda: SidecarProcess("prefill-node"), lambda: SidecarProcess("decode-node"))
     yield a, b
     codes = a.stop(), b.stop()
+    # A sidecar that hung was asked for its threads' stacks before it was killed: show them.
+    hung = "\n".join(line for sc in (a, b) if sc.hung_on_stop for line in [sc.name, *sc.stderr_lines(1500)])
     left = [p for sc in (a, b) for p in (sc.socket, sc.socket + LANE_SUFFIX) if os.path.exists(p)]
-    assert not left, f"SIGTERM must remove the engine socket and its lane: {left}"
+    assert not left, f"SIGTERM must remove the engine socket and its lane: {left}\n{hung}"
     assert codes == (0, 0), f"sidecars exited with {codes}:\n" + "\n".join(
         list(a.stderr_tail) + list(b.stderr_tail)
     )

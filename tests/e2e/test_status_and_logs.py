@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +139,24 @@ def test_status_command(pulled: tuple[SidecarProcess, SidecarProcess, str]) -> N
     assert "obs-d rank 0/1" in text.stdout and f"outgoing {a.peer_address}" in text.stdout
     assert f"engine lane {b.socket}.lane: 1 connections open" in text.stdout
     assert "2 pulls (1 failed), 24.0 KiB" in text.stdout
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_sidecar_goes_on(
+    pulled: tuple[SidecarProcess, SidecarProcess, str],
+) -> None:
+    """docs/operations.md §5.10: the stacks of a sidecar that hangs, without stopping it."""
+    _, b, _ = pulled
+    b.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not any(line.startswith("Current thread") for line in b.stderr_lines(2000)):
+        assert time.monotonic() < deadline, "\n".join(b.stderr_tail)
+        time.sleep(0.1)
+    dump = "\n".join(b.stderr_lines(2000))
+    assert "kv_sidecar/commands/serve.py" in dump and 'File "' in dump  # the main thread's wait
+    time.sleep(0.5)
+    assert b.alive
+    out = _status_cli("--engine-socket", b.socket, "--json")
+    assert out.returncode == 0, out.stderr
 
 
 def test_status_of_a_sidecar_that_is_not_running(tmp_path: Any) -> None:

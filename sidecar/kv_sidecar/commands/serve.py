@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
@@ -29,7 +30,7 @@ def add_parser(sub: Any) -> None:
         "Shutdown: the first SIGTERM/SIGINT drains (health NOT_SERVING, new RegisterRank/Publish/Pull and "
         "peer Handshake/OpenRead get UNAVAILABLE, in-flight pulls and served reads finish for up to "
         "--drain-timeout-s), then the sidecar exits 0 and removes its socket; a second signal skips the "
-        "rest of the drain.",
+        "rest of the drain. SIGUSR1 prints every thread's stack to stderr and changes nothing else.",
     )
     p.add_argument(
         "--config", metavar="FILE", help="YAML file of settings (keys as the flags, with underscores)"
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # `kill -USR1`: every thread's stack to stderr, the sidecar going on. Written from the signal
+    # handler itself, so it answers even while a C call holds the GIL (a hang is then diagnosable).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         sidecar.start()
     except Exception as e:

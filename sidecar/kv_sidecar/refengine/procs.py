@@ -115,13 +115,17 @@ class _Proc:
     @property
     def stderr_tail(self) -> list[str]:
         """The last lines the process wrote to stderr."""
+        return self.stderr_lines(_TAIL_LINES)
+
+    def stderr_lines(self, n: int) -> list[str]:
+        """The last `n` lines the process wrote to stderr (at most the last 256 KiB)."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
                 text = f.read().decode(errors="replace")
         except OSError:
             return []
-        return text.splitlines()[-_TAIL_LINES:]
+        return text.splitlines()[-n:]
 
     def readline(self, timeout_s: float) -> str:
         """One stdout line, or ProcessError with the stderr tail if the process died or hung."""
@@ -187,6 +191,7 @@ class SidecarProcess(_Proc):
             self.kill()  # never leave a half-started sidecar behind
             raise
         self.sidecar_id, self.peer_address, self.metrics_port = m.group(1), m.group(2), int(m.group(3))
+        self.hung_on_stop = False
         # Keep reading stdout (NIXL/UCX may print there): a full pipe would block the sidecar.
         self.stdout_tail: deque[str] = deque(maxlen=200)
         threading.Thread(target=self._drain_stdout, daemon=True).start()
@@ -197,11 +202,17 @@ class SidecarProcess(_Proc):
             self.stdout_tail.append(line.rstrip())
 
     def stop(self, timeout_s: float = 30) -> int:
+        """SIGTERM, and the exit code. A sidecar still running after `timeout_s` is asked for its
+        threads' stacks (SIGUSR1, in its stderr: see `hung_on_stop`) and killed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                self.hung_on_stop = True
+                self.proc.send_signal(signal.SIGUSR1)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(2)  # faulthandler writes from its signal handler, GIL or not
                 self.kill()
         return self.proc.returncode
 
