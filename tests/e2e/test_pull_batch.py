@@ -194,7 +194,8 @@ def test_over_the_lane_a_member_is_done_when_it_ends_not_when_the_slowest_does(
     pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, lane: bool
 ) -> None:
     """A batch with a member whose source hangs: over the lane the other member's outcome arrives at
-    once (its engine can go on); over gRPC it comes with the call's answer, after the abort."""
+    once (its engine can go on), and its source hears "consumed" (it can free the blocks); over gRPC
+    both come with the call's answer, after the abort."""
     _, b = pair
     far = spawn(SidecarProcess(f"batch-far3-{lane}"))
     hung, local, decode = spawn.together(
@@ -212,13 +213,20 @@ def test_over_the_lane_a_member_is_done_when_it_ends_not_when_the_slowest_does(
         if lane:
             wait_for("the quick member's outcome", quick.done, 10)
             assert quick.result().ok and quick.result().path == "host-direct", quick.result()
-        time.sleep(0.3)
+        consumed = local.send({"cmd": "next_event", "timeout_s": 3 if lane else 0.3})
         assert not slow.done() and quick.done() == lane
+        if lane:
+            assert consumed["kind"] == "consumed" and consumed["request_id"] == "fine", consumed
+        else:
+            assert consumed == {"ok": False, "error": "no event"}, consumed
         assert client.abort(decode.engine_id, "stuck")
         wait_for("the batch's answer", lambda: slow.done() and quick.done(), 5)
     assert slow.result().error_code == "CANCELLED", slow.result()
     assert quick.result().ok, quick.result()
     assert quick.done_at < slow.done_at if lane else quick.done_at == slow.done_at
+    if not lane:
+        consumed = local.send({"cmd": "next_event", "timeout_s": 5})
+        assert consumed["kind"] == "consumed" and consumed["request_id"] == "fine", consumed
     no_transfer_in_flight(b)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.plan.blocks import check_published
+from kv_sidecar.server.after_answer import Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
@@ -28,20 +29,8 @@ log = logging.getLogger(__name__)
 
 # Registers what to run when the engine goes away mid-call (the gRPC call ends, the lane closes).
 OnHangup = Callable[[Callable[[], None]], None]
-# Work a call leaves for after its answer is sent (a pull's log record, "consumed" events).
-Later = list[Callable[[], None]]
 # Runs one admitted pull (Puller.pull): the request, its ticket, where to leave work for later.
 PullFn = Callable[[engine_pb2.PullRequest, PullTicket, Later | None], engine_pb2.PullResponse]
-
-
-def run_later(later: Later) -> None:
-    """Run what a call left for after its answer; one failure neither stops the rest nor the caller."""
-    for fn in later:
-        try:
-            fn()
-        except Exception:
-            log.exception("work after an answer failed")
-    later.clear()
 
 
 KEEP_ALIVE_TIMEOUT_S = 5.0

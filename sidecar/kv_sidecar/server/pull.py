@@ -34,7 +34,7 @@ from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_addres
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import check_start
 from kv_sidecar.plan.spec import PlanError
-from kv_sidecar.server.engine_calls import Later, run_later
+from kv_sidecar.server.after_answer import Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView

@@ -5,8 +5,9 @@ and its own outcome), so a member that fails fails alone. What the batch saves i
 engine-lane frame each way instead of one per request, one thread serving the call instead of one
 per request (pulls from another sidecar wait side by side on this module's pool, same-sidecar copies
 run one after another on the call's thread, without the hand-offs between many threads that
-contend for the one interpreter), and the work left for after the answer (log records, "consumed"
-events) runs once the whole answer is out.
+contend for the one interpreter). The work a member leaves for after its answer (its log record,
+"consumed" events) runs once that member's outcome is out when outcomes are streamed (the engine
+lane), else once the whole answer is.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar.server.after_answer import Later, run_later
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
-# engine_calls' own aliases (that module builds PullBatches, so this one cannot import it).
-Later = list[Callable[[], None]]
+# engine_calls' own alias (that module builds PullBatches, so this one cannot import it).
 OnHangup = Callable[[Callable[[], None]], None]
 # Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
 MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
@@ -131,6 +132,8 @@ class PullBatches:
         on_hangup(hangup.fire)
         outcomes: list[engine_pb2.PullOutcome | None] = [None] * len(pulls)
         told = on_outcome or (lambda _: None)
+        # Streamed, a member's own "after its answer" comes after its own outcome; else after the batch's.
+        streamed = on_outcome is not None
         for i, j in repeated_members(pulls).items():
             p = pulls[i]
             outcomes[i] = failed(
@@ -152,9 +155,9 @@ class PullBatches:
             if p.params.sidecar_id == self._me:
                 local.append(i)
             else:
-                remote.append((i, self._pool.submit(self._member, i, p, hangup, later, told)))
+                remote.append((i, self._pool.submit(self._member, i, p, hangup, later, told, streamed)))
         for i in local:
-            outcomes[i] = self._member(i, pulls[i], hangup, later, told)
+            outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed)
         for i, fut in remote:
             outcomes[i] = fut.result()
         return engine_pb2.PullBatchResponse(
@@ -162,7 +165,13 @@ class PullBatches:
         )
 
     def _member(
-        self, index: int, req: engine_pb2.PullRequest, hangup: _Hangup, later: Later, told: OnOutcome
+        self,
+        index: int,
+        req: engine_pb2.PullRequest,
+        hangup: _Hangup,
+        later: Later,
+        told: OnOutcome,
+        streamed: bool,
     ) -> engine_pb2.PullOutcome:
         mine: Later = []
         try:
@@ -172,9 +181,12 @@ class PullBatches:
         except Exception as e:
             outcome = failed(e, index)
         finally:
-            later.extend(mine)  # list.extend is atomic: members on the pool append side by side
+            if not streamed:
+                later.extend(mine)  # list.extend is atomic: members on the pool append side by side
         try:
             told(outcome)
         except Exception:  # the engine went away: the call's own answer will fail the same way
             log.debug("could not send pulls[%d]'s outcome ahead", index, exc_info=True)
+        if streamed:  # the prefill engine hears "consumed" when this member ends, not the step's slowest
+            run_later(mine)
         return outcome

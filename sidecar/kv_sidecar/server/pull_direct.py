@@ -12,7 +12,7 @@ from collections.abc import Callable
 from kv_sidecar.dataplane.jobs import LocalCopy, RankRead, StateCopy
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
-from kv_sidecar.server.engine_calls import Later
+from kv_sidecar.server.after_answer import Later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.membership import Membership

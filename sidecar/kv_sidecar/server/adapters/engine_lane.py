@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from kv_sidecar.errors import Code, SidecarError, handler_error
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.server import engine_calls
+from kv_sidecar.server.after_answer import Later, run_later
 from kv_sidecar.server.drain import Drain, draining_message
 from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
@@ -141,12 +141,12 @@ class EngineLane:
                         self._metrics.failures.labels("engine_lane_bad_frame").inc()
                         log.warning("engine lane: closing a connection: %s", e)
                     return
-                later: engine_calls.Later = []
+                later: Later = []
                 answer, counted = self._answer(conn, data, later, send)
                 try:
                     send(answer)
                 finally:
-                    engine_calls.run_later(later)  # the pull's log record, "consumed" events
+                    run_later(later)  # the pull's log record, "consumed" events
                     if counted:  # a drain waits until the pull's answer is out, then stop() cuts
                         self._drain.leave()
         except OSError:
@@ -163,7 +163,7 @@ class EngineLane:
         self,
         conn: Connection,
         data: bytes,
-        later: engine_calls.Later,
+        later: Later,
         send: Callable[[engine_pb2.LaneAnswer], None],
     ) -> tuple[engine_pb2.LaneAnswer, bool]:
         """The call's answer, and whether it is a pull the drain counts (until its answer is sent)."""
@@ -197,7 +197,7 @@ class EngineLane:
         self,
         conn: Connection,
         request: engine_pb2.PullBatchRequest,
-        later: engine_calls.Later,
+        later: Later,
         send: Callable[[engine_pb2.LaneAnswer], None],
     ) -> engine_pb2.LaneAnswer:
         """A PullBatch; with stream_outcomes, each member's outcome goes as a frame of its own as it ends."""
@@ -211,9 +211,7 @@ class EngineLane:
         )
         return engine_pb2.LaneAnswer(pull_batch=batch)
 
-    def _busy_while(
-        self, conn: Connection, call: Callable[..., _A], request: Any, later: engine_calls.Later
-    ) -> _A:
+    def _busy_while(self, conn: Connection, call: Callable[..., _A], request: Any, later: Later) -> _A:
         """Run a pull (or batch) call; while it runs, the connection's closing stops it."""
         try:
             return call(request, lambda stop: self._set_busy(conn, stop), later)
