@@ -7,10 +7,10 @@ import faulthandler
 import logging
 import signal
 import sys
-import threading
 from dataclasses import fields
 from typing import Any
 
+from kv_sidecar.commands.signals import ShutdownSignals
 from kv_sidecar.config import ENV_PREFIX, ConfigError, Settings, load_settings
 from kv_sidecar.logs import configure_logging
 
@@ -67,15 +67,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # the engine socket or the peer port cannot be bound
         logging.getLogger("kv_sidecar").error("could not start: %s", e)
         return 1
-    stop = threading.Event()
-
-    def on_signal(*_: Any) -> None:
-        if stop.is_set():
-            sidecar.drain.cut_short()  # a second signal: do not wait for the drain
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    signals = ShutdownSignals(on_again=sidecar.drain.cut_short)  # a second signal: do not wait for the drain
+    signals.install()
     # `kill -USR1`: every thread's stack to stderr, the sidecar going on. Written from the signal
     # handler itself, so it answers even while a C call holds the GIL (a hang is then diagnosable).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -91,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
         f"peer={sidecar.peer_address} metrics_port={sidecar.metrics_port}",
         flush=True,
     )
-    # Python runs signal handlers on the main thread, between bytecodes: a signal the kernel hands
-    # another thread cannot wake an untimed wait here, and a SIGTERM would sit unhandled.
-    while not stop.wait(0.5):
-        pass
+    signals.wait()
     sidecar.drain_in_flight(settings.drain_timeout_s)
     # The drain already waited for the work that matters; what is left (event streams) gets 1 s.
     sidecar.stop(grace_s=1.0)

@@ -37,10 +37,10 @@ class Drain:
             self._cond.notify_all()
 
     def cut_short(self) -> None:
-        """A second signal: stop waiting."""
-        with self._cond:
-            self._cut_short = True
-            self._cond.notify_all()
+        """A second signal: stop waiting. Called from the signal handler, on the main thread, which may be
+        inside `wait` holding the condition's lock: a bare flag, no lock (commands/signals.py says why);
+        `wait` reads it within its 50 ms poll."""
+        self._cut_short = True
 
     def wait(self, timeout_s: float, other_busy: Callable[[], int] = lambda: 0) -> int:
         """Wait until no waited call (and no `other_busy` work) is left; returns what is left."""
