@@ -29,7 +29,7 @@ interleaved, the order of the two trees alternating: only ratios measured side b
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
 counts as busy); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
 timed by the thread's own CPU clock (bench/cpu_sampler/, Python 3.11 only), over all their rows, into
-DIR/<path>.<pid>.sidecar; read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows
+DIR/<path>.<pid>.sidecar (with --per-call, the PullBatch tree's into DIR/<path>-batch.<pid>.sidecar); read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows
 are marked and left out of ratios.
 
     python bench/node_scaling.py --paths host-nixl,host-direct --baseline 2b8f1ac   # the CPU machine
@@ -580,7 +580,8 @@ def main() -> int:
         }
     trees: list[tuple[str, dict[str, str] | None, list[str], int]] = [("this tree", mine, extra, 1)]
     if args.per_call > 1:
-        trees.append((f"this tree, PullBatch of {args.per_call}", None, extra, args.per_call))
+        batch_env = mine and {k: v.replace("{path}", "{path}-batch") for k, v in mine.items()}
+        trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call))
     for v in args.variant:  # the same code, other settings, in the same run
         trees.append((f"this tree, {v}", None, extra + v.split(), 1))
     if args.baseline:

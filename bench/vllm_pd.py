@@ -7,7 +7,10 @@ with the same flags, on this machine's CPU:
               registers each engine's KV cache and the decode engine READs the prefill's blocks), behind
               examples/pd_router.py;
   kv-sidecar  a prefill and a decode server with KVSidecarConnector and a kv-sidecar per "node", behind
-              another examples/pd_router.py (the same script, unchanged).
+              another examples/pd_router.py (the same script, unchanged);
+  kv-sidecar-batch  (only when --modes names it) the same with the decode connector's `pull_batch` on: a
+              step's pulls (several requests, or one hybrid request's KV cache groups) go in one PullBatch
+              call; its own pair of sidecars and servers.
 Every request goes to all three; the order of the stacks turns by one each request (each round, for the
 concurrent rows), so drift on the machine falls on every stack alike. Prompts are random token ids, a
 fresh one per request (so no stack's prefix cache can answer it) and the same for the three stacks; the
@@ -94,8 +97,10 @@ from tests.vllm.serve import (  # noqa: E402
 # The docstring without its first line and usage: what the report says each column is.
 ABOUT = __doc__.split("\n\n    .venv")[0].split("\n\n", 1)[1].strip()
 TITLE = "P/D through vLLM's API servers: aggregated, NixlConnector, kv-sidecar (bench/vllm_pd.py)"
-ALL_MODES = ("aggregated", "NixlConnector", "kv-sidecar")
-MODES = ALL_MODES  # those of this run (--modes)
+ALL_MODES = ("aggregated", "NixlConnector", "kv-sidecar", "kv-sidecar-batch")
+DEFAULT_MODES = ALL_MODES[:3]
+MODES = DEFAULT_MODES  # those of this run (--modes)
+SIDECAR_MODES = {"kv-sidecar": "k", "kv-sidecar-batch": "b"}  # mode -> its servers' key
 IDLE_S = 5.0
 BLOCK = 32
 VOCAB = 2048
@@ -193,6 +198,9 @@ class Stack:
             c["xfer_n"] = metric(d, "vllm:nixl_xfer_time_seconds_count")
             c["bytes"] = metric(d, "vllm:nixl_bytes_transferred_sum")
             c["desc"] = metric(d, "vllm:nixl_num_descriptors_sum")
+        if self.mode == "kv-sidecar-batch":
+            c["batch_pulls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_sum")
+            c["batch_calls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_count")
         if self.sidecar_metrics is not None:
             c["xfer"] = metric(self.sidecar_metrics, "kvsidecar_pull_duration_seconds_sum")
             c["xfer_n"] = metric(self.sidecar_metrics, "kvsidecar_pull_duration_seconds_count")
@@ -220,6 +228,8 @@ def splits(stack: Stack, before: dict[str, float], after: dict[str, float], n: i
         out["prefill"] = per["p_e2e"]
     if "xfer" in per:
         out |= {"xfer": per["xfer"], "bytes": per["bytes"], "desc": per["desc"]}
+    if "batch_calls" in per:
+        out |= {"batch_pulls": per["batch_pulls"], "batch_calls": per["batch_calls"]}
     return out
 
 
@@ -272,15 +282,21 @@ class Bench:
         if "NixlConnector" in MODES:
             server("np", NIXL_KV_CONFIG, nixl_env())
             server("nd", NIXL_KV_CONFIG, nixl_env())
-        if "kv-sidecar" in MODES:
-            self.sidecars.append(SidecarProcess(f"{name}-prefill-node"))
-            self.sidecars.append(SidecarProcess(f"{name}-decode-node"))
-            sp, sd = self.sidecars
-            server("kp", sidecar_kv_config(sp.socket, "prefill"))
-            server("kd", sidecar_kv_config(sd.socket, "decode"))
+        pairs: dict[str, tuple[SidecarProcess, SidecarProcess]] = {}
+        for mode, r in SIDECAR_MODES.items():
+            if mode not in MODES:
+                continue
+            sp, sd = SidecarProcess(f"{name}-{r}-prefill-node"), SidecarProcess(f"{name}-{r}-decode-node")
+            self.sidecars += [sp, sd]
+            pairs[mode] = sp, sd
+            decode_kv = sidecar_kv_config(sd.socket, "decode")
+            if mode == "kv-sidecar-batch":
+                decode_kv["kv_connector_extra_config"]["pull_batch"] = True
+            server(f"{r}p", sidecar_kv_config(sp.socket, "prefill"))
+            server(f"{r}d", decode_kv)
         self.procs += [p for p, _ in servers.values()]
         routers = {}
-        for r in ("n", "k"):
+        for r in ("n", *SIDECAR_MODES.values()):
             if f"{r}p" in servers:
                 port = free_port()
                 routers[r] = (router(servers[f"{r}p"][1], servers[f"{r}d"][1], port, log), port)
@@ -308,8 +324,8 @@ class Bench:
             self.stacks["aggregated"] = Stack("aggregated", port, port, procs={"server": tree(agg)})
         if "NixlConnector" in MODES:
             self.stacks["NixlConnector"] = Stack("NixlConnector", **pd("n"))
-        if "kv-sidecar" in MODES:
-            st = self.stacks["kv-sidecar"] = Stack("kv-sidecar", sidecar_metrics=sd.metrics_port, **pd("k"))
+        for mode, (sp, sd) in pairs.items():
+            st = self.stacks[mode] = Stack(mode, sidecar_metrics=sd.metrics_port, **pd(SIDECAR_MODES[mode]))
             st.procs["sidecars"] = tree(sp.proc, sd.proc)
         # Every stack once (NixlConnector's first request also makes its handshake), then each stack's CPU
         # while nothing is asked of it: a process that polls costs the machine's other stacks too.
@@ -411,13 +427,34 @@ def col(rows: list[dict[str, float]], key: str) -> float | None:
     return med(vals) if vals else None
 
 
-def ratio_cell(s: dict[str, list[dict[str, float]]]) -> str:
-    """kv-sidecar's client p50 over NixlConnector's."""
-    if "kv-sidecar" not in s or "NixlConnector" not in s:
+def ratio_cell(s: dict[str, list[dict[str, float]]], mode: str) -> str:
+    """A kv-sidecar mode's client p50 over NixlConnector's."""
+    if mode not in SIDECAR_MODES or mode not in s or "NixlConnector" not in s:
         return ""
-    return (
-        f"{med([x['client'] for x in s['kv-sidecar']]) / med([x['client'] for x in s['NixlConnector']]):.2f}"
-    )
+    return f"{med([x['client'] for x in s[mode]]) / med([x['client'] for x in s['NixlConnector']]):.2f}"
+
+
+def batch_row(
+    model: str, n: int, kind: str, s: dict[str, list[dict[str, float]]], m: dict[str, list[dict[str, float]]]
+) -> list[str]:
+    """kv-sidecar-batch against kv-sidecar in one row: client p50 and arrival -> KV ready ratios, and the
+    pulls per PullBatch call. `s`: the client samples, `m`: the server-side columns, by mode."""
+    if "kv-sidecar-batch" not in s or "kv-sidecar" not in s:
+        return []
+    b, k = "kv-sidecar-batch", "kv-sidecar"
+    client = med([x["client"] for x in s[b]]) / med([x["client"] for x in s[k]])
+    qb, qk = col(m[b], "queue"), col(m[k], "queue")
+    queue = f"{qb / qk:.2f}" if qb is not None and qk else "—"
+    calls = sum(x.get("batch_calls", 0) for x in m[b])
+    per_call = f"{sum(x.get('batch_pulls', 0) for x in m[b]) / calls:.1f}" if calls else "—"
+    return [f"| {model} | {n} | {kind} | {client:.2f} | {queue} | {per_call} |"]
+
+
+HEAD_BATCH = [
+    "| model | prompt tokens | rows | client p50, batch / not | arrival -> KV ready, batch / not "
+    "| pulls per PullBatch call |",
+    "|---|---:|---|---:|---:|---:|",
+]
 
 
 def outputs_cell(res: dict[str, Any]) -> str:
@@ -428,7 +465,7 @@ def outputs_cell(res: dict[str, Any]) -> str:
 
 def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
     s = res["samples"]
-    ratio, outputs = ratio_cell(s), outputs_cell(res)
+    outputs = outputs_cell(res)
     lines = []
     for mode in MODES:
         rows = s[mode]
@@ -436,7 +473,7 @@ def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
         b = col(rows, "bytes")
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} "
-            f"| {ratio if mode == 'kv-sidecar' else ''} | {ms(col(rows, 'prefill'))} "
+            f"| {ratio_cell(s, mode)} | {ms(col(rows, 'prefill'))} "
             f"| {ms(col(rows, 'ttft'))} | {ms(col(rows, 'decode'))} "
             f"| {ms(col(rows, 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(rows, 'xfer'))} | {'—' if b is None else f'{b / 2**20:.2f} MiB'} "
@@ -448,13 +485,13 @@ def table_one(model: str, n: int, res: dict[str, Any]) -> list[str]:
 
 def table_burst(model: str, n: int, res: dict[str, Any]) -> list[str]:
     s, w, m = res["samples"], res["walls"], res["means"]
-    ratio, outputs = ratio_cell(s), outputs_cell(res)
+    outputs = outputs_cell(res)
     lines = []
     for mode in MODES:
         client = [x["client"] for x in s[mode]]
         lines.append(
             f"| {model} | {n} | {mode} | {ms(med(client))} | {ms(p90(client))} | {ms(med(w[mode]))} "
-            f"| {ratio if mode == 'kv-sidecar' else ''} | {ms(col(m[mode], 'prefill'))} "
+            f"| {ratio_cell(s, mode)} | {ms(col(m[mode], 'prefill'))} "
             f"| {ms(col(m[mode], 'ttft'))} | {ms(col(m[mode], 'decode'))} "
             f"| {ms(col(m[mode], 'queue')) if mode != 'aggregated' else '—'} "
             f"| {ms(col(m[mode], 'xfer'))} | {col(m[mode], 'cpu') or 0:.2f} s "
@@ -499,7 +536,11 @@ def main() -> None:
         "--concurrency", type=int, default=8, help="requests at once in a concurrent row (0: none)"
     )
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
-    ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma separated: a subset runs alone")
+    ap.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma separated, of {', '.join(ALL_MODES)} (default: the first three)",
+    )
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     global MODES
@@ -514,6 +555,7 @@ def main() -> None:
     one: list[str] = []
     burst: list[str] = []
     burst_cpu: list[tuple[str, int, str, dict[str, float]]] = []
+    batched: list[str] = []
     idle: list[str] = []
     started = time.monotonic()
     for name in names:
@@ -533,10 +575,12 @@ def main() -> None:
             for turn, n in enumerate(args.lengths):
                 res = bench.one_at_a_time(n, seed=n, iters=args.iters if n < 2048 else args.iters_long)
                 one += table_one(name, n, res)
+                batched += batch_row(name, n, "one at a time", res["samples"], res["samples"])
                 print("\n".join(one[-len(MODES) :]), flush=True)
                 if args.concurrency:
                     res = bench.concurrent(n, seed=10**6 + n, turn=turn)
                     burst += table_burst(name, n, res)
+                    batched += batch_row(name, n, f"{args.concurrency} at once", res["samples"], res["means"])
                     for mode in MODES:
                         rounds = res["cpu"][mode]
                         burst_cpu.append((name, n, mode, {r: med([x[r] for x in rounds]) for r in rounds[0]}))
@@ -550,6 +594,11 @@ def main() -> None:
         tables += (
             f"\n\nCPU per request in the {args.concurrency}-at-once rows, by process (API servers with their "
             "engine core and worker processes; both sidecars together):\n\n" + "\n".join(cpu_table(burst_cpu))
+        )
+    if batched:
+        tables += (
+            "\n\nkv-sidecar-batch against kv-sidecar (the decode connector's `pull_batch` on and off), in the same "
+            "rows:\n\n" + "\n".join(HEAD_BATCH + batched)
         )
     tables += (
         f"\n\nCPU of each stack while no request runs (cores, over {IDLE_S:.0f} s after warm-up): "
@@ -577,7 +626,13 @@ def main() -> None:
         + ABOUT
         + "\n"
     )
-    write_section(ROOT / "docs" / "benchmarks.md", TITLE, body)
+    # A run of other modes than the default is a section of its own: it leaves the main table alone.
+    title = (
+        TITLE
+        if MODES == DEFAULT_MODES
+        else f"P/D through vLLM's API servers: {', '.join(MODES)} (bench/vllm_pd.py)"
+    )
+    write_section(ROOT / "docs" / "benchmarks.md", title, body)
 
 
 def version(dist: str) -> str:
