@@ -3,8 +3,9 @@
 Python runs a signal's handler on the main thread between two bytecodes, including while that thread
 holds a lock. A handler that takes the same lock waits for itself forever: `threading.Event.set()` in
 the handler while the main thread is inside `Event.wait()` (between its condition's re-acquire and
-release, a window that a busy GIL widens to milliseconds) hung a sidecar on SIGTERM, alive, never
-draining, until it was killed. So the handler only counts, and the main thread polls the count.
+release, a window that a busy GIL widens to milliseconds) leaves the sidecar alive and never draining
+until it is killed, as CI once saw (tests/test_shutdown_signals.py reproduces it). So the handler only
+counts, and the main thread polls the count.
 """
 
 from __future__ import annotations
