@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kv_sidecar.dataplane import staged_protocol as sp
 
@@ -433,3 +435,28 @@ def test_staging_bytes_are_linear_in_blocks(over: dict[str, object]) -> None:
     spec = EngineSpec.from_dict(base | {"block_size": 16, "num_blocks": 8, "layout": "flash_attn_nhd"} | over)
     one = gpu.staging_bytes(spec, 1)
     assert all(gpu.staging_bytes(spec, k) == k * one for k in (2, 3, 17, 1000))
+
+
+# -- a transfer that carries several requests --------------------------------------------------
+
+
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=12), st.integers(1, 64))
+def test_member_spans_lay_members_end_to_end_each_from_a_block_boundary(counts: list[int], bs: int) -> None:
+    spans = sp.member_spans(counts, bs)
+    at = 0
+    for i, ((first, moved), n) in enumerate(zip(spans, counts, strict=True)):
+        assert first == at and first % bs == 0  # both sides' blocks of a member start with it
+        if i == len(counts) - 1:
+            assert moved == n  # the last one moves its own tokens
+        else:
+            assert n <= moved < n + bs and moved % bs == 0  # padded within its own last block
+        at += moved
+    # Whole reader blocks of the concatenation are exactly the members' own blocks, in order.
+    assert -(-at // bs) == sum(-(-n // bs) for n in counts)
+
+
+def test_member_spans_refuse_an_empty_member() -> None:
+    with pytest.raises(ValueError):
+        sp.member_spans([16, 0], 16)
+    with pytest.raises(ValueError):
+        sp.member_spans([], 16)

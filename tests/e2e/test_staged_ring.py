@@ -725,6 +725,8 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
             ),
             open_num_tokens=20,
         )
+        grouped = peer_pb2.PushRequest(plan_hash=plan_hash)
+        member = peer_pb2.PushMember(request_id="r", num_tokens=20)
         wrong_request = peer_pb2.OpenReadRequest(
             engine_id="push-p", request_id="other", reader_engine_id="someone"
         )
@@ -750,6 +752,34 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "transfer_id must be 16 lowercase hex characters",
             ),
+            # A Push of several requests (PushRequest.members): each checked as a Push of its own, by index.
+            (
+                _merged(
+                    base, grouped, members=[member, peer_pb2.PushMember(request_id="nope", num_tokens=16)]
+                ),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "members[0]: request 'r' is not open for engine 'someone': OpenRead first",
+            ),
+            (
+                _merged(base, grouped, members=[peer_pb2.PushMember(request_id="nope", num_tokens=16)]),
+                grpc.StatusCode.NOT_FOUND,
+                "members[0]: ",
+            ),
+            (
+                _merged(base, grouped, members=[_merged_member(member, open=opens.open, num_tokens=32)]),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "members[0]: request 'r' holds 20 tokens here, the reader planned 32",
+            ),
+            (
+                _merged(base, grouped, members=[member], start_token=16),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a Push of several requests starts at token 0",
+            ),
+            (
+                _merged(base, grouped, members=[member] * 1025),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a Push of 1025 requests is more than 1024",
+            ),
             (  # the request is not open for "someone" afterwards: nothing was opened by the refusals
                 base,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -767,6 +797,13 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
                 )
     finally:
         prefill.stop()
+
+
+def _merged_member(base: peer_pb2.PushMember, **fields: Any) -> peer_pb2.PushMember:
+    out = peer_pb2.PushMember()
+    out.CopyFrom(base)
+    out.MergeFrom(peer_pb2.PushMember(**fields))
+    return out
 
 
 def _merged(base: peer_pb2.PushRequest, *more: peer_pb2.PushRequest, **fields: Any) -> peer_pb2.PushRequest:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,21 @@ def plan_chunks(
         raise ValueError(f"start_token {start_token} is not a multiple of the block size {block_size}")
     step = blocks_per_chunk * block_size
     return [(t, min(t + step, num_tokens)) for t in range(start_token, num_tokens, step)]
+
+
+def member_spans(num_tokens: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+    """A transfer that carries several requests (PushRequest.members) moves their tokens one after
+    another: each member's (first token in the concatenation, tokens it moves there). Every member but
+    the last is padded to whole blocks, so that each starts on a block boundary on both sides (both
+    use `block_size`); the padding is the rest of the member's own last block, which it owns."""
+    if block_size < 1 or not num_tokens or any(n < 1 for n in num_tokens):
+        raise ValueError("a member moves at least one token, in blocks of at least one")
+    spans, at = [], 0
+    for i, n in enumerate(num_tokens):
+        moved = n if i == len(num_tokens) - 1 else -(-n // block_size) * block_size
+        spans.append((at, moved))
+        at += moved
+    return spans
 
 
 def blocks_in(block_size: int, t0: int, t1: int) -> int:

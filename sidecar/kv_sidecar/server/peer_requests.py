@@ -90,6 +90,7 @@ class PeerRequests:
             ranks=[rank_memory(e) for e in ranks],
             members=self._membership.members(request.engine_id),
             push_key=self._push_key(request, peer),
+            push_members=True,  # server/staged_source.py takes Pushes of several requests
         )
 
     def _push_key(self, request: peer_pb2.HandshakeRequest, peer: str) -> bytes:

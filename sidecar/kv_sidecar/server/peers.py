@@ -56,6 +56,8 @@ class RemoteEngine:
     holders: dict[int, Holder] = field(default_factory=dict)
     # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
+    # The peer takes Pushes of several requests (PushRequest.members; server/staged_groups.py).
+    push_members: bool = False
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -274,6 +276,7 @@ class Peers:
             geometry=chunk_geometry(spec),
             regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
+            push_members=resp.push_members,
         )
         leader = Holder(resp.sidecar_id, link.address, agent)
         remote.holders = {r.rank: leader for r in resp.ranks}

@@ -9,6 +9,9 @@ from kv_sidecar.plan.pair import PairPlan
 PATH_STAGED = "gpu-staged"
 PATH_HOST_RING = "host-ring"
 MAX_SLOTS = 4096  # receive slots one Push may offer
+# The most requests one staged transfer carries (PushRequest.members): a reader's staged_group_reads
+# above it groups no more, a Push with more is refused.
+MAX_PUSH_MEMBERS = 1024
 
 
 def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int, int] | None:

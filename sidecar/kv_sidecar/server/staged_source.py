@@ -26,7 +26,13 @@ from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.push_runs import DuplicateTransfer, PushKeys, PushRun, PushRuns
 from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.reads import SourceReads
-from kv_sidecar.server.staged_common import MAX_SLOTS, PATH_HOST_RING, PATH_STAGED, read_heads
+from kv_sidecar.server.staged_common import (
+    MAX_PUSH_MEMBERS,
+    MAX_SLOTS,
+    PATH_HOST_RING,
+    PATH_STAGED,
+    read_heads,
+)
 from kv_sidecar.transport.notifications import PUSH_TAG
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
@@ -97,20 +103,20 @@ class _PushHalt:
     """May a Push go on: not once its call ended (the reader went away), nor past its deadline, nor,
     for a transfer its notification started, once its call is ALONE_S late (`alone`)."""
 
-    request_id: str
+    what: str  # the request pushed, quoted, or "N requests (...)"
     deadline: float
     stopped: threading.Event
     alone: _RunContext | None
 
     def remaining(self) -> float:
         if self.stopped.is_set():
-            raise SidecarError(Code.CANCELLED, f"push of request {self.request_id!r}: the reader went away")
+            raise SidecarError(Code.CANCELLED, f"push of request {self.what}: the reader went away")
         left = self.deadline - time.monotonic()
         alone_left = self.alone.time_remaining() if self.alone is not None else None  # raises past ALONE_S
         if alone_left is not None:
             left = min(left, alone_left)
         if left <= 0:
-            raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {self.request_id!r} timed out")
+            raise SidecarError(Code.DEADLINE_EXCEEDED, f"pushing request {self.what} timed out")
         return left
 
 
@@ -228,12 +234,8 @@ class StagedSource:
             self._push_runs.joined(run)
 
     def _push(self, req: peer_pb2.PushRequest, context: PushCall, quiet: list[bool]) -> peer_pb2.PushResponse:
-        item = None if req.HasField("open") else self._published.get_live(req.engine_id, req.request_id)
-        if item is not None and item.reader != req.reader_engine_id:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION,
-                f"request {req.request_id!r} is not open for engine {req.reader_engine_id!r}: OpenRead first",
-            )
+        group = len(req.members) > 0
+        item = None if group or req.HasField("open") else self._opened(req, req.request_id)
         src_entry = self._engines.get(req.engine_id, req.source_rank)
         if not req.HasField("reader_spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "reader_spec is required")
@@ -257,11 +259,24 @@ class StagedSource:
         if not 1 <= len(req.slots) <= MAX_SLOTS or any(s.length == 0 for s in req.slots):
             raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
         per_chunk = self._plane.blocks_per_chunk(src_entry.key, reader_spec, [s.length for s in req.slots])
-        if item is None:  # the open it carries, checked like an OpenRead once the rest of the Push is sound
-            item = self._open_from_push(req, plan, context.peer(), src_entry.on_gpu)
-        check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
-        item.check_read_from(req.start_token)
-        chunks = sp.plan_chunks(req.start_token, item.num_tokens, reader_spec.block_size, per_chunk)
+        if group:
+            block_ids, num_tokens = self._members(req, plan, context.peer(), src_entry.on_gpu)
+            what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
+            # No ids uploaded at Publish are this concatenation's: the data plane uploads them itself.
+            ids_of: tuple[str, str] = (req.engine_id, "")
+        else:
+            if (
+                item is None
+            ):  # the open it carries, checked like an OpenRead once the rest of the Push is sound
+                item = self._open_from_push(
+                    req, req.request_id, req.open, req.open_num_tokens, plan, context.peer(), src_entry.on_gpu
+                )
+            check_tokens(item.num_tokens, req.start_token, reader_spec.block_size)
+            item.check_read_from(req.start_token)
+            block_ids, num_tokens = item.source_blocks, item.num_tokens  # from our own record
+            what = repr(req.request_id)
+            ids_of = (req.engine_id, req.request_id)
+        chunks = sp.plan_chunks(req.start_token, num_tokens, reader_spec.block_size, per_chunk)
         if not chunks:
             return peer_pb2.PushResponse()
         left = req.timeout_ms / 1000 if req.timeout_ms else self._pull_timeout_s
@@ -279,9 +294,9 @@ class StagedSource:
                 reader_spec,
                 req.reader_rank,
                 heads,
-                (req.engine_id, req.request_id),
-                item.source_blocks,  # from our own record: the reader names only a start token
-                item.num_tokens,
+                ids_of,
+                block_ids,  # from our own records: the reader names only a start token (and counts)
+                num_tokens,
                 req.start_token,
                 tuple(chunks),
                 req.transfer_id,
@@ -294,10 +309,10 @@ class StagedSource:
         )
         context.add_callback(lambda: tx.stop("the reader cancelled the Push"))
         try:
-            sent = tx.run(_PushHalt(req.request_id, deadline, stopped, alone))
+            sent = tx.run(_PushHalt(what, deadline, stopped, alone))
             return peer_pb2.PushResponse(chunks=sent.chunks, bytes=sent.nbytes)
         except sp.Stopped as e:
-            raise SidecarError(Code.CANCELLED, f"push of request {req.request_id!r} stopped: {e}") from None
+            raise SidecarError(Code.CANCELLED, f"push of request {what} stopped: {e}") from None
         except SidecarError as e:
             if e.code is Code.DEADLINE_EXCEEDED:  # its reader times out too, and may not see this answer
                 log.warning("transfer %s to %s: %s", req.transfer_id, req.reader_agent, e.message)
@@ -305,15 +320,32 @@ class StagedSource:
         finally:
             quiet[0] = tx.quiet
 
+    def _opened(self, req: peer_pb2.PushRequest, request_id: str) -> Published:
+        """A request opened before the Push (OpenRead): it must be open for this reader."""
+        item = self._published.get_live(req.engine_id, request_id)
+        if item.reader != req.reader_engine_id:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"request {request_id!r} is not open for engine {req.reader_engine_id!r}: OpenRead first",
+            )
+        return item
+
     def _open_from_push(
-        self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
+        self,
+        req: peer_pb2.PushRequest,
+        request_id: str,
+        o: peer_pb2.OpenReadRequest,
+        planned_tokens: int,
+        plan: PairPlan,
+        peer: str,
+        on_gpu: bool,
     ) -> Published:
-        """The open a Push carries: it must name this Push's request, reader and plan, and the token count
-        the reader planned its slots for; then it opens the request exactly as OpenRead does."""
-        o = req.open
+        """The open a Push carries (for one of its members: `request_id`): it must name the request, the
+        Push's reader and plan, and the token count the reader planned its slots for; then it opens the
+        request exactly as OpenRead does."""
         if (o.engine_id, o.request_id, o.reader_engine_id, o.plan_hash) != (
             req.engine_id,
-            req.request_id,
+            request_id,
             req.reader_engine_id,
             req.plan_hash,
         ) or req.reader_rank not in o.reader_ranks:
@@ -321,11 +353,51 @@ class StagedSource:
                 Code.INVALID_ARGUMENT,
                 "the open a Push carries must name the Push's engine, request, reader engine, plan and reader rank",
             )
-        num_tokens = self._published.get_live(req.engine_id, req.request_id).num_tokens
-        if num_tokens != req.open_num_tokens:
+        num_tokens = self._published.get_live(req.engine_id, request_id).num_tokens
+        if num_tokens != planned_tokens:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
-                f"request {req.request_id!r} holds {num_tokens} tokens here, the reader planned "
-                f"{req.open_num_tokens}: its transfer params are out of date",
+                f"request {request_id!r} holds {num_tokens} tokens here, the reader planned "
+                f"{planned_tokens}: its transfer params are out of date",
             )
         return self._reads.open_for_reader(o, plan, peer, PATH_STAGED if on_gpu else PATH_HOST_RING)
+
+    def _members(
+        self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
+    ) -> tuple[list[int], int]:
+        """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
+        its own would be; their blocks concatenated as staged_protocol.member_spans lays them out, and
+        the tokens that moves. One member refused refuses the Push, naming it (the reader then reads
+        each request alone)."""
+        bs = plan.prefill.block_size
+        if len(req.members) > MAX_PUSH_MEMBERS:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                f"a Push of {len(req.members)} requests is more than {MAX_PUSH_MEMBERS}, the most one transfer carries",
+            )
+        if req.start_token or bs != plan.decode.block_size:
+            raise SidecarError(
+                Code.INVALID_ARGUMENT,
+                "a Push of several requests starts at token 0, between engines of one block size",
+            )
+        items = []
+        for i, m in enumerate(req.members):
+            try:
+                if m.HasField("open"):
+                    item = self._open_from_push(req, m.request_id, m.open, m.num_tokens, plan, peer, on_gpu)
+                else:
+                    item = self._opened(req, m.request_id)
+                if item.num_tokens != m.num_tokens or item.first_token:
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"request {m.request_id!r} holds tokens [{item.first_token}, {item.num_tokens}) here, "
+                        f"the reader planned [0, {m.num_tokens})",
+                    )
+            except SidecarError as e:
+                raise SidecarError(e.code, f"members[{i}]: {e.message}", e.metadata) from None
+            items.append(item)
+        spans = sp.member_spans([m.num_tokens for m in req.members], bs)
+        block_ids: list[int] = []
+        for item, (_, moved) in zip(items, spans, strict=True):
+            block_ids += item.source_blocks[: -(-moved // bs)]
+        return block_ids, spans[-1][0] + spans[-1][1]

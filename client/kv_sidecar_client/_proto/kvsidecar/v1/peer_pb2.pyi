@@ -63,7 +63,7 @@ class SidecarRanks(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key")
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class HandshakeResponse(_message.Message):
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PUSH_KEY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sidecar_id: str
     agent_name: str
@@ -82,7 +83,8 @@ class HandshakeResponse(_message.Message):
     plan_hash: str
     members: _containers.RepeatedCompositeFieldContainer[SidecarRanks]
     push_key: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ...) -> None: ...
+    push_members: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
     __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id")
@@ -169,7 +171,7 @@ class PushSlot(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping")
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping", "members")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +191,7 @@ class PushRequest(_message.Message):
     OPEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NOTIFIED_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
@@ -208,7 +211,18 @@ class PushRequest(_message.Message):
     open_num_tokens: int
     notified: bool
     stopping: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[PushMember]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ...) -> None: ...
+
+class PushMember(_message.Message):
+    __slots__ = ("request_id", "open", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    open: OpenReadRequest
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("chunks", "bytes", "push_key")
