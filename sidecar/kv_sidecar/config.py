@@ -35,6 +35,7 @@ class Settings:
     max_message_bytes: int = 64 << 20
     engine_workers: int = 256
     max_pull_batch: int = 256
+    staged_group_reads: int = 64
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
@@ -91,6 +92,9 @@ class Settings:
         "calls (register, publish, pull), so more streams than that are refused with RESOURCE_EXHAUSTED",
         "max_pull_batch": "most pulls one PullBatch call may carry (a decode engine's pulls of one step); "
         "its pulls from other sidecars wait side by side on up to engine_workers threads",
+        "staged_group_reads": "most reads of other requests between the same two ranks that one staged "
+        "transfer carries (gpu-staged, host-ring): those that wait while two such transfers run go as one "
+        "next, their tokens concatenated; 1: every read its own transfer",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
@@ -109,7 +113,13 @@ class Settings:
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
     # idle NIXL thread would spin, a wait would be negative.
-    MINIMA = {"engine_workers": 8, "max_pull_batch": 1, "nixl_quiet_poll_ms": 1, "open_answer_wait_us": 0}
+    MINIMA = {
+        "engine_workers": 8,
+        "max_pull_batch": 1,
+        "staged_group_reads": 1,
+        "nixl_quiet_poll_ms": 1,
+        "open_answer_wait_us": 0,
+    }
 
     CHOICES = {
         "host_transfer": ("read", "ring"),

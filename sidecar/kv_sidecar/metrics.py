@@ -105,6 +105,13 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=r,
         )
+        self.staged_transfer_reads = Histogram(
+            "kvsidecar_staged_transfer_reads",
+            "Reads per staged transfer this sidecar received (more than 1: reads of other requests between "
+            "the same two ranks went as one transfer; staged_group_reads)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.engine_lane_connections = Gauge(
             "kvsidecar_engine_lane_connections", "Open connections to the engine lane", registry=r
         )

@@ -86,6 +86,7 @@ HISTOGRAMS = {
     "kvsidecar_nixl_descriptors_per_transfer",
     "kvsidecar_handshake_duration_seconds",
     "kvsidecar_pull_batch_pulls",
+    "kvsidecar_staged_transfer_reads",
 }
 GAUGES = {
     "kvsidecar_registered_engines",

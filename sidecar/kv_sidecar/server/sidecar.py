@@ -132,7 +132,7 @@ class Sidecar:
             opener,
             DirectPulls(engines, plane, membership, published, releases.here),
             plane,
-            StagedReader(me.sidecar_id, peers, plane, threads, nixl, metrics),
+            StagedReader(me.sidecar_id, peers, plane, threads, nixl, metrics, s.staged_group_reads),
             nixl,
             metrics,
         )

@@ -1,29 +1,41 @@
-"""The reader's end of the staged protocol, its control half: one Push per (decode rank, source rank)
-read, sent as a NIXL notification or a gRPC call, its answer and its stop. The bytes, slots and
-credits are the data plane's (dataplane/receive.py; docs/gpu.md says how the protocol flows)."""
+"""The reader's end of the staged protocol, its control half: one Push per transfer, sent as a NIXL
+notification or a gRPC call, its answer and its stop. The bytes, slots and credits are the data
+plane's (dataplane/receive.py; docs/gpu.md says how the protocol flows).
+
+A transfer moves one (decode rank, source rank) read, or, under load, several: the reads of other
+requests between the same two ranks that wait while one runs go as one transfer next, their tokens
+concatenated (server/group_commit.py; PushRequest.members). A group that fails does not fail its
+reads: each that may still go runs again alone, so that a bad request fails by itself."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from concurrent.futures import wait
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kv_sidecar.dataplane import staged_protocol as sp
-from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Receive
+from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Halt, Receive, Tokens
 from kv_sidecar.dataplane.plane import DataPlane, Reception
 from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
+from kv_sidecar.server.group_commit import GroupCommit
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import require_gpu
 from kv_sidecar.server.pull_job import PullJob
 from kv_sidecar.server.push_threads import PushThreads
-from kv_sidecar.server.staged_common import read_heads
+from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import PUSH_TAG, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
+
+log = logging.getLogger(__name__)
 
 # A Push sent as a notification sends its gRPC call only if the transfer has not finished this long
 # after: a small pull (~2 ms on two GPUs) then never runs a call on either sidecar, whose handler
@@ -60,14 +72,14 @@ class _PushCall:
         metrics: Metrics,
         link: PeerLink,
         req: peer_pb2.PushRequest,
-        job: PullJob,
+        halt: Halt,
         reception: Reception,
     ) -> None:
         self.threads = threads
         self.metrics = metrics
         self.link = link
         self.req = req
-        self.job = job
+        self.halt = halt
         self.reception = reception
         self.call: Any = None
         self.called_at = 0.0
@@ -89,7 +101,7 @@ class _PushCall:
             # Longer than the pull: the source stops at timeout_ms, and its answer says when nothing
             # is in flight any more, which a timed-out reader still needs.
             self._send(
-                self.req, self.job.remaining() + CANCEL_WAIT_S + 1, "slow" if self.notified else "no_key"
+                self.req, self.halt.remaining() + CANCEL_WAIT_S + 1, "slow" if self.notified else "no_key"
             )
 
     def send_stopping(self) -> None:
@@ -120,6 +132,47 @@ class _PushCall:
         self.call.add_done_callback(lambda _: self.reception.poke())
 
 
+# Staged transfers of one (source rank, decode rank) pair that run side by side; reads that arrive
+# while that many run wait and go together next (server/group_commit.py).
+GROUPS_AT_ONCE = 2
+
+
+@dataclass
+class _Read:
+    """One read to move: the pull's job, the local rank it fills, and the open its Push carries (None:
+    the request was opened before)."""
+
+    job: PullJob
+    entry: RankEntry
+    open_msg: peer_pb2.OpenReadRequest | None
+
+
+class _Alone:
+    """A read whose group failed, not for its own fault: it runs again by itself."""
+
+
+ALONE = _Alone()
+
+
+class _Halts:
+    """A group's halt: it stops when any of its reads must (that read's error)."""
+
+    def __init__(self, jobs: list[PullJob]) -> None:
+        self._jobs = jobs
+
+    def remaining(self) -> float:
+        return min(j.remaining() for j in self._jobs)
+
+
+def joined_tokens(jobs: list[PullJob], block_size: int) -> Tokens:
+    """The group's tokens: each read's after the other's, from token 0 (staged_protocol.member_spans)."""
+    spans = sp.member_spans([j.num_tokens for j in jobs], block_size)
+    blocks = [-(-moved // block_size) for _, moved in spans]
+    src = np.concatenate([j.src_blocks[:n] for j, n in zip(jobs, blocks, strict=True)])
+    dst = np.concatenate([j.dst_blocks[:n] for j, n in zip(jobs, blocks, strict=True)])
+    return Tokens(src, dst, sum(moved for _, moved in spans), 0)
+
+
 class StagedReader:
     """The reads of pulls that run the staged protocol, into this sidecar's receive rings."""
 
@@ -131,13 +184,19 @@ class StagedReader:
         threads: PushThreads,
         nixl: NixlDriver,
         metrics: Metrics,
+        group_reads: int,
     ) -> None:
+        """group_reads: the most reads one transfer carries (the staged_group_reads setting; 1: none)."""
         self._sidecar_id = sidecar_id
         self._peers = peers
         self._plane = plane
         self._threads = threads
         self._nixl = nixl
         self._metrics = metrics
+        self._group_reads = min(group_reads, MAX_PUSH_MEMBERS)
+        self._groups: GroupCommit[_Read, int | _Alone] = GroupCommit(
+            max(1, self._group_reads), GROUPS_AT_ONCE
+        )
 
     def read(
         self,
@@ -152,6 +211,66 @@ class StagedReader:
         `open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned from
         the params, and the source refuses before any WRITE if its record holds another token count.
         """
+        one = _Read(job, entry, open_msg)
+        if not self._groupable(job, remote, src_rank):
+            return self._transfer(remote, src_rank, [one])
+        key = (remote.sidecar_id, remote.engine_id, src_rank, entry.key, job.plan.hash())
+        outcome = self._groups.run(key, one, functools.partial(self._lead, remote, src_rank), job.remaining)
+        if isinstance(outcome, _Alone):
+            return self._transfer(remote, src_rank, [one])
+        return outcome
+
+    def _groupable(self, job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
+        """Whether the read may share a transfer: the source takes members, is the engine's one sidecar
+        (a member of a multi-node engine may be another version), both sides' blocks are of one size and
+        the read starts at token 0 of a request held from token 0 (member_spans)."""
+        holder = remote.holders.get(src_rank)
+        plan = job.plan
+        return (
+            self._group_reads > 1
+            and remote.push_members
+            and (holder is None or holder.sidecar_id == remote.sidecar_id)
+            and plan.prefill.block_size == plan.decode.block_size
+            and job.start_token == 0
+            and job.params.first_token == 0
+            and job.num_tokens > 0
+        )
+
+    def _lead(
+        self, remote: RemoteEngine, src_rank: int, reads: list[_Read]
+    ) -> list[int | _Alone | BaseException]:
+        """Run a group as one transfer; each read's share of the bytes, or, if it failed, what each does."""
+        if len(reads) == 1:
+            try:
+                return [self._transfer(remote, src_rank, reads)]
+            except Exception as e:
+                return [e]
+        try:
+            total = self._transfer(remote, src_rank, reads)
+        except Exception as e:
+            out: list[int | _Alone | BaseException] = []
+            for r in reads:
+                try:
+                    r.job.remaining()
+                    out.append(ALONE)
+                except Exception as own:  # this read was stopped, or is past its deadline
+                    out.append(own)
+            log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
+            return out
+        moved = [
+            n
+            for _, n in sp.member_spans(
+                [r.job.num_tokens for r in reads], reads[0].job.plan.decode.block_size
+            )
+        ]
+        shares: list[int | _Alone | BaseException] = [total * n // sum(moved) for n in moved]
+        shares[-1] = total - sum(shares[:-1])  # type: ignore[operator]
+        return shares
+
+    def _transfer(self, remote: RemoteEngine, src_rank: int, reads: list[_Read]) -> int:
+        """One staged transfer of `reads` (one, or a group of the same two ranks); returns bytes written."""
+        first = reads[0]
+        job, entry = first.job, first.entry
         # The sidecar holding the source rank: the peer itself, or a member of a multi-node engine.
         holder = remote.holders.get(src_rank)
         address = holder.address if holder is not None else job.params.sidecar_address
@@ -160,10 +279,19 @@ class StagedReader:
         if not entry.on_gpu and remote.memory_kind == "VRAM":
             require_gpu([entry], "decode")
         heads = read_heads(job.plan, entry.rank, src_rank)
+        group = len(reads) > 1
+        halt: Halt = _Halts([r.job for r in reads]) if group else job
+        tokens = joined_tokens([r.job for r in reads], job.plan.decode.block_size) if group else job.tokens
+        label = (
+            f"{len(reads)} requests ({job.params.request_id!r}, ...)"
+            if group
+            else repr(job.params.request_id)
+        )
         tid = sp.new_transfer_id()
-        rx = self._plane.receive(Receive(entry.key, job.plan.decode, heads, job.tokens, agent, tid), job)
+        rx = self._plane.receive(Receive(entry.key, job.plan.decode, heads, tokens, agent, tid), halt)
         if rx is None:
             return 0  # a prefix hit covering the whole request: nothing to move
+        self._metrics.staged_transfer_reads.observe(len(reads))
         push: _PushCall | None = None
         done = False
         try:
@@ -186,12 +314,20 @@ class StagedReader:
                 memory_kind=slots.memory_kind,
                 device_id=slots.device_id,
                 slots=[peer_pb2.PushSlot(address=a, length=slots.slot_bytes) for a in slots.addresses],
-                timeout_ms=max(1, int(job.remaining() * 1000)),
-                open=open_msg,
-                open_num_tokens=job.num_tokens if open_msg is not None else 0,
+                timeout_ms=max(1, int(halt.remaining() * 1000)),
                 notified=bool(key),
             )
-            push = _PushCall(self._threads, self._metrics, link, req, job, rx)
+            if group:
+                req.members.extend(
+                    peer_pb2.PushMember(
+                        request_id=r.job.params.request_id, open=r.open_msg, num_tokens=r.job.num_tokens
+                    )
+                    for r in reads
+                )
+            elif first.open_msg is not None:
+                req.open.CopyFrom(first.open_msg)
+                req.open_num_tokens = job.num_tokens
+            push = _PushCall(self._threads, self._metrics, link, req, halt, rx)
             if req.notified:
                 # The request as a NIXL notification: the source's NIXL thread starts the transfer
                 # from it (server/push_runs.py); the call follows only if it is slow.
@@ -202,7 +338,7 @@ class StagedReader:
             else:
                 push.send_if_due()
             rx.prepare()  # while the source gathers its first chunk
-            nbytes = _receive(job, rx, push, address)
+            nbytes = _receive(halt, rx, push, address, label)
             done = True
             link.staged_read_completed()
             if push.notified:
@@ -225,18 +361,18 @@ class StagedReader:
             rx.close(quiet, None if call is None else lambda go: call.add_done_callback(lambda _: go()))
 
 
-def _receive(job: PullJob, rx: Reception, push: _PushCall, address: str) -> int:
-    """Scatter chunks as their notifications arrive, until the request is complete."""
+def _receive(halt: Halt, rx: Reception, push: _PushCall, address: str, label: str) -> int:
+    """Scatter chunks as their notifications arrive, until the transfer is complete."""
     grace: float | None = None
     while True:
-        left = job.remaining()
+        left = halt.remaining()
         if grace is not None and time.monotonic() > grace:
             raise sp.ProtocolError(f"the source answered but sent only part of the {rx.chunks} chunks")
         push.send_if_due()
         if rx.wait(min(0.05, left, push.wait_s()) or 1e-4):
             return rx.nbytes
         if grace is None and push.call is not None and push.call.done():
-            _raise_push_error(push.call, address, job.params.request_id)
+            _raise_push_error(push.call, address, label)
             # It answered OK: every WRITE is done, but their notifications may trail the answer.
             grace = time.monotonic() + CANCEL_WAIT_S
 
@@ -247,18 +383,19 @@ def _learn_key(link: PeerLink, call: Any) -> None:
         link.learn_push_key(call.result().push_key)
 
 
-def _raise_push_error(call: Any, address: str, request_id: str) -> None:
+def _raise_push_error(call: Any, address: str, label: str) -> None:
     try:
         call.result(timeout=0)
     except PeerCallError as e:
-        raise _push_error(e, address, request_id) from None
+        raise _push_error(e, address, label) from None
 
 
-def _push_error(e: PeerCallError, address: str, request_id: str) -> SidecarError:
+def _push_error(e: PeerCallError, address: str, label: str) -> SidecarError:
+    """`label`: what was pushed, as "'request-id'" or "N requests (...)"."""
     if e.ended:
         # The source's own verdict (e.g. UNAVAILABLE: its NIXL WRITE failed).
         return SidecarError(e.code, f"{e.details} (peer sidecar {address})")
-    return e.explain(address, f"to push request {request_id!r}")
+    return e.explain(address, f"to push request {label}")
 
 
 def _stop_source(rx: Reception, push: _PushCall) -> bool:

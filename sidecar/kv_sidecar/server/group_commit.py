@@ -1,0 +1,112 @@
+"""Group commit per key: work that arrives while a key's work runs waits, and then goes as one group.
+
+The first arrival on a key runs at once, alone (a pull alone waits for nobody); up to `at_once` runs of
+one key go side by side. What arrives while they run queues, and when a run ends its thread hands the
+whole queue (up to `most`) to the first in it, which runs it as one group for all. Under load the
+groups grow with what waits; with no load nothing changes. Used for staged reads
+(server/staged_reader.py): the reads of one (source rank, decode rank) go as one transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+# How often an item waiting in the queue asks whether it was stopped.
+_CHECK_EVERY_S = 0.05
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Waiter(Generic[T, R]):
+    def __init__(self, item: T) -> None:
+        self.item = item
+        self.done = threading.Event()
+        self.outcome: R | BaseException | None = None
+        self.lead: list[_Waiter[T, R]] | None = None  # handed the lead of this group
+
+
+class _Key(Generic[T, R]):
+    def __init__(self) -> None:
+        self.running = 0
+        self.queue: deque[_Waiter[T, R]] = deque()
+
+
+class GroupCommit(Generic[T, R]):
+    def __init__(self, most: int, at_once: int) -> None:
+        if most < 1 or at_once < 1:
+            raise ValueError("a group holds at least one item, and at least one runs at once")
+        self._most = most
+        self._at_once = at_once
+        self._lock = threading.Lock()
+        self._keys: dict[Hashable, _Key[T, R]] = {}
+
+    def run(
+        self,
+        key: Hashable,
+        item: T,
+        lead: Callable[[list[T]], list[R | BaseException]],
+        check: Callable[[], object] = lambda: None,
+    ) -> R:
+        """`item`'s outcome: `lead(group)` runs a group (on the thread of its first item) and returns each
+        item's outcome in order, a value or an exception (raised to that item's caller). `check()`,
+        asked while the item waits in the queue, raises to give up waiting (the item was stopped): it
+        then leaves the queue at once rather than when the runs before it end."""
+        me: _Waiter[T, R] = _Waiter(item)
+        with self._lock:
+            state = self._keys.setdefault(key, _Key())
+            state.queue.append(me)
+            group = self._take(state) if state.running < self._at_once else None
+            if group is not None:
+                state.running += 1
+        if group is None:
+            self._wait(key, me, check)
+            group = me.lead
+        if group is not None:  # this thread runs the group: its own item is the first
+            try:
+                outcomes = lead([w.item for w in group])
+                if len(outcomes) != len(group):
+                    raise RuntimeError(f"a group of {len(group)} got {len(outcomes)} outcomes")
+            except BaseException as e:
+                outcomes = [e] * len(group)
+            finally:
+                self._next(key)
+            for w, outcome in zip(group, outcomes, strict=True):
+                w.outcome = outcome
+                if w is not me:
+                    w.done.set()
+        if isinstance(me.outcome, BaseException):
+            raise me.outcome
+        return me.outcome  # type: ignore[return-value]
+
+    def _wait(self, key: Hashable, me: _Waiter[T, R], check: Callable[[], object]) -> None:
+        """Until `me` leads a group or has its outcome; raises what `check` raises while `me` is queued."""
+        while not me.done.wait(_CHECK_EVERY_S):
+            try:
+                check()
+            except BaseException:
+                with self._lock:
+                    state = self._keys.get(key)
+                    if state is not None and me in state.queue:
+                        state.queue.remove(me)
+                        raise
+                # Already taken into a group, whose run sees the same stop: wait for its outcome.
+
+    def _take(self, state: _Key[T, R]) -> list[_Waiter[T, R]]:
+        return [state.queue.popleft() for _ in range(min(self._most, len(state.queue)))]
+
+    def _next(self, key: Hashable) -> None:
+        """A run of `key` ended: the queue's first leads what waits, or one fewer runs."""
+        with self._lock:
+            state = self._keys[key]
+            if state.queue:
+                group = self._take(state)
+                group[0].lead = group
+                group[0].done.set()
+                return
+            state.running -= 1
+            if not state.running:
+                del self._keys[key]

@@ -1,0 +1,177 @@
+"""Staged transfers that carry several requests (server/staged_reader.py, server/group_commit.py,
+PushRequest.members), through real sidecars on host rings (`host_transfer: ring`, the staged protocol's
+own code on host memory) and engine processes: reads of other requests between the same two ranks that
+wait while a transfer runs go as one transfer next; every byte lands where a transfer of its own would
+put it, each request is "consumed" once, and a request its source refuses fails alone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+from kv_sidecar_client import SidecarClient, params_from_json
+
+from .conftest import (
+    Spawn,
+    frozen,
+    in_background,
+    metric,
+    no_transfer_in_flight,
+    pulls_in_flight,
+    spec_dict,
+    wait_for,
+)
+
+SPEC = EngineSpec.from_dict(spec_dict(num_blocks=160))
+BLOCK32 = EngineSpec.from_dict(spec_dict(num_blocks=80, block_size=32))
+SLOT = 32 << 10  # four blocks of SPEC (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16 = 8 KiB)
+RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(4 * SLOT), "--gpu-staging-slots", "4"]
+ENV = {"OMP_NUM_THREADS": "1"}
+TOKENS = 40  # 3 blocks, the last partial: a group pads it (staged_protocol.member_spans)
+READS = "kvsidecar_staged_transfer_reads"
+
+
+@pytest.fixture(scope="module", params=[64, 1], ids=["grouped", "one-read-per-transfer"])
+def ring_pair(request: Any) -> Iterator[tuple[SidecarProcess, SidecarProcess, int]]:
+    group_reads = request.param
+    extra = [*RING, "--staged-group-reads", str(group_reads)]
+    a, b = together(
+        lambda: SidecarProcess(f"groups-p{group_reads}", extra=extra, env=ENV),
+        lambda: SidecarProcess(f"groups-d{group_reads}", extra=extra, env=ENV),
+    )
+    yield a, b, group_reads
+    assert (a.stop(), b.stop()) == (0, 0)
+
+
+def _publish(engine: EngineProcess, request_id: str, blocks: list[int], tokens: int, seed: int) -> Any:
+    pub = engine.send(
+        {"cmd": "prefill", "request_id": request_id, "block_ids": blocks, "num_tokens": tokens, "seed": seed}
+    )
+    assert pub["ok"], pub
+    return pub["params"]
+
+
+def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
+    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+) -> None:
+    a, b, group_reads = ring_pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"sg-p{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, f"sg-d{group_reads}", SPEC, env=ENV),
+    )
+    n = 24
+    pulls = []
+    for i in range(n):
+        src = [159 - i, 3 * i, 80 + i]  # scattered, so a wrong concatenation shows
+        params = _publish(prefill, f"g{i}", src, TOKENS - (i % 3), seed=100 + i)
+        pulls.append(
+            {"params": params, "block_ids": [3 * i, 3 * i + 2 if i % 2 else 80 + i, 150 - i], "seed": 100 + i}
+        )
+    before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
+    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    assert out["ok"] and out["untouched_outside"], out
+    for res in out["results"]:
+        assert res["verified"] and res["path"] == "host-ring", {
+            k: res[k] for k in ("bytes", "path", "errors")
+        }
+    transfers = metric(b.metrics_port, f"{READS}_count") - before[0]
+    reads = metric(b.metrics_port, f"{READS}_sum") - before[1]
+    assert reads == n, (transfers, reads)
+    if group_reads == 1:
+        assert transfers == n
+    else:  # the batch's members reach the reader together: after the first two, they wait and group
+        assert transfers < n / 2, (transfers, reads)
+    got = prefill.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": n})
+    assert got["count"] == n, got
+    no_transfer_in_flight(a, b)
+
+
+def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arrives(
+    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+) -> None:
+    a, b, group_reads = ring_pair
+    prefill, other_size, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"sb-p{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, f"sb-p32-{group_reads}", BLOCK32, env=ENV),
+        lambda: EngineProcess(b.socket, f"sb-d{group_reads}", SPEC, env=ENV),
+    )
+    pulls = []
+    for i in range(12):
+        params = _publish(prefill, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=200 + i)
+        pulls.append(
+            {"params": params, "block_ids": [100 + 3 * i, 101 + 3 * i, 102 + 3 * i], "seed": 200 + i}
+        )
+    # The source frees two of them before the reader gets there: its records are gone, the params not.
+    for i in (5, 9):
+        assert prefill.send({"cmd": "abort", "request_id": f"r{i}"})["found"]
+    # Another block size goes alone (member_spans needs one size), and arrives too.
+    p32 = _publish(other_size, "r32", [4, 5], 50, seed=300)
+    pulls.append({"params": p32, "block_ids": [150, 151, 152, 153], "seed": 300})
+    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    assert out["untouched_outside"], out
+    res = out["results"]
+    for i, r in enumerate(res):
+        if i in (5, 9):
+            assert not r["ok"] and r["unfilled_blocks"] == pulls[i]["block_ids"], r
+        else:
+            assert r["ok"] and r["verified"], (i, r)
+    # Each refused request gets what a pull of it alone gets, word for word.
+    with SidecarClient(b.socket) as client:
+        for i in (5, 9):
+            alone = client.pull(params_from_json(pulls[i]["params"]), decode.engine_id, pulls[i]["block_ids"])
+            assert (alone.error_code, alone.error) == (res[i]["error_code"], res[i]["error"]), (i, alone)
+    got = prefill.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": 10})
+    assert got["count"] == 10, got
+    no_transfer_in_flight(a, b)
+
+
+def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
+    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+) -> None:
+    """The source hangs (SIGSTOP) with six reads of it in flight: two transfers run and, grouped, the
+    other four reads wait behind them. Four of the six are aborted, and end within 3 s (the time an
+    aborted pull takes to give up on a source that hangs) while the two others still hang: those that
+    waited leave the queue rather than wait for the transfers before them. Once the source runs
+    again, the two others arrive."""
+    a, b, group_reads = ring_pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"sa-p{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, f"sa-d{group_reads}", SPEC, env=ENV),
+    )
+    # One pull first: the handshake is made, so that the reads below wait in the staged reader.
+    warm = _publish(prefill, "warm", [30, 31, 32], TOKENS, seed=399)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 399})["verified"]
+    pulls = []
+    for i in range(6):
+        params = _publish(prefill, f"w{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=400 + i)
+        pulls.append({"params": params, "block_ids": [60 + 3 * i, 61 + 3 * i, 62 + 3 * i], "seed": 400 + i})
+    aborted = [f"w{i}" for i in range(2, 6)]
+    with frozen(a):
+        answer = in_background(lambda: decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60}))
+        wait_for("every read to start", lambda: all(pulls_in_flight(b.socket, f"w{i}") for i in range(6)), 10)
+        time.sleep(0.3)  # they reach the staged reader
+        t0 = time.monotonic()
+        with SidecarClient(b.socket) as client:
+            for request_id in aborted:
+                assert client.abort(decode.engine_id, request_id)
+        ended: dict[str, float] = {}
+        while len(ended) < len(aborted) and time.monotonic() - t0 < 5:
+            for request_id in aborted:
+                if request_id not in ended and not pulls_in_flight(b.socket, request_id):
+                    ended[request_id] = time.monotonic() - t0
+            time.sleep(0.02)
+    out = answer()
+    res = out["results"]
+    # While w0 and w1 still hang: grouped, those of the aborted that waited behind them left the queue.
+    assert len(ended) == len(aborted) and max(ended.values()) < 3, ended
+    for r in res[2:]:
+        assert r["error_code"] == "CANCELLED" and "aborted by the engine" in r["error"], r
+    for r in res[:2]:
+        assert r["ok"] and r["verified"], r
+    assert out["untouched_outside"], out
+    no_transfer_in_flight(a, b)
