@@ -343,3 +343,48 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
     finally:
         for e in (*engines.values(), decode):
             e.stop()
+
+
+def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
+    pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """Sixteen gpu-staged pulls of one prefill engine in one PullBatch, through rings of two 64 KiB slots:
+    reads that wait while two transfers run go as one transfer of several requests (PushRequest.members,
+    server/staged_reader.py), whose chunks cross from one request into the next. Every request lands
+    bit-exact in its own scattered blocks, nothing else changes, and fewer transfers than reads ran."""
+    a, b = pair
+    n = next(_count)
+    spec = EngineSpec.from_dict(BASE | {"num_blocks": 64})
+    prefill = EngineProcess(a.socket, f"sg-p-{n}", spec, devices=[GPU_A])
+    decode = EngineProcess(b.socket, f"sg-d-{n}", spec, devices=[GPU_B])
+    try:
+        pulls = []
+        for i in range(16):
+            tokens = 40 - (i % 3)  # three blocks, the last partial: a group pads it
+            src = [63 - i, 2 * i, 32 + i]
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"g{i}",
+                    "block_ids": src,
+                    "num_tokens": tokens,
+                    "seed": n + i,
+                }
+            )
+            assert pub["ok"], pub
+            pulls.append(
+                {"params": pub["params"], "block_ids": [3 * i, 3 * i + 1, 3 * i + 2][::-1], "seed": n + i}
+            )
+        count0 = _metric(b, "kvsidecar_staged_transfer_reads_count")
+        reads0 = _metric(b, "kvsidecar_staged_transfer_reads_sum")
+        out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 120})
+        assert out["untouched_outside"], out["outside_errors"]
+        for res in out["results"]:
+            assert res["ok"] and res["verified"] and res["path"] == "gpu-staged", res
+        transfers = _metric(b, "kvsidecar_staged_transfer_reads_count") - count0
+        reads = _metric(b, "kvsidecar_staged_transfer_reads_sum") - reads0
+        assert reads == 16 and transfers < 16, (transfers, reads)
+        _rings_idle(a, b)
+    finally:
+        prefill.stop()
+        decode.stop()

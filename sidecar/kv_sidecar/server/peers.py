@@ -56,7 +56,7 @@ class RemoteEngine:
     holders: dict[int, Holder] = field(default_factory=dict)
     # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
-    # The peer takes Pushes of several requests (PushRequest.members; server/staged_groups.py).
+    # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py).
     push_members: bool = False
 
     def agent_of(self, rank: int) -> str:
