@@ -110,6 +110,15 @@ def agent_handshake(
         )
 
 
+def prefilled(engine: EngineProcess, request_id: str, blocks: list[int], tokens: int, seed: int) -> Any:
+    """The params of a request the engine filled (from `seed`) and published."""
+    pub = engine.send(
+        {"cmd": "prefill", "request_id": request_id, "block_ids": blocks, "num_tokens": tokens, "seed": seed}
+    )
+    assert pub["ok"], pub
+    return pub["params"]
+
+
 def spec_dict(**over: object) -> dict[str, object]:
     base: dict[str, object] = {
         "tp_size": 1,

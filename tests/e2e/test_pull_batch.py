@@ -25,6 +25,7 @@ from .conftest import (
     in_background,
     metric,
     no_transfer_in_flight,
+    prefilled,
     pulls_in_flight,
     spec_dict,
     wait_for,
@@ -44,14 +45,6 @@ def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     )
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
-
-
-def _publish(engine: EngineProcess, request_id: str, blocks: list[int], tokens: int, seed: int) -> Any:
-    pub = engine.send(
-        {"cmd": "prefill", "request_id": request_id, "block_ids": blocks, "num_tokens": tokens, "seed": seed}
-    )
-    assert pub["ok"], pub
-    return pub["params"]
 
 
 @pytest.mark.parametrize("lane", ["1", "0"])
@@ -77,7 +70,7 @@ def test_members_of_other_requests_sizes_sources_and_layouts_arrive_bit_exact(
     ]
     pulls = []
     for i, (src, blocks, tokens, dst, start, _) in enumerate(members):
-        params = _publish(src, f"m{i}", blocks, tokens, seed=10 + i)
+        params = prefilled(src, f"m{i}", blocks, tokens, seed=10 + i)
         pulls.append({"params": params, "block_ids": dst, "seed": 10 + i, "start_token": start})
     batches = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_count")
     members_before = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum")
@@ -103,10 +96,10 @@ def test_a_bad_member_fails_alone_with_the_status_a_lone_pull_gets(
         lambda: EngineProcess(b.socket, "bb-local", SPEC),
         lambda: EngineProcess(b.socket, "bb-d", SPEC),
     )
-    good0 = _publish(prefill, "g0", [1, 2], 20, seed=1)
-    good1 = _publish(local, "g1", [3], 10, seed=2)
-    bad_range = _publish(prefill, "b0", [4, 5], 20, seed=3)
-    short = _publish(local, "b1", [6, 7], 30, seed=4)
+    good0 = prefilled(prefill, "g0", [1, 2], 20, seed=1)
+    good1 = prefilled(local, "g1", [3], 10, seed=2)
+    bad_range = prefilled(prefill, "b0", [4, 5], 20, seed=3)
+    short = prefilled(local, "b1", [6, 7], 30, seed=4)
     gone = params_from_json(good0)
     gone.request_id = "never-published"
     members = [
@@ -160,8 +153,8 @@ def test_aborting_one_members_request_stops_only_it(
         lambda: EngineProcess(b.socket, "ba-local", SPEC),
         lambda: EngineProcess(b.socket, "ba-d", SPEC),
     )
-    stuck = _publish(hung, "stuck", [1, 2], 20, seed=5)
-    fine = _publish(local, "fine", [3, 4], 20, seed=6)
+    stuck = prefilled(hung, "stuck", [1, 2], 20, seed=5)
+    fine = prefilled(local, "fine", [3, 4], 20, seed=6)
     with frozen(far):
         answer = in_background(
             lambda: decode.send(
@@ -203,8 +196,8 @@ def test_over_the_lane_a_member_is_done_when_it_ends_not_when_the_slowest_does(
         lambda: EngineProcess(b.socket, f"bs-local-{lane}", SPEC),
         lambda: EngineProcess(b.socket, f"bs-d-{lane}", SPEC),
     )
-    stuck = params_from_json(_publish(hung, "stuck", [1, 2], 20, seed=5))
-    fine = params_from_json(_publish(local, "fine", [3, 4], 20, seed=6))
+    stuck = params_from_json(prefilled(hung, "stuck", [1, 2], 20, seed=5))
+    fine = params_from_json(prefilled(local, "fine", [3, 4], 20, seed=6))
     with frozen(far), SidecarClient(b.socket, lane=lane) as client:
         slow, quick = client.pull_batch_async(
             decode.engine_id, [BatchPull(stuck, [8, 9]), BatchPull(fine, [10, 11])], timeout_s=60
@@ -242,7 +235,7 @@ def test_the_engine_going_away_stops_every_member(
     )
     pulls = [
         engine_pb2.PullRequest(
-            params=params_from_json(_publish(hung, f"h{i}", [1 + 2 * i, 2 + 2 * i], 20, seed=i)),
+            params=params_from_json(prefilled(hung, f"h{i}", [1 + 2 * i, 2 + 2 * i], 20, seed=i)),
             engine_id=decode.engine_id,
             block_ids=[8 + 2 * i, 9 + 2 * i],
             timeout_ms=60_000,
@@ -275,7 +268,7 @@ def test_a_batch_empty_or_over_the_limit_is_refused_whole(
         lambda: EngineProcess(a.socket, "bl-p", SPEC),
         lambda: EngineProcess(b.socket, "bl-d", SPEC),
     )
-    params = params_from_json(_publish(prefill, "l0", [1], 16, seed=1))
+    params = params_from_json(prefilled(prefill, "l0", [1], 16, seed=1))
     stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(f"unix:{b.socket}"))
     with pytest.raises(grpc.RpcError) as empty:
         stub.PullBatch(engine_pb2.PullBatchRequest(), timeout=10)

@@ -14,14 +14,14 @@ import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
-from kv_sidecar_client import SidecarClient, params_from_json
+from kv_sidecar_client import BatchPull, SidecarClient, params_from_json
 
 from .conftest import (
     Spawn,
     frozen,
-    in_background,
     metric,
     no_transfer_in_flight,
+    prefilled,
     pulls_in_flight,
     spec_dict,
     wait_for,
@@ -48,14 +48,6 @@ def ring_pair(request: Any) -> Iterator[tuple[SidecarProcess, SidecarProcess, in
     assert (a.stop(), b.stop()) == (0, 0)
 
 
-def _publish(engine: EngineProcess, request_id: str, blocks: list[int], tokens: int, seed: int) -> Any:
-    pub = engine.send(
-        {"cmd": "prefill", "request_id": request_id, "block_ids": blocks, "num_tokens": tokens, "seed": seed}
-    )
-    assert pub["ok"], pub
-    return pub["params"]
-
-
 def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
 ) -> None:
@@ -68,7 +60,7 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     pulls = []
     for i in range(n):
         src = [159 - i, 3 * i, 80 + i]  # scattered, so a wrong concatenation shows
-        params = _publish(prefill, f"g{i}", src, TOKENS - (i % 3), seed=100 + i)
+        params = prefilled(prefill, f"g{i}", src, TOKENS - (i % 3), seed=100 + i)
         pulls.append(
             {"params": params, "block_ids": [3 * i, 3 * i + 2 if i % 2 else 80 + i, 150 - i], "seed": 100 + i}
         )
@@ -102,7 +94,7 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     )
     pulls = []
     for i in range(12):
-        params = _publish(prefill, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=200 + i)
+        params = prefilled(prefill, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=200 + i)
         pulls.append(
             {"params": params, "block_ids": [100 + 3 * i, 101 + 3 * i, 102 + 3 * i], "seed": 200 + i}
         )
@@ -110,7 +102,7 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     for i in (5, 9):
         assert prefill.send({"cmd": "abort", "request_id": f"r{i}"})["found"]
     # Another block size goes alone (member_spans needs one size), and arrives too.
-    p32 = _publish(other_size, "r32", [4, 5], 50, seed=300)
+    p32 = prefilled(other_size, "r32", [4, 5], 50, seed=300)
     pulls.append({"params": p32, "block_ids": [150, 151, 152, 153], "seed": 300})
     out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
     assert out["untouched_outside"], out
@@ -133,45 +125,51 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
 def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
     ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
 ) -> None:
-    """The source hangs (SIGSTOP) with six reads of it in flight: two transfers run and, grouped, the
-    other four reads wait behind them. Four of the six are aborted, and end within 3 s (the time an
-    aborted pull takes to give up on a source that hangs) while the two others still hang: those that
-    waited leave the queue rather than wait for the transfers before them. Once the source runs
-    again, the two others arrive."""
+    """The source hangs (SIGSTOP). Two reads of it run first; four more come after them and, grouped,
+    wait behind the two. Aborting the four ends them within the ~2.4 s an aborted pull takes to tell a
+    hung source (its CloseRead times out), while the two before them still hang: each left the queue
+    rather than wait for them. Once the source runs again, the two arrive."""
     a, b, group_reads = ring_pair
     prefill, decode = spawn.together(
         lambda: EngineProcess(a.socket, f"sa-p{group_reads}", SPEC, env=ENV),
         lambda: EngineProcess(b.socket, f"sa-d{group_reads}", SPEC, env=ENV),
     )
     # One pull first: the handshake is made, so that the reads below wait in the staged reader.
-    warm = _publish(prefill, "warm", [30, 31, 32], TOKENS, seed=399)
+    warm = prefilled(prefill, "warm", [30, 31, 32], TOKENS, seed=399)
     assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 399})["verified"]
-    pulls = []
-    for i in range(6):
-        params = _publish(prefill, f"w{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=400 + i)
-        pulls.append({"params": params, "block_ids": [60 + 3 * i, 61 + 3 * i, 62 + 3 * i], "seed": 400 + i})
+    pulls = [
+        BatchPull(
+            params_from_json(
+                prefilled(prefill, f"w{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=400 + i)
+            ),
+            [60 + 3 * i, 61 + 3 * i, 62 + 3 * i],
+        )
+        for i in range(6)
+    ]
     aborted = [f"w{i}" for i in range(2, 6)]
-    with frozen(a):
-        answer = in_background(lambda: decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60}))
-        wait_for("every read to start", lambda: all(pulls_in_flight(b.socket, f"w{i}") for i in range(6)), 10)
-        time.sleep(0.3)  # they reach the staged reader
+    with frozen(a), SidecarClient(b.socket) as first, SidecarClient(b.socket) as later:
+        running = first.pull_batch_async(decode.engine_id, pulls[:2], timeout_s=60)
+        wait_for("two reads to run", lambda: all(pulls_in_flight(b.socket, f"w{i}") for i in range(2)), 10)
+        time.sleep(0.3)  # they reach the staged reader, and their transfers start
+        waiting = later.pull_batch_async(decode.engine_id, pulls[2:], timeout_s=60)
+        wait_for("four more to start", lambda: all(pulls_in_flight(b.socket, r) for r in aborted), 10)
+        time.sleep(0.3)
         t0 = time.monotonic()
-        with SidecarClient(b.socket) as client:
-            for request_id in aborted:
-                assert client.abort(decode.engine_id, request_id)
+        for request_id in aborted:
+            assert first.abort(decode.engine_id, request_id)
         ended: dict[str, float] = {}
-        while len(ended) < len(aborted) and time.monotonic() - t0 < 5:
+        while len(ended) < len(aborted) and time.monotonic() - t0 < 8:
             for request_id in aborted:
                 if request_id not in ended and not pulls_in_flight(b.socket, request_id):
                     ended[request_id] = time.monotonic() - t0
             time.sleep(0.02)
-    out = answer()
-    res = out["results"]
-    # While w0 and w1 still hang: grouped, those of the aborted that waited behind them left the queue.
-    assert len(ended) == len(aborted) and max(ended.values()) < 3, ended
-    for r in res[2:]:
-        assert r["error_code"] == "CANCELLED" and "aborted by the engine" in r["error"], r
-    for r in res[:2]:
-        assert r["ok"] and r["verified"], r
-    assert out["untouched_outside"], out
+        assert not any(r.done() for r in running)  # the two before them still hang
+    assert len(ended) == len(aborted), ended
+    if group_reads > 1:  # each left the queue: not held by the transfers before it
+        assert max(ended.values()) < 3.5, ended
+    for r in waiting:
+        res = r.result()
+        assert res.error_code == "CANCELLED" and "aborted by the engine" in res.error, res
+    for r in running:
+        assert r.result().ok, r.result()
     no_transfer_in_flight(a, b)
