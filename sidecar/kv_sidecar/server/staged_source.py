@@ -259,15 +259,14 @@ class StagedSource:
         if not 1 <= len(req.slots) <= MAX_SLOTS or any(s.length == 0 for s in req.slots):
             raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
         per_chunk = self._plane.blocks_per_chunk(src_entry.key, reader_spec, [s.length for s in req.slots])
+        # The opens it carries, checked like OpenReads once the rest of the Push is sound.
         if group:
             block_ids, num_tokens = self._members(req, plan, context.peer(), src_entry.on_gpu)
             what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
             # No ids uploaded at Publish are this concatenation's: the data plane uploads them itself.
             ids_of: tuple[str, str] = (req.engine_id, "")
         else:
-            if (
-                item is None
-            ):  # the open it carries, checked like an OpenRead once the rest of the Push is sound
+            if item is None:
                 item = self._open_from_push(
                     req, req.request_id, req.open, req.open_num_tokens, plan, context.peer(), src_entry.on_gpu
                 )
