@@ -257,15 +257,12 @@ class StagedReader:
                     out.append(own)
             log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
             return out
-        moved = [
-            n
-            for _, n in sp.member_spans(
-                [r.job.num_tokens for r in reads], reads[0].job.plan.decode.block_size
-            )
-        ]
-        shares: list[int | _Alone | BaseException] = [total * n // sum(moved) for n in moved]
-        shares[-1] = total - sum(shares[:-1])  # type: ignore[operator]
-        return shares
+        # Each read's share of the bytes, by the tokens it moved (its padding included).
+        spans = sp.member_spans([r.job.num_tokens for r in reads], reads[0].job.plan.decode.block_size)
+        moved = [n for _, n in spans]
+        shares = [total * n // sum(moved) for n in moved]
+        shares[-1] = total - sum(shares[:-1])
+        return list(shares)
 
     def _transfer(self, remote: RemoteEngine, src_rank: int, reads: list[_Read]) -> int:
         """One staged transfer of `reads` (one, or a group of the same two ranks); returns bytes written."""
