@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -36,25 +35,25 @@ TOKENS = 40  # 3 blocks, the last partial: a group pads it (staged_protocol.memb
 READS = "kvsidecar_staged_transfer_reads"
 
 
-@pytest.fixture(scope="module", params=[64, 1], ids=["grouped", "one-read-per-transfer"])
-def ring_pair(request: Any) -> Iterator[tuple[SidecarProcess, SidecarProcess, int]]:
-    group_reads = request.param
-    extra = [*RING, "--staged-group-reads", str(group_reads)]
+@pytest.fixture(scope="module")
+def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
+    """Two sidecars on host rings, grouping reads as by default (staged_group_reads 64; with 1 each read is
+    its own transfer, as every other ring test runs it)."""
     a, b = together(
-        lambda: SidecarProcess(f"groups-p{group_reads}", extra=extra, env=ENV),
-        lambda: SidecarProcess(f"groups-d{group_reads}", extra=extra, env=ENV),
+        lambda: SidecarProcess("groups-p", extra=RING, env=ENV),
+        lambda: SidecarProcess("groups-d", extra=RING, env=ENV),
     )
-    yield a, b, group_reads
+    yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
 
 
 def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
-    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
-    a, b, group_reads = ring_pair
+    a, b = ring_pair
     prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, f"sg-p{group_reads}", SPEC, env=ENV),
-        lambda: EngineProcess(b.socket, f"sg-d{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, "sg-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, "sg-d", SPEC, env=ENV),
     )
     n = 24
     pulls = []
@@ -74,23 +73,21 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     transfers = metric(b.metrics_port, f"{READS}_count") - before[0]
     reads = metric(b.metrics_port, f"{READS}_sum") - before[1]
     assert reads == n, (transfers, reads)
-    if group_reads == 1:
-        assert transfers == n
-    else:  # the batch's members reach the reader together: after the first two, they wait and group
-        assert transfers < n / 2, (transfers, reads)
+    # The batch's members reach the reader together: after the first two, they wait and group.
+    assert transfers < n / 2, (transfers, reads)
     got = prefill.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": n})
     assert got["count"] == n, got
     no_transfer_in_flight(a, b)
 
 
 def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arrives(
-    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
-    a, b, group_reads = ring_pair
+    a, b = ring_pair
     prefill, other_size, decode = spawn.together(
-        lambda: EngineProcess(a.socket, f"sb-p{group_reads}", SPEC, env=ENV),
-        lambda: EngineProcess(a.socket, f"sb-p32-{group_reads}", BLOCK32, env=ENV),
-        lambda: EngineProcess(b.socket, f"sb-d{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, "sb-p", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, "sb-p32", BLOCK32, env=ENV),
+        lambda: EngineProcess(b.socket, "sb-d", SPEC, env=ENV),
     )
     pulls = []
     for i in range(12):
@@ -123,16 +120,16 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
 
 
 def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
-    ring_pair: tuple[SidecarProcess, SidecarProcess, int], spawn: Spawn
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
     """The source hangs (SIGSTOP). Two reads of it run first; four more come after them and, grouped,
     wait behind the two. Aborting the four ends them within the ~2.4 s an aborted pull takes to tell a
     hung source (its CloseRead times out), while the two before them still hang: each left the queue
     rather than wait for them. Once the source runs again, the two arrive."""
-    a, b, group_reads = ring_pair
+    a, b = ring_pair
     prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, f"sa-p{group_reads}", SPEC, env=ENV),
-        lambda: EngineProcess(b.socket, f"sa-d{group_reads}", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, "sa-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, "sa-d", SPEC, env=ENV),
     )
     # One pull first: the handshake is made, so that the reads below wait in the staged reader.
     warm = prefilled(prefill, "warm", [30, 31, 32], TOKENS, seed=399)
@@ -164,9 +161,8 @@ def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
                     ended[request_id] = time.monotonic() - t0
             time.sleep(0.02)
         assert not any(r.done() for r in running)  # the two before them still hang
-    assert len(ended) == len(aborted), ended
-    if group_reads > 1:  # each left the queue: not held by the transfers before it
-        assert max(ended.values()) < 3.5, ended
+    # Each left the queue: not held by the transfers before it.
+    assert len(ended) == len(aborted) and max(ended.values()) < 3.5, ended
     for r in waiting:
         res = r.result()
         assert res.error_code == "CANCELLED" and "aborted by the engine" in res.error, res
