@@ -119,6 +119,13 @@ def prefilled(engine: EngineProcess, request_id: str, blocks: list[int], tokens:
     return pub["params"]
 
 
+def consumed_events(engine: EngineProcess, expect: int) -> int:
+    """How many "consumed" events the engine got, waiting up to 10 s for `expect` of them (taken off
+    its queue)."""
+    got = engine.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": expect})
+    return int(got["count"])
+
+
 def spec_dict(**over: object) -> dict[str, object]:
     base: dict[str, object] = {
         "tp_size": 1,

@@ -21,6 +21,7 @@ from kv_sidecar_client.lane import ENV_SWITCH, LANE_SUFFIX
 
 from .conftest import (
     Spawn,
+    consumed_events,
     frozen,
     in_background,
     metric,
@@ -82,8 +83,7 @@ def test_members_of_other_requests_sizes_sources_and_layouts_arrive_bit_exact(
         assert res["verified"] and res["path"] == path, res
     # Each member answered its own "consumed" to its own source, once.
     for src, n in ((same, 2), (hnd, 1), (local, 1), (local32, 1)):
-        got = src.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": n})
-        assert got["count"] == n, (src.engine_id, got)
+        assert consumed_events(src, n) == n, src.engine_id
     no_transfer_in_flight(a, b)
 
 

@@ -17,6 +17,7 @@ from kv_sidecar_client import BatchPull, SidecarClient, params_from_json
 
 from .conftest import (
     Spawn,
+    consumed_events,
     frozen,
     metric,
     no_transfer_in_flight,
@@ -75,8 +76,7 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     assert reads == n, (transfers, reads)
     # The batch's members reach the reader together: after the first two, they wait and group.
     assert transfers < n / 2, (transfers, reads)
-    got = prefill.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": n})
-    assert got["count"] == n, got
+    assert consumed_events(prefill, n) == n
     no_transfer_in_flight(a, b)
 
 
@@ -114,8 +114,7 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
         for i in (5, 9):
             alone = client.pull(params_from_json(pulls[i]["params"]), decode.engine_id, pulls[i]["block_ids"])
             assert (alone.error_code, alone.error) == (res[i]["error_code"], res[i]["error"]), (i, alone)
-    got = prefill.send({"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": 10})
-    assert got["count"] == 10, got
+    assert consumed_events(prefill, 10) == 10
     no_transfer_in_flight(a, b)
 
 
