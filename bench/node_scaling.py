@@ -29,8 +29,9 @@ interleaved, the order of the two trees alternating: only ratios measured side b
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
 counts as busy); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
 timed by the thread's own CPU clock (bench/cpu_sampler/, Python 3.11 only), over all their rows, into
-DIR/<path>.<pid>.sidecar (with --per-call, the PullBatch tree's into DIR/<path>-batch.<pid>.sidecar); read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows
-are marked and left out of ratios.
+DIR/<path>.<pid>.sidecar (with --per-call, the PullBatch tree's into DIR/<path>-batch.<pid>.sidecar);
+read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows are marked and left out of
+ratios.
 
     python bench/node_scaling.py --paths host-nixl,host-direct --baseline 2b8f1ac   # the CPU machine
     python bench/node_scaling.py --paths gpu-staged,gpu-direct --pairs 1,2 --out $OUT  # a GPU machine
