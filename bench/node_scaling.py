@@ -27,7 +27,8 @@ is no git) the same rows also run against that revision's sidecars, started besi
 interleaved, the order of the two trees alternating: only ratios measured side by side mean anything.
 --profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
-counts as busy); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
+counts as busy); with --profile-gil only samples of the thread holding the GIL, which is where a
+sidecar bound by its one interpreter spends it (any Python version); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
 timed by the thread's own CPU clock (bench/cpu_sampler/, Python 3.11 only), over all their rows, into
 DIR/<path>.<pid>.sidecar (with --per-call, the PullBatch tree's into DIR/<path>-batch.<pid>.sidecar);
 read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows are marked and left out of
@@ -288,7 +289,15 @@ class Node:
     def capacity(self, blocks: int) -> int:
         return self.spec.num_blocks // blocks
 
-    def run(self, pairs: int, concurrency: int, blocks: int, pulls: int, profile: Path | None = None) -> Row:
+    def run(
+        self,
+        pairs: int,
+        concurrency: int,
+        blocks: int,
+        pulls: int,
+        profile: Path | None = None,
+        spy_gil: bool = False,
+    ) -> Row:
         self.batches += 1
         pulls = min(pulls, self.capacity(blocks))
         tokens = blocks * self.spec.block_size
@@ -317,7 +326,9 @@ class Node:
         for i in range(pairs):
             procs[f"prefill {i}"] = self.prefill[i]
             procs[f"decode {i}"] = self.decode[i]
-        spies = _spy(profile, procs, f"{self.tree}-{self.path}-{pairs}x{concurrency}") if profile else []
+        spies = (
+            _spy(profile, procs, f"{self.tree}-{self.path}-{pairs}x{concurrency}", spy_gil) if profile else []
+        )
         sidecars = {name: p.proc.pid for name, p in procs.items() if name.startswith("sidecar")}
         before_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
         before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
@@ -399,8 +410,9 @@ class Node:
             s.stop()
 
 
-def _spy(out: Path, procs: dict[str, Any], label: str) -> list[subprocess.Popen[bytes]]:
+def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subprocess.Popen[bytes]]:
     """py-spy on each sidecar until SIGINT: raw collapsed stacks, one file per process."""
+
     out.mkdir(parents=True, exist_ok=True)
     spies = []
     for name, p in procs.items():
@@ -419,6 +431,7 @@ def _spy(out: Path, procs: dict[str, Any], label: str) -> list[subprocess.Popen[
                         "raw",
                         "-o",
                         str(out / f"{safe}.txt"),
+                        *(["--gil"] if gil else []),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
@@ -542,6 +555,11 @@ def main() -> int:
     )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
     ap.add_argument(
+        "--profile-gil",
+        action="store_true",
+        help="with --profile: only samples of threads holding the GIL (where a GIL-bound sidecar's time goes)",
+    )
+    ap.add_argument(
         "--cpu-profile",
         type=Path,
         help="cProfile (thread CPU time) this tree's sidecars over every row, into DIR",
@@ -618,7 +636,7 @@ def main() -> int:
                         order = nodes if turn % 2 == 0 else nodes[::-1]
                         turn += 1
                         for node in order:
-                            row = node.run(p, c, b, pulls, spy)
+                            row = node.run(p, c, b, pulls, spy, args.profile_gil)
                             rows.append(row)
                             print(table([row]).splitlines()[-1], flush=True)
                             print(f"  threads (CPU %): {row.threads}", flush=True)
