@@ -7,11 +7,12 @@ print them (json as top-level keys, text as key=value after the message).
 from __future__ import annotations
 
 import atexit
-import copy
+import contextlib
 import json
 import logging
 import logging.handlers
 import queue
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -44,19 +45,39 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
+_NEEDS_QUOTES = re.compile(r'[ ="\n]')
+
+
 def _text_value(v: Any) -> str:
+    if type(v) in (int, float, bool):  # most fields of a transfer's record: never quoted
+        return str(v)
     s = str(v)
-    return json.dumps(s) if not s or any(c in s for c in ' ="\n') else s
+    return json.dumps(s) if not s or _NEEDS_QUOTES.search(s) else s
 
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+        self._second = -1
+        self._second_text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """logging's own format, its strftime done once a second: a busy sidecar writes a record per
+        transfer, thousands a second, and strftime was a fifth of formatting one."""
+        if datefmt:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._second_text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = second
+        return self.default_msec_format % (self._second_text, record.msecs)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        extra = " ".join(f"{k}={_text_value(v)}" for k, v in _fields(record).items())
-        return f"{line} {extra}" if extra else line
+        fields = getattr(record, "fields", None)
+        if not fields or not isinstance(fields, dict):
+            return line
+        return line + " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
 
 
 class _Deferred(logging.handlers.QueueHandler):
@@ -64,13 +85,44 @@ class _Deferred(logging.handlers.QueueHandler):
     (a pull's "pull finished" record cost ~0.3 ms of its answer on a busy 2-core machine).
 
     The queue stays in this process, so the record keeps its fields and its exc_info, and the
-    writer's formatter prints exactly what it printed when it ran on the caller's thread.
+    writer's formatter prints exactly what it printed when it ran on the caller's thread. The
+    message is rendered now (its arguments may change later); the record itself is not copied, as
+    the stdlib's QueueHandler does, because the rendered message is what any later handler would
+    print too.
     """
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record = copy.copy(record)
         record.msg, record.args = record.getMessage(), None
         return record
+
+
+class _Batched(logging.StreamHandler):  # type: ignore[type-arg]
+    """Formats each record as it comes and writes them in one go when the writer runs dry, or every
+    `_BATCH` records: one write and flush per batch, not per record."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record))
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+            return
+        if len(self._lines) >= _BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            lines, self._lines = self._lines, []
+            # A closed or broken stderr must not kill the writer thread (or the exit that stops it).
+            with contextlib.suppress(Exception):
+                if lines:
+                    self.stream.write("\n".join(lines) + "\n")
+                super().flush()
 
 
 class _Writer(logging.handlers.QueueListener):
@@ -85,24 +137,34 @@ class _Writer(logging.handlers.QueueListener):
             except queue.Empty:
                 if not block:
                     raise
+                self._flush()
                 time.sleep(_WRITE_EVERY_S)
+
+    def stop(self) -> None:
+        super().stop()
+        self._flush()
+
+    def _flush(self) -> None:
+        for handler in self.handlers:
+            handler.flush()
 
 
 _WRITE_EVERY_S = 0.02
+_BATCH = 256
 _listener: logging.handlers.QueueListener | None = None
 
 
 def _stop_writer() -> None:
     """Write what is queued and stop the writer thread (at exit, or before reconfiguring)."""
     global _listener
-    if _listener is not None:
-        _listener.stop()
-        _listener = None
+    listener, _listener = _listener, None
+    if listener is not None:
+        listener.stop()
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
     global _listener
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Batched(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
     _stop_writer()
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()

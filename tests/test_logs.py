@@ -1,0 +1,110 @@
+"""The sidecar's log lines: the text format's fields and timestamps, and the writer thread's batches."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kv_sidecar import logs
+from kv_sidecar.logs import JsonFormatter, TextFormatter, configure_logging
+
+STDLIB = logging.Formatter("ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+
+
+def _record(msg: str = "pull finished", created: float | None = None, **fields: object) -> logging.LogRecord:
+    r = logging.LogRecord("kv_sidecar.transfer", logging.INFO, __file__, 1, msg, None, None)
+    if created is not None:
+        r.created, r.msecs = created, (created - int(created)) * 1000
+    r.fields = fields  # type: ignore[attr-defined]
+    return r
+
+
+def test_text_fields_are_quoted_only_where_a_reader_would_misparse_them() -> None:
+    line = TextFormatter().format(
+        _record(bytes=2097152, gbps=1.5, ok=True, path="gpu-staged", error='a "b"=c', empty="", peer=None)
+    )
+    head, fields = line.split(" msg=pull finished ")
+    assert head == STDLIB.format(_record()).split(" msg=")[0]
+    assert fields == 'bytes=2097152 gbps=1.5 ok=True path=gpu-staged error="a \\"b\\"=c" empty="" peer=None'
+
+
+@pytest.mark.parametrize("created", [1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.001, 1_700_086_399.5])
+def test_text_timestamps_are_the_stdlib_format(created: float) -> None:
+    f = TextFormatter()
+    f.format(_record(created=created - 1.0))  # a cached second, then the next one
+    assert f.formatTime(_record(created=created)) == STDLIB.formatTime(_record(created=created))
+
+
+def test_json_keeps_reserved_field_names_apart() -> None:
+    out = json.loads(JsonFormatter().format(_record(msg="x", level="mine", bytes=3)))
+    assert out["msg"] == "x" and out["level"] == "INFO" and out["field_level"] == "mine" and out["bytes"] == 3
+
+
+@pytest.fixture
+def root_logger() -> Iterator[None]:
+    """configure_logging replaces the root logger's handlers and level: put pytest's back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    logs._stop_writer()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("root_logger")
+def test_the_writer_writes_every_record_in_order_in_batches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """More records than one batch, logged faster than the writer wakes: all of them, in order, once the
+    writer stops; and a record logged while the writer idles is out within a few of its wake-ups."""
+    out = tmp_path / "stderr"
+    with out.open("w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        configure_logging("info")
+        log = logging.getLogger("kv_sidecar.test_logs")
+        n = 3 * logs._BATCH + 7
+        for i in range(n):
+            log.info("record %d", i, extra={"fields": {"i": i}})
+        log.debug("not at this level")
+        logs._stop_writer()
+        lines = out.read_text().splitlines()
+        assert [line.rsplit(" i=", 1)[1] for line in lines] == [str(i) for i in range(n)]
+        assert all(f"msg=record {i} i={i}" in line for i, line in enumerate(lines))
+
+        configure_logging("info")
+        log.warning("alone")
+        for _ in range(100):  # the writer wakes every 20 ms
+            if "msg=alone" in out.read_text():
+                break
+            time.sleep(0.02)
+        assert "level=WARNING" in out.read_text().splitlines()[-1]
+        logs._stop_writer()  # before the file closes
+
+
+@pytest.mark.usefixtures("root_logger")
+def test_a_broken_stream_does_not_stop_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(io.StringIO):
+        fail = True
+
+        def write(self, s: str) -> int:
+            if self.fail:
+                raise OSError("stderr is gone")
+            return super().write(s)
+
+    stream = Broken()
+    monkeypatch.setattr(sys, "stderr", stream)
+    configure_logging("info")
+    log = logging.getLogger("kv_sidecar.test_logs")
+    log.info("lost")
+    time.sleep(0.2)  # ten of the writer's wake-ups: it has tried to write "lost"
+    stream.fail = False
+    log.info("kept")
+    logs._stop_writer()
+    assert "msg=kept" in stream.getvalue() and "msg=lost" not in stream.getvalue()
