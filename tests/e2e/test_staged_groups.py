@@ -80,6 +80,41 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     no_transfer_in_flight(a, b)
 
 
+def test_reads_past_a_prefix_the_decode_engine_holds_group_too(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """Decode engines with a prefix cache pull from a later token (start_token, a block boundary): such
+    reads group with the others (PushMember.start_token), each skipping its prefix's source blocks, and
+    land exactly where a pull of its own would; the prefix blocks stay untouched."""
+    a, b = ring_pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "sp-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, "sp-d", SPEC, env=ENV),
+    )
+    n = 24
+    pulls = []
+    for i in range(n):
+        tokens = TOKENS + 16 - (i % 5)  # 4 blocks, the last partial
+        start = 16 * (i % 4)  # 0 to 3 blocks of prefix, so that the moved spans differ in length
+        src = [159 - i, 4 * i, 100 + i, 4 * i + 1]  # scattered, so a wrong slice shows
+        params = prefilled(prefill, f"s{i}", src, tokens, seed=400 + i)
+        # Distinct and scattered (37 is prime to 96); only the blocks after the prefix are named.
+        dst = [(4 * i + k) * 37 % 96 for k in range(start // 16, 4)]
+        pulls.append({"params": params, "block_ids": dst, "seed": 400 + i, "start_token": start})
+    before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
+    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    assert out["ok"] and out["untouched_outside"], out
+    for res in out["results"]:
+        assert res["verified"] and res["path"] == "host-ring", {
+            k: res[k] for k in ("bytes", "path", "errors")
+        }
+    transfers = metric(b.metrics_port, f"{READS}_count") - before[0]
+    reads = metric(b.metrics_port, f"{READS}_sum") - before[1]
+    assert reads == n and transfers < n / 2, (transfers, reads)
+    assert consumed_events(prefill, n) == n
+    no_transfer_in_flight(a, b)
+
+
 def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arrives(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:

@@ -773,7 +773,17 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
             (
                 _merged(base, grouped, members=[member], start_token=16),
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "a Push of several requests starts at token 0",
+                "a Push of several requests has start_token 0 (each member names its own start)",
+            ),
+            (
+                _merged(base, grouped, members=[_merged_member(member, start_token=8)]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "members[0]: start_token 8 is not a block boundary below num_tokens 20 (blocks of 16)",
+            ),
+            (
+                _merged(base, grouped, members=[_merged_member(member, start_token=32)]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "members[0]: start_token 32 is not a block boundary below num_tokens 20 (blocks of 16)",
             ),
             (
                 _merged(base, grouped, members=[member] * 1025),

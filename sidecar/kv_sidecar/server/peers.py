@@ -56,8 +56,10 @@ class RemoteEngine:
     holders: dict[int, Holder] = field(default_factory=dict)
     # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
-    # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py).
+    # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py), and
+    # members that start past token 0 (PushMember.start_token).
     push_members: bool = False
+    push_member_starts: bool = False
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -277,6 +279,7 @@ class Peers:
             regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
             push_members=resp.push_members,
+            push_member_starts=resp.push_member_starts,
         )
         leader = Holder(resp.sidecar_id, link.address, agent)
         remote.holders = {r.rank: leader for r in resp.ranks}

@@ -164,13 +164,22 @@ class _Halts:
         return min(j.remaining() for j in self._jobs)
 
 
+def moved_spans(jobs: list[PullJob], block_size: int) -> list[tuple[int, int]]:
+    """Where each read's tokens [start_token, num_tokens) go in its group's transfer (member_spans)."""
+    return sp.member_spans([j.num_tokens - j.start_token for j in jobs], block_size)
+
+
 def joined_tokens(jobs: list[PullJob], block_size: int) -> Tokens:
-    """The group's tokens: each read's after the other's, from token 0 (staged_protocol.member_spans)."""
-    spans = sp.member_spans([j.num_tokens for j in jobs], block_size)
-    blocks = [-(-moved // block_size) for _, moved in spans]
-    src = np.concatenate([j.src_blocks[:n] for j, n in zip(jobs, blocks, strict=True)])
-    dst = np.concatenate([j.dst_blocks[:n] for j, n in zip(jobs, blocks, strict=True)])
-    return Tokens(src, dst, sum(moved for _, moved in spans), 0)
+    """The group's tokens: each read's after the other's, from token 0 of the transfer. A read's source
+    blocks are its request's from token 0 and its destination blocks those of its own tokens only
+    (dataplane/jobs.Tokens), so a read past a prefix skips the prefix's source blocks."""
+    spans = moved_spans(jobs, block_size)
+    src, dst = [], []
+    for j, (_, moved) in zip(jobs, spans, strict=True):
+        first, n = j.start_token // block_size, -(-moved // block_size)
+        src.append(j.src_blocks[first : first + n])
+        dst.append(j.dst_blocks[:n])
+    return Tokens(np.concatenate(src), np.concatenate(dst), sum(moved for _, moved in spans), 0)
 
 
 class StagedReader:
@@ -222,8 +231,9 @@ class StagedReader:
 
     def _groupable(self, job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
         """Whether the read may share a transfer: the source takes members, is the engine's one sidecar
-        (a member of a multi-node engine may be another version), both sides' blocks are of one size and
-        the read starts at token 0 of a request held from token 0 (member_spans)."""
+        (a member of a multi-node engine may be another version), both sides' blocks are of one size, the
+        request is held from token 0 and the read moves at least a token from a block boundary: token 0,
+        or past a prefix where the source takes member starts (member_spans)."""
         holder = remote.holders.get(src_rank)
         plan = job.plan
         return (
@@ -231,9 +241,10 @@ class StagedReader:
             and remote.push_members
             and (holder is None or holder.sidecar_id == remote.sidecar_id)
             and plan.prefill.block_size == plan.decode.block_size
-            and job.start_token == 0
+            and (job.start_token == 0 or remote.push_member_starts)
+            and job.start_token % plan.decode.block_size == 0
             and job.params.first_token == 0
-            and job.num_tokens > 0
+            and job.num_tokens > job.start_token
         )
 
     def _lead(
@@ -258,7 +269,7 @@ class StagedReader:
             log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
             return out
         # Each read's share of the bytes, by the tokens it moved (its padding included).
-        spans = sp.member_spans([r.job.num_tokens for r in reads], reads[0].job.plan.decode.block_size)
+        spans = moved_spans([r.job for r in reads], reads[0].job.plan.decode.block_size)
         moved = [n for _, n in spans]
         shares = [total * n // sum(moved) for n in moved]
         shares[-1] = total - sum(shares[:-1])
@@ -304,7 +315,7 @@ class StagedReader:
                 reader_rank=entry.rank,
                 source_rank=src_rank,
                 plan_hash=job.plan.hash(),
-                start_token=job.start_token,
+                start_token=0 if group else job.start_token,  # a group's members each name their own
                 transfer_id=tid,
                 reader_agent=self._sidecar_id,
                 reader_agent_metadata=slots.metadata,
@@ -317,7 +328,10 @@ class StagedReader:
             if group:
                 req.members.extend(
                     peer_pb2.PushMember(
-                        request_id=r.job.params.request_id, open=r.open_msg, num_tokens=r.job.num_tokens
+                        request_id=r.job.params.request_id,
+                        open=r.open_msg,
+                        num_tokens=r.job.num_tokens,
+                        start_token=r.job.start_token,
                     )
                     for r in reads
                 )

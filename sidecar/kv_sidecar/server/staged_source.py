@@ -365,8 +365,8 @@ class StagedSource:
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
     ) -> tuple[list[int], int]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
-        its own would be; their blocks concatenated as staged_protocol.member_spans lays them out, and
-        the tokens that moves. One member refused refuses the Push, naming it (the reader then reads
+        its own would be; their blocks from each member's start concatenated as
+        staged_protocol.member_spans lays them out, and the tokens that moves. One member refused refuses the Push, naming it (the reader then reads
         each request alone)."""
         bs = plan.prefill.block_size
         if len(req.members) > MAX_PUSH_MEMBERS:
@@ -377,11 +377,18 @@ class StagedSource:
         if req.start_token or bs != plan.decode.block_size:
             raise SidecarError(
                 Code.INVALID_ARGUMENT,
-                "a Push of several requests starts at token 0, between engines of one block size",
+                "a Push of several requests has start_token 0 (each member names its own start), between "
+                "engines of one block size",
             )
         items = []
         for i, m in enumerate(req.members):
             try:
+                if m.start_token % bs or m.start_token >= m.num_tokens:
+                    raise SidecarError(
+                        Code.INVALID_ARGUMENT,
+                        f"start_token {m.start_token} is not a block boundary below num_tokens {m.num_tokens} "
+                        f"(blocks of {bs})",
+                    )
                 if m.HasField("open"):
                     item = self._open_from_push(req, m.request_id, m.open, m.num_tokens, plan, peer, on_gpu)
                 else:
@@ -395,8 +402,9 @@ class StagedSource:
             except SidecarError as e:
                 raise SidecarError(e.code, f"members[{i}]: {e.message}", e.metadata) from None
             items.append(item)
-        spans = sp.member_spans([m.num_tokens for m in req.members], bs)
+        spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bs)
         block_ids: list[int] = []
-        for item, (_, moved) in zip(items, spans, strict=True):
-            block_ids += item.source_blocks[: -(-moved // bs)]
+        for m, item, (_, moved) in zip(req.members, items, spans, strict=True):
+            first = m.start_token // bs
+            block_ids += item.source_blocks[first : first + -(-moved // bs)]
         return block_ids, spans[-1][0] + spans[-1][1]

@@ -63,7 +63,7 @@ class SidecarRanks(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members")
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_member_starts")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class HandshakeResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PUSH_KEY_FIELD_NUMBER: _ClassVar[int]
     PUSH_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_MEMBER_STARTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sidecar_id: str
     agent_name: str
@@ -84,7 +85,8 @@ class HandshakeResponse(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[SidecarRanks]
     push_key: bytes
     push_members: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ...) -> None: ...
+    push_member_starts: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_member_starts: _Optional[bool] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
     __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id")
@@ -215,14 +217,16 @@ class PushRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ...) -> None: ...
 
 class PushMember(_message.Message):
-    __slots__ = ("request_id", "open", "num_tokens")
+    __slots__ = ("request_id", "open", "num_tokens", "start_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     open: OpenReadRequest
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("chunks", "bytes", "push_key")
