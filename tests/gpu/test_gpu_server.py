@@ -350,8 +350,9 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
 ) -> None:
     """Sixteen gpu-staged pulls of one prefill engine in one PullBatch, through rings of two 64 KiB slots:
     reads that wait while two transfers run go as one transfer of several requests (PushRequest.members,
-    server/staged_reader.py), whose chunks cross from one request into the next. Every request lands
-    bit-exact in its own scattered blocks, nothing else changes, and fewer transfers than reads ran."""
+    server/staged_reader.py), whose chunks cross from one request into the next; every other one pulls
+    past a one-block prefix (PushMember.start_token). Every request lands bit-exact in its own scattered
+    blocks, nothing else changes, and fewer transfers than reads ran."""
     a, b = pair
     n = next(_count)
     spec = EngineSpec.from_dict(BASE | {"num_blocks": 64})
@@ -372,8 +373,14 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
                 }
             )
             assert pub["ok"], pub
+            start = 16 * (i % 2)  # a one-block prefix the decode engine holds: only the blocks after it
             pulls.append(
-                {"params": pub["params"], "block_ids": [3 * i, 3 * i + 1, 3 * i + 2][::-1], "seed": n + i}
+                {
+                    "params": pub["params"],
+                    "block_ids": [3 * i + 2, 3 * i + 1, 3 * i][start // 16 :],
+                    "seed": n + i,
+                    "start_token": start,
+                }
             )
         count0 = _metric(b, "kvsidecar_staged_transfer_reads_count")
         reads0 = _metric(b, "kvsidecar_staged_transfer_reads_sum")
