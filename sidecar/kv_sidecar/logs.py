@@ -63,7 +63,7 @@ class TextFormatter(logging.Formatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """logging's own format, its strftime done once a second: a busy sidecar writes a record per
-        transfer, thousands a second, and strftime was a fifth of formatting one."""
+        transfer, thousands a second, and strftime was about a sixth of formatting one."""
         if datefmt:
             return super().formatTime(record, datefmt)
         second = int(record.created)

@@ -366,8 +366,8 @@ class StagedSource:
     ) -> tuple[list[int], int]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
-        staged_protocol.member_spans lays them out, and the tokens that moves. One member refused refuses the Push, naming it (the reader then reads
-        each request alone)."""
+        staged_protocol.member_spans lays them out, and the tokens that moves. One member refused
+        refuses the Push, naming it (the reader then reads each request alone)."""
         bs = plan.prefill.block_size
         if len(req.members) > MAX_PUSH_MEMBERS:
             raise SidecarError(
