@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,14 @@ def test_text_timestamps_are_the_stdlib_format(created: float) -> None:
     f = TextFormatter()
     f.format(_record(created=created - 1.0))  # a cached second, then the next one
     assert f.formatTime(_record(created=created)) == STDLIB.formatTime(_record(created=created))
+
+
+@pytest.mark.parametrize("created", [1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.001, 1_700_086_399.5])
+def test_json_timestamps_are_iso_8601_utc_to_the_millisecond(created: float) -> None:
+    f = JsonFormatter()
+    f.format(_record(created=created - 1.0))
+    want = datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds")
+    assert json.loads(f.format(_record(created=created)))["ts"] == want
 
 
 def test_json_keeps_reserved_field_names_apart() -> None:
