@@ -460,3 +460,33 @@ def test_member_spans_refuse_an_empty_member() -> None:
         sp.member_spans([16, 0], 16)
     with pytest.raises(ValueError):
         sp.member_spans([], 16)
+
+
+@given(
+    st.integers(1, 200),  # the request's tokens
+    st.integers(0, 12),  # reader blocks of prefix held
+    st.sampled_from([(16, 16), (16, 32), (8, 64), (1, 16), (32, 32)]),  # source, reader block sizes
+    st.booleans(),  # the member is the last of its transfer (not padded)
+)
+def test_member_block_indexes_give_each_token_its_own_source_block(
+    n: int, prefix: int, sizes: tuple[int, int], last: bool
+) -> None:
+    bp, bd = sizes
+    start = prefix * bd
+    if start >= n:
+        return
+    (_, moved), *_ = sp.member_spans([n - start] if last else [n - start, 1], bd)
+    num_blocks = -(-n // bp)
+    idx = sp.member_block_indexes(num_blocks, start, moved, bp)
+    assert len(idx) == -(-moved // bp) and all(0 <= i < num_blocks for i in idx)
+    for t in range(start, n):  # every token of the request the member moves comes from its own block
+        assert idx[(t - start) // bp] == t // bp
+    # Padding past the request's last block repeats that block: read, and written only into the
+    # padding of the member's own last reader block.
+    assert all(i == num_blocks - 1 for i in idx[num_blocks - start // bp :])
+
+
+def test_member_block_indexes_refuse_what_no_member_moves() -> None:
+    for args in [(4, 8, 16, 16), (4, 0, 0, 16), (4, 64, 16, 16), (4, 0, 16, 0)]:
+        with pytest.raises(ValueError):
+            sp.member_block_indexes(*args)

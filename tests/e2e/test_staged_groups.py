@@ -80,26 +80,32 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     no_transfer_in_flight(a, b)
 
 
-def test_reads_past_a_prefix_the_decode_engine_holds_group_too(
-    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+@pytest.mark.parametrize("decode_spec", [SPEC, BLOCK32], ids=["blocks-16", "decode-blocks-32"])
+def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, decode_spec: EngineSpec
 ) -> None:
-    """Decode engines with a prefix cache pull from a later token (start_token, a block boundary): such
-    reads group with the others (PushMember.start_token), each skipping its prefix's source blocks, and
-    land exactly where a pull of its own would; the prefix blocks stay untouched."""
+    """Decode engines with a prefix cache pull from a later token (start_token, a block boundary), and
+    a decode engine may keep larger blocks than its prefill engine (a multiple of them): such reads
+    group too (PushMember.start_token; member_block_indexes), each taking only its own source blocks,
+    and land exactly where a pull of its own would; the prefix blocks stay untouched."""
     a, b = ring_pair
+    name = f"sp{decode_spec.block_size}"
     prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "sp-p", SPEC, env=ENV),
-        lambda: EngineProcess(b.socket, "sp-d", SPEC, env=ENV),
+        lambda: EngineProcess(a.socket, f"{name}-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, f"{name}-d", decode_spec, env=ENV),
     )
-    n = 24
+    n, bd = 24, decode_spec.block_size
+    spread = 4 * n * 16 // bd  # the decode blocks the pulls use, scattered over them (37 is prime to it)
+    used = 0
     pulls = []
     for i in range(n):
-        tokens = TOKENS + 16 - (i % 5)  # 4 blocks, the last partial
-        start = 16 * (i % 4)  # 0 to 3 blocks of prefix, so that the moved spans differ in length
+        tokens = TOKENS + 16 - (i % 5)  # 4 source blocks, the last partial; 52 to 56 tokens
+        start = bd * (i % (51 // bd + 1))  # from 0 to 3 blocks of 16 of prefix, or 0 or 1 of 32
         src = [159 - i, 4 * i, 100 + i, 4 * i + 1]  # scattered, so a wrong slice shows
         params = prefilled(prefill, f"s{i}", src, tokens, seed=400 + i)
-        # Distinct and scattered (37 is prime to 96); only the blocks after the prefix are named.
-        dst = [(4 * i + k) * 37 % 96 for k in range(start // 16, 4)]
+        k = -(-tokens // bd) - start // bd  # only the blocks after the prefix are named
+        dst = [(used + j) * 37 % spread for j in range(k)]
+        used += k
         pulls.append({"params": params, "block_ids": dst, "seed": 400 + i, "start_token": start})
     before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
     out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
@@ -133,7 +139,8 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     # The source frees two of them before the reader gets there: its records are gone, the params not.
     for i in (5, 9):
         assert prefill.send({"cmd": "abort", "request_id": f"r{i}"})["found"]
-    # Another block size goes alone (member_spans needs one size), and arrives too.
+    # Larger source blocks than the reader's go alone (member_spans pads to whole reader blocks, and
+    # a member would start inside a source block), and arrive too.
     p32 = prefilled(other_size, "r32", [4, 5], 50, seed=300)
     pulls.append({"params": p32, "block_ids": [150, 151, 152, 153], "seed": 300})
     out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})

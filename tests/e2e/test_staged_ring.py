@@ -778,12 +778,12 @@ def test_push_refusals_say_nothing_is_in_flight(ring_pair: tuple[SidecarProcess,
             (
                 _merged(base, grouped, members=[_merged_member(member, start_token=8)]),
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "members[0]: start_token 8 is not a block boundary below num_tokens 20 (blocks of 16)",
+                "members[0]: start_token 8 is not a block boundary below num_tokens 20 (reader blocks of 16)",
             ),
             (
                 _merged(base, grouped, members=[_merged_member(member, start_token=32)]),
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "members[0]: start_token 32 is not a block boundary below num_tokens 20 (blocks of 16)",
+                "members[0]: start_token 32 is not a block boundary below num_tokens 20 (reader blocks of 16)",
             ),
             (
                 _merged(base, grouped, members=[member] * 1025),

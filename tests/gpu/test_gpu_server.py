@@ -345,23 +345,27 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
             e.stop()
 
 
+@pytest.mark.parametrize("decode_block", [16, 32])
 def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
-    pair: tuple[SidecarProcess, SidecarProcess],
+    pair: tuple[SidecarProcess, SidecarProcess], decode_block: int
 ) -> None:
     """Sixteen gpu-staged pulls of one prefill engine in one PullBatch, through rings of two 64 KiB slots:
     reads that wait while two transfers run go as one transfer of several requests (PushRequest.members,
     server/staged_reader.py), whose chunks cross from one request into the next; every other one pulls
-    past a one-block prefix (PushMember.start_token). Every request lands bit-exact in its own scattered
-    blocks, nothing else changes, and fewer transfers than reads ran."""
+    past a one-block prefix (PushMember.start_token), and the decode engine keeps blocks of 16 tokens
+    like the prefill engine or of 32 (a member's padding then reaches past its last source block).
+    Every request lands bit-exact in its own scattered blocks, nothing else changes, and fewer
+    transfers than reads ran."""
     a, b = pair
     n = next(_count)
     spec = EngineSpec.from_dict(BASE | {"num_blocks": 64})
+    dspec = EngineSpec.from_dict(BASE | {"num_blocks": 64, "block_size": decode_block})
     prefill = EngineProcess(a.socket, f"sg-p-{n}", spec, devices=[GPU_A])
-    decode = EngineProcess(b.socket, f"sg-d-{n}", spec, devices=[GPU_B])
+    decode = EngineProcess(b.socket, f"sg-d-{n}", dspec, devices=[GPU_B])
     try:
         pulls = []
         for i in range(16):
-            tokens = 40 - (i % 3)  # three blocks, the last partial: a group pads it
+            tokens = 40 - (i % 3)  # three blocks of 16 (two of 32), the last partial: a group pads it
             src = [63 - i, 2 * i, 32 + i]
             pub = prefill.send(
                 {
@@ -373,11 +377,12 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
                 }
             )
             assert pub["ok"], pub
-            start = 16 * (i % 2)  # a one-block prefix the decode engine holds: only the blocks after it
+            start = decode_block * (i % 2)  # a one-block prefix the decode engine holds
+            dst = [3 * i + 2, 3 * i + 1, 3 * i][: -(-tokens // decode_block)]
             pulls.append(
                 {
                     "params": pub["params"],
-                    "block_ids": [3 * i + 2, 3 * i + 1, 3 * i][start // 16 :],
+                    "block_ids": dst[start // decode_block :],  # only the blocks after the prefix
                     "seed": n + i,
                     "start_token": start,
                 }

@@ -91,7 +91,7 @@ class PeerRequests:
             members=self._membership.members(request.engine_id),
             push_key=self._push_key(request, peer),
             push_members=True,  # server/staged_source.py takes Pushes of several requests
-            push_member_starts=True,  # ... each from its own start token
+            push_members_v2=True,  # ... each from its own start, decode blocks a multiple of ours
         )
 
     def _push_key(self, request: peer_pb2.HandshakeRequest, peer: str) -> bytes:

@@ -56,10 +56,10 @@ class RemoteEngine:
     holders: dict[int, Holder] = field(default_factory=dict)
     # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
-    # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py), and
-    # members that start past token 0 (PushMember.start_token).
+    # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py); v2: also
+    # members that start past token 0 (PushMember.start_token), and decode blocks a multiple of its own.
     push_members: bool = False
-    push_member_starts: bool = False
+    push_members_v2: bool = False
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -279,7 +279,7 @@ class Peers:
             regions={r.rank: [g.address for g in r.regions] for r in resp.ranks},
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
             push_members=resp.push_members,
-            push_member_starts=resp.push_member_starts,
+            push_members_v2=resp.push_members_v2,
         )
         leader = Holder(resp.sidecar_id, link.address, agent)
         remote.holders = {r.rank: leader for r in resp.ranks}

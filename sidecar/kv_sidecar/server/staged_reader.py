@@ -169,16 +169,18 @@ def moved_spans(jobs: list[PullJob], block_size: int) -> list[tuple[int, int]]:
     return sp.member_spans([j.num_tokens - j.start_token for j in jobs], block_size)
 
 
-def joined_tokens(jobs: list[PullJob], block_size: int) -> Tokens:
+def joined_tokens(jobs: list[PullJob]) -> Tokens:
     """The group's tokens: each read's after the other's, from token 0 of the transfer. A read's source
     blocks are its request's from token 0 and its destination blocks those of its own tokens only
-    (dataplane/jobs.Tokens), so a read past a prefix skips the prefix's source blocks."""
-    spans = moved_spans(jobs, block_size)
+    (dataplane/jobs.Tokens); staged_protocol.member_block_indexes says which source blocks a read's
+    span takes (the source picks the same from its own records)."""
+    plan = jobs[0].plan
+    bp, bd = plan.prefill.block_size, plan.decode.block_size
+    spans = moved_spans(jobs, bd)
     src, dst = [], []
     for j, (_, moved) in zip(jobs, spans, strict=True):
-        first, n = j.start_token // block_size, -(-moved // block_size)
-        src.append(j.src_blocks[first : first + n])
-        dst.append(j.dst_blocks[:n])
+        src.append(j.src_blocks[sp.member_block_indexes(len(j.src_blocks), j.start_token, moved, bp)])
+        dst.append(j.dst_blocks[: -(-moved // bd)])
     return Tokens(np.concatenate(src), np.concatenate(dst), sum(moved for _, moved in spans), 0)
 
 
@@ -231,18 +233,20 @@ class StagedReader:
 
     def _groupable(self, job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
         """Whether the read may share a transfer: the source takes members, is the engine's one sidecar
-        (a member of a multi-node engine may be another version), both sides' blocks are of one size, the
-        request is held from token 0 and the read moves at least a token from a block boundary: token 0,
-        or past a prefix where the source takes member starts (member_spans)."""
+        (a member of a multi-node engine may be another version), the request is held from token 0 and
+        the read moves at least a token from a block boundary. A source of the first version with groups
+        takes only reads from token 0 between equal block sizes; a v2 source also reads past a prefix
+        and into decode blocks a multiple of its own (member_spans, member_block_indexes)."""
         holder = remote.holders.get(src_rank)
-        plan = job.plan
+        bp, bd = job.plan.prefill.block_size, job.plan.decode.block_size
+        v2 = remote.push_members_v2
         return (
             self._group_reads > 1
             and remote.push_members
             and (holder is None or holder.sidecar_id == remote.sidecar_id)
-            and plan.prefill.block_size == plan.decode.block_size
-            and (job.start_token == 0 or remote.push_member_starts)
-            and job.start_token % plan.decode.block_size == 0
+            and (bp == bd or (v2 and bd % bp == 0))
+            and (job.start_token == 0 or v2)
+            and job.start_token % bd == 0
             and job.params.first_token == 0
             and job.num_tokens > job.start_token
         )
@@ -289,7 +293,7 @@ class StagedReader:
         heads = read_heads(job.plan, entry.rank, src_rank)
         group = len(reads) > 1
         halt: Halt = _Halts([r.job for r in reads]) if group else job
-        tokens = joined_tokens([r.job for r in reads], job.plan.decode.block_size) if group else job.tokens
+        tokens = joined_tokens([r.job for r in reads]) if group else job.tokens
         label = (
             f"{len(reads)} requests ({job.params.request_id!r}, ...)"
             if group

@@ -368,26 +368,26 @@ class StagedSource:
         its own would be; their blocks from each member's start concatenated as
         staged_protocol.member_spans lays them out, and the tokens that moves. One member refused
         refuses the Push, naming it (the reader then reads each request alone)."""
-        bs = plan.prefill.block_size
+        bp, bd = plan.prefill.block_size, plan.decode.block_size
         if len(req.members) > MAX_PUSH_MEMBERS:
             raise SidecarError(
                 Code.INVALID_ARGUMENT,
                 f"a Push of {len(req.members)} requests is more than {MAX_PUSH_MEMBERS}, the most one transfer carries",
             )
-        if req.start_token or bs != plan.decode.block_size:
+        if req.start_token or bd % bp:
             raise SidecarError(
                 Code.INVALID_ARGUMENT,
-                "a Push of several requests has start_token 0 (each member names its own start), between "
-                "engines of one block size",
+                "a Push of several requests has start_token 0 (each member names its own start), into "
+                f"reader blocks a multiple of the source's (here {bd} and {bp} tokens)",
             )
         items = []
         for i, m in enumerate(req.members):
             try:
-                if m.start_token % bs or m.start_token >= m.num_tokens:
+                if m.start_token % bd or m.start_token >= m.num_tokens:
                     raise SidecarError(
                         Code.INVALID_ARGUMENT,
                         f"start_token {m.start_token} is not a block boundary below num_tokens {m.num_tokens} "
-                        f"(blocks of {bs})",
+                        f"(reader blocks of {bd})",
                     )
                 if m.HasField("open"):
                     item = self._open_from_push(req, m.request_id, m.open, m.num_tokens, plan, peer, on_gpu)
@@ -402,9 +402,9 @@ class StagedSource:
             except SidecarError as e:
                 raise SidecarError(e.code, f"members[{i}]: {e.message}", e.metadata) from None
             items.append(item)
-        spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bs)
+        spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)
         block_ids: list[int] = []
         for m, item, (_, moved) in zip(req.members, items, spans, strict=True):
-            first = m.start_token // bs
-            block_ids += item.source_blocks[first : first + -(-moved // bs)]
+            own = item.source_blocks
+            block_ids += [own[i] for i in sp.member_block_indexes(len(own), m.start_token, moved, bp)]
         return block_ids, spans[-1][0] + spans[-1][1]
