@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,24 @@ def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     assert (a.stop(), b.stop()) == (0, 0)
 
 
+def _pull_all_exact(
+    decode: EngineProcess, b: SidecarProcess, pulls: list[dict[str, Any]]
+) -> tuple[float, float]:
+    """The pulls in one batch, each bit-exact on host rings with nothing else written; the staged
+    transfers the decode sidecar ran for them, and the reads those carried."""
+    before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
+    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    assert out["ok"] and out["untouched_outside"], out
+    for res in out["results"]:
+        assert res["verified"] and res["path"] == "host-ring", {
+            k: res[k] for k in ("bytes", "path", "errors")
+        }
+    return (
+        metric(b.metrics_port, f"{READS}_count") - before[0],
+        metric(b.metrics_port, f"{READS}_sum") - before[1],
+    )
+
+
 def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
@@ -64,15 +83,7 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
         pulls.append(
             {"params": params, "block_ids": [3 * i, 3 * i + 2 if i % 2 else 80 + i, 150 - i], "seed": 100 + i}
         )
-    before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
-    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
-    assert out["ok"] and out["untouched_outside"], out
-    for res in out["results"]:
-        assert res["verified"] and res["path"] == "host-ring", {
-            k: res[k] for k in ("bytes", "path", "errors")
-        }
-    transfers = metric(b.metrics_port, f"{READS}_count") - before[0]
-    reads = metric(b.metrics_port, f"{READS}_sum") - before[1]
+    transfers, reads = _pull_all_exact(decode, b, pulls)
     assert reads == n, (transfers, reads)
     # The batch's members reach the reader together: after the first two, they wait and group.
     assert transfers < n / 2, (transfers, reads)
@@ -107,15 +118,7 @@ def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
         dst = [(used + j) * 37 % spread for j in range(k)]
         used += k
         pulls.append({"params": params, "block_ids": dst, "seed": 400 + i, "start_token": start})
-    before = (metric(b.metrics_port, f"{READS}_count"), metric(b.metrics_port, f"{READS}_sum"))
-    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
-    assert out["ok"] and out["untouched_outside"], out
-    for res in out["results"]:
-        assert res["verified"] and res["path"] == "host-ring", {
-            k: res[k] for k in ("bytes", "path", "errors")
-        }
-    transfers = metric(b.metrics_port, f"{READS}_count") - before[0]
-    reads = metric(b.metrics_port, f"{READS}_sum") - before[1]
+    transfers, reads = _pull_all_exact(decode, b, pulls)
     assert reads == n and transfers < n / 2, (transfers, reads)
     assert consumed_events(prefill, n) == n
     no_transfer_in_flight(a, b)
