@@ -184,6 +184,26 @@ def joined_tokens(jobs: list[PullJob]) -> Tokens:
     return Tokens(np.concatenate(src), np.concatenate(dst), sum(moved for _, moved in spans), 0)
 
 
+def groupable(job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
+    """Whether a read may share a transfer with others: the source takes members, is the engine's one
+    sidecar (a member of a multi-node engine may be another version), the request is held from token 0
+    and the read moves at least a token from a block boundary. A source of the first version with
+    groups takes only reads from token 0 between equal block sizes; a v2 source also reads past a
+    prefix and into decode blocks a multiple of its own (member_spans, member_block_indexes)."""
+    holder = remote.holders.get(src_rank)
+    bp, bd = job.plan.prefill.block_size, job.plan.decode.block_size
+    v2 = remote.push_members_v2
+    return (
+        remote.push_members
+        and (holder is None or holder.sidecar_id == remote.sidecar_id)
+        and (bp == bd or (v2 and bd % bp == 0))
+        and (job.start_token == 0 or v2)
+        and job.start_token % bd == 0
+        and job.params.first_token == 0
+        and job.num_tokens > job.start_token
+    )
+
+
 class StagedReader:
     """The reads of pulls that run the staged protocol, into this sidecar's receive rings."""
 
@@ -223,33 +243,13 @@ class StagedReader:
         the params, and the source refuses before any WRITE if its record holds another token count.
         """
         one = _Read(job, entry, open_msg)
-        if not self._groupable(job, remote, src_rank):
+        if self._group_reads < 2 or not groupable(job, remote, src_rank):
             return self._transfer(remote, src_rank, [one])
         key = (remote.sidecar_id, remote.engine_id, src_rank, entry.key, job.plan.hash())
         outcome = self._groups.run(key, one, functools.partial(self._lead, remote, src_rank), job.remaining)
         if isinstance(outcome, _Alone):
             return self._transfer(remote, src_rank, [one])
         return outcome
-
-    def _groupable(self, job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
-        """Whether the read may share a transfer: the source takes members, is the engine's one sidecar
-        (a member of a multi-node engine may be another version), the request is held from token 0 and
-        the read moves at least a token from a block boundary. A source of the first version with groups
-        takes only reads from token 0 between equal block sizes; a v2 source also reads past a prefix
-        and into decode blocks a multiple of its own (member_spans, member_block_indexes)."""
-        holder = remote.holders.get(src_rank)
-        bp, bd = job.plan.prefill.block_size, job.plan.decode.block_size
-        v2 = remote.push_members_v2
-        return (
-            self._group_reads > 1
-            and remote.push_members
-            and (holder is None or holder.sidecar_id == remote.sidecar_id)
-            and (bp == bd or (v2 and bd % bp == 0))
-            and (job.start_token == 0 or v2)
-            and job.start_token % bd == 0
-            and job.params.first_token == 0
-            and job.num_tokens > job.start_token
-        )
 
     def _lead(
         self, remote: RemoteEngine, src_rank: int, reads: list[_Read]
