@@ -21,6 +21,8 @@ beside it: a load bench must show that it is not itself the bottleneck it measur
 
 --per-call K also runs this tree with each decode thread sending K pulls in one PullBatch call, the
 same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 are the batch calls'.
+--prefix-blocks K has the decode engine hold the first K blocks of each request already, as a prefix
+cache hit would, and pull only the rest (start_token); sizes and GB/s are then of what moved.
 
 With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ and client/, where there
 is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
@@ -199,6 +201,7 @@ class Row:
     paths: dict[str, int]
     errors: list[str]
     profiled: str = ""  # the profiler that ran on the sidecars: slower, not comparable with other rows
+    prefix: int = 0  # blocks of each pull the decode engine holds already (a prefix cache hit)
 
     @property
     def rate(self) -> float:
@@ -206,7 +209,8 @@ class Row:
 
     @property
     def gbps(self) -> float:
-        return self.pulls * self.blocks * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
+        moved = self.blocks - self.prefix
+        return self.pulls * moved * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
 
     def pct(self, q: float) -> float:
         xs = sorted(self.lat_s) or [0.0]
@@ -230,9 +234,11 @@ class Node:
         extra: list[str] | None = None,
         decode_blocks: int = 0,
         per_call: int = 1,
+        prefix: int = 0,
     ) -> None:
-        """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls)."""
-        self.tree, self.path, self.per_call = tree, path, per_call
+        """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls); prefix:
+        blocks of each pull the decode engine holds already, which it pulls past (start_token)."""
+        self.tree, self.path, self.per_call, self.prefix = tree, path, per_call, prefix
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
         decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
@@ -287,7 +293,7 @@ class Node:
         self.batches = 0
 
     def capacity(self, blocks: int) -> int:
-        return self.spec.num_blocks // blocks
+        return self.spec.num_blocks // (blocks - self.prefix)
 
     def run(
         self,
@@ -314,9 +320,15 @@ class Node:
                 timeout_s=600,
             )
             assert published["ok"], published
+            moved = blocks - self.prefix
             items.append(
                 [
-                    {"params": p, "block_ids": list(range(k * blocks, (k + 1) * blocks)), "seed": seed}
+                    {
+                        "params": p,
+                        "block_ids": list(range(k * moved, (k + 1) * moved)),
+                        "seed": seed,
+                        "start_token": self.prefix * self.spec.block_size,
+                    }
                     for k, (p, (_, seed)) in enumerate(zip(published["params"], sources, strict=True))
                 ]
             )
@@ -344,6 +356,7 @@ class Node:
                     "concurrency": max(1, concurrency // per_call),
                     **({"per_call": per_call} if per_call > 1 else {}),
                     "num_tokens": tokens,
+                    "start_token": self.prefix * self.spec.block_size,
                     "start_at": start_at,
                 }
             )
@@ -401,6 +414,7 @@ class Node:
             paths=paths,
             errors=errors[:10],
             profiled="py-spy" if profile is not None else self.profiler,
+            prefix=self.prefix,
         )
 
     def close(self) -> None:
@@ -442,8 +456,9 @@ def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subpro
 
 
 def size_label(row: Row) -> str:
-    size = row.blocks * row.block_bytes
-    return f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
+    size = (row.blocks - row.prefix) * row.block_bytes
+    label = f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
+    return f"{label} past a {row.prefix}-block prefix" if row.prefix else label
 
 
 def _sidecar_cpu(r: Row, name: str) -> str:
@@ -527,6 +542,13 @@ def main() -> int:
         "--pulls", type=int, default=0, help="pulls per pair and row (default: GPU 2048, host 300)"
     )
     ap.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=0,
+        help="blocks of each pull the decode engine holds already (a prefix cache hit): it pulls the rest, "
+        "from that token on (this tree only: older reference engines pull from token 0)",
+    )
+    ap.add_argument(
         "--decode-blocks",
         type=int,
         default=0,
@@ -583,6 +605,8 @@ def main() -> int:
     pair_counts = [int(c) for c in args.pairs.split(",") if c] if kind == "gpu" else [1]
     sizes = [int(b) for b in (args.blocks or ("1,32" if kind == "gpu" else "1")).split(",") if b]
     pulls = args.pulls or (2048 if kind == "gpu" else 300)
+    if args.prefix_blocks and (min(sizes) <= args.prefix_blocks or args.baseline or args.baseline_tree):
+        ap.error("--prefix-blocks needs pulls of more blocks (--blocks), and runs this tree's variants only")
     places: list[tuple[int, int]] | None = None
     if kind == "gpu":
         import torch
@@ -621,6 +645,7 @@ def main() -> int:
                 more,
                 args.decode_blocks,
                 per_call,
+                args.prefix_blocks,
             )
             for name, env, more, per_call in trees
         ]

@@ -296,11 +296,19 @@ class RefEngine:
                 if per_call == 1:
                     (i,) = take
                     results[i] = self.client.pull(
-                        params_from_json(items[i]["params"]), self.engine_id, items[i]["block_ids"]
+                        params_from_json(items[i]["params"]),
+                        self.engine_id,
+                        items[i]["block_ids"],
+                        start_token=items[i].get("start_token", 0),
                     )
                 else:
                     batch = [
-                        BatchPull(params_from_json(items[i]["params"]), items[i]["block_ids"]) for i in take
+                        BatchPull(
+                            params_from_json(items[i]["params"]),
+                            items[i]["block_ids"],
+                            start_token=items[i].get("start_token", 0),
+                        )
+                        for i in take
                     ]
                     for i, res in zip(take, self.client.pull_batch(self.engine_id, batch), strict=True):
                         results[i] = res
@@ -317,7 +325,7 @@ class RefEngine:
             w.join()
         wall = time.perf_counter() - t0
         t_end = time.time()
-        self._batch = (items, results, cmd["num_tokens"])
+        self._batch = (items, results, cmd["num_tokens"], cmd.get("start_token", 0))
         paths: dict[str, int] = {}
         for res in results:
             paths[res.path or "failed"] = paths.get(res.path or "failed", 0) + 1
@@ -335,7 +343,7 @@ class RefEngine:
         """Check every byte the last pull_batch's successful pulls wrote against their seeds. Pulls of
         one seed and whole blocks are checked together (their blocks in a row hold that seed's tokens
         over and over): a load bench's thousands of pulls then take seconds, not minutes."""
-        items, results, num_tokens = self._batch
+        items, results, num_tokens, start = self._batch
         errors: list[str] = []
         by_seed: dict[int, list[list[int]]] = {}
         for it, res in zip(items, results, strict=True):
@@ -344,11 +352,16 @@ class RefEngine:
         whole = num_tokens % self.spec.block_size == 0
         for seed, lists in by_seed.items():
             logical = logical_kv(self.spec, num_tokens, seed)
-            groups = [[b for ids in lists for b in ids]] if whole else lists
-            want = logical.repeat(1, 1, len(lists), 1, 1) if whole else logical
-            for r, cache in self.caches.items():
-                for ids in groups:
+            if whole:  # each pull's blocks hold tokens [start, num_tokens): in a row, those over and over
+                moved = logical[:, :, start:]
+                want = moved.repeat(1, 1, len(lists), 1, 1)
+                for r, cache in self.caches.items():
+                    ids = [b for block_ids in lists for b in block_ids]
                     errors += check_request(self.spec, r, cache.tensors, ids, want)[:3]
+                continue
+            for r, cache in self.caches.items():
+                for ids in lists:
+                    errors += check_request(self.spec, r, cache.tensors, ids, logical, start)[:3]
         return {"ok": not errors, "checked": sum(r.ok for r in results), "errors": errors[:20]}
 
     def count_events(self, cmd: dict[str, Any]) -> dict[str, Any]:
