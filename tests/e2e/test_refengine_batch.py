@@ -56,3 +56,31 @@ def test_the_check_catches_bytes_that_are_not_the_seeds(
     assert decode.send({"cmd": "pull_batch", "items": items, "concurrency": 2, "num_tokens": 16})["ok"]
     checked = decode.send({"cmd": "verify_batch"})
     assert not checked["ok"] and checked["checked"] == 2 and checked["errors"]
+
+
+def test_a_batch_past_a_prefix_is_checked_from_its_start(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """--prefix-blocks: requests of two blocks, the decode engine pulling only the second (start_token 16);
+    the check compares those tokens, and catches a pull that lands the wrong ones."""
+    prefill, decode = _setup(spawn, sidecar_pair)
+    for seed, ids in ((50, [0, 1]), (51, [2, 3])):  # two 32-token requests' KV, of two seeds
+        got = prefill.send(
+            {"cmd": "prefill", "block_ids": ids, "num_tokens": 32, "seed": seed, "publish": False}
+        )
+        assert got["ok"], got
+    got = prefill.send(
+        {"cmd": "publish_batch", "prefix": "pre-", "block_ids": [[0, 1], [2, 3]] * 2, "num_tokens": 32}
+    )
+    assert got["ok"], got
+    items = [
+        {"params": p, "block_ids": [20 + i], "seed": 50 + i % 2, "start_token": 16}
+        for i, p in enumerate(got["params"])
+    ]
+    right, swapped = items[:2], items[2:]
+    swapped[0]["seed"], swapped[1]["seed"] = 51, 50  # each names the other's tokens
+    for batch, ok in ((right, True), (swapped, False)):
+        cmd = {"cmd": "pull_batch", "items": batch, "concurrency": 2, "num_tokens": 32, "start_token": 16}
+        assert decode.send(cmd)["ok"]
+        checked = decode.send({"cmd": "verify_batch"})
+        assert checked["ok"] is ok and checked["checked"] == 2 and bool(checked["errors"]) is not ok, checked
