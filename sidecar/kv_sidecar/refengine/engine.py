@@ -21,12 +21,13 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "abort", "request_id": ..} -> {"ok": true, "found": ..}
   {"cmd": "publish_batch", "prefix": "b0-", "block_ids": [[..], ..], "num_tokens": N, "lease_ms": 0}
       -> {"ok": true, "params": [{...}, ..]}   (request prefix+i of block_ids[i], filled before)
-  {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S}, ..], "concurrency": C,
-   "num_tokens": N, "start_at": T, "per_call": K}
+  {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S, "start_token": 0}, ..],
+   "concurrency": C, "num_tokens": N, "start_token": 0, "start_at": T, "per_call": K}
       -> {"ok": .., "lat": [..], "wall_s": .., "t_end": .., "paths": {..}, "errors": [..]}
       (C threads pull the items in turn, each into blocks no other item shares; with start_at, a
       time.time() on this host, the pulls start then: several engines' batches start together; with
-      per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call)
+      per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call; an
+      item's start_token pulls past a prefix held, the batch's (the same for all) is what verify checks)
   {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..]}
       (every byte the last pull_batch's pulls wrote, against their seeds)
   {"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": N}
