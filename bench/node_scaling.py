@@ -30,8 +30,9 @@ interleaved, the order of the two trees alternating: only ratios measured side b
 --profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
 counts as busy); with --profile-gil only samples of the thread holding the GIL, which is where a
-sidecar bound by its one interpreter spends it (any Python version); --cpu-profile DIR shows CPU: this tree's sidecars run every thread under cProfile
-timed by the thread's own CPU clock (bench/cpu_sampler/, Python 3.11 only), over all their rows, into
+sidecar bound by its one interpreter spends it (any Python version). --cpu-profile DIR shows CPU:
+this tree's sidecars run every thread under cProfile timed by the thread's own CPU clock
+(bench/cpu_sampler/, Python 3.11 only), over all their rows, into
 DIR/<path>.<pid>.sidecar (with --per-call, the PullBatch tree's into DIR/<path>-batch.<pid>.sidecar);
 read one with `python -m pstats FILE` (sort tottime, stats 40). Those rows are marked and left out of
 ratios.
@@ -208,9 +209,13 @@ class Row:
         return self.pulls / self.wall_s if self.wall_s else 0.0
 
     @property
+    def moved(self) -> int:
+        """Blocks each pull moves: those past the prefix."""
+        return self.blocks - self.prefix
+
+    @property
     def gbps(self) -> float:
-        moved = self.blocks - self.prefix
-        return self.pulls * moved * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
+        return self.pulls * self.moved * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
 
     def pct(self, q: float) -> float:
         xs = sorted(self.lat_s) or [0.0]
@@ -307,6 +312,7 @@ class Node:
         self.batches += 1
         pulls = min(pulls, self.capacity(blocks))
         tokens = blocks * self.spec.block_size
+        moved, start = blocks - self.prefix, self.prefix * self.spec.block_size
         items: list[list[dict[str, Any]]] = []
         for i in range(pairs):
             sources = [self.sources[blocks][k % len(self.sources[blocks])] for k in range(pulls)]
@@ -320,14 +326,13 @@ class Node:
                 timeout_s=600,
             )
             assert published["ok"], published
-            moved = blocks - self.prefix
             items.append(
                 [
                     {
                         "params": p,
                         "block_ids": list(range(k * moved, (k + 1) * moved)),
                         "seed": seed,
-                        "start_token": self.prefix * self.spec.block_size,
+                        "start_token": start,
                     }
                     for k, (p, (_, seed)) in enumerate(zip(published["params"], sources, strict=True))
                 ]
@@ -356,7 +361,7 @@ class Node:
                     "concurrency": max(1, concurrency // per_call),
                     **({"per_call": per_call} if per_call > 1 else {}),
                     "num_tokens": tokens,
-                    "start_token": self.prefix * self.spec.block_size,
+                    "start_token": start,
                     "start_at": start_at,
                 }
             )
@@ -426,7 +431,6 @@ class Node:
 
 def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subprocess.Popen[bytes]]:
     """py-spy on each sidecar until SIGINT: raw collapsed stacks, one file per process."""
-
     out.mkdir(parents=True, exist_ok=True)
     spies = []
     for name, p in procs.items():
@@ -456,7 +460,7 @@ def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subpro
 
 
 def size_label(row: Row) -> str:
-    size = (row.blocks - row.prefix) * row.block_bytes
+    size = row.moved * row.block_bytes
     label = f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
     return f"{label} past a {row.prefix}-block prefix" if row.prefix else label
 

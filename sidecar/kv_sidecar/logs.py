@@ -41,8 +41,9 @@ class _UtcStamp:
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The record's structured fields (read only)."""
     fields = getattr(record, "fields", None)
-    return dict(fields) if isinstance(fields, dict) else {}
+    return fields if isinstance(fields, dict) else {}
 
 
 class JsonFormatter(logging.Formatter):
@@ -93,8 +94,8 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        fields = getattr(record, "fields", None)
-        if not fields or not isinstance(fields, dict):
+        fields = _fields(record)
+        if not fields:
             return line
         return line + " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
 

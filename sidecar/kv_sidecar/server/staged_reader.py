@@ -254,12 +254,10 @@ class StagedReader:
     def _lead(
         self, remote: RemoteEngine, src_rank: int, reads: list[_Read]
     ) -> list[int | _Alone | BaseException]:
-        """Run a group as one transfer; each read's share of the bytes, or, if it failed, what each does."""
+        """Run a group as one transfer; each read's share of the bytes, or, if it failed, what each does.
+        A read alone fails as itself: GroupCommit gives it what `_transfer` raises."""
         if len(reads) == 1:
-            try:
-                return [self._transfer(remote, src_rank, reads)]
-            except Exception as e:
-                return [e]
+            return [self._transfer(remote, src_rank, reads)]
         try:
             total = self._transfer(remote, src_rank, reads)
         except Exception as e:
