@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -35,7 +37,9 @@ SLEEPY_WHEN_QUIET = ["--nixl-quiet-poll-ms", "10000"]
 def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = together(lambda: SidecarProcess("prefill-node"), lambda: SidecarProcess("decode-node"))
     yield a, b
-    codes = a.stop(), b.stop()
+    with ThreadPoolExecutor(2) as pool:  # side by side, as Spawn.stop_all does
+        stopped = pool.submit(a.stop), pool.submit(b.stop)
+    codes = stopped[0].result(), stopped[1].result()
     # A sidecar that hung was asked for its threads' stacks before it was killed: show them.
     hung = "\n".join(line for sc in (a, b) if sc.hung_on_stop for line in [sc.name, *sc.stderr_lines(1500)])
     left = [p for sc in (a, b) for p in (sc.socket, sc.socket + LANE_SUFFIX) if os.path.exists(p)]
@@ -155,12 +159,16 @@ class Spawn:
         return [self(proc) for proc in together(*makers)]
 
     def stop_all(self) -> None:
-        # Engines first: each unregisters its ranks from its sidecar as it quits.
-        for proc in sorted(self.procs, key=lambda p: isinstance(p, SidecarProcess)):
-            if isinstance(proc, EngineProcess):
-                proc.stop()
-            else:
-                proc.stop(10)
+        # Engines first: each unregisters its ranks from its sidecar as it quits. Each kind side by side:
+        # a stop is mostly waiting (a sidecar's ~1 s of shutdown), and one after another they added up
+        # to minutes of the suite.
+        engines = [p for p in self.procs if isinstance(p, EngineProcess)]
+        sidecars = [p for p in self.procs if isinstance(p, SidecarProcess)]
+        for stops in ([p.stop for p in engines], [functools.partial(p.stop, 10) for p in sidecars]):
+            if stops:
+                with ThreadPoolExecutor(len(stops)) as pool:
+                    for done in [pool.submit(stop) for stop in stops]:
+                        done.result()
 
 
 @pytest.fixture

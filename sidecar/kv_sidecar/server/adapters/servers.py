@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -140,14 +141,21 @@ class Servers:
             hs.set(name, status)
 
     def stop(self, grace_s: float) -> None:
+        if self._http is not None:
+            # Its loop looks for a shutdown only every 0.5 s: it ends (and closes its port) on its own
+            # thread, while the rest stops and the process exits, instead of adding 0.5 s to each stop.
+            threading.Thread(target=_close_http, args=(self._http,), daemon=True).start()
         for hs in self._health:
             hs.enter_graceful_shutdown()
         if self.lane is not None:
             self.lane.stop()
         for ev in [srv.stop(grace_s) for srv in (self._engine, self._peer)]:
             ev.wait(grace_s + 1)
-        if self._http is not None:
-            self._http.shutdown()
         sock = self._settings.engine_socket
         if os.path.exists(sock):
             os.unlink(sock)
+
+
+def _close_http(httpd: Any) -> None:
+    httpd.shutdown()
+    httpd.server_close()
