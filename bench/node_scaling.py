@@ -59,6 +59,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.request import urlopen
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, together
@@ -203,6 +206,9 @@ class Row:
     errors: list[str]
     profiled: str = ""  # the profiler that ran on the sidecars: slower, not comparable with other rows
     prefix: int = 0  # blocks of each pull the decode engine holds already (a prefix cache hit)
+    # Staged transfers the decode sidecar received over the row and the reads they carried (groups:
+    # staged_group_reads); None where its tree has no such metric or the path is not staged.
+    transfers: tuple[int, int] | None = None
 
     @property
     def rate(self) -> float:
@@ -224,6 +230,29 @@ class Row:
     def cpu_of(self, prefix: str) -> float:
         """The busiest process whose name starts with prefix."""
         return max((v for k, v in self.cpu.items() if k.startswith(prefix)), default=0.0)
+
+
+# The decode sidecar's histogram of reads per staged transfer (its _count: transfers, _sum: reads).
+GROUP_METRIC = "kvsidecar_staged_transfer_reads"
+
+
+def staged_transfers(metrics_port: int) -> tuple[int, int] | None:
+    """(transfers, reads) a sidecar's staged receptions counted so far; None if it has no such metric."""
+    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == GROUP_METRIC:
+            values = {s.name: s.value for s in family.samples if not s.labels.get("le")}
+            return int(values[GROUP_METRIC + "_count"]), int(values[GROUP_METRIC + "_sum"])
+    return None
+
+
+def _transfers_between(
+    before: tuple[int, int] | None, after: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    if before is None or after is None:
+        return None
+    return after[0] - before[0], after[1] - before[1]
 
 
 class Node:
@@ -350,6 +379,8 @@ class Node:
         before_threads = {name: thread_ticks(pid) for name, pid in sidecars.items()}
         before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
         before_kids = {name: child_ticks(pid) for name, pid in sidecars.items()}
+        staged = self.path in ("gpu-staged", "host-ring")
+        transfers_before = staged_transfers(self.b.metrics_port) if staged else None
         start_at = time.time() + 0.2
         per_call = min(self.per_call, concurrency)  # 4 in flight with batches of 16: batches of 4
         for i in range(pairs):  # every pair's batch starts at start_at
@@ -383,6 +414,9 @@ class Node:
                 {"cmd": "count_events", "kind": "consumed", "expect": pulls, "timeout_s": 20}, timeout_s=60
             )["count"]
             for i in range(pairs)
+        )
+        transfers = _transfers_between(
+            transfers_before, staged_transfers(self.b.metrics_port) if staged else None
         )
         paths: dict[str, int] = {}
         for g in got:
@@ -420,6 +454,7 @@ class Node:
             errors=errors[:10],
             profiled="py-spy" if profile is not None else self.profiler,
             prefix=self.prefix,
+            transfers=transfers,
         )
 
     def close(self) -> None:
@@ -474,8 +509,9 @@ def _sidecar_cpu(r: Row, name: str) -> str:
 def table(rows: list[Row]) -> str:
     out = [
         "| path | pairs | in flight per pair | pull | sidecars | pulls | pulls/s | GB/s | p50 ms | p99 ms | "
-        "p99/p50 | CPU % sidecar A / B | CPU % busiest prefill / decode engine | bytes | consumed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "p99/p50 | CPU % sidecar A / B | CPU % busiest prefill / decode engine | reads per transfer | bytes | "
+        "consumed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = _sidecar_cpu(r, "sidecar B") if "sidecar B" in r.cpu else "-"
@@ -485,9 +521,17 @@ def table(rows: list[Row]) -> str:
             f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
             f"{_sidecar_cpu(r, 'sidecar A')} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
-            f"{'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
+            f"{_per_transfer(r)} | {'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
         )
     return "\n".join(out)
+
+
+def _per_transfer(r: Row) -> str:
+    """Reads per staged transfer over the row (and the transfers): how the reads that waited grouped."""
+    if r.transfers is None or not r.transfers[0]:
+        return "-"
+    n, reads = r.transfers
+    return f"{reads / n:.1f} ({n})"
 
 
 def ratios(rows: list[Row]) -> str:
@@ -692,7 +736,10 @@ def main() -> int:
         + "Each engine is its own process; each pair's decode engine pulls with its own threads, all pairs "
         "starting together. pulls/s and GB/s: all pairs' pulls over the wall time from the common start "
         "to the last pull's end; p50/p99: the engines' pull() calls. CPU: each process's user+system "
-        "time over the row (100 % = one core; for engines, the busiest). bytes: every byte of every pull "
+        "time over the row (100 % = one core; for engines, the busiest). reads per transfer: staged paths, "
+        "the reads each staged transfer the decode sidecar received carried on average over the row "
+        "(above 1: reads that waited went as one, staged_group_reads), with the transfers in brackets. "
+        "bytes: every byte of every pull "
         'checked against its seed after the row; consumed: the prefill engines\' "consumed" events.\n\n'
         + table(rows)
         + "\n"
