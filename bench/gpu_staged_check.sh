@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The staged GPU path (issue 11) on a machine with 2 GPUs, from the repository root; writes under $OUT.
 #
-#   bash bench/gpu_staged_check.sh tests       # every GPU test (tests/gpu: server, copy, IPC, interpreter) ~6 min;
+#   bash bench/gpu_staged_check.sh tests       # every GPU test (tests/gpu: server, copy, IPC, interpreter), four
+#                                              # at a time (GPU_XDIST; empty: one at a time) ~4 min on 2 GPUs;
 #                                              # GPU_TESTS picks others (a file), PYTEST_ARGS adds options (-k ...)
 #   bash bench/gpu_staged_check.sh cpu         # the CPU suite (tests/ less gpu/ and vllm/) on this machine;
 #                                              # PYTEST_ARGS="-n 24" (xdist, from scripts/gpu_wheels.sh) ~3.5 min
@@ -39,7 +40,7 @@ if [[ $part == tests || $part == all ]]; then
   say "GPU tests"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
   # shellcheck disable=SC2086
-  $PY -m pytest -q -rs -p no:cacheprovider ${GPU_TESTS:-tests/gpu} --junitxml "$OUT/gpu_tests.xml" \
+  $PY -m pytest -q -rs -p no:cacheprovider ${GPU_XDIST--n 4} ${GPU_TESTS:-tests/gpu} --junitxml "$OUT/gpu_tests.xml" \
     --durations=15 ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   tail -n 40 "$OUT/gpu_tests.log"
