@@ -32,8 +32,8 @@ class ShutdownSignals:
         if self.count > 1:
             self._on_again()
 
-    def wait(self, poll_s: float = 0.2) -> None:
-        """Until the first signal. A signal interrupts the sleep and its handler runs there, where the main
-        thread holds no lock; the count is read on waking."""
+    def wait(self, poll_s: float = 0.02) -> None:
+        """Until the first signal. Its handler runs in the sleep, where the main thread holds no lock;
+        the sleep then goes on to its end (PEP 475), so `poll_s` is how late a drain may start."""
         while not self.count:
             time.sleep(poll_s)
