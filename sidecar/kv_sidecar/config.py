@@ -36,6 +36,7 @@ class Settings:
     engine_workers: int = 256
     max_pull_batch: int = 256
     staged_group_reads: int = 64
+    staged_batch_reads: bool = False
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
@@ -95,6 +96,10 @@ class Settings:
         "staged_group_reads": "most reads of other requests between the same two ranks that one staged "
         "transfer carries (gpu-staged, host-ring): those that wait while two such transfers run go as one "
         "next, their tokens concatenated; 1: every read its own transfer",
+        "staged_batch_reads": "hold a PullBatch's staged reads (from other sidecars) until all of them reach "
+        "the reader, at most 50 ms, so that they go as one transfer per rank pair instead of the first two "
+        "alone (staged_group_reads). Off by default: on host rings on 2 cores it made one transfer of each "
+        "batch of 16 but no more pulls/s (docs/benchmarks.md); not yet measured on GPUs",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "

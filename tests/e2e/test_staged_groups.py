@@ -40,10 +40,11 @@ READS = "kvsidecar_staged_transfer_reads"
 @pytest.fixture(scope="module")
 def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     """Two sidecars on host rings, grouping reads as by default (staged_group_reads 64; with 1 each read is
-    its own transfer, as every other ring test runs it)."""
+    its own transfer, as every other ring test runs it), and a PullBatch's reads held to go together
+    (staged_batch_reads, off by default: test_pull_batch.py runs batches without it)."""
     a, b = together(
         lambda: SidecarProcess("groups-p", extra=RING, env=ENV),
-        lambda: SidecarProcess("groups-d", extra=RING, env=ENV),
+        lambda: SidecarProcess("groups-d", extra=[*RING, "--staged-batch-reads", "true"], env=ENV),
     )
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
@@ -88,6 +89,32 @@ def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     # The batch's members reach the reader together: after the first two, they wait and group.
     assert transfers < n / 2, (transfers, reads)
     assert consumed_events(prefill, n) == n
+    no_transfer_in_flight(a, b)
+
+
+def test_a_batch_of_reads_goes_as_one_transfer(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A PullBatch's members reach the staged reader one by one from the batch's pool; held until all
+    are there (server/batch_reads.py, staged_batch_reads), they go as one transfer, where without it the
+    first two of them go alone (three transfers for six reads at least)."""
+    a, b = ring_pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "sbt-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, "sbt-d", SPEC, env=ENV),
+    )
+    # One pull first: the handshake is made, so that the members below reach the reader together.
+    warm = prefilled(prefill, "bt-warm", [30, 31, 32], TOKENS, seed=499)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 499})["verified"]
+    n = 6
+    pulls = []
+    for i in range(n):
+        params = prefilled(prefill, f"bt{i}", [120 + 3 * i, 3 * i, 60 + i], TOKENS - i % 3, seed=500 + i)
+        pulls.append({"params": params, "block_ids": [3 * i, 100 + 2 * i, 101 + 2 * i], "seed": 500 + i})
+    transfers, reads = _pull_all_exact(decode, b, pulls)
+    # One transfer; two where a member was later than batch_reads.HOLD_S on a loaded machine.
+    assert reads == n and transfers <= 2, (transfers, reads)
+    assert consumed_events(prefill, n + 1) == n + 1
     no_transfer_in_flight(a, b)
 
 
@@ -169,7 +196,9 @@ def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
     """The source hangs (SIGSTOP). Two reads of it run first; four more come after them and, grouped,
     wait behind the two. Aborting the four ends them within the ~2.4 s an aborted pull takes to tell a
     hung source (its CloseRead times out), while the two before them still hang: each left the queue
-    rather than wait for them. Once the source runs again, the two arrive."""
+    rather than wait for them. Once the source runs again, the two arrive. The two are pulls of their
+    own, a transfer each: in one batch they would go as one transfer (server/batch_reads.py), and the
+    four would start the pair's second transfer instead of waiting."""
     a, b = ring_pair
     prefill, decode = spawn.together(
         lambda: EngineProcess(a.socket, "sa-p", SPEC, env=ENV),
@@ -189,7 +218,7 @@ def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
     ]
     aborted = [f"w{i}" for i in range(2, 6)]
     with frozen(a), SidecarClient(b.socket) as first, SidecarClient(b.socket) as later:
-        running = first.pull_batch_async(decode.engine_id, pulls[:2], timeout_s=60)
+        running = [first.pull_async(p.params, decode.engine_id, p.block_ids, timeout_s=60) for p in pulls[:2]]
         wait_for("two reads to run", lambda: all(pulls_in_flight(b.socket, f"w{i}") for i in range(2)), 10)
         time.sleep(0.3)  # they reach the staged reader, and their transfers start
         waiting = later.pull_batch_async(decode.engine_id, pulls[2:], timeout_s=60)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.server.after_answer import Later, run_later
+from kv_sidecar.server.batch_reads import BatchReads
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
@@ -57,10 +58,12 @@ class EngineCalls:
         max_pull_batch: int,
         batch_threads: int,
         observe_batch: Callable[[int], None] = lambda n: None,
+        batch_reads_together: bool = False,
     ) -> None:
         """on_published: a request was just published here (PushThreads.expect_read); refusals: where a
         refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and the
-        threads its members from other sidecars wait on; observe_batch: each batch's size (metrics)."""
+        threads its members from other sidecars wait on; observe_batch: each batch's size (metrics);
+        batch_reads_together: a batch's staged reads go together (staged_batch_reads)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -75,7 +78,7 @@ class EngineCalls:
         self._on_published = on_published
         self._refusals = refusals
         self._batches = PullBatches(
-            self.pull, max_pull_batch, identity.sidecar_id, batch_threads, observe_batch
+            self.pull, max_pull_batch, identity.sidecar_id, batch_threads, observe_batch, batch_reads_together
         )
 
     def close(self) -> None:
@@ -179,23 +182,36 @@ class EngineCalls:
         return engine_pb2.PublishResponse(params=params)
 
     def pull(
-        self, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None
+        self,
+        request: engine_pb2.PullRequest,
+        on_hangup: OnHangup,
+        later: Later | None = None,
+        batch_reads: BatchReads | None = None,
     ) -> engine_pb2.PullResponse:
         """`later`: where the pull leaves work for after its answer (the caller runs it once the answer is
-        out, then `run_later`); None: it runs before this returns."""
+        out, then `run_later`); None: it runs before this returns. `batch_reads`: a PullBatch member's,
+        its batch's staged reads, which go together."""
         check_id("engine_id", request.engine_id)
         check_id("params.request_id", request.params.request_id)
         check_id("params.engine_id", request.params.engine_id)
         # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
         # their own rank); no ranks means every rank registered now.
         ranks = list(request.ranks) or self._engines.ranks_of(request.engine_id)
-        ticket = self._pulls.begin(request.engine_id, request.params.request_id, ranks)
+        try:
+            ticket = self._pulls.begin(request.engine_id, request.params.request_id, ranks)
+        except BaseException:
+            if batch_reads is not None:
+                batch_reads.leave(None)
+            raise
+        ticket.batch_reads = batch_reads
         # The engine went away (or gave up the call): stop, and let the source free its blocks.
         on_hangup(lambda: ticket.stop("the engine's call ended", release_source=True))
         try:
             return self._run_pull(request, ticket, later)
         finally:
             self._pulls.end(ticket)
+            if batch_reads is not None:  # if it did not reach the staged reader (failed first), none waits
+                batch_reads.leave(ticket)
 
     def pull_batch(
         self,

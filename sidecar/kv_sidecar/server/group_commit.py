@@ -21,18 +21,20 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class _Waiter(Generic[T, R]):
+class Waiter(Generic[T, R]):
+    """One item in a key's queue, and what its thread waits for: the lead of a group, or its outcome."""
+
     def __init__(self, item: T) -> None:
         self.item = item
         self.done = threading.Event()
         self.outcome: R | BaseException | None = None
-        self.lead: list[_Waiter[T, R]] | None = None  # handed the lead of this group
+        self.lead: list[Waiter[T, R]] | None = None  # handed the lead of this group
 
 
 class _Key(Generic[T, R]):
     def __init__(self) -> None:
         self.running = 0
-        self.queue: deque[_Waiter[T, R]] = deque()
+        self.queue: deque[Waiter[T, R]] = deque()
 
 
 class GroupCommit(Generic[T, R]):
@@ -55,16 +57,32 @@ class GroupCommit(Generic[T, R]):
         item's outcome in order, a value or an exception (raised to that item's caller). `check()`,
         asked while the item waits in the queue, raises to give up waiting (the item was stopped): it
         then leaves the queue at once rather than when the runs before it end."""
-        me: _Waiter[T, R] = _Waiter(item)
+        me: Waiter[T, R] = Waiter(item)
+        self.enqueue(key, [me])
+        return self.finish(key, me, lead, check)
+
+    def enqueue(self, key: Hashable, waiters: list[Waiter[T, R]]) -> None:
+        """Queue `waiters` together on `key` (one thread for several items, which `finish` each on its
+        own thread): if fewer than `at_once` runs go, what is queued starts as one group at once."""
         with self._lock:
             state = self._keys.setdefault(key, _Key())
-            state.queue.append(me)
-            group = self._take(state) if state.running < self._at_once else None
-            if group is not None:
+            state.queue.extend(waiters)
+            if state.running < self._at_once:
+                group = self._take(state)
                 state.running += 1
-        if group is None:
-            self._wait(key, me, check)
-            group = me.lead
+                group[0].lead = group
+                group[0].done.set()
+
+    def finish(
+        self,
+        key: Hashable,
+        me: Waiter[T, R],
+        lead: Callable[[list[T]], list[R | BaseException]],
+        check: Callable[[], object] = lambda: None,
+    ) -> R:
+        """The outcome of `me`, queued by `enqueue`: as `run` (it leads, or waits for whoever does)."""
+        self._wait(key, me, check)
+        group = me.lead
         if group is not None:  # this thread runs the group: its own item is the first
             try:
                 outcomes = lead([w.item for w in group])
@@ -82,7 +100,7 @@ class GroupCommit(Generic[T, R]):
             raise me.outcome
         return me.outcome  # type: ignore[return-value]
 
-    def _wait(self, key: Hashable, me: _Waiter[T, R], check: Callable[[], object]) -> None:
+    def _wait(self, key: Hashable, me: Waiter[T, R], check: Callable[[], object]) -> None:
         """Until `me` leads a group or has its outcome; raises what `check` raises while `me` is queued."""
         while not me.done.wait(_CHECK_EVERY_S):
             try:
@@ -95,7 +113,7 @@ class GroupCommit(Generic[T, R]):
                         raise
                 # Already taken into a group, whose run sees the same stop: wait for its outcome.
 
-    def _take(self, state: _Key[T, R]) -> list[_Waiter[T, R]]:
+    def _take(self, state: _Key[T, R]) -> list[Waiter[T, R]]:
         return [state.queue.popleft() for _ in range(min(self._most, len(state.queue)))]
 
     def _next(self, key: Hashable) -> None:

@@ -276,6 +276,8 @@ class Puller:
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
             )
             pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
+            if pushed is None and cancel.batch_reads is not None:
+                cancel.batch_reads.leave(cancel)  # not with its batch's reads: those need not wait for it
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
                 route[0] = _ring_path(pushed)

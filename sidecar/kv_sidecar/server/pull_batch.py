@@ -20,14 +20,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.after_answer import Later, run_later
+from kv_sidecar.server.batch_reads import BatchReads
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
 # engine_calls' own alias (that module builds PullBatches, so this one cannot import it).
 OnHangup = Callable[[Callable[[], None]], None]
-# Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
-MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
+# Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`, and its
+# batch's staged reads (those from other sidecars go together: server/batch_reads.py).
+MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later, BatchReads | None], engine_pb2.PullResponse]
 # Told each member's outcome the moment it ends (from whichever thread ran it), its index set.
 OnOutcome = Callable[[engine_pb2.PullOutcome], None]
 
@@ -98,7 +100,11 @@ class PullBatches:
         local_sidecar_id: str,
         threads: int,
         observe_size: Callable[[int], None],
+        reads_together: bool = False,
     ) -> None:
+        """reads_together: members from other sidecars hold their staged reads for each other, so that
+        they go as one transfer per rank pair (server/batch_reads.py; staged_batch_reads)."""
+        self._reads_together = reads_together
         self._run_member = run_member
         self._observe_size = observe_size
         self._max = max_members
@@ -149,15 +155,19 @@ class PullBatches:
         # are CPU work: one after another here, while those wait.
         remote: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
         local: list[int] = []
-        for i, p in enumerate(pulls):
-            if outcomes[i] is not None:
-                continue
+        todo = [i for i, o in enumerate(outcomes) if o is None]
+        others = sum(1 for i in todo if pulls[i].params.sidecar_id != self._me)
+        reads = BatchReads(others) if self._reads_together and others > 1 else None
+        for i in todo:
+            p = pulls[i]
             if p.params.sidecar_id == self._me:
                 local.append(i)
             else:
-                remote.append((i, self._pool.submit(self._member, i, p, hangup, later, told, streamed)))
+                remote.append(
+                    (i, self._pool.submit(self._member, i, p, hangup, later, told, streamed, reads))
+                )
         for i in local:
-            outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed)
+            outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed, None)
         for i, fut in remote:
             outcomes[i] = fut.result()
         return engine_pb2.PullBatchResponse(
@@ -172,11 +182,12 @@ class PullBatches:
         later: Later,
         told: OnOutcome,
         streamed: bool,
+        reads: BatchReads | None,
     ) -> engine_pb2.PullOutcome:
         mine: Later = []
         try:
             outcome = engine_pb2.PullOutcome(
-                response=self._run_member(req, hangup.register, mine), index=index
+                response=self._run_member(req, hangup.register, mine, reads), index=index
             )
         except Exception as e:
             outcome = failed(e, index)

@@ -153,6 +153,7 @@ class Sidecar:
             s.max_pull_batch,
             s.engine_workers,
             self.metrics.pull_batch_pulls.observe,
+            s.staged_batch_reads,
         )
         self.peer_requests = PeerRequests(
             me,

@@ -24,7 +24,8 @@ from kv_sidecar.dataplane.plane import DataPlane, Reception
 from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
-from kv_sidecar.server.group_commit import GroupCommit
+from kv_sidecar.server.group_commit import GroupCommit, Waiter
+from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import require_gpu
@@ -243,10 +244,18 @@ class StagedReader:
         the params, and the source refuses before any WRITE if its record holds another token count.
         """
         one = _Read(job, entry, open_msg)
+        ticket = job.cancel
+        batch = ticket.batch_reads if isinstance(ticket, PullTicket) else None
         if self._group_reads < 2 or not groupable(job, remote, src_rank):
+            if batch is not None:
+                batch.leave(ticket)
             return self._transfer(remote, src_rank, [one])
         key = (remote.sidecar_id, remote.engine_id, src_rank, entry.key, job.plan.hash())
-        outcome = self._groups.run(key, one, functools.partial(self._lead, remote, src_rank), job.remaining)
+        me: Waiter[_Read, int | _Alone] = Waiter(one)
+        if batch is None or not batch.arrive(ticket, key, me, self._groups.enqueue):
+            self._groups.enqueue(key, [me])  # else queued with its batch's reads
+        lead = functools.partial(self._lead, remote, src_rank)
+        outcome = self._groups.finish(key, me, lead, job.remaining)
         if isinstance(outcome, _Alone):
             return self._transfer(remote, src_rank, [one])
         return outcome
