@@ -623,6 +623,12 @@ def main() -> int:
         help="also run this tree with each decode thread sending this many pulls in one PullBatch call "
         "(in flight per pair stays the same: fewer threads), side by side",
     )
+    ap.add_argument(
+        "--baseline-per-call",
+        action="store_true",
+        help="with --per-call and a baseline: the baseline's PullBatch rows too (a baseline from before "
+        "PullBatch, 2026-11-27, has none)",
+    )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
     ap.add_argument(
         "--profile-gil",
@@ -675,11 +681,16 @@ def main() -> int:
         trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call))
     for v in args.variant:  # the same code, other settings, in the same run
         trees.append((f"this tree, {v}", None, extra + v.split(), 1))
+    base: tuple[str, dict[str, str]] | None = None
     if args.baseline:
-        trees.append((baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)), [], 1))
+        base = (baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)))
     elif args.baseline_tree:
         tree = Path(args.baseline_tree)
-        trees.append((f"baseline ({tree.name})", baseline.env(str(tree.resolve())), [], 1))
+        base = (f"baseline ({tree.name})", baseline.env(str(tree.resolve())))
+    if base is not None:
+        trees.append((base[0], base[1], [], 1))
+        if args.baseline_per_call and args.per_call > 1:
+            trees.append((f"{base[0]}, PullBatch of {args.per_call}", base[1], [], args.per_call))
     rows: list[Row] = []
     turn = 0
     for path in paths:
