@@ -119,3 +119,14 @@ def test_a_batch_that_arrives_while_its_pair_is_busy_waits_as_one_group_behind_t
         assert first.result(10) == -1
         assert [f.result(10) for f in outs] == [0, 10, 20, 30]
     assert r.groups == [("k", [0, 1, 2, 3])]
+
+
+def test_members_refused_before_they_had_a_ticket_each_count() -> None:
+    r = _Reader()
+    batch, members = BatchReads(4, hold_s=10), _members(2)
+    t0 = time.monotonic()
+    batch.leave(None)
+    batch.leave(None)
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda i: r.read(batch, members[i], "k", i), range(2)))
+    assert time.monotonic() - t0 < 5 and outs == [0, 10] and r.groups == [("k", [0, 1])]

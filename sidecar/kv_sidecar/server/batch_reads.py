@@ -32,7 +32,10 @@ class BatchReads:
         self._members = members
         self._hold_s = hold_s
         self._lock = threading.Lock()
-        self._seen: set[int] = set()  # members (their PullTickets' ids) that arrived or left
+        # Members (their PullTickets) that arrived or left, kept by id and held, so that no id is reused
+        # while the batch lasts; and how many left without a ticket.
+        self._seen: dict[int, object] = {}
+        self._unnamed = 0
         self._arrived: list[tuple[Hashable, Waiter[Any, Any], Enqueue]] = []
         self._letting_go = False
         self._let_go = threading.Event()
@@ -44,9 +47,9 @@ class BatchReads:
         with self._lock:
             if self._letting_go or id(member) in self._seen:
                 return False
-            self._seen.add(id(member))
+            self._seen[id(member)] = member
             self._arrived.append((key, waiter, enqueue))
-            last = len(self._seen) >= self._members
+            last = self._gone() >= self._members
         if last or not self._let_go.wait(self._hold_s):
             self._go()
         self._let_go.wait()  # another thread is queueing them: until it has
@@ -58,10 +61,16 @@ class BatchReads:
         with self._lock:
             if self._letting_go or id(member) in self._seen:
                 return
-            self._seen.add(id(member if member is not None else object()))
-            last = len(self._seen) >= self._members
+            if member is None:
+                self._unnamed += 1
+            else:
+                self._seen[id(member)] = member
+            last = self._gone() >= self._members
         if last:
             self._go()
+
+    def _gone(self) -> int:
+        return len(self._seen) + self._unnamed
 
     def _go(self) -> None:
         with self._lock:
