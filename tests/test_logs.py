@@ -28,11 +28,21 @@ def _record(msg: str = "pull finished", created: float | None = None, **fields: 
 
 
 def test_text_fields_are_quoted_only_where_a_reader_would_misparse_them() -> None:
+    t = time.time()  # both records of one instant: two made a moment apart may be a millisecond apart
     line = TextFormatter().format(
-        _record(bytes=2097152, gbps=1.5, ok=True, path="gpu-staged", error='a "b"=c', empty="", peer=None)
+        _record(
+            created=t,
+            bytes=2097152,
+            gbps=1.5,
+            ok=True,
+            path="gpu-staged",
+            error='a "b"=c',
+            empty="",
+            peer=None,
+        )
     )
     head, fields = line.split(" msg=pull finished ")
-    assert head == STDLIB.format(_record()).split(" msg=")[0]
+    assert head == STDLIB.format(_record(created=t)).split(" msg=")[0]
     assert fields == 'bytes=2097152 gbps=1.5 ok=True path=gpu-staged error="a \\"b\\"=c" empty="" peer=None'
 
 
