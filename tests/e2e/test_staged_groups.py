@@ -68,6 +68,20 @@ def _pull_all_exact(
     )
 
 
+def _engines_after_one_pull(
+    a: SidecarProcess, b: SidecarProcess, spawn: Spawn, name: str
+) -> tuple[EngineProcess, EngineProcess]:
+    """A prefill engine on `a`, a decode engine on `b`, and one pull between them first: the handshake
+    is made, so that the reads a test starts next reach the staged reader together."""
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"{name}-p", SPEC, env=ENV),
+        lambda: EngineProcess(b.socket, f"{name}-d", SPEC, env=ENV),
+    )
+    warm = prefilled(prefill, f"{name}-warm", [30, 31, 32], TOKENS, seed=399)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 399})["verified"]
+    return prefill, decode
+
+
 def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
@@ -99,13 +113,7 @@ def test_a_batch_of_reads_goes_as_one_transfer(
     are there (server/batch_reads.py, staged_batch_reads), they go as one transfer, where without it the
     first two of them go alone (three transfers for six reads at least)."""
     a, b = ring_pair
-    prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "sbt-p", SPEC, env=ENV),
-        lambda: EngineProcess(b.socket, "sbt-d", SPEC, env=ENV),
-    )
-    # One pull first: the handshake is made, so that the members below reach the reader together.
-    warm = prefilled(prefill, "bt-warm", [30, 31, 32], TOKENS, seed=499)
-    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 499})["verified"]
+    prefill, decode = _engines_after_one_pull(a, b, spawn, "sbt")
     n = 6
     pulls = []
     for i in range(n):
@@ -200,13 +208,7 @@ def test_aborting_requests_that_wait_for_their_transfer_stops_them_at_once(
     own, a transfer each: in one batch they would go as one transfer (server/batch_reads.py), and the
     four would start the pair's second transfer instead of waiting."""
     a, b = ring_pair
-    prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "sa-p", SPEC, env=ENV),
-        lambda: EngineProcess(b.socket, "sa-d", SPEC, env=ENV),
-    )
-    # One pull first: the handshake is made, so that the reads below wait in the staged reader.
-    warm = prefilled(prefill, "warm", [30, 31, 32], TOKENS, seed=399)
-    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [90, 91, 92], "seed": 399})["verified"]
+    prefill, decode = _engines_after_one_pull(a, b, spawn, "sa")
     pulls = [
         BatchPull(
             params_from_json(
