@@ -266,7 +266,10 @@ def test_an_fp8_cpu_cache_is_probed_through_its_quantising_kernel(scale: float) 
     """An fp8 cache (uint8 in vLLM's views) holds quantised bytes, never the values written: the probe
     reads only which elements turn non-zero, so it still finds vllm_cpu, whatever the layer's scale."""
     views, info, _ = vllm_views("CPU_ATTN", KVCacheLayout.LBHNC, tp_size=1, block_size=32, dtype=torch.uint8)
-    impl, layer = cpu_attention(torch.bfloat16, 32, views[0].shape[1], kv_cache_dtype="fp8")
+    try:
+        impl, layer = cpu_attention(torch.bfloat16, 32, views[0].shape[1], kv_cache_dtype="fp8")
+    except NotImplementedError as e:  # vLLM's own refusal: an fp8 cache on CPU needs AVX-512 or AMX
+        pytest.skip(f"vLLM runs no fp8 KV cache on this CPU: {e}")
     layer._k_scale_float = layer._v_scale_float = scale
 
     def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
