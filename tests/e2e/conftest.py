@@ -10,7 +10,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -19,7 +18,7 @@ import pytest
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, side_by_side, together
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client import SidecarClient
@@ -37,9 +36,7 @@ SLEEPY_WHEN_QUIET = ["--nixl-quiet-poll-ms", "10000"]
 def sidecar_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     a, b = together(lambda: SidecarProcess("prefill-node"), lambda: SidecarProcess("decode-node"))
     yield a, b
-    with ThreadPoolExecutor(2) as pool:  # side by side, as Spawn.stop_all does
-        stopped = pool.submit(a.stop), pool.submit(b.stop)
-    codes = stopped[0].result(), stopped[1].result()
+    codes = tuple(side_by_side(a.stop, b.stop))
     # A sidecar that hung was asked for its threads' stacks before it was killed: show them.
     hung = "\n".join(line for sc in (a, b) if sc.hung_on_stop for line in [sc.name, *sc.stderr_lines(1500)])
     left = [p for sc in (a, b) for p in (sc.socket, sc.socket + LANE_SUFFIX) if os.path.exists(p)]
@@ -162,13 +159,8 @@ class Spawn:
         # Engines first: each unregisters its ranks from its sidecar as it quits. Each kind side by side:
         # a stop is mostly waiting (a sidecar's ~1 s of shutdown), and one after another they added up
         # to minutes of the suite.
-        engines = [p for p in self.procs if isinstance(p, EngineProcess)]
-        sidecars = [p for p in self.procs if isinstance(p, SidecarProcess)]
-        for stops in ([p.stop for p in engines], [functools.partial(p.stop, 10) for p in sidecars]):
-            if stops:
-                with ThreadPoolExecutor(len(stops)) as pool:
-                    for done in [pool.submit(stop) for stop in stops]:
-                        done.result()
+        side_by_side(*(p.stop for p in self.procs if isinstance(p, EngineProcess)))
+        side_by_side(*(functools.partial(p.stop, 10) for p in self.procs if isinstance(p, SidecarProcess)))
 
 
 @pytest.fixture

@@ -356,8 +356,8 @@ class RefEngine:
             if whole:  # each pull's blocks hold tokens [start, num_tokens): in a row, those over and over
                 moved = logical[:, :, start:]
                 want = moved.repeat(1, 1, len(lists), 1, 1)
+                ids = [b for block_ids in lists for b in block_ids]
                 for r, cache in self.caches.items():
-                    ids = [b for block_ids in lists for b in block_ids]
                     errors += check_request(self.spec, r, cache.tensors, ids, want)[:3]
                 continue
             for r, cache in self.caches.items():

@@ -64,6 +64,19 @@ def together(*makers: Callable[[], P]) -> list[P]:
     return [f.result() for f in futures]
 
 
+R = TypeVar("R")
+
+
+def side_by_side(*stops: Callable[[], R]) -> list[R]:
+    """Run each (a process's stop, mostly waiting for it to exit) at once; their results in order, or
+    the first error once all have ended."""
+    if not stops:
+        return []
+    with ThreadPoolExecutor(len(stops)) as pool:
+        futures = [pool.submit(stop) for stop in stops]
+    return [f.result() for f in futures]
+
+
 # Directories SidecarProcess made, with how many of them use each: a restarted sidecar reuses its
 # predecessor's, and the directory goes when the last of them is collected.
 _made_dirs: dict[str, int] = {}

@@ -68,10 +68,8 @@ class GroupCommit(Generic[T, R]):
             state = self._keys.setdefault(key, _Key())
             state.queue.extend(waiters)
             if state.running < self._at_once:
-                group = self._take(state)
                 state.running += 1
-                group[0].lead = group
-                group[0].done.set()
+                _hand_lead(self._take(state))
 
     def finish(
         self,
@@ -121,10 +119,14 @@ class GroupCommit(Generic[T, R]):
         with self._lock:
             state = self._keys[key]
             if state.queue:
-                group = self._take(state)
-                group[0].lead = group
-                group[0].done.set()
+                _hand_lead(self._take(state))
                 return
             state.running -= 1
             if not state.running:
                 del self._keys[key]
+
+
+def _hand_lead(group: list[Waiter[T, R]]) -> None:
+    """The group's first item's thread runs it for all (it wakes, or finds this when it waits)."""
+    group[0].lead = group
+    group[0].done.set()
