@@ -41,10 +41,10 @@ READS = "kvsidecar_staged_transfer_reads"
 def ring_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     """Two sidecars on host rings, grouping reads as by default (staged_group_reads 64; with 1 each read is
     its own transfer, as every other ring test runs it), and a PullBatch's reads held to go together
-    (staged_batch_reads, off by default: test_pull_batch.py runs batches without it)."""
+    (staged_batch_reads, on by default)."""
     a, b = together(
         lambda: SidecarProcess("groups-p", extra=RING, env=ENV),
-        lambda: SidecarProcess("groups-d", extra=[*RING, "--staged-batch-reads", "true"], env=ENV),
+        lambda: SidecarProcess("groups-d", extra=RING, env=ENV),
     )
     yield a, b
     assert (a.stop(), b.stop()) == (0, 0)
