@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -107,22 +108,147 @@ _TAIL_LINES = 200
 _TAIL_BYTES = 1 << 18
 
 
+class ForkedProcess:
+    """A process the fork server (refengine/forkserver.py) started: the part of `subprocess.Popen` that
+    `_Proc` and its users need (pid, stdin, stdout, poll, wait, send_signal, kill, returncode)."""
+
+    def __init__(self, server: str, module: str, args: list[str], env: dict[str, str], stderr: int) -> None:
+        self.args = [sys.executable, "-m", module, *args]
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(server)
+            request = {"module": module, "argv": args, "env": env, "cwd": os.getcwd()}
+            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [in_r, out_w, stderr])
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        self.stdin = open(in_w, "w", buffering=1)  # noqa: SIM115 (as Popen's: closed with the object)
+        self.stdout = open(out_r)  # noqa: SIM115
+        self._lock = threading.Lock()
+        self._buf = b""
+        self.returncode: int | None = None
+        self.pid = int(self._message(None)["pid"])
+
+    def _message(self, timeout_s: float | None) -> dict[str, int]:
+        """The server's next line; TimeoutError if none within `timeout_s` (None: wait for it)."""
+        while b"\n" not in self._buf:
+            self._conn.settimeout(timeout_s)
+            try:
+                more = self._conn.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                raise TimeoutError from None
+            if not more:
+                raise ProcessError(f"the fork server went away before {self.args[2]}'s exit was known")
+            self._buf += more
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def _collect(self, timeout_s: float | None) -> None:
+        """Take the exit message if it comes within `timeout_s`; the caller holds the lock."""
+        if self.returncode is None:
+            self.returncode = int(self._message(timeout_s)["exit"])
+            self._conn.close()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        try:
+            self._collect(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+        finally:
+            self._lock.release()
+        assert self.returncode is not None
+        return self.returncode
+
+    def poll(self) -> int | None:
+        """The exit code if known; None while it runs, or while another thread waits for it (as Popen)."""
+        if not self._lock.acquire(blocking=False):
+            return self.returncode
+        try:
+            self._collect(0)
+        except TimeoutError:
+            pass
+        finally:
+            self._lock.release()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not to a pid that may be someone else's by now
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class _ForkServer:
+    """This process's fork server, started on first use and gone when this process is (its stdin)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._path = ""
+
+    def path(self) -> str:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                workdir = tempfile.mkdtemp(prefix="kvsidecar-forks-")
+                self._path = os.path.join(workdir, "forkserver.sock")
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "kv_sidecar.refengine.forkserver", "--socket", self._path],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    proc.kill()
+                    raise ProcessError(f"the fork server did not start (exit code {proc.wait()})")
+                self._proc = proc
+                weakref.finalize(self, shutil.rmtree, workdir, True)
+            return self._path
+
+
+_fork_server: _ForkServer | None = None
+# What the fork server starts: the modules whose imports it holds (forkserver.PRELOAD).
+FORKED_MODULES = frozenset({"kv_sidecar", "kv_sidecar.refengine"})
+
+
+def use_fork_server(on: bool = True) -> None:
+    """Start this process's sidecars and reference engines (those of this interpreter) from a fork
+    server that has imported their modules once (refengine/forkserver.py): ~2 s of CPU less a process.
+    The test suite turns it on; benchmarks and the demo start every process from scratch."""
+    global _fork_server
+    _fork_server = _ForkServer() if on else None
+
+
 class _Proc:
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         # stderr goes to a file, not a pipe: no thread of ours wakes for every log line (in a
         # benchmark it would take the engine's GIL in the middle of the calls it times).
         fd, self.log_path = tempfile.mkstemp(prefix="kvsidecar-", suffix=".log")
+        full_env = {**os.environ, **(env or {})}
         with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                bufsize=1,
-                env={**os.environ, **(env or {})},
-            )
+            self.proc: subprocess.Popen[str] | ForkedProcess
+            server = _fork_server
+            if server is not None and argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED_MODULES:
+                self.proc = ForkedProcess(server.path(), argv[2], argv[3:], full_env, log.fileno())
+            else:
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    bufsize=1,
+                    env=full_env,
+                )
         weakref.finalize(self, _remove, self.log_path)
 
     @property
