@@ -64,7 +64,7 @@ from urllib.request import urlopen
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, together
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, side_by_side, together
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
@@ -458,10 +458,9 @@ class Node:
         )
 
     def close(self) -> None:
-        for e in (*self.prefill, *self.decode):
-            e.stop()
-        for s in {id(self.a): self.a, id(self.b): self.b}.values():
-            s.stop()
+        """The engines, then the sidecars (one, for same-sidecar paths), each group side by side."""
+        side_by_side(*(e.stop for e in (*self.prefill, *self.decode)))
+        side_by_side(*(s.stop for s in {id(self.a): self.a, id(self.b): self.b}.values()))
 
 
 def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subprocess.Popen[bytes]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar_client.shm import SHM_DIR
 
 
 class ProcessError(RuntimeError):
@@ -401,6 +403,13 @@ class EngineProcess(_Proc):
         if not ready.get("ok"):
             self.kill()
             raise ProcessError(f"engine {engine_id} failed to start: {ready}")
+
+    def kill(self) -> None:
+        """SIGKILL, and the shared memory the engine can no longer remove: its caches, named by its pid
+        (kv_sidecar_client/shm.py). A sidecar that mapped them keeps its mapping."""
+        super().kill()
+        for path in glob.glob(os.path.join(SHM_DIR, f"kvsidecar-{self.proc.pid}-*")):
+            _remove(path)
 
     def send(self, cmd: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
         self.post(cmd)
