@@ -247,6 +247,14 @@ def staged_transfers(metrics_port: int) -> tuple[int, int] | None:
     return None
 
 
+def _all_transfers(sidecars: list[SidecarProcess]) -> tuple[int, int] | None:
+    """staged_transfers summed over the decode sidecars (several where each pair has its own)."""
+    counts = [staged_transfers(s.metrics_port) for s in sidecars]
+    if any(c is None for c in counts):
+        return None
+    return sum(c[0] for c in counts if c), sum(c[1] for c in counts if c)
+
+
 def _transfers_between(
     before: tuple[int, int] | None, after: tuple[int, int] | None
 ) -> tuple[int, int] | None:
@@ -269,9 +277,11 @@ class Node:
         decode_blocks: int = 0,
         per_call: int = 1,
         prefix: int = 0,
+        split: bool = False,
     ) -> None:
         """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls); prefix:
-        blocks of each pull the decode engine holds already, which it pulls past (start_token)."""
+        blocks of each pull the decode engine holds already, which it pulls past (start_token); split:
+        each GPU pair its own sidecars (what a process per GPU could reach at most), not the node's."""
         self.tree, self.path, self.per_call, self.prefix = tree, path, per_call, prefix
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
@@ -292,12 +302,25 @@ class Node:
         tag = f"{'this' if tree.startswith('this tree') else 'base'}-{path}"
         two = path in ("gpu-staged", "host-nixl", "host-ring")
         b_extra = (RING if path == "host-ring" else []) + (extra or [])
-        sidecars = together(
-            lambda: SidecarProcess(f"a-{tag}", extra=extra, env=env),
-            *([lambda: SidecarProcess(f"b-{tag}", extra=b_extra, env=env)] if two else []),
-        )
-        self.a, self.b = sidecars[0], sidecars[-1]
         places = pairs if self.on_gpu and pairs else [(-1, -1)]
+        sets = len(places) if split else 1
+        sidecars = together(
+            *[
+                m
+                for k in range(sets)
+                for m in (
+                    lambda k=k: SidecarProcess(f"a{k}-{tag}", extra=extra, env=env),
+                    *([lambda k=k: SidecarProcess(f"b{k}-{tag}", extra=b_extra, env=env)] if two else []),
+                )
+            ]
+        )
+        per_set = 2 if two else 1
+        # Pair i's sidecars: A (its prefill engine's) and B (its decode engine's; A on same-sidecar paths).
+        self.pair_sidecars = [
+            (sidecars[per_set * (i % sets)], sidecars[per_set * (i % sets) + per_set - 1])
+            for i in range(len(places))
+        ]
+        self.a, self.b = self.pair_sidecars[0]
 
         def engine(sock: str, name: str, spec: EngineSpec, gpu: int) -> EngineProcess:
             return EngineProcess(
@@ -306,8 +329,9 @@ class Node:
 
         makers = []
         for i, (p, d) in enumerate(places):
-            makers.append(lambda i=i, p=p: engine(self.a.socket, f"p{i}-{tag}", prefill_spec, p))
-            makers.append(lambda i=i, d=d: engine(self.b.socket, f"d{i}-{tag}", decode_spec, d))
+            a, b = self.pair_sidecars[i]
+            makers.append(lambda i=i, p=p, a=a: engine(a.socket, f"p{i}-{tag}", prefill_spec, p))
+            makers.append(lambda i=i, d=d, b=b: engine(b.socket, f"d{i}-{tag}", decode_spec, d))
         engines = together(*makers)
         self.prefill, self.decode = engines[0::2], engines[1::2]
         for pe in self.prefill:
@@ -366,9 +390,15 @@ class Node:
                     for k, (p, (_, seed)) in enumerate(zip(published["params"], sources, strict=True))
                 ]
             )
-        procs: dict[str, Any] = {"sidecar A": self.a}
-        if self.b is not self.a:
-            procs["sidecar B"] = self.b
+        procs: dict[str, Any] = {}
+        for i, (a, b) in enumerate(self.pair_sidecars[:pairs]):
+            if a is self.a and i:
+                break  # one set of sidecars for every pair (not split)
+            # Split: pair i's as "sidecar A i", its CPU in the table the busiest A's (and B's).
+            procs[f"sidecar A{f' {i}' if i else ''}"] = a
+            if b is not a:
+                procs[f"sidecar B{f' {i}' if i else ''}"] = b
+        decoders = list(dict.fromkeys(b for _, b in self.pair_sidecars[:pairs]))
         for i in range(pairs):
             procs[f"prefill {i}"] = self.prefill[i]
             procs[f"decode {i}"] = self.decode[i]
@@ -380,7 +410,7 @@ class Node:
         before = {name: cpu_ticks(p.proc.pid) for name, p in procs.items()}
         before_kids = {name: child_ticks(pid) for name, pid in sidecars.items()}
         staged = self.path in ("gpu-staged", "host-ring")
-        transfers_before = staged_transfers(self.b.metrics_port) if staged else None
+        transfers_before = _all_transfers(decoders) if staged else None
         start_at = time.time() + 0.2
         per_call = min(self.per_call, concurrency)  # 4 in flight with batches of 16: batches of 4
         for i in range(pairs):  # every pair's batch starts at start_at
@@ -415,9 +445,7 @@ class Node:
             )["count"]
             for i in range(pairs)
         )
-        transfers = _transfers_between(
-            transfers_before, staged_transfers(self.b.metrics_port) if staged else None
-        )
+        transfers = _transfers_between(transfers_before, _all_transfers(decoders) if staged else None)
         paths: dict[str, int] = {}
         for g in got:
             for k, v in g.get("paths", {}).items():
@@ -458,9 +486,10 @@ class Node:
         )
 
     def close(self) -> None:
-        """The engines, then the sidecars (one, for same-sidecar paths), each group side by side."""
+        """The engines, then the sidecars, each group side by side."""
         side_by_side(*(e.stop for e in (*self.prefill, *self.decode)))
-        side_by_side(*(s.stop for s in {id(self.a): self.a, id(self.b): self.b}.values()))
+        sidecars = {id(s): s for pair in self.pair_sidecars for s in pair}
+        side_by_side(*(s.stop for s in sidecars.values()))
 
 
 def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subprocess.Popen[bytes]]:
@@ -500,9 +529,11 @@ def size_label(row: Row) -> str:
 
 
 def _sidecar_cpu(r: Row, name: str) -> str:
-    """A sidecar's CPU %, and its child processes' (device_workers) where it has any."""
+    """A sidecar's CPU % (the busiest of that role where each pair has its own), and its child
+    processes' (device_workers) where it has any."""
     kids = r.cpu.get(f"{name} children")
-    return f"{r.cpu[name]:.0f}" + (f" (+{kids:.0f} in child processes)" if kids is not None else "")
+    cpu = max(v for k, v in r.cpu.items() if k == name or (k.startswith(f"{name} ") and "children" not in k))
+    return f"{cpu:.0f}" + (f" (+{kids:.0f} in child processes)" if kids is not None else "")
 
 
 def table(rows: list[Row]) -> str:
@@ -623,6 +654,12 @@ def main() -> int:
         "(in flight per pair stays the same: fewer threads), side by side",
     )
     ap.add_argument(
+        "--split-sidecars",
+        action="store_true",
+        help="also run this tree with each GPU pair on sidecars of its own, side by side: what one process "
+        "per GPU could reach at most, against one sidecar for the node",
+    )
+    ap.add_argument(
         "--baseline-per-call",
         action="store_true",
         help="with --per-call and a baseline: the baseline's PullBatch rows too (a baseline from before "
@@ -674,12 +711,16 @@ def main() -> int:
             "PYTHONPATH": os.pathsep.join(p for p in (sampler, os.environ.get("PYTHONPATH", "")) if p),
             "KVS_CPU_PROFILE": str(args.cpu_profile.resolve() / "{path}"),
         }
-    trees: list[tuple[str, dict[str, str] | None, list[str], int]] = [("this tree", mine, extra, 1)]
+    trees: list[tuple[str, dict[str, str] | None, list[str], int, bool]] = [
+        ("this tree", mine, extra, 1, False)
+    ]
     if args.per_call > 1:
         batch_env = mine and {k: v.replace("{path}", "{path}-batch") for k, v in mine.items()}
-        trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call))
+        trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call, False))
     for v in args.variant:  # the same code, other settings, in the same run
-        trees.append((f"this tree, {v}", None, extra + v.split(), 1))
+        trees.append((f"this tree, {v}", None, extra + v.split(), 1, False))
+    if args.split_sidecars:
+        trees.append(("this tree, sidecars per GPU pair", None, extra, 1, True))
     base: tuple[str, dict[str, str]] | None = None
     if args.baseline:
         base = (baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)))
@@ -687,9 +728,9 @@ def main() -> int:
         tree = Path(args.baseline_tree)
         base = (f"baseline ({tree.name})", baseline.env(str(tree.resolve())))
     if base is not None:
-        trees.append((base[0], base[1], [], 1))
+        trees.append((base[0], base[1], [], 1, False))
         if args.baseline_per_call and args.per_call > 1:
-            trees.append((f"{base[0]}, PullBatch of {args.per_call}", base[1], [], args.per_call))
+            trees.append((f"{base[0]}, PullBatch of {args.per_call}", base[1], [], args.per_call, False))
     rows: list[Row] = []
     turn = 0
     for path in paths:
@@ -704,8 +745,9 @@ def main() -> int:
                 args.decode_blocks,
                 per_call,
                 args.prefix_blocks,
+                split,
             )
-            for name, env, more, per_call in trees
+            for name, env, more, per_call, split in trees
         ]
         try:
             for node in nodes:  # warm-up: handshakes, first touch of the caches and rings
