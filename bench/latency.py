@@ -23,11 +23,9 @@ import datetime
 import itertools
 import os
 import platform
-import re
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
+from kv_sidecar.refengine import scrape
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
@@ -121,10 +120,9 @@ def pull_blocks(
 
 
 def handshake_seconds(metrics_port: int) -> tuple[float, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    total = float(re.search(r"^kvsidecar_handshake_duration_seconds_sum (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-    count = float(re.search(r"^kvsidecar_handshake_duration_seconds_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-    return total, count
+    """The sidecar's handshake time so far, and how many handshakes."""
+    name = "kvsidecar_handshake_duration_seconds"
+    return scrape.value(metrics_port, f"{name}_sum"), scrape.value(metrics_port, f"{name}_count")
 
 
 class Pair:

@@ -59,11 +59,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
+from kv_sidecar.refengine import scrape
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, side_by_side, together
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -238,13 +236,10 @@ GROUP_METRIC = "kvsidecar_staged_transfer_reads"
 
 def staged_transfers(metrics_port: int) -> tuple[int, int] | None:
     """(transfers, reads) a sidecar's staged receptions counted so far; None if it has no such metric."""
-    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        if family.name == GROUP_METRIC:
-            values = {s.name: s.value for s in family.samples if not s.labels.get("le")}
-            return int(values[GROUP_METRIC + "_count"]), int(values[GROUP_METRIC + "_sum"])
-    return None
+    values = {s.name: s.value for s in scrape.samples(metrics_port) if s.name.startswith(GROUP_METRIC)}
+    if GROUP_METRIC + "_count" not in values:
+        return None
+    return int(values[GROUP_METRIC + "_count"]), int(values[GROUP_METRIC + "_sum"])
 
 
 def _all_transfers(sidecars: list[SidecarProcess]) -> tuple[int, int] | None:

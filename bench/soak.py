@@ -40,7 +40,6 @@ import re
 import sys
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine import scrape
 from kv_sidecar.refengine.layout_io import gather_blocks
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import KVSidecarError, SidecarClient
@@ -164,20 +164,13 @@ def proc_figures(pid: int) -> dict[str, float]:
 
 
 def metric_figures(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out: dict[str, float] = defaultdict(float)
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = re.match(r"^(kvsidecar_\w+?)(?:\{([^}]*)\})? (\S+)$", line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+    for s in scrape.samples(port):
+        name, value = s.name, s.value
         if name == "kvsidecar_nixl_held":
-            out["nixl_" + re.search(r'kind="(\w+)"', labels).group(1)] = value  # type: ignore[union-attr]
+            out["nixl_" + s.labels["kind"]] = value
         elif name == "kvsidecar_pulls_total":
-            outcome = re.search(r'outcome="(\w+)"', labels).group(1)  # type: ignore[union-attr]
-            out[f"pulls_{outcome}"] += value
+            out[f"pulls_{s.labels['outcome']}"] += value
         elif name in (
             "kvsidecar_published_requests",
             "kvsidecar_inflight_transfers",

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -18,6 +16,7 @@ import pytest
 
 from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine import scrape
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, side_by_side, together
 from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -221,10 +220,8 @@ def no_transfer_in_flight(*sidecars: SidecarProcess, within_s: float = 5.0) -> N
 
 
 def metric(port: int, name: str, labels: str = "") -> float:
-    """One sample of a sidecar's /metrics (0 when absent)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    """A sample of a sidecar's /metrics, its labels as exposed (`{reason="x"}`): 0 when absent."""
+    return scrape.value(port, name, **scrape.labels(labels))
 
 
 def logged(proc: SidecarProcess, fragment: str, within_s: float = 5.0) -> bool:

@@ -18,7 +18,6 @@ import re
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +39,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
 from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, pulls_after_quiet_spells, spec_dict
+from .conftest import metric as conftest_metric
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
@@ -50,9 +50,7 @@ TOKENS = 75  # 5 blocks of 16: 3 chunks of at most 2 blocks; the last block is p
 
 
 def metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    return conftest_metric(sc.metrics_port, name, labels)
 
 
 def rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:

@@ -15,10 +15,8 @@ seeded reference and that no byte outside the requested blocks changed.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +26,7 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
+from kv_sidecar.refengine import scrape  # noqa: E402
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -200,9 +199,8 @@ def test_the_sidecar_counts_its_kernel_launches(node: SidecarProcess) -> None:
 
 
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    """A sample of the sidecar's /metrics, its labels as exposed (`{kind="x"}`): 0 when absent."""
+    return scrape.value(sc.metrics_port, name, **scrape.labels(labels))
 
 
 def _rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kv_sidecar.refengine import scrape
 from kv_sidecar.refengine.procs import ProcessError, SidecarProcess, _Proc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,13 +196,8 @@ def pulls_of(engine: VllmEngine, request_ids: list[str]) -> dict[str, list[dict[
 
 def metric(port: int, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric over its label sets (those with these label values), read from a
-    sidecar's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE):
-        if all(f'{k}="{v}"' in found.split(",") for k, v in labels.items()):
-            total += float(value)
-    return total
+    sidecar's (or a vLLM server's) /metrics."""
+    return scrape.value(port, name, **labels)
 
 
 def wait_until(pred: Any, timeout_s: float, what: str) -> None:
