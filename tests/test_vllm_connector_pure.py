@@ -55,11 +55,24 @@ def test_config_defaults_and_int_for_float() -> None:
             r"keepalive_interval_s \(3.0\) must be shorter than lease_ms",
         ),
         ({"leader_address": "nohost"}, r"leader_address must be host:port"),
+        (
+            {"sidecar_socket": "/run/kv-sidecar/gpu{rank}.sock"},
+            r"needs kv_connector_extra_config.leader_address",
+        ),
     ],
 )
 def test_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConnectorConfigError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_a_socket_per_rank_fills_in_the_rank_and_the_scheduler_takes_rank_0s() -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {"sidecar_socket": "/run/kv-sidecar/gpu{rank}.sock", "leader_address": "127.0.0.1:50061"}
+    )
+    assert [cfg.socket_for(r) for r in (0, 3)] == ["/run/kv-sidecar/gpu0.sock", "/run/kv-sidecar/gpu3.sock"]
+    one = ConnectorConfig.from_extra_config({"sidecar_socket": "/run/kv-sidecar/engine.sock"})
+    assert one.socket_for(5) == "/run/kv-sidecar/engine.sock"  # one sidecar for every rank
 
 
 # -- vLLM version gate -----------------------------------------------------------------------

@@ -63,6 +63,7 @@ class _Rank:
     rank: int
     spec: EngineSpec
     tensors: list[TensorHandle]
+    leader_address: str = ""  # the engine's leader sidecar, where its ranks span several sidecars
     live: threading.Event = field(default_factory=threading.Event)
     stopped: threading.Event = field(default_factory=threading.Event)
     stream: EventStream | None = None
@@ -105,10 +106,13 @@ class EngineSession:
         spec: Mapping[str, Any] | EngineSpec,
         tensors: Sequence[TensorHandle],
         ready_timeout_s: float = 30.0,
+        leader_address: str = "",
     ) -> None:
-        """Register (errors raise here, nothing is retried) and start following the rank's events."""
-        r = _Rank(engine_id, rank, spec_message(spec), list(tensors))
-        self.client.register_rank(engine_id, rank, r.spec, r.tensors)
+        """Register (errors raise here, nothing is retried) and start following the rank's events.
+        `leader_address`: peer address of the engine's leader sidecar where its ranks span several
+        sidecars (docs/multinode.md); a registration again after a restart names it too."""
+        r = _Rank(engine_id, rank, spec_message(spec), list(tensors), leader_address)
+        self.client.register_rank(engine_id, rank, r.spec, r.tensors, leader_address)
         with self._lock:
             self._ranks[(engine_id, rank)] = r
         threading.Thread(target=self._follow, args=(r, False), name=f"kvs-events-{rank}", daemon=True).start()
@@ -186,7 +190,7 @@ class EngineSession:
 
     def _register_again(self, r: _Rank) -> None:
         try:
-            self.client.register_rank(r.engine_id, r.rank, r.spec, r.tensors)
+            self.client.register_rank(r.engine_id, r.rank, r.spec, r.tensors, r.leader_address)
         except KVSidecarError as e:
             if e.code != "ALREADY_EXISTS":  # the same sidecar, still holding it
                 raise

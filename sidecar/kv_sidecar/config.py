@@ -31,6 +31,7 @@ class Settings:
     push_notifications: bool = True
     open_answer_wait_us: int = 2000
     lease_ms: int = 30_000
+    leader_wait_ms: int = 10_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
     engine_workers: int = 256
@@ -86,6 +87,8 @@ class Settings:
         "before it makes the call too and takes whichever answer comes first: longer spares the source "
         "duplicate opens where notifications are slow (a loaded host), shorter bounds what a lost one costs",
         "lease_ms": "default lease of published blocks, in milliseconds",
+        "leader_wait_ms": "how long a rank registering here under another sidecar's lead waits for that leader "
+        "to hold a rank of the engine (an engine's ranks start together; the leader's may register second)",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
         "engine_workers": "threads serving the engine API (started on demand). Each open event stream (one "
@@ -124,6 +127,7 @@ class Settings:
         "staged_group_reads": 1,
         "nixl_quiet_poll_ms": 1,
         "open_answer_wait_us": 0,
+        "leader_wait_ms": 0,
     }
 
     CHOICES = {

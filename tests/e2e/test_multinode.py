@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -32,11 +33,21 @@ _ids = itertools.count()
 TOKENS = 75  # not a multiple of the block size: the last block is partial
 
 
+LEADER_WAIT_MS = 1500
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
     names = ("a", "b", "c", "d")
-    # NIXL start-up dominates; overlap it
-    procs = dict(zip(names, together(*(lambda n=n: SidecarProcess(f"node-{n}") for n in names)), strict=True))
+    # NIXL start-up dominates; overlap it. A member waits LEADER_WAIT_MS for its leader's ranks.
+    wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
+    procs = dict(
+        zip(
+            names,
+            together(*(lambda n=n: SidecarProcess(f"node-{n}", extra=wait) for n in names)),
+            strict=True,
+        )
+    )
     yield procs
     codes = {n: p.stop() for n, p in procs.items()}
     assert all(c == 0 for c in codes.values()), f"sidecars exited with {codes}:\n" + "\n".join(
@@ -207,12 +218,15 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
             ("127.0.0.1:1", "not reachable", repr(eid)),
             lambda: cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address="127.0.0.1:1"),
         )
-        # A live leader that does not know the engine (its ranks did not register there first).
+        # A live leader that does not know the engine: its ranks did not register there within
+        # leader_wait_ms of this one.
+        t0 = time.monotonic()
         _expect(
             "FAILED_PRECONDITION",
             (a.peer_address, f"does not lead engine {eid!r}"),
             lambda: cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address),
         )
+        assert time.monotonic() - t0 >= LEADER_WAIT_MS / 1000
         resp = ca.register_rank(eid, 0, spec, _cache(shm_caches))
         assert resp.leader_address == a.peer_address
         # The leader refuses a different spec, and a rank it already holds.
@@ -252,6 +266,28 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
         _expect(
             "FAILED_PRECONDITION", ("registered on no sidecar",), lambda: ca.publish(eid, "late", [1], 16)
         )
+        ca.unregister_rank(eid, 0)
+
+
+def test_a_member_rank_registering_before_its_leader_waits_for_it(
+    nodes: Nodes, shm_caches: list[ShmKVCache]
+) -> None:
+    """An engine's ranks start together (vLLM's TP workers do): a rank whose sidecar follows a leader may
+    register before the leader's own ranks, and its registration waits for them (leader_wait_ms)."""
+    a, b = nodes["a"], nodes["b"]
+    eid = f"early-{next(_ids)}"
+    spec = SPEC.to_dict()
+    with SidecarClient(a.socket) as ca, SidecarClient(b.socket) as cb, ThreadPoolExecutor(1) as pool:
+        member = pool.submit(
+            cb.register_rank, eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address
+        )
+        time.sleep(LEADER_WAIT_MS / 1000 / 3)
+        assert not member.done()  # waiting for the leader
+        assert ca.register_rank(eid, 0, spec, _cache(shm_caches)).leader_address == a.peer_address
+        assert member.result(LEADER_WAIT_MS / 1000).leader_address == a.peer_address
+        params = ca.publish(eid, "both-ranks", [1], 16)  # refused were rank 1 on no sidecar
+        assert ca.abort(eid, params.request_id)
+        cb.unregister_rank(eid, 1)
         ca.unregister_rank(eid, 0)
 
 

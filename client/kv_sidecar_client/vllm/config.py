@@ -20,6 +20,10 @@ class ConnectorConfigError(ValueError):
     """A key of kv_connector_extra_config is unknown, missing or malformed."""
 
 
+# In sidecar_socket: the TP rank, where each rank (GPU) has a sidecar of its own.
+RANK_FIELD = "{rank}"
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     # The sidecar's engine socket on this node (a unix socket path or a gRPC target).
@@ -68,9 +72,20 @@ class ConnectorConfig:
         config.validate()
         return config
 
+    def socket_for(self, rank: int) -> str:
+        """TP rank `rank`'s sidecar socket: `sidecar_socket`, with `{rank}` filled in where each rank has
+        a sidecar of its own (docs/vllm.md). The scheduler's is rank 0's: the engine's leader sidecar."""
+        return self.sidecar_socket.replace(RANK_FIELD, str(rank))
+
     def validate(self) -> None:
         if not self.sidecar_socket:
             raise ConnectorConfigError(f"{CONFIG_KEY}.sidecar_socket must not be empty")
+        if RANK_FIELD in self.sidecar_socket and not self.leader_address:
+            raise ConnectorConfigError(
+                f"{CONFIG_KEY}.sidecar_socket {self.sidecar_socket!r} gives each TP rank a sidecar of its own, "
+                f"which needs {CONFIG_KEY}.leader_address: the peer address (host:port) of rank 0's sidecar, "
+                "which the other ranks' sidecars report to (docs/multinode.md)"
+            )
         for name in ("keepalive_interval_s", "pull_timeout_s", "connect_timeout_s", "publish_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConnectorConfigError(f"{CONFIG_KEY}.{name} must be positive, got {getattr(self, name)}")
@@ -102,15 +117,15 @@ def _coerce(name: str, value: Any, want: type) -> Any:
     )
 
 
-def wait_for_sidecar(client: SidecarClient, config: ConnectorConfig) -> None:
-    """Return once the sidecar answers on `client`; otherwise close it and fail the engine's start with
-    a message naming the socket (the scheduler's and each worker's connection)."""
+def wait_for_sidecar(client: SidecarClient, config: ConnectorConfig, socket: str) -> None:
+    """Return once the sidecar answers on `client` (connected to `socket`); otherwise close it and fail the
+    engine's start with a message naming the socket (the scheduler's and each worker's connection)."""
     try:
         client.wait_ready(config.connect_timeout_s)
     except KVSidecarError:
         client.close()
         raise RuntimeError(
-            f"KVSidecarConnector: no kv-sidecar answers on {config.sidecar_socket!r} "
+            f"KVSidecarConnector: no kv-sidecar answers on {socket!r} "
             f"(waited {config.connect_timeout_s:g} s). Start `kv-sidecar serve --engine-socket "
-            f"{config.sidecar_socket}` on this node first, or set kv_connector_extra_config.sidecar_socket."
+            f"{socket}` on this node first, or set kv_connector_extra_config.sidecar_socket."
         ) from None

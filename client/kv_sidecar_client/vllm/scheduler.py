@@ -168,10 +168,13 @@ class SidecarScheduler:
         self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
         # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
         # within a second, not after gRPC's default reconnect backoff.
+        # Rank 0's sidecar: the engine's leader, where its Publishes go (the only one unless each rank
+        # has a sidecar of its own).
+        self.socket = config.socket_for(0)
         self.client = SidecarClient(
-            config.sidecar_socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
+            self.socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
         )
-        wait_for_sidecar(self.client, config)
+        wait_for_sidecar(self.client, config, self.socket)
         self._lock = threading.Lock()
         self._orders = StepOrders()
         self._handled: set[str] = set()  # decode requests whose pull (or release) is decided
@@ -620,7 +623,7 @@ class SidecarScheduler:
         log.error(
             "KVSidecarConnector: kv-sidecar at %s did not answer a Publish within %.1f s; finishing prefill "
             "requests are not published (their decode engines compute them) until it answers again",
-            self.config.sidecar_socket,
+            self.socket,
             self.config.publish_timeout_s,
         )
         threading.Thread(target=self._probe, name="kvs-probe", daemon=True).start()

@@ -50,10 +50,10 @@ class PullRecord:
     result: PullResult
 
 
-def connect_session(config: ConnectorConfig, on_event: Any) -> EngineSession:
-    """An EngineSession on the sidecar's socket, or an error naming the socket (engine start fails)."""
-    session = EngineSession(config.sidecar_socket, on_event, timeout_s=config.pull_timeout_s)
-    wait_for_sidecar(session.client, config)
+def connect_session(config: ConnectorConfig, socket: str, on_event: Any) -> EngineSession:
+    """An EngineSession on this rank's sidecar socket, or an error naming it (engine start fails)."""
+    session = EngineSession(socket, on_event, timeout_s=config.pull_timeout_s)
+    wait_for_sidecar(session.client, config, socket)
     return session
 
 
@@ -85,11 +85,12 @@ class SidecarWorker:
         self._inflight: dict[tuple[str, int], tuple[PendingPull, PullOrder, float, float]] = {}
         self._pulls_left: dict[str, int] = {}  # requests whose parts have not all finished: how many left
         self._part_failed: set[str] = set()  # such requests with a failed part
-        self.session = connect_session(config, self._on_event)
+        self.socket = config.socket_for(rank)
+        self.session = connect_session(config, self.socket, self._on_event)
         # Pulls run on a loop that vLLM's own thread steps in finished() (no thread hand-off behind
         # the busy engine loop); a thread that already runs an asyncio loop uses the client's futures.
         try:
-            self._polled: PolledPulls | None = PolledPulls(config.sidecar_socket)
+            self._polled: PolledPulls | None = PolledPulls(self.socket)
         except RuntimeError:
             self._polled = None
         self.pull_log: list[PullRecord] = []  # the last pulls, for tests and benchmarks
@@ -103,12 +104,14 @@ class SidecarWorker:
             from kv_sidecar_client.cuda_ipc import tensor_handles
 
             handles = tensor_handles(desc.regions)
-        self.session.register_rank(self.engine_id, self.rank, desc.spec, handles)
+        self.session.register_rank(
+            self.engine_id, self.rank, desc.spec, handles, leader_address=self.config.leader_address
+        )
         log.info(
             "KVSidecarConnector: engine %s rank %d registered with kv-sidecar at %s: %s",
             self.engine_id,
             self.rank,
-            self.config.sidecar_socket,
+            self.socket,
             desc.spec,
         )
 

@@ -36,6 +36,11 @@ FANOUT_TIMEOUT_S = 5.0  # publish/keep-alive/abort forwarded to members
 # Members repeat their report this often: a leader whose engine re-registered (or
 # that restarted) forgot its map and gets it back within this time.
 REFRESH_S = 2.0
+_LEADER_POLL_S = 0.1  # how often a member's first report asks a leader that holds no rank of the engine yet
+
+
+class _NotLedYet(SidecarError):
+    """The leader holds no rank of the engine: its ranks may not have registered yet."""
 
 
 def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
@@ -59,8 +64,11 @@ class Membership:
         nixl: NixlDriver,
         lease_ms: int,
         on_published: Callable[[Published, Iterable[RankEntry]], None],
+        leader_wait_s: float = 10.0,
     ) -> None:
-        """on_published: a request was published here (the leader's, or a member's share)."""
+        """on_published: a request was published here (the leader's, or a member's share); leader_wait_s:
+        how long a rank registering as a member waits for its leader to hold a rank of the engine."""
+        self._leader_wait_s = leader_wait_s
         self._me = identity
         self._engines = engines
         self._published = published
@@ -129,7 +137,7 @@ class Membership:
             self._forget_leader_if_idle(engine_id)
             raise
         try:
-            self.report(engine_id)
+            self._report_once_led(engine_id)
         except BaseException:
             self._engines.unregister(engine_id, rank)
             self._forget_leader_if_idle(engine_id)
@@ -186,6 +194,20 @@ class Membership:
                         log.warning("cannot refresh engine %s on its leader: %s", eid, e.message)
                     failing.add(eid)
 
+    def _report_once_led(self, engine_id: str) -> None:
+        """The first report of a member's rank. An engine's ranks start together, so its leader's own may
+        register a moment later: while the leader holds no rank of the engine, ask again, up to
+        leader_wait_s; then its refusal is the registration's error."""
+        deadline = time.monotonic() + self._leader_wait_s
+        while True:
+            try:
+                self.report(engine_id)
+                return
+            except _NotLedYet:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_LEADER_POLL_S)
+
     def report(self, engine_id: str, quiet: bool = False) -> None:
         """Tell the leader which ranks of `engine_id` this sidecar holds now (none: it left)."""
         with self._lock:
@@ -219,9 +241,10 @@ class Membership:
                     raise SidecarError(
                         Code.UNAVAILABLE, f"leader sidecar of engine {engine_id!r}: {err.message}"
                     ) from None
-                # NOT_FOUND from the leader (it does not know the engine) is a precondition here.
-                code = Code.FAILED_PRECONDITION if err.code is Code.NOT_FOUND else err.code
-                raise SidecarError(code, f"leader sidecar of engine {engine_id!r}: {err.message}") from None
+                message = f"leader sidecar of engine {engine_id!r}: {err.message}"
+                if err.code is Code.NOT_FOUND:  # it holds no rank of the engine (yet): a precondition here
+                    raise _NotLedYet(Code.FAILED_PRECONDITION, message) from None
+                raise SidecarError(err.code, message) from None
         (log.debug if quiet else log.info)(
             "reported ranks %s of engine %s to leader %s",
             ranks_text([e.rank for e in entries]),
