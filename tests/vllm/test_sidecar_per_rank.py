@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess, together
+from kv_sidecar_client.vllm.scheduler import PARAMS_KEY
 
 from .engine import write_model
 from .harness import VllmEngine, metric, start_all, wait_until
@@ -78,8 +79,10 @@ def test_a_prefill_engine_with_a_sidecar_per_rank_equals_the_decode_engine_alone
         {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
     )
     params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
-    # The params name the leader, the one address a decode engine needs.
-    assert {p["sidecar_address"] for p in params.values()} == {sp0.peer_address}, params
+    # Published (a rank left out of the engine's map would have the Publish refused: no params)...
+    assert all(params.values()), outs
+    # ... and the params name the leader, the one address a decode engine needs.
+    assert {p[PARAMS_KEY]["sidecar_address"] for p in params.values()} == {sp0.peer_address}, params
     got = D.generate({f"d{r}": p for r, p in prompts.items()}, 10, {f"d{r}": params[r] for r in prompts})
     assert {r: got[f"d{r}"]["tokens"] for r in prompts} == want
     assert metric(sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") - pulls == len(prompts)
