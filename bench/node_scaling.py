@@ -559,23 +559,36 @@ def _per_transfer(r: Row) -> str:
     return f"{reads / n:.1f} ({n})"
 
 
+def _reference(tree: str) -> str:
+    """The row of this tree a row of `tree` compares with: the same kind of call (Pull calls, or
+    PullBatch calls of as many pulls); this tree's PullBatch rows with its Pull calls."""
+    batch = tree.find(", PullBatch of ")
+    mine = "this tree" + (tree[batch:] if batch >= 0 else "")
+    return "this tree" if tree == mine else mine
+
+
 def ratios(rows: list[Row]) -> str:
-    """Every other tree's (baseline, variants) pulls/s over this tree's, row by row (same run, machine)."""
+    """Every other tree's (baseline, variants) pulls/s against this tree's, row by row (same run,
+    machine), the same kind of call against the same (Pull calls, PullBatch)."""
     rows = [r for r in rows if not r.profiled]
-    ours = {(r.path, r.pairs, r.concurrency, r.blocks): r for r in rows if r.tree == "this tree"}
+    by_key = {(r.tree, r.path, r.pairs, r.concurrency, r.blocks): r for r in rows}
     lines = []
     for b in rows:
-        r = ours.get((b.path, b.pairs, b.concurrency, b.blocks))
-        if b.tree != "this tree" and r is not None and b.rate:
+        if b.tree == "this tree":
+            continue
+        ref = _reference(b.tree)
+        r = by_key.get((ref, b.path, b.pairs, b.concurrency, b.blocks))
+        if r is not None and b.rate:
             lines.append(
-                f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {b.tree} | {r.rate / b.rate:.2f}x | "
-                f"{r.pct(0.5) / b.pct(0.5) if b.pct(0.5) else 0:.2f}x | {r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x |"
+                f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {ref} | {b.tree} | "
+                f"{r.rate / b.rate:.2f}x | {r.pct(0.5) / b.pct(0.5) if b.pct(0.5) else 0:.2f}x | "
+                f"{r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x |"
             )
     if not lines:
         return ""
     head = (
-        "| path | pairs | in flight per pair | pull | against | pulls/s, this tree / it | p50 | p99 |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| path | pairs | in flight per pair | pull | this tree | against | pulls/s, this tree / it | p50 | p99 |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     return head + "\n".join(lines) + "\n"
 
