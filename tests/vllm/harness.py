@@ -200,6 +200,22 @@ def metric(port: int, name: str, **labels: str) -> float:
     return scrape.value(port, name, **labels)
 
 
+def prefill_then_decode(
+    P: VllmEngine, D: VllmEngine, prompts: dict[str, list[int]], max_tokens: int
+) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """Each prompt prefilled on P for a remote decode, then decoded on D from P's kv_transfer_params:
+    D's tokens and P's params (None where P published nothing), by prompt id."""
+    outs = P.generate(
+        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
+    )
+    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
+    assert all(params.values()), f"P published no params for some prompts: {outs}"
+    got = D.generate(
+        {f"d{r}": p for r, p in prompts.items()}, max_tokens, {f"d{r}": params[r] for r in prompts}
+    )
+    return {r: got[f"d{r}"]["tokens"] for r in prompts}, params
+
+
 def wait_until(pred: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():

@@ -10,7 +10,7 @@ import pytest
 
 from kv_sidecar.refengine.procs import SidecarProcess
 
-from .harness import VllmEngine, metric, start_all
+from .harness import VllmEngine, metric, prefill_then_decode, start_all
 from .models import write_random_model
 from .test_hybrid import ALIGNMENT, GROUPS, prompt
 
@@ -57,12 +57,7 @@ def test_hybrid_tp1_prefill_to_tp2_decode_equals_the_decode_engine_alone(
     prompts = {f"r{n}": prompt(n, seed=60 + n) for n in (20, 64, 400)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     pulls = metric(sd.metrics_port, "kvsidecar_pulls_total", outcome="ok")
-    outs = P.generate(
-        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
-    )
-    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
-    got = D.generate({f"d{r}": p for r, p in prompts.items()}, 10, {f"d{r}": params[r] for r in prompts})
-    assert {r: got[f"d{r}"]["tokens"] for r in prompts} == want
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
     # One pull per decode rank, group and request, each of the rank's own head.
     assert metric(sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") - pulls == 2 * GROUPS * len(prompts)
     assert metric(sd.metrics_port, "kvsidecar_failures_total") == 0

@@ -15,7 +15,7 @@ import pytest
 from kv_sidecar.refengine.procs import SidecarProcess
 
 from .engine import write_model
-from .harness import VllmEngine, metric, start_all
+from .harness import VllmEngine, metric, prefill_then_decode, start_all
 from .test_pd import BLOCK, prompt
 
 
@@ -56,12 +56,7 @@ def test_tp1_prefill_to_tp2_decode_equals_the_decode_engine_alone(
     prompts = {f"r{n}": prompt(n, seed=60 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     pulls = metric(sd.metrics_port, "kvsidecar_pulls_total")
-    outs = P.generate(
-        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
-    )
-    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
-    got = D.generate({f"d{r}": p for r, p in prompts.items()}, 10, {f"d{r}": params[r] for r in prompts})
-    assert {r: got[f"d{r}"]["tokens"] for r in prompts} == want
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
     # One pull per decode rank per request, each of the rank's own heads.
     assert metric(sd.metrics_port, "kvsidecar_pulls_total") - pulls == 2 * len(prompts)
     assert metric(sd.metrics_port, "kvsidecar_failures_total") == 0

@@ -13,7 +13,7 @@ from kv_sidecar.refengine.procs import SidecarProcess, together
 from kv_sidecar_client.vllm.scheduler import PARAMS_KEY
 
 from .engine import write_model
-from .harness import VllmEngine, metric, start_all, wait_until
+from .harness import VllmEngine, metric, prefill_then_decode, start_all, wait_until
 from .test_pd import BLOCK, prompt
 
 
@@ -75,16 +75,11 @@ def test_a_prefill_engine_with_a_sidecar_per_rank_equals_the_decode_engine_alone
     prompts = {f"r{n}": prompt(n, seed=90 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     pulls = metric(sd.metrics_port, "kvsidecar_pulls_total", outcome="ok")
-    outs = P.generate(
-        {f"p{r}": p for r, p in prompts.items()}, 1, {f"p{r}": {"do_remote_decode": True} for r in prompts}
-    )
-    params = {r: outs[f"p{r}"]["kv_transfer_params"] for r in prompts}
-    # Published (a rank left out of the engine's map would have the Publish refused: no params)...
-    assert all(params.values()), outs
-    # ... and the params name the leader, the one address a decode engine needs.
+    # Published (a rank left out of the engine's map would have the Publish refused: no params), with
+    # params that name the leader, the one address a decode engine needs.
+    got, params = prefill_then_decode(P, D, prompts, 10)
+    assert got == want
     assert {p[PARAMS_KEY]["sidecar_address"] for p in params.values()} == {sp0.peer_address}, params
-    got = D.generate({f"d{r}": p for r, p in prompts.items()}, 10, {f"d{r}": params[r] for r in prompts})
-    assert {r: got[f"d{r}"]["tokens"] for r in prompts} == want
     assert metric(sd.metrics_port, "kvsidecar_pulls_total", outcome="ok") - pulls == len(prompts)
     # Both prefill sidecars served each request: the leader rank 0's heads, the member rank 1's.
     wait_until(lambda: [_served(s) for s in (sp0, sp1)] == [len(prompts)] * 2, 10, "both served reads logged")
