@@ -147,7 +147,7 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
         halt = _Until(10)
         while not rx.wait(min(0.05, halt.remaining())):
             pass
-        rx.close(quiet=True, on_call_end=None)
+        rx.close(quiet=True)
         source.join(10)
 
         assert sent and sent[0].chunks == len(chunks) and tx.quiet

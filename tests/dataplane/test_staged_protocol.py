@@ -7,6 +7,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -167,6 +168,21 @@ def test_pool_refuses_double_release_and_delays_quarantined_slots() -> None:
     assert pool.free == 1 and pool.quarantined == 1
     time.sleep(0.5)
     assert pool.free == 2 and pool.quarantined == 0
+
+
+def test_pool_gives_slots_back_when_the_peer_settles_at_once_if_confirmed_else_after_the_delay() -> None:
+    pool = sp.SlotPool(4)
+    s = pool.acquire(4, forever)
+    settles: list[Callable[[bool], None]] = []
+    pool.release_when(s[:2], 0.2, settles.append)
+    pool.release_when(s[2:], 0.2, settles.append)
+    assert pool.free == 0 and pool.quarantined == 4  # until the peer says
+    settles[0](True)  # it confirmed: nothing more will be written
+    assert pool.free == 2 and pool.quarantined == 2
+    settles[1](False)  # it did not: the delay from now
+    assert pool.free == 2 and pool.quarantined == 2
+    time.sleep(0.5)
+    assert pool.free == 4 and pool.quarantined == 0
 
 
 def test_pool_shared_by_many_threads_never_hands_out_a_slot_twice() -> None:

@@ -25,6 +25,7 @@ import grpc
 import pytest
 import torch
 
+from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
@@ -38,7 +39,7 @@ from kv_sidecar_client import SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, pulls_after_quiet_spells, spec_dict
+from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, frozen, pulls_after_quiet_spells, spec_dict
 from .conftest import metric as conftest_metric
 from .test_hetero_matrix import CASES as MATRIX
 
@@ -622,6 +623,40 @@ def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: S
     else:
         pytest.fail("no pull of 6 was started by its notification before its deadline")
     assert metric(b, "kvsidecar_push_calls_total", '{why="stop"}') > stops
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
+    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+
+
+def test_a_pull_aborted_while_its_source_hangs_answers_without_waiting_for_the_source(spawn: Spawn) -> None:
+    """The source hangs (SIGSTOP) with chunks in flight and the engine aborts the pull: it answers once
+    its CloseRead to the hung source gives up (~2.4 s), not CANCEL_WAIT_S later still, which is how long
+    it waited for the source to confirm that nothing is in flight before. The receive slots stay out of
+    the ring meanwhile; once the source runs again and confirms, they come back with no quarantine. No
+    byte outside the request changed, and the next pull works."""
+    a, b = spawn.together(
+        lambda: SidecarProcess("ring-hung-p", extra=ONE_BLOCK_RING, env=ENV),
+        lambda: SidecarProcess("ring-hung-d", extra=ONE_BLOCK_RING, env=ENV),
+    )
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "hp", LONG_SRC), lambda: EngineProcess(b.socket, "hd", LONG_DST)
+    )
+    _warm_up(prefill, decode)
+    dst = _start_long_pull(prefill, decode, 30, request_id="hung")
+    _wait_moving(b)
+    with frozen(a), SidecarClient(b.socket) as client:
+        t0 = time.monotonic()
+        assert client.abort(decode.engine_id, "hung")
+        res = json.loads(decode.readline(30))
+        took = time.monotonic() - t0
+        assert metric(b, "kvsidecar_staging_bytes_in_use") > 0  # the slots wait for the source
+    assert not res["ok"] and res["error_code"] == "CANCELLED", res
+    assert took < CANCEL_WAIT_S, f"the aborted pull answered {took:.1f} s after the abort"
+    assert res["unfilled_blocks"] == dst and res["verified"], res
+    rings_idle(a, b, timeout_s=10)
+    assert metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == 0
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
     )

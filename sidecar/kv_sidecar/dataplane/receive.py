@@ -245,10 +245,12 @@ class Reception:
         with contextlib.suppress(Exception):
             self._nixl.send_notif(self._job.source_agent, sp.stop_notif(self._job.transfer_id))
 
-    def close(self, quiet: bool, on_call_end: Callable[[Callable[[], None]], None] | None) -> None:
-        """Stop scattering and give the slots back: now if the source has nothing in flight (`quiet`),
-        else QUARANTINE_S after its Push call ended (`on_call_end` registers what to run then; None:
-        nothing will say, its timeout bounds it)."""
+    def close(self, quiet: bool, settles: Callable[[Callable[[bool], None]], None] | None = None) -> None:
+        """Stop scattering (no scatter of ours writes into the rank once this returns) and give the slots
+        back: now if the source has nothing in flight (`quiet`). Else once `settles` calls the function it
+        is given: at once with True (the source's Push call answered that nothing is in flight), after
+        QUARANTINE_S with False; with no `settles` (nothing will say), QUARANTINE_S from now. So a
+        transfer given up while its source hangs ends at once, its slots held back meanwhile."""
         try:
             if self._credits is not None:
                 self._credits.close()
@@ -260,14 +262,27 @@ class Reception:
             held = [self._slots[s] for s in self._state.release_all()]
             if quiet:
                 self._ring.pool.release(held)
-            else:
-                self._metrics.failures.labels("staging_quarantined").inc()
-                log.warning(
-                    "source agent %s did not confirm that transfer %s ended: %d receive slots rejoin the "
-                    "ring %g s after its Push call ended",
-                    self._job.source_agent,
-                    self._job.transfer_id,
-                    len(held),
-                    QUARANTINE_S,
-                )
-                self._ring.pool.release_later(held, QUARANTINE_S, on_call_end)
+            elif settles is None:
+                self._unconfirmed(len(held))
+                self._ring.pool.release_later(held, QUARANTINE_S)
+            elif held:
+
+                def settle(go: Callable[[bool], None]) -> None:
+                    def settled(confirmed: bool) -> None:
+                        if not confirmed:
+                            self._unconfirmed(len(held))
+                        go(confirmed)
+
+                    settles(settled)
+
+                self._ring.pool.release_when(held, QUARANTINE_S, settle)
+
+    def _unconfirmed(self, slots: int) -> None:
+        self._metrics.failures.labels("staging_quarantined").inc()
+        log.warning(
+            "source agent %s did not confirm that transfer %s ended: %d receive slots rejoin the ring in %g s",
+            self._job.source_agent,
+            self._job.transfer_id,
+            slots,
+            QUARANTINE_S,
+        )

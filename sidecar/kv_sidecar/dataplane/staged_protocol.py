@@ -145,6 +145,12 @@ def blocks_in(block_size: int, t0: int, t1: int) -> int:
 
 
 # -- slots ---------------------------------------------------------------------------------
+def _after(delay_s: float, fn: Callable[[], None]) -> None:
+    timer = threading.Timer(delay_s, fn)
+    timer.daemon = True
+    timer.start()
+
+
 class SlotPool:
     """The slots of one ring, shared by every transfer on it.
 
@@ -229,18 +235,27 @@ class SlotPool:
         if self._on_change is not None:
             self._on_change(-len(slots))
 
-    def release_later(
-        self,
-        slots: Iterable[int],
-        delay_s: float,
-        after: Callable[[Callable[[], None]], None] | None = None,
+    def release_later(self, slots: Iterable[int], delay_s: float) -> None:
+        """Give slots back `delay_s` after now: a peer may still be writing into them (it did not
+        confirm, and nothing will say when it stops). Quarantined until then."""
+        back = self._quarantine(slots)
+        if back is not None:
+            _after(delay_s, back)
+
+    def release_when(
+        self, slots: Iterable[int], delay_s: float, settles: Callable[[Callable[[bool], None]], None]
     ) -> None:
-        """Give slots back `delay_s` after now, or after `after` calls the function it is given (e.g.
-        once a call that may still make a peer write has ended): a peer may still be writing into them
-        (it did not confirm). The slots count as quarantined from now on."""
+        """Give slots back once `settles` calls the function it is given: at once with True (the peer
+        confirmed it writes into them no more), `delay_s` later with False. Quarantined until then."""
+        back = self._quarantine(slots)
+        if back is not None:
+            settles(lambda confirmed: back() if confirmed else _after(delay_s, back))
+
+    def _quarantine(self, slots: Iterable[int]) -> Callable[[], None] | None:
+        """Count `slots` as quarantined; what gives them back (None: no slots)."""
         slots = list(slots)
         if not slots:
-            return
+            return None
         with self._lock:
             self.quarantined += len(slots)
 
@@ -249,15 +264,7 @@ class SlotPool:
                 self.quarantined -= len(slots)
             self.release(slots)
 
-        def start() -> None:
-            timer = threading.Timer(delay_s, back)
-            timer.daemon = True
-            timer.start()
-
-        if after is None:
-            start()
-        else:
-            after(start)
+        return back
 
 
 # -- the source's end ----------------------------------------------------------------------

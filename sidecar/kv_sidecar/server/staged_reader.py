@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
@@ -376,11 +377,15 @@ class StagedReader:
                 Code.INTERNAL, f"peer sidecar {address} broke the staged protocol: {e}"
             ) from None
         finally:
-            quiet = done or push is None or not push.asked or _stop_source(rx, push)
-            call = push.call if push is not None else None
-            # The Push call is a blocking call on a caller thread, which nothing can cancel: it ends at
-            # its deadline at the latest, and a source whose call ended stops within its cancel wait.
-            rx.close(quiet, None if call is None else lambda go: call.add_done_callback(lambda _: go()))
+            if done or push is None or not push.asked:
+                rx.close(True)
+            else:
+                # Given up while the source may still WRITE into our slots: ask it to stop and answer now
+                # (our scatters stop in close); the slots wait for the source's confirmation. Its Push
+                # call ends at its deadline at the latest, and a source whose call ended stops within its
+                # cancel wait.
+                call = _stop_source(rx, push)
+                rx.close(False, None if call is None else _confirmation(call))
 
 
 def _receive(halt: Halt, rx: Reception, push: _PushCall, address: str, label: str) -> int:
@@ -420,8 +425,8 @@ def _push_error(e: PeerCallError, address: str, label: str) -> SidecarError:
     return e.explain(address, f"to push request {label}")
 
 
-def _stop_source(rx: Reception, push: _PushCall) -> bool:
-    """Stop the source and wait until it has nothing in flight; False if it never confirmed."""
+def _stop_source(rx: Reception, push: _PushCall) -> Any:
+    """Ask the source to stop; the Push call whose answer confirms it, None if none could be sent."""
     if push.call is None or not push.call.done():
         rx.stop_source()
     else:
@@ -430,14 +435,22 @@ def _stop_source(rx: Reception, push: _PushCall) -> bool:
         try:
             push.send_stopping()
         except Exception:
-            return False
-    call = push.call
-    try:
-        call.result(timeout=CANCEL_WAIT_S)
-    except TimeoutError:
-        return False
-    except PeerCallError as e:
-        return e.ended
-    except Exception:
-        return False
-    return True
+            return None
+    return push.call
+
+
+def _confirmation(call: Any) -> Callable[[Callable[[bool], None]], None]:
+    """Tells its callback, once the source's Push call ends, whether nothing is in flight any more: an
+    answer, or the source's own error (PeerCallError.ended); not a lost or cancelled call."""
+
+    def settles(settled: Callable[[bool], None]) -> None:
+        def ended(c: Any) -> None:
+            if c.cancelled():
+                settled(False)
+                return
+            e = c.exception()
+            settled(e is None or (isinstance(e, PeerCallError) and e.ended))
+
+        call.add_done_callback(ended)
+
+    return settles
