@@ -273,18 +273,20 @@ def test_a_member_rank_registering_before_its_leader_waits_for_it(
     nodes: Nodes, shm_caches: list[ShmKVCache]
 ) -> None:
     """An engine's ranks start together (vLLM's TP workers do): a rank whose sidecar follows a leader may
-    register before the leader's own ranks, and its registration waits for them (leader_wait_ms)."""
+    register before the leader's own ranks, and its registration waits for them (leader_wait_ms). Every
+    rank names the leader alike, by a loopback address as sidecars of one node may (a sidecar per GPU):
+    the leader's own rank is the leader's all the same, and answers with its advertised address."""
     a, b = nodes["a"], nodes["b"]
     eid = f"early-{next(_ids)}"
     spec = SPEC.to_dict()
+    leader = f"localhost:{a.peer_address.rpartition(':')[2]}"
     with SidecarClient(a.socket) as ca, SidecarClient(b.socket) as cb, ThreadPoolExecutor(1) as pool:
-        member = pool.submit(
-            cb.register_rank, eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address
-        )
+        member = pool.submit(cb.register_rank, eid, 1, spec, _cache(shm_caches), leader_address=leader)
         time.sleep(LEADER_WAIT_MS / 1000 / 3)
         assert not member.done()  # waiting for the leader
-        assert ca.register_rank(eid, 0, spec, _cache(shm_caches)).leader_address == a.peer_address
-        assert member.result(LEADER_WAIT_MS / 1000).leader_address == a.peer_address
+        led = ca.register_rank(eid, 0, spec, _cache(shm_caches), leader_address=leader)
+        assert led.leader_address == a.peer_address
+        assert member.result(LEADER_WAIT_MS / 1000).leader_address == leader
         params = ca.publish(eid, "both-ranks", [1], 16)  # refused were rank 1 on no sidecar
         assert ca.abort(eid, params.request_id)
         cb.unregister_rank(eid, 1)

@@ -10,10 +10,22 @@ from dataclasses import dataclass
 from kv_sidecar.config import Settings
 
 
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
 @dataclass(frozen=True)
 class Identity:
     sidecar_id: str  # also the name of its NIXL agent
     peer_address: str  # host:port that peers (and a multi-node engine's members) dial
+
+    def is_me(self, address: str) -> bool:
+        """Whether `address` dials this sidecar: its advertised address, or a loopback address on its
+        peer port (sidecars of one node name each other so, e.g. an engine's leader with a sidecar
+        per GPU, docs/vllm.md)."""
+        if address == self.peer_address:
+            return True
+        host, _, port = address.rpartition(":")
+        return port == self.peer_address.rpartition(":")[2] and host.strip("[]") in _LOOPBACK
 
 
 def sidecar_id(settings: Settings) -> str:

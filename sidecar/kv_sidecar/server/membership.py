@@ -114,7 +114,7 @@ class Membership:
         leader_address: str,
     ) -> str:
         """Register a rank here; as a member also report to the leader. Returns the leader's address."""
-        if not leader_address or leader_address == self._me.peer_address:
+        if not leader_address or self._me.is_me(leader_address):
             return self._register_as_leader(engine_id, rank, spec, handles)
         with self._lock:
             followed = self._leaders.get(engine_id)
