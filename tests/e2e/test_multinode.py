@@ -223,7 +223,7 @@ def test_bad_leader_and_split_publish(nodes: Nodes, shm_caches: list[ShmKVCache]
         t0 = time.monotonic()
         _expect(
             "FAILED_PRECONDITION",
-            (a.peer_address, f"does not lead engine {eid!r}"),
+            (a.peer_address, f"does not lead engine {eid!r}", "waited 1.5 s for the leader's ranks"),
             lambda: cb.register_rank(eid, 1, spec, _cache(shm_caches), leader_address=a.peer_address),
         )
         assert time.monotonic() - t0 >= LEADER_WAIT_MS / 1000

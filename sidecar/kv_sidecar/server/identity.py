@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from kv_sidecar.config import Settings
 
-
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 
 

@@ -203,9 +203,10 @@ class Membership:
             try:
                 self.report(engine_id)
                 return
-            except _NotLedYet:
+            except _NotLedYet as e:
                 if time.monotonic() >= deadline:
-                    raise
+                    waited = f"waited {self._leader_wait_s:g} s for the leader's ranks (leader_wait_ms)"
+                    raise SidecarError(e.code, f"{e.message}; {waited}") from None
                 time.sleep(_LEADER_POLL_S)
 
     def report(self, engine_id: str, quiet: bool = False) -> None:
