@@ -166,11 +166,11 @@ class SidecarScheduler:
                 f"block size ({block_size})"
             )
         self._misaligned: set[str] = set()  # prefill engines whose windows this engine cannot take: warned
-        # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
-        # within a second, not after gRPC's default reconnect backoff.
         # Rank 0's sidecar: the engine's leader, where its Publishes go (the only one unless each rank
         # has a sidecar of its own).
         self.socket = config.socket_for(0)
+        # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
+        # within a second, not after gRPC's default reconnect backoff.
         self.client = SidecarClient(
             self.socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
         )
