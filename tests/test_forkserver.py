@@ -30,9 +30,15 @@ def _child(
     server: str, tmp: Path, *args: str, env: dict[str, str] | None = None
 ) -> tuple[ForkedProcess, Path]:
     err = tmp / "stderr.log"
+    # From another working directory `python -m tests.forked_child` finds it only on PYTHONPATH, as here.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with open(err, "wb") as f:
         proc = ForkedProcess(
-            server, "tests.forked_child", list(args), {**os.environ, **(env or {})}, f.fileno()
+            server,
+            "tests.forked_child",
+            list(args),
+            {**os.environ, "PYTHONPATH": path, **(env or {})},
+            f.fileno(),
         )
     return proc, err
 

@@ -28,7 +28,6 @@ import json
 import os
 import runpy
 import select
-import signal
 import socket
 import sys
 import traceback
@@ -77,14 +76,15 @@ def _run_child(request: dict[str, object], fds: list[int]) -> int:
     sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (lives as long as the process)
     sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     env = {str(k): str(v) for k, v in dict(request["env"]).items()}  # type: ignore[call-overload]
-    # sys.path was built from the server's PYTHONPATH: the child's own entries go first, as they would.
-    added = [d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d and d not in sys.path]
-    sys.path[1:1] = added
     os.environ.clear()
     os.environ.update(env)
     os.chdir(str(request["cwd"]))
+    # sys.path was built for the server: as `python -m` would, the working directory first, then the
+    # child's own PYTHONPATH entries.
+    rest = sys.path[1:]
+    added = [d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d and d not in rest]
+    sys.path[:] = [os.getcwd(), *added, *rest]
     module = str(request["module"])
     sys.argv = [module, *[str(a) for a in request["argv"]]]  # type: ignore[attr-defined]
     try:
