@@ -6,7 +6,7 @@ server imports those once, then forks a child per request. The child runs its mo
 would (its own argv, environment, working directory, stdin, stdout and stderr) and leaves through the
 interpreter's normal exit (atexit handlers, finalizers, library destructors). The children are real,
 separate processes with their own pids, signals and exit codes; only the imports are shared. (`ps`
-shows them under the server's command line: /proc/PID/environ and their log files tell them apart.)
+shows them under the server's command line; `py-spy dump` shows which module each runs.)
 
 The server has a single thread (forking a process with more threads copies locks that the others may
 hold). Its stdin is its parent's pipe: at EOF, the parent has gone, and the server leaves too; children
