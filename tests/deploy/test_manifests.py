@@ -48,7 +48,12 @@ EXPECTED_OVERLAYS = {"prefill", "decode", "rdma", "prefill-rdma", "decode-rdma"}
 OVERLAYS = sorted(p.name for p in OVERLAYS_DIR.iterdir() if (p / "kustomization.yaml").is_file())
 
 # Components rendered on top of overlays/prefill: name -> Kubernetes version to validate against.
-COMPONENTS = {"dra-gpu": DRA_K8S_VERSION, "podmonitor": K8S_VERSION, "peer-tls": K8S_VERSION}
+COMPONENTS = {
+    "dra-gpu": DRA_K8S_VERSION,
+    "podmonitor": K8S_VERSION,
+    "peer-tls": K8S_VERSION,
+    "sidecar-per-gpu": K8S_VERSION,
+}
 
 # (apiVersion, kind) of custom resources that kubernetes-validate has no schema for.
 CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
@@ -390,6 +395,45 @@ def test_peer_tls_component(tmp_path_factory):
     # One certificate for every pod, dialed by pod IP: peers verify a fixed name instead.
     assert env["KV_SIDECAR_TLS_SERVER_NAME"] == "kv-sidecar-peer"
     assert "KV_SIDECAR_TLS_CLIENT_AUTH" not in env  # the default, require: mutual TLS
+
+
+def test_sidecar_per_gpu_component(tmp_path_factory):
+    """Rank 0's sidecar and rank 1's, each its own socket and ports, as the engine's connector finds them."""
+    from kv_sidecar_client.vllm.config import ConnectorConfig
+
+    docs = render_component("sidecar-per-gpu", tmp_path_factory)
+    (deploy,) = of_kind(docs, "Deployment")
+    spec = pod_spec(deploy)
+    check_pod(docs, deploy, rdma=False)  # rank 0's sidecar is the base's, as it was
+    sidecars = [c for c in spec["initContainers"] if c["name"] in (SIDECAR, f"{SIDECAR}-1")]
+    assert [c["name"] for c in sidecars] == [SIDECAR, f"{SIDECAR}-1"]
+    config = yaml.safe_load(of_kind(docs, "ConfigMap")[0]["data"]["config.yaml"])
+    settings = []
+    for c in sidecars:
+        assert c["restartPolicy"] == "Always" and c["image"] == SIDECAR_IMAGE
+        assert c["args"] == ["serve", "--config", CONFIG_PATH]
+        assert mounts(c) == mounts(sidecars[0]), "the same config, socket directory, /dev/shm, secrets"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {
+            n.removeprefix("KV_SIDECAR_").lower() for n in env if n.startswith("KV_SIDECAR_")
+        } <= CONFIG_KEYS
+        # What the sidecar runs with: the config file, then its KV_SIDECAR_* env.
+        given = {k: v for k, v in env.items() if k.startswith("KV_SIDECAR_") and v is not None}
+        settings.append(load_settings({}, str(K8S / "base" / "config.yaml"), env=given))
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": settings[-1].peer_port}, (c["name"], probe)
+        assert sorted(p["containerPort"] for p in c["ports"]) == sorted(
+            [settings[-1].peer_port, settings[-1].metrics_port]
+        )
+    assert config["engine_socket"] == SOCKET_PATH  # the file's, which env overrides per sidecar
+    assert [s.engine_socket for s in settings] == [f"{SOCKET_DIR}/gpu0.sock", f"{SOCKET_DIR}/gpu1.sock"]
+    assert len({s.peer_port for s in settings}) == len({s.metrics_port for s in settings}) == 2
+    (flag,) = [a for a in engine_of(spec)["args"] if a.startswith("--kv-transfer-config=")]
+    extra = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]
+    connector = ConnectorConfig.from_extra_config(extra)
+    assert [connector.socket_for(r) for r in (0, 1)] == [s.engine_socket for s in settings]
+    # The leader: rank 0's sidecar, by a loopback address on its peer port (server/identity.py is_me).
+    assert connector.leader_address == f"127.0.0.1:{settings[0].peer_port}"
 
 
 def test_podmonitor(tmp_path_factory):
