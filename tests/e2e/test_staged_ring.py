@@ -527,6 +527,30 @@ def _warm_up(prefill: EngineProcess, decode: EngineProcess) -> None:
     assert ok["ok"] and ok["verified"], ok
 
 
+def _long_ring_pair(
+    spawn: Spawn, tag: str, source_extra: list[str] | None = None
+) -> tuple[SidecarProcess, SidecarProcess, EngineProcess, EngineProcess]:
+    """Two sidecars on one-slot rings, long engines on them (a pull in flight for a while), warmed up."""
+    a, b = spawn.together(
+        lambda: SidecarProcess(f"ring-{tag}-p", extra=ONE_BLOCK_RING + (source_extra or []), env=ENV),
+        lambda: SidecarProcess(f"ring-{tag}-d", extra=ONE_BLOCK_RING, env=ENV),
+    )
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, f"{tag}-p", LONG_SRC),
+        lambda: EngineProcess(b.socket, f"{tag}-d", LONG_DST),
+    )
+    _warm_up(prefill, decode)
+    return a, b, prefill, decode
+
+
+def _next_pull_works(prefill: EngineProcess, decode: EngineProcess) -> None:
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
+    )
+    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
+    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+
+
 def _wait_moving(sc: SidecarProcess) -> None:
     deadline = time.monotonic() + 30
     while metric(sc, "kvsidecar_staging_bytes_in_use") == 0:
@@ -550,14 +574,7 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, starte
     whether the long transfer was started by its Push call (a source with push notifications off) or
     by its notification, which the call, sent once the transfer is slow, joins."""
     off = ["--push-notifications", "false"] if started_by == "call" else []
-    a, b = spawn.together(
-        lambda: SidecarProcess("ring-long-p", extra=ONE_BLOCK_RING + off, env=ENV),
-        lambda: SidecarProcess("ring-long-d", extra=ONE_BLOCK_RING, env=ENV),
-    )
-    prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "lp", LONG_SRC), lambda: EngineProcess(b.socket, "ld", LONG_DST)
-    )
-    _warm_up(prefill, decode)
+    a, b, prefill, decode = _long_ring_pair(spawn, "long", off)
     by = f'{{by="{started_by}"}}'
     # The call may still start the transfer first (its notification found no free source thread, or
     # came later than 5 ms on a loaded machine): then that attempt checked the call's way, and the
@@ -586,11 +603,7 @@ def test_a_pull_that_times_out_mid_transfer_stops_both_ends(spawn: Spawn, starte
             break
     else:
         pytest.fail(f"no long pull of 4 was started by its {started_by}")
-    pub = prefill.send(
-        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
-    )
-    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
-    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+    _next_pull_works(prefill, decode)
 
 
 def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: Spawn) -> None:
@@ -598,14 +611,7 @@ def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: S
     before that asks the source to stop by a stopping call, which answers once nothing is in flight:
     both rings are free at once (no quarantine), no byte outside the request changed, and the next
     pull works."""
-    a, b = spawn.together(
-        lambda: SidecarProcess("ring-early-p", extra=ONE_BLOCK_RING, env=ENV),
-        lambda: SidecarProcess("ring-early-d", extra=ONE_BLOCK_RING, env=ENV),
-    )
-    prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "ep", LONG_SRC), lambda: EngineProcess(b.socket, "ed", LONG_DST)
-    )
-    _warm_up(prefill, decode)
+    a, b, prefill, decode = _long_ring_pair(spawn, "early")
     by = '{by="notification"}'
     # The deadline (3 ms) comes before the call would (CALL_AFTER_S, 5 ms after the notification);
     # on a loaded machine the pull may also time out before its notification went out: try again.
@@ -623,11 +629,7 @@ def test_a_pull_given_up_before_its_push_call_went_out_stops_the_source(spawn: S
     else:
         pytest.fail("no pull of 6 was started by its notification before its deadline")
     assert metric(b, "kvsidecar_push_calls_total", '{why="stop"}') > stops
-    pub = prefill.send(
-        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
-    )
-    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
-    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+    _next_pull_works(prefill, decode)
 
 
 def test_a_pull_aborted_while_its_source_hangs_answers_without_waiting_for_the_source(spawn: Spawn) -> None:
@@ -636,14 +638,7 @@ def test_a_pull_aborted_while_its_source_hangs_answers_without_waiting_for_the_s
     it waited for the source to confirm that nothing is in flight before. The receive slots stay out of
     the ring meanwhile; once the source runs again and confirms, they come back with no quarantine. No
     byte outside the request changed, and the next pull works."""
-    a, b = spawn.together(
-        lambda: SidecarProcess("ring-hung-p", extra=ONE_BLOCK_RING, env=ENV),
-        lambda: SidecarProcess("ring-hung-d", extra=ONE_BLOCK_RING, env=ENV),
-    )
-    prefill, decode = spawn.together(
-        lambda: EngineProcess(a.socket, "hp", LONG_SRC), lambda: EngineProcess(b.socket, "hd", LONG_DST)
-    )
-    _warm_up(prefill, decode)
+    a, b, prefill, decode = _long_ring_pair(spawn, "hung")
     dst = _start_long_pull(prefill, decode, 30, request_id="hung")
     _wait_moving(b)
     with frozen(a), SidecarClient(b.socket) as client:
@@ -657,11 +652,7 @@ def test_a_pull_aborted_while_its_source_hangs_answers_without_waiting_for_the_s
     assert res["unfilled_blocks"] == dst and res["verified"], res
     rings_idle(a, b, timeout_s=10)
     assert metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == 0
-    pub = prefill.send(
-        {"cmd": "prefill", "request_id": "after", "block_ids": [1, 2], "num_tokens": 30, "seed": 6}
-    )
-    ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 6})
-    assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+    _next_pull_works(prefill, decode)
 
 
 def test_source_sidecar_killed_mid_transfer(spawn: Spawn) -> None:
