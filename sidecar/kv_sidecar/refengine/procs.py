@@ -154,10 +154,11 @@ class ForkedProcess:
             self._conn.close()
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         try:
-            self._collect(timeout)
+            self._collect(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
         finally:
