@@ -265,17 +265,10 @@ class Reception:
             elif settles is None:
                 self._unconfirmed(len(held))
                 self._ring.pool.release_later(held, QUARANTINE_S)
-            elif held:
-
-                def settle(go: Callable[[bool], None]) -> None:
-                    def settled(confirmed: bool) -> None:
-                        if not confirmed:
-                            self._unconfirmed(len(held))
-                        go(confirmed)
-
-                    settles(settled)
-
-                self._ring.pool.release_when(held, QUARANTINE_S, settle)
+            else:
+                self._ring.pool.release_when(
+                    held, QUARANTINE_S, settles, lambda: self._unconfirmed(len(held))
+                )
 
     def _unconfirmed(self, slots: int) -> None:
         self._metrics.failures.labels("staging_quarantined").inc()

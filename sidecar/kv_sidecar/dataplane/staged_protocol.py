@@ -243,13 +243,27 @@ class SlotPool:
             _after(delay_s, back)
 
     def release_when(
-        self, slots: Iterable[int], delay_s: float, settles: Callable[[Callable[[bool], None]], None]
+        self,
+        slots: Iterable[int],
+        delay_s: float,
+        settles: Callable[[Callable[[bool], None]], None],
+        unconfirmed: Callable[[], None] = lambda: None,
     ) -> None:
         """Give slots back once `settles` calls the function it is given: at once with True (the peer
-        confirmed it writes into them no more), `delay_s` later with False. Quarantined until then."""
+        confirmed it writes into them no more), `delay_s` later with False, after `unconfirmed()`.
+        Quarantined until then."""
         back = self._quarantine(slots)
-        if back is not None:
-            settles(lambda confirmed: back() if confirmed else _after(delay_s, back))
+        if back is None:
+            return
+
+        def settled(confirmed: bool) -> None:
+            if confirmed:
+                back()
+            else:
+                unconfirmed()
+                _after(delay_s, back)
+
+        settles(settled)
 
     def _quarantine(self, slots: Iterable[int]) -> Callable[[], None] | None:
         """Count `slots` as quarantined; what gives them back (None: no slots)."""
