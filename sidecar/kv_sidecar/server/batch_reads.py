@@ -36,7 +36,8 @@ class BatchReads:
         # while the batch lasts; and how many left without a ticket.
         self._seen: dict[int, object] = {}
         self._unnamed = 0
-        self._arrived: list[tuple[Hashable, Waiter[Any, Any], Enqueue]] = []
+        self._arrived: list[tuple[Hashable, Waiter[Any, Any]]] = []
+        self._enqueue: Enqueue | None = None  # the reader's GroupCommit.enqueue, as the arrivals give it
         self._letting_go = False
         self._let_go = threading.Event()
 
@@ -48,7 +49,8 @@ class BatchReads:
             if self._letting_go or id(member) in self._seen:
                 return False
             self._seen[id(member)] = member
-            self._arrived.append((key, waiter, enqueue))
+            self._arrived.append((key, waiter))
+            self._enqueue = enqueue
             last = self._gone() >= self._members
         if last or not self._let_go.wait(self._hold_s):
             self._go()
@@ -77,12 +79,13 @@ class BatchReads:
             if self._letting_go:
                 return
             self._letting_go = True
-            arrived, self._arrived = self._arrived, []
-        by_pair: dict[Hashable, tuple[list[Waiter[Any, Any]], Enqueue]] = {}
-        for key, waiter, enqueue in arrived:
-            by_pair.setdefault(key, ([], enqueue))[0].append(waiter)
+            arrived, self._arrived, enqueue = self._arrived, [], self._enqueue
+        by_pair: dict[Hashable, list[Waiter[Any, Any]]] = {}
+        for key, waiter in arrived:
+            by_pair.setdefault(key, []).append(waiter)
         try:
-            for key, (waiters, enqueue) in by_pair.items():
-                enqueue(key, waiters)
+            if enqueue is not None:  # else none arrived: every member left
+                for key, waiters in by_pair.items():
+                    enqueue(key, waiters)
         finally:
             self._let_go.set()

@@ -191,15 +191,15 @@ class EngineCalls:
         """`later`: where the pull leaves work for after its answer (the caller runs it once the answer is
         out, then `run_later`); None: it runs before this returns. `batch_reads`: a PullBatch member's,
         its batch's staged reads, which go together."""
-        check_id("engine_id", request.engine_id)
-        check_id("params.request_id", request.params.request_id)
-        check_id("params.engine_id", request.params.engine_id)
-        # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
-        # their own rank); no ranks means every rank registered now.
-        ranks = list(request.ranks) or self._engines.ranks_of(request.engine_id)
         try:
+            check_id("engine_id", request.engine_id)
+            check_id("params.request_id", request.params.request_id)
+            check_id("params.engine_id", request.params.engine_id)
+            # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
+            # their own rank); no ranks means every rank registered now.
+            ranks = list(request.ranks) or self._engines.ranks_of(request.engine_id)
             ticket = self._pulls.begin(request.engine_id, request.params.request_id, ranks)
-        except BaseException:
+        except BaseException:  # refused before it had a ticket: its batch's reads need not wait for it
             if batch_reads is not None:
                 batch_reads.leave(None)
             raise
