@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -220,6 +220,18 @@ class _ForkServer:
 _fork_server: _ForkServer | None = None
 # What the fork server starts: the modules whose imports it holds (forkserver.PRELOAD).
 FORKED_MODULES = frozenset({"kv_sidecar", "kv_sidecar.refengine"})
+
+
+@contextlib.contextmanager
+def from_scratch() -> Iterator[None]:
+    """Processes started in the block start as `python -m` would, without the fork server: a restart
+    that takes a real process's start-up (seconds), where a test's timing depends on it."""
+    global _fork_server
+    kept, _fork_server = _fork_server, None
+    try:
+        yield
+    finally:
+        _fork_server = kept
 
 
 def use_fork_server(on: bool = True) -> None:
