@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
+import torch
 
-from kv_sidecar.transport.nixl_driver import PARK, NixlDriver
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, TransferError
 
 _PR_GET_TIMERSLACK = 30
 
@@ -81,3 +84,76 @@ def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.001)
+
+
+# A peer sidecar's NIXL agent in a process of its own (two agents of one process do not reach each
+# other's memory over UCX): it registers 64 bytes of value `fill` and prints its metadata and address.
+_PEER = """
+import sys, torch
+from kv_sidecar.transport.nixl_driver import NixlDriver
+buf = torch.full((64,), int(sys.argv[2]), dtype=torch.uint8)
+d = NixlDriver(sys.argv[1], on_notif=lambda agent, msg: None)  # its loop progresses the agent
+d.start()
+d.register([(buf.data_ptr(), 64, 0)])
+print("PEER", d.metadata().hex(), buf.data_ptr(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _peer(name: str, fill: int) -> tuple[subprocess.Popen[str], bytes, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PEER, name, str(fill)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = ""
+    while not line.startswith("PEER "):  # NIXL logs to stdout too
+        line = proc.stdout.readline()
+        assert line, "the peer process ended"
+    _, blob, addr = line.split()
+    return proc, bytes.fromhex(blob), int(addr)
+
+
+def test_a_peer_loaded_again_under_its_name_voids_the_lists_prepared_against_its_old_agent() -> None:
+    """A peer sidecar restarted under the same id: NIXL refuses lists prepared against its old agent
+    ("prepped descriptor lists must be re-created"), so loading it again releases them and bumps the
+    agent's generation (server/nixl_reads.py keys its lists on it), and a list prepared again reads
+    the new peer's memory."""
+    dst = torch.zeros(64, dtype=torch.uint8)
+    local_table = np.array([[dst.data_ptr(), 64, 0]], dtype=np.uint64)
+    one = np.array([0])
+    reader = NixlDriver("generation-reader", on_notif=lambda agent, msg: None)
+    reader.start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        reader.register([(dst.data_ptr(), 64, 0)])
+        local = reader.prep_dlist("", local_table)
+        first, blob, addr = _peer("generation-peer", 3)
+        procs.append(first)
+        assert reader.add_remote(blob, "generation-peer") == "generation-peer"
+        assert reader.add_remote(blob, "generation-peer") == "generation-peer"  # the same blob: no change
+        assert reader.generation("generation-peer") == 0
+        old = reader.prep_dlist("generation-peer", np.array([[addr, 64, 0]], dtype=np.uint64))
+        reader.read_prepped(local, one, old, one, b"", 10).result(timeout=10)
+        assert (dst == 3).all()
+
+        first.kill()
+        first.wait()
+        second, blob, addr = _peer("generation-peer", 7)
+        procs.append(second)
+        dst.zero_()
+        assert reader.add_remote(blob, "generation-peer") == "generation-peer"
+        assert reader.generation("generation-peer") == 1
+        with pytest.raises(TransferError, match="loaded again"):
+            reader.read_prepped(local, one, old, one, b"", 10).result(timeout=10)
+        assert not dst.any(), "a refused read wrote nothing"
+        again = reader.prep_dlist("generation-peer", np.array([[addr, 64, 0]], dtype=np.uint64))
+        reader.read_prepped(local, one, again, one, b"", 10).result(timeout=10)
+        assert (dst == 7).all()
+    finally:
+        reader.stop()
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -86,7 +86,7 @@ class NixlReads:
         self._merge = merge
         self._staging = Staging(nixl, metrics, staging_bytes)
         self._dlist_lock = threading.Lock()
-        self._remote_dlists: dict[tuple[str, str, int, tuple[int, ...]], int] = {}
+        self._remote_dlists: dict[tuple[str, int, str, int, tuple[int, ...]], int] = {}
 
     def wait(self, fut: Future[None], halt: Halt) -> None:
         while True:
@@ -109,9 +109,13 @@ class NixlReads:
                 raise SidecarError(Code.UNAVAILABLE, f"transfer from peer failed: {e}") from e
 
     def _remote_dlist(self, src: RemoteRank) -> int:
-        key = (src.agent, src.engine_id, src.rank, src.region_bases)
+        # The agent's generation: a peer that restarted under the same name (and, forked alike, maps
+        # its memory at the same addresses) voids the lists prepared against its old agent.
+        key = (src.agent, self._nixl.generation(src.agent), src.engine_id, src.rank, src.region_bases)
         with self._dlist_lock:
             if key not in self._remote_dlists:
+                for stale in [k for k in self._remote_dlists if k[0] == src.agent and k[1] != key[1]]:
+                    del self._remote_dlists[stale]  # the driver released them when it loaded the agent again
                 table = descriptor_table(chunk_geometry(src.spec), list(src.region_bases))
                 self._remote_dlists[key] = self._nixl.prep_dlist(src.agent, table)
             return self._remote_dlists[key]

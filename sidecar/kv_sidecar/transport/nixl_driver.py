@@ -120,6 +120,10 @@ class _Inflight:
     release: list[Any] = field(default_factory=list)
 
 
+def _decoded(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
 class NixlDriver:
     """Owns the NIXL agent; all methods are safe to call from any thread."""
 
@@ -154,6 +158,11 @@ class NixlDriver:
         self._next_reg = 0
         self._remotes: set[str] = set()
         self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
+        self._full_md: dict[str, bytes] = {}  # the metadata add_remote last loaded, per agent
+        # Bumped whenever what NIXL knows of a remote agent changes: NIXL refuses descriptor lists
+        # prepared before ("prepped descriptor lists must be re-created"), so callers key theirs on it.
+        self._generations: dict[str, int] = {}
+        self._dlist_agents: dict[int, str] = {}
         # The staged protocol (server/staged_reader.py, staged_source.py): functions run every loop turn on this
         # thread, and notification listeners by message prefix (all of one length).
         self._pollers: list[Poller] = []
@@ -386,22 +395,54 @@ class NixlDriver:
         return self.call(lambda a: a.get_agent_metadata())
 
     def add_remote(self, metadata: bytes, expected_name: str = "") -> str:
+        """Load a peer's full metadata (a handshake's); the same blob again is a no-op. A peer that
+        restarted under the same name replaces the old agent, and every descriptor list prepared
+        against it is released: `generation(name)` tells callers to prepare theirs again."""
+
         def add(a: Any) -> str:
+            if expected_name and self._full_md.get(expected_name) == metadata:
+                return expected_name
             try:
-                name = a.add_remote_agent(metadata)
+                name = _decoded(a.add_remote_agent(metadata))
             except Exception:
                 if expected_name not in self._remotes:
                     raise
-                # The peer restarted under the same name with new metadata: replace the old agent.
-                log.info("replacing NIXL remote agent %s (the peer restarted)", expected_name)
-                a.remove_remote_agent(expected_name)
-                self._remotes.discard(expected_name)
-                name = a.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else name
+                name = self._replace(a, expected_name, metadata)
+            else:
+                if name in self._full_md:  # loaded again with more memory: NIXL voids prepared lists
+                    self._invalidate(name)
+            self._full_md[name] = metadata
             self._remotes.add(name)
             return name
 
         return self.call(add)
+
+    def generation(self, agent_name: str) -> int:
+        """How many times what NIXL knows of `agent_name` changed (read without the driver thread)."""
+        return self._generations.get(agent_name, 0)
+
+    def _replace(self, a: Any, name: str, metadata: bytes) -> str:
+        """On the driver thread: NIXL refused new connection info for an agent it knows, so the peer
+        restarted under the same name. Drop the old agent and all loaded or prepared against it."""
+        log.info("replacing NIXL remote agent %s (the peer restarted)", name)
+        a.remove_remote_agent(name)
+        self._remotes.discard(name)
+        self._remote_md.pop(name, None)
+        self._full_md.pop(name, None)
+        self._invalidate(name)
+        return _decoded(a.add_remote_agent(metadata))
+
+    def _invalidate(self, name: str) -> None:
+        """On the driver thread: `name` was loaded again; lists prepared against it are void."""
+        self._generations[name] = self._generations.get(name, 0) + 1
+        for key in [k for k, agent in self._dlist_agents.items() if agent == name]:
+            del self._dlist_agents[key]
+            h = self._dlists.pop(key, None)
+            if h is not None:
+                try:
+                    h.release()
+                except Exception:
+                    log.debug("could not release a list prepared against %s", name, exc_info=True)
 
     def register(self, regions: list[tuple[int, int, int]], mem_type: str = "DRAM") -> int:
         """Register (address, length, device) regions; returns a key for deregister."""
@@ -434,6 +475,8 @@ class NixlDriver:
             key = self._next_reg
             self._next_reg += 1
             self._dlists[key] = handle
+            if agent_name:
+                self._dlist_agents[key] = agent_name
             return key
 
         return self.call(prep)
@@ -441,6 +484,7 @@ class NixlDriver:
     def release_dlist(self, key: int) -> None:
         def rel(a: Any) -> None:
             h = self._dlists.pop(key, None)
+            self._dlist_agents.pop(key, None)
             if h is not None:
                 h.release()
 
@@ -459,6 +503,10 @@ class NixlDriver:
         done: Future[None] = Future()
 
         def post(a: Any) -> None:
+            if remote not in self._dlists:
+                raise TransferError(
+                    "the peer's NIXL agent was loaded again (it restarted) since this read was planned"
+                )
             handle = a.make_prepped_xfer(
                 "READ",
                 self._dlists[local],
@@ -592,14 +640,18 @@ class NixlDriver:
             return
 
         def load(a: Any) -> str:
-            got = a.add_remote_agent(metadata)
-            got = got.decode() if isinstance(got, bytes) else got
+            try:
+                got = _decoded(a.add_remote_agent(metadata))
+            except Exception:
+                if name not in self._remotes:
+                    raise
+                got = self._replace(a, name, metadata)
             self._remotes.add(got)
             blobs = self._remote_md.setdefault(got, set())
             if len(blobs) >= 16:  # one per ring of the peer; more means it restarted: forget the old
                 blobs.clear()
             blobs.add(metadata)
-            return str(got)
+            return got
 
         got = self.call(load)
         if got != name:
