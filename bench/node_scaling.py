@@ -465,6 +465,15 @@ class Node:
                 / span
                 for name in sidecars
                 if after_kids[name]
+            }
+            | {
+                # ... and the busiest of them (staged_workers: a GPU's worker carries its transfers).
+                f"{name} busiest child": 100.0
+                * max(t - before_kids[name].get(k, 0) for k, t in after_kids[name].items())
+                / HZ
+                / span
+                for name in sidecars
+                if after_kids[name]
             },
             threads={
                 name: thread_cpu(before_threads[name], after_threads[name], python_thread_names(pid), span)

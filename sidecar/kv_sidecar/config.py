@@ -26,6 +26,7 @@ class Settings:
     host_transfer: str = "read"
     host_read_merge: bool = False
     device_workers: bool = False
+    staged_workers: bool = False
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
@@ -73,6 +74,12 @@ class Settings:
         "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
         "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "
         'paths still run in the sidecar (docs/gpu.md, "Node scaling")',
+        "staged_workers": "run each device's staged transfers (gpu-staged, host-ring: its rings, gathers, "
+        "scatters, NIXL WRITEs and credits) in a worker process of its own with its own NIXL agent "
+        "(<sidecar_id>/gpu<N>, <sidecar_id>/host), so that GPUs stop queuing on the sidecar's one "
+        "interpreter; the sidecar keeps the control (checks, plans, Pushes, answers). Peers handshake the "
+        "workers' agents; with a peer from before workers the transfer runs in the sidecar. A worker that "
+        "dies fails its transfers (UNAVAILABLE, naming the blocks) and is restarted",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
         "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "

@@ -140,6 +140,47 @@ def test_cross_sidecar_staged_ring(pair: tuple[SidecarProcess, SidecarProcess], 
     run_case(a.socket, b.socket, name, "gpu-staged")
 
 
+@pytest.fixture(scope="module")
+def worker_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
+    extra = [*SMALL_RINGS, "--staged-workers", "true"]
+    a, b = SidecarProcess("gpu-sw-prefill", extra=extra), SidecarProcess("gpu-sw-decode", extra=extra)
+    yield a, b
+    assert (a.stop(), b.stop()) == (0, 0), "\n".join([*a.stderr_tail, *b.stderr_tail])
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "tp1_to_tp2", "tp2_to_tp1", "nhd_to_hnd", "block16_to_32"])
+def test_cross_sidecar_staged_ring_in_staged_workers(
+    worker_pair: tuple[SidecarProcess, SidecarProcess], name: str
+) -> None:
+    """staged_workers: each GPU's worker process, with its own NIXL agent and rings, gathers, WRITEs and
+    scatters (prefill ranks on both GPUs: two workers a side); exact as the sidecar's own
+    (tests/e2e/test_staged_workers.py kills one mid-transfer, host rings)."""
+    a, b = worker_pair
+    run_case(a.socket, b.socket, name, "gpu-staged")
+
+
+def test_concurrent_staged_pulls_in_staged_workers(
+    worker_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    a, b = worker_pair
+    errors: list[BaseException] = []
+
+    def one(name: str) -> None:
+        try:
+            run_case(a.socket, b.socket, name, "gpu-staged")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=one, args=(n,)) for n in ["homogeneous", "nhd_to_hnd", "tp1_to_tp2"] * 2
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+
+
 def test_bad_block_id_fails_cleanly_and_the_sidecar_keeps_serving(
     pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:

@@ -187,8 +187,11 @@ class Receive:
     spec: EngineSpec  # the reader's (decode) spec
     heads: tuple[int, int] | None
     tokens: Tokens
-    source_agent: str
+    source_agent: str  # the agent whose chunks arrive, and which our credits go to
     transfer_id: str
+    # Its metadata, for a reception in a worker (staged_workers), whose own agent must load it to send
+    # credits; empty: loaded already (the sidecar's agent loaded it at handshake).
+    source_metadata: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,7 @@ class ReceiveSlots:
     metadata: bytes  # NIXL partial metadata of the ring
     memory_kind: str
     device_id: int
+    agent: str = ""  # the NIXL agent that owns the ring (a worker's, with staged_workers)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ from kv_sidecar.dataplane.jobs import (
 from kv_sidecar.dataplane.nixl_reads import NixlReads, PostedRead
 from kv_sidecar.dataplane.ranks import MappedRanks
 from kv_sidecar.dataplane.receive import Reception
-from kv_sidecar.dataplane.rings import Ring, new_ring
+from kv_sidecar.dataplane.rings import Ring, new_ring, slot_bytes_for
 from kv_sidecar.dataplane.send import Transmission
+from kv_sidecar.dataplane.staged_workers import WorkerReception, WorkerTransmission, receive_in
 from kv_sidecar.dataplane.workers import CopyWorkers
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
@@ -49,7 +50,16 @@ from kv_sidecar.transport.notifications import SEP, TRANSFER_TAG
 # The door: what the control core may use of the data plane (with dataplane/jobs.py, the values it
 # hands over, and dataplane/staged_protocol.py, the protocol's pure bookkeeping). tests/server/
 # test_layering.py holds the core to it.
-__all__ = ["DataPlane", "DevicePlane", "MappedRanks", "PostedRead", "Reception", "Transmission"]
+__all__ = [
+    "DataPlane",
+    "DevicePlane",
+    "MappedRanks",
+    "PostedRead",
+    "Reception",
+    "Transmission",
+    "WorkerReception",
+    "WorkerTransmission",
+]
 
 # Block ids uploaded at Publish, freed when the request's record goes (`forget_ids`), and kept for that
 # many requests at most should the record outlive that (the oldest go first; a gather that finds none
@@ -101,7 +111,9 @@ class DevicePlane:
     def blocks_per_chunk(self, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
         """How many of the reader's blocks one chunk carries: as many as both sides' slots hold."""
         per_block = gpu.staging_bytes(reader_spec, 1)
-        cap = min(self.ring("send").slot_bytes, *slot_lengths)
+        # From the settings, not the ring: with staged_workers the send ring is the worker's.
+        ours = slot_bytes_for(self._settings.gpu_staging_bytes, self._settings.gpu_staging_slots)
+        cap = min(ours, *slot_lengths)
         if cap < per_block:
             raise SidecarError(
                 Code.RESOURCE_EXHAUSTED,
@@ -131,8 +143,14 @@ class DataPlane:
             OrderedDict()
         )
         self._uploader: ThreadPoolExecutor | None = None
-        # Local copies in a process per device (dataplane/workers.py), or here.
-        self.workers = CopyWorkers(metrics) if settings.device_workers else None
+        # Local copies, staged transfers or both in a process per device (dataplane/workers.py), or here.
+        self.staged_workers = settings.staged_workers
+        staged = (nixl.name, settings) if settings.staged_workers else None
+        self.workers = CopyWorkers(metrics, staged) if settings.device_workers or staged else None
+        # Host ranks go to the host's worker where it copies them or runs their (host-ring) transfers.
+        self._host_workers = settings.device_workers or (
+            staged is not None and settings.host_transfer == "ring"
+        )
 
     def device(self, device: int) -> DevicePlane:
         with self._lock:
@@ -144,7 +162,10 @@ class DataPlane:
             return plane
 
     def _ready_device(self, device: int) -> None:
-        """Allocate and register both rings of a GPU before any peer handshakes for its engines."""
+        """Allocate and register both rings of a GPU before any peer handshakes for its engines (the
+        worker's, with staged_workers: its agent's first answer, asked at handshake)."""
+        if self.staged_workers:
+            return
         plane = self.device(device)
         plane.ring("send")
         plane.ring("recv")
@@ -158,7 +179,7 @@ class DataPlane:
     # -- memory ---------------------------------------------------------------------
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
         memory = self.ranks.attach_host(key, spec, tensors)
-        if self.workers is not None:
+        if self.workers is not None and self._host_workers:
             self.workers.attach_host(key, spec, tensors)
         return memory
 
@@ -180,7 +201,7 @@ class DataPlane:
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
         """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
         the decode device's worker process where there are workers."""
-        if self.workers is not None and job.reads:
+        if self.workers is not None and self._settings.device_workers and job.reads:
             return self.workers.copy(self._device_of(job.reads[0].dst), job, halt)
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
@@ -206,19 +227,45 @@ class DataPlane:
     def read_converted(self, job: ConvertedRead, halt: Halt) -> int:
         return self._reads.read_converted(job, halt)
 
-    def receive(self, job: Receive, halt: Halt) -> Reception | None:
+    def receive(
+        self, job: Receive, halt: Halt, in_worker: bool = False
+    ) -> Reception | WorkerReception | None:
         """The receiving end of a staged transfer into `job.dst`, its slots taken; None if the job moves
-        nothing. Raises RESOURCE_EXHAUSTED if a slot cannot hold one block."""
-        return self.device(self._device_of(job.dst)).receive(job, halt)
+        nothing. Raises RESOURCE_EXHAUSTED if a slot cannot hold one block. `in_worker` (with
+        staged_workers): in the device's worker, whose agent the source then WRITEs to."""
+        device = self._device_of(job.dst)
+        if in_worker and self.workers is not None and self.staged_workers:
+            return receive_in(self.workers.get(device), job, halt)
+        return self.device(device).receive(job, halt)
+
+    def worker_agent(self, key: RankKey) -> tuple[str, bytes] | None:
+        """The NIXL agent (name, metadata) that runs staged transfers of rank `key` (staged_workers), or
+        None: this sidecar's own. Starts the worker, and its rings, if they are not yet."""
+        if self.workers is None or not self.staged_workers:
+            return None
+        device = self._device_of(key)
+        if device == HOST and not self._host_workers:
+            return None
+        return self.workers.get(device).agent()
 
     def blocks_per_chunk(self, src: RankKey, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
         """How many of the reader's blocks one chunk of a transfer out of `src` carries; RESOURCE_EXHAUSTED
         if a slot (ours or the reader's) cannot hold one."""
         return self.device(self._device_of(src)).blocks_per_chunk(reader_spec, slot_lengths)
 
-    def send(self, job: Send) -> Transmission:
-        """The sending end of a staged transfer out of `job.src`; `Transmission.run` moves it."""
+    def send(self, job: Send, in_worker: bool = False) -> Transmission | WorkerTransmission:
+        """The sending end of a staged transfer out of `job.src`; `run` moves it. `in_worker`: in the
+        source device's worker (the reader expects the chunks from its agent); FAILED_PRECONDITION
+        without staged_workers (this sidecar restarted without them since the reader's handshake)."""
         device = self._device_of(job.src)
+        if in_worker:
+            if self.workers is None or not self.staged_workers or (device == HOST and not self._host_workers):
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    "the reader expects this transfer from a staged worker, and this sidecar runs none for "
+                    "the rank (staged_workers is off): its handshake is out of date, it handshakes again",
+                )
+            return WorkerTransmission(self.workers.get(device), job)
         return self.device(device).send(job, self._uploaded(job, device))
 
     # -- block ids, uploaded ahead of a gather ----------------------------------------
@@ -230,7 +277,7 @@ class DataPlane:
         path, and a reader asks only after the prefill engine's Publish has returned, which does not
         wait for it. A gather that finds it unfinished uploads its own."""
         devices = {self.ranks.gpu(k).device for k in ranks if self.ranks.is_gpu(k)}
-        if not devices:
+        if not devices or self.staged_workers:  # a worker's gather uploads its own
             return
         with self._lock:
             if self._uploader is None:

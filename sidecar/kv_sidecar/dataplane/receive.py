@@ -144,7 +144,12 @@ class Reception:
     def slots(self) -> ReceiveSlots:
         r = self._ring
         return ReceiveSlots(
-            tuple(r.slot_address(s) for s in self._slots), r.slot_bytes, r.metadata, r.mem_type, r.nixl_device
+            tuple(r.slot_address(s) for s in self._slots),
+            r.slot_bytes,
+            r.metadata,
+            r.mem_type,
+            r.nixl_device,
+            self._nixl.name,
         )
 
     @property

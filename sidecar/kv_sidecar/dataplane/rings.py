@@ -59,13 +59,19 @@ class Ring:
         return self.buffer.data_ptr() + slot * self.slot_bytes
 
 
+def slot_bytes_for(total_bytes: int, slots: int) -> int:
+    """A slot of a ring of `slots` (at least 1) when both rings share `total_bytes`: what a ring that
+    process or another (a staged worker's) allocates from the same settings."""
+    return (total_bytes // 2 // max(1, slots)) // ALIGN * ALIGN
+
+
 def new_ring(
     device: int, role: str, total_bytes: int, slots: int, nixl: NixlDriver, metrics: Metrics
 ) -> Ring:
     """Allocate and register one ring of `device` ("send" or "recv": only a receive ring's metadata
     goes to peers). `total_bytes` is both rings' share: each ring gets half."""
     slots = max(1, slots)
-    slot_bytes = (total_bytes // 2 // slots) // ALIGN * ALIGN
+    slot_bytes = slot_bytes_for(total_bytes, slots)
     if slot_bytes <= 0:
         raise ValueError(f"gpu_staging_bytes {total_bytes} is too small for {slots} slots")
     where = torch.device("cpu") if device == HOST else torch.device("cuda", device)

@@ -1,4 +1,5 @@
-"""Local copies in one worker process per device (`device_workers`; docs/gpu.md, "Node scaling").
+"""A worker process per device: its local copies (`device_workers`) and its staged transfers
+(`staged_workers`, dataplane/staged_workers.py); docs/gpu.md, "Node scaling".
 
 One sidecar interpreter serving every GPU of a node is what bounds it under load (issue 32): its GIL
 queues every device's copies behind each other. With `device_workers` on, each device's local copies
@@ -9,7 +10,8 @@ data over a pipe; the worker maps the memory itself and answers bytes copied or 
 A worker that dies fails the copies it held (UNAVAILABLE, naming the blocks they did not fill) and is
 started again with every rank attached again; the sidecar stays up. A copy that outlives its deadline
 by KILL_AFTER_S has its worker killed: nothing of ours writes into an engine's cache after the pull
-answered. The staged and NIXL paths still run in the sidecar's own process.
+answered. With `staged_workers` the worker also owns a NIXL agent and the device's rings and runs its
+staged transfers (dataplane/staged_workers.py); NIXL READs (host-nixl) still run in the sidecar.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from kv_sidecar.config import Settings
 from kv_sidecar.dataplane import local_copies
-from kv_sidecar.dataplane.jobs import HOST, Halt, IpcTensorRef, LocalCopy, RankKey, ShmTensor
-from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
+from kv_sidecar.dataplane.jobs import HOST, Halt, IpcTensorRef, LocalCopy, RankKey, Receive, Send, ShmTensor
+from kv_sidecar.dataplane.staged_workers import Deadline, StagedServer, decode_error, encode_error
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.spec import EngineSpec
 
@@ -40,26 +44,17 @@ KILL_AFTER_S = 5.0
 WORKER_THREADS = 4
 
 _Memory = tuple[EngineSpec, bool, list[ShmTensor] | list[IpcTensorRef]]
+_Job = LocalCopy | Receive | Send | None  # what a message's failure names
 
 
-class _Deadline:
-    """A job's `Halt` inside the worker: its deadline (time.monotonic is one clock for every process)."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-
-    def remaining(self) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise SidecarError(Code.DEADLINE_EXCEEDED, "the pull's deadline passed during its copy")
-        return left
-
-
-def _serve(conn: multiprocessing.connection.Connection) -> None:  # the worker process
-    """Attach and detach ranks in order, run copies on a few threads, answer each message once."""
+def _serve(
+    conn: multiprocessing.connection.Connection, device: int, staged: tuple[str, Settings] | None
+) -> None:  # the worker process
+    """Attach and detach ranks in order, run copies on a few threads, answer each message once; with
+    `staged` (its agent's name, the settings), the device's staged transfers too (staged_workers.py)."""
     from kv_sidecar.dataplane.ranks import MappedRanks
 
-    ranks = MappedRanks(None)  # no NIXL: a local copy never registers memory
+    ranks = MappedRanks(None)  # no NIXL: neither a local copy nor a staged one registers engine memory
     send_lock = threading.Lock()
     pool = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="copy")
 
@@ -71,13 +66,15 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:  # the worker p
         try:
             answer(msg_id, True, fn(*args))
         except Exception as e:
-            err = as_sidecar_error(e)
-            answer(msg_id, False, (int(err.code), err.message))
+            answer(msg_id, False, encode_error(e))
+
+    server = None if staged is None else StagedServer(device, staged[0], staged[1], ranks, answer)
 
     def copy(job: LocalCopy, deadline: float) -> int:
+        halt = Deadline(deadline, "the pull's deadline passed during its copy")
         if job.reads and ranks.is_gpu(job.reads[0].dst):
-            return local_copies.copy_gpu(ranks, job, _Deadline(deadline))
-        return local_copies.copy_host(ranks, job, _Deadline(deadline))
+            return local_copies.copy_gpu(ranks, job, halt)
+        return local_copies.copy_host(ranks, job, halt)
 
     def attach(key: RankKey, spec: EngineSpec, gpu: bool, memory: Any) -> None:
         if gpu:
@@ -96,21 +93,33 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:  # the worker p
             run(msg_id, attach, *args)
         elif kind == "detach":
             run(msg_id, ranks.detach, *args)
-        else:  # "quit"
+        elif kind == "quit":
             break
+        elif server is None or not server.handle(kind, msg_id, tuple(args)):
+            answer(
+                msg_id,
+                False,
+                ("error", int(Code.INTERNAL), f"a worker without staged transfers got {kind!r}"),
+            )
     pool.shutdown(wait=True)
+    if server is not None:
+        server.close()
     ranks.close()
 
 
 class CopyWorker:
     """The sidecar's handle on one device's worker process: starts it, restarts it when it dies."""
 
-    def __init__(self, device: int, metrics: Metrics) -> None:
+    def __init__(self, device: int, metrics: Metrics, staged: tuple[str, Settings] | None = None) -> None:
+        """staged: the worker runs the device's staged transfers too, on a NIXL agent of that name."""
         self.device = device
         self._metrics = metrics
+        self._staged = staged
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[Future[Any], LocalCopy | None]] = {}
+        self._pending: dict[int, tuple[Future[Any], _Job]] = {}
+        self._agent: Future[tuple[str, bytes]] | None = None  # this incarnation's agent and metadata
+        self.incarnation = 0  # processes started before this one: what a job ran in is gone once it moved on
         self._ranks: dict[RankKey, _Memory] = {}  # attached again after a restart
         self._closed = False
         self._proc: Any = None
@@ -126,15 +135,20 @@ class CopyWorker:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA and threads
         parent, child = ctx.Pipe()
         name = "kvs-worker-host" if self.device == HOST else f"kvs-worker-gpu{self.device}"
-        proc = ctx.Process(target=_serve, args=(child,), name=name, daemon=True)
+        proc = ctx.Process(target=_serve, args=(child, self.device, self._staged), name=name, daemon=True)
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
+        self._agent = None
+        self.incarnation += 1
         threading.Thread(target=self._follow, args=(proc, parent), name=f"{name}-follow", daemon=True).start()
         for key, (spec, gpu, memory) in self._ranks.items():
             self._post("attach", None, key, spec, gpu, memory)
 
-    def _post(self, kind: str, job: LocalCopy | None, *args: Any) -> Future[Any]:  # holds self._lock
+    def _post(self, kind: str, job: _Job, *args: Any) -> Future[Any]:  # holds self._lock
+        return self._post_id(kind, job, *args)[1]
+
+    def _post_id(self, kind: str, job: _Job, *args: Any) -> tuple[int, Future[Any]]:  # holds self._lock
         fut: Future[Any] = Future()
         msg_id = next(self._ids)
         self._pending[msg_id] = (fut, job)
@@ -142,13 +156,41 @@ class CopyWorker:
         # A worker that just died: _follow fails this message with the others it held.
         with contextlib.suppress(OSError, ValueError):
             self._conn.send((kind, msg_id, *args))
-        return fut
+        return msg_id, fut
 
-    def _call(self, kind: str, job: LocalCopy | None, *args: Any) -> Future[Any]:
+    def _call(self, kind: str, job: _Job, *args: Any) -> Future[Any]:
+        return self.request(kind, job, *args)[1]
+
+    def request(self, kind: str, job: _Job, *args: Any) -> tuple[int, Future[Any]]:
+        """Send a message that is answered: its id, and the answer's future (failed, naming `job`'s
+        blocks, if the worker dies first)."""
         with self._lock:
             if self._closed:
                 raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
-            return self._post(kind, job, *args)
+            return self._post_id(kind, job, *args)
+
+    def tell(self, kind: str, msg_id: int, *args: Any) -> None:
+        """Send a message nobody waits for (lost with the worker, should it die)."""
+        with self._lock:
+            if self._closed or self._conn is None:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send((kind, msg_id, *args))
+
+    def agent(self, timeout_s: float = 60) -> tuple[str, bytes]:
+        """The NIXL agent of this worker's staged transfers, and its metadata (its rings registered)."""
+        with self._lock:
+            if self._agent is None:
+                if self._closed:
+                    raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+                self._agent = self._post("hello", None)
+            fut = self._agent
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise SidecarError(
+                Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
+            ) from None
 
     def _follow(self, proc: Any, conn: multiprocessing.connection.Connection) -> None:
         """Answer each message's future; when the worker dies, fail what it held and start another."""
@@ -164,8 +206,7 @@ class CopyWorker:
             if ok:
                 fut.set_result(value)
             else:
-                code, message = value
-                fut.set_exception(SidecarError(Code(code), message))
+                fut.set_exception(decode_error(value))
         proc.join(timeout=5)
         with self._lock:
             held, self._pending = self._pending, {}
@@ -236,8 +277,11 @@ class CopyWorkers:
     copy on the decode GPU reads the source rank's memory through its own mapping of it), host ranks
     to the host's."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, staged: tuple[str, Settings] | None = None) -> None:
+        """staged: (the sidecar's agent name, its settings): each worker also runs its device's staged
+        transfers, on an agent named `<name>/gpu<N>` (`<name>/host`)."""
         self._metrics = metrics
+        self._staged = staged
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
         self._gpu_ranks: dict[RankKey, _Memory] = {}
@@ -271,10 +315,19 @@ class CopyWorkers:
         with self._lock:
             return self._workers.get(device)
 
+    def get(self, device: int) -> CopyWorker:
+        """The device's worker, started if it is not yet."""
+        with self._lock:
+            return self._get(device)
+
     def _get(self, device: int) -> CopyWorker:  # holds self._lock
         w = self._workers.get(device)
         if w is None:
-            w = self._workers[device] = CopyWorker(device, self._metrics)
+            staged = None
+            if self._staged is not None:
+                name, settings = self._staged
+                staged = (f"{name}/host" if device == HOST else f"{name}/gpu{device}", settings)
+            w = self._workers[device] = CopyWorker(device, self._metrics, staged)
             if device != HOST:  # a new GPU's worker maps every GPU rank known
                 for key, (spec, gpu, memory) in self._gpu_ranks.items():
                     w.attach(key, spec, gpu, memory)
@@ -287,20 +340,23 @@ class CopyWorkers:
             w.close()
 
 
-def _blocks(job: LocalCopy | None) -> str:
+def _blocks(job: _Job) -> str:
     if job is None:
         return "-"
+    if isinstance(job, Send):
+        return f"none here (transfer {job.transfer_id} out of rank {job.src.rank} of {job.src.engine_id!r})"
     ids = [int(b) for b in job.tokens.dst_blocks]
     return str(ids) if len(ids) <= 16 else f"{ids[:16]} and {len(ids) - 16} more"
 
 
-def _died(device: int, exitcode: int | None, job: LocalCopy | None, closed: bool) -> SidecarError:
+def _died(device: int, exitcode: int | None, job: _Job, closed: bool) -> SidecarError:
     if closed:
         return SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
     where = "the host" if device == HOST else f"GPU {device}"
+    what = "the copy" if job is None or isinstance(job, LocalCopy) else "the staged transfer"
     return SidecarError(
         Code.UNAVAILABLE,
-        f"the data-plane worker of {where} died (exit code {exitcode}) during the copy; it was "
+        f"the data-plane worker of {where} died (exit code {exitcode}) during {what}; it was "
         f"restarted; blocks not filled: {_blocks(job)}",
     )
 

@@ -43,13 +43,17 @@ class _NotLedYet(SidecarError):
     """The leader holds no rank of the engine: its ranks may not have registered yet."""
 
 
-def rank_memory(entry: RankEntry) -> peer_pb2.RankMemory:
-    """What a reader needs to READ one registered rank over NIXL."""
-    return peer_pb2.RankMemory(
+def rank_memory(entry: RankEntry, worker: tuple[str, bytes] | None = None) -> peer_pb2.RankMemory:
+    """What a reader needs to READ one registered rank over NIXL; `worker`: the agent (name, metadata)
+    that runs the rank's staged transfers, if not this sidecar's own (staged_workers)."""
+    msg = peer_pb2.RankMemory(
         rank=entry.rank,
         memory_kind=entry.memory_kind,
         regions=[peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in entry.regions],
     )
+    if worker is not None:
+        msg.worker_agent, msg.worker_agent_metadata = worker
+    return msg
 
 
 class Membership:

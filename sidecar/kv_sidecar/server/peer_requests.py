@@ -6,11 +6,13 @@ PeerServicer (server/adapters/peer_service.py) decodes, calls these, encodes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.dataplane.jobs import RankKey
 from kv_sidecar.errors import Code, SidecarError, check_id
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.server.engines import EngineRegistry, spec_from_proto, spec_to_proto
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto, spec_to_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.membership import Membership, rank_memory
 from kv_sidecar.server.peers import cached_plan
@@ -42,8 +44,10 @@ class PeerRequests:
         push_runs: PushRuns,
         nixl: NixlDriver,
         metrics: Metrics,
+        worker_agents: Callable[[RankKey], tuple[str, bytes] | None] = lambda key: None,
     ) -> None:
-        """notifications: the push_notifications setting (readers get keys to push and open by notification)."""
+        """notifications: the push_notifications setting (readers get keys to push and open by notification).
+        worker_agents: the agent that runs a rank's staged transfers, if not ours (DataPlane.worker_agent)."""
         self._me = identity
         self._notifications = notifications
         self._engines = engines
@@ -57,6 +61,7 @@ class PeerRequests:
         self._push_runs = push_runs
         self._nixl = nixl
         self._metrics = metrics
+        self._worker_agents = worker_agents
 
     def handshake(self, request: peer_pb2.HandshakeRequest, peer: str) -> peer_pb2.HandshakeResponse:
         if request.protocol_version != PROTOCOL_VERSION:
@@ -87,12 +92,23 @@ class PeerRequests:
             agent_metadata=self._nixl.metadata(),
             spec=spec_to_proto(spec),
             plan_hash=plan.hash(),
-            ranks=[rank_memory(e) for e in ranks],
+            ranks=[rank_memory(e, self._worker_agent(e)) for e in ranks],
             members=self._membership.members(request.engine_id),
             push_key=self._push_key(request, peer),
             push_members=True,  # server/staged_source.py takes Pushes of several requests
             push_members_v2=True,  # ... each from its own start, decode blocks a multiple of ours
+            staged_workers=True,  # server/staged_source.py takes reader_worker_agent and source_in_worker
         )
+
+    def _worker_agent(self, entry: RankEntry) -> tuple[str, bytes] | None:
+        """The rank's worker agent; None (our own agent, the transfer then runs here) if it cannot start."""
+        try:
+            return self._worker_agents(entry.key)
+        except SidecarError as e:
+            log.warning(
+                "rank %s of %s: its staged transfers run in the sidecar: %s", entry.rank, entry.engine_id, e
+            )
+            return None
 
     def _push_key(self, request: peer_pb2.HandshakeRequest, peer: str) -> bytes:
         """The reader's push key: its Pushes and opens may then go as notifications too, which we poll

@@ -38,6 +38,7 @@ class Holder:
     sidecar_id: str
     address: str
     agent_name: str
+    agent_metadata: bytes = field(default=b"", repr=False)
 
 
 @dataclass
@@ -60,10 +61,26 @@ class RemoteEngine:
     # members that start past token 0 (PushMember.start_token), and decode blocks a multiple of its own.
     push_members: bool = False
     push_members_v2: bool = False
+    # The peer takes PushRequest.reader_worker_agent and source_in_worker; and for its ranks whose
+    # staged transfers run in a worker (staged_workers), that worker's agent and metadata.
+    staged_workers: bool = False
+    workers: dict[int, tuple[str, bytes]] = field(default_factory=dict)
+    agent_metadata: bytes = field(default=b"", repr=False)
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
         return holder.agent_name if holder is not None else self.agent_name
+
+    def sender_of(self, rank: int) -> tuple[str, bytes, bool]:
+        """Where a staged transfer out of `rank` comes from: the agent, its metadata, and whether it
+        is the rank's worker (else its sidecar's own agent)."""
+        worker = self.workers.get(rank)
+        if worker is not None:
+            return worker[0], worker[1], True
+        holder = self.holders.get(rank)
+        if holder is not None:
+            return holder.agent_name, holder.agent_metadata or self.agent_metadata, False
+        return self.agent_name, self.agent_metadata, False
 
     def remote_rank(self, rank: int) -> RemoteRank:
         """A source rank as the data plane reads it; FAILED_PRECONDITION if the peer does not hold it."""
@@ -280,16 +297,23 @@ class Peers:
             memory_kind=resp.ranks[0].memory_kind if resp.ranks else "DRAM",
             push_members=resp.push_members,
             push_members_v2=resp.push_members_v2,
+            staged_workers=resp.staged_workers,
+            workers={r.rank: (r.worker_agent, r.worker_agent_metadata) for r in resp.ranks if r.worker_agent},
+            agent_metadata=resp.agent_metadata,
         )
-        leader = Holder(resp.sidecar_id, link.address, agent)
+        leader = Holder(resp.sidecar_id, link.address, agent, resp.agent_metadata)
         remote.holders = {r.rank: leader for r in resp.ranks}
         for m in resp.members:  # a multi-node engine: the rank->sidecar map (docs/multinode.md)
             # Our own ranks need no NIXL connection; routing refuses to read them over the wire.
             member_agent = m.agent_name if m.sidecar_id == me else nixl.add_remote(m.agent_metadata)
-            holder = Holder(m.sidecar_id, m.peer_address, member_agent)
+            holder = Holder(m.sidecar_id, m.peer_address, member_agent, m.agent_metadata)
             for r in m.ranks:
                 remote.holders[r.rank] = holder
                 remote.regions[r.rank] = [g.address for g in r.regions]
+                if r.worker_agent:
+                    remote.workers[r.rank] = (r.worker_agent, r.worker_agent_metadata)
+                else:
+                    remote.workers.pop(r.rank, None)
         metrics.handshakes.labels("ok").inc()
         metrics.handshake_duration.observe(time.perf_counter() - start)
         log.info(

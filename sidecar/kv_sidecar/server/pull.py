@@ -329,6 +329,12 @@ class Puller:
             if opened_on:
                 self._opener.close_reads(opened_on, req, ranks, failed=True, release=release)
             if retry:
+                log.warning(
+                    "pull of %r from %s failed (%s): handshake again and retry once",
+                    p.request_id,
+                    p.sidecar_address,
+                    e,
+                )
                 raise _Retry() from e
             raise
 

@@ -171,6 +171,7 @@ class Sidecar:
             push_runs,
             nixl,
             metrics,
+            plane.worker_agent,
         )
         self.status = StatusReport(
             me,

@@ -21,7 +21,7 @@ import numpy as np
 
 from kv_sidecar.dataplane import staged_protocol as sp
 from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Halt, Receive, Tokens
-from kv_sidecar.dataplane.plane import DataPlane, Reception
+from kv_sidecar.dataplane.plane import DataPlane, Reception, WorkerReception
 from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
@@ -75,7 +75,7 @@ class _PushCall:
         link: PeerLink,
         req: peer_pb2.PushRequest,
         halt: Halt,
-        reception: Reception,
+        reception: Reception | WorkerReception,
     ) -> None:
         self.threads = threads
         self.metrics = metrics
@@ -308,7 +308,17 @@ class StagedReader:
             else repr(job.params.request_id)
         )
         tid = sp.new_transfer_id()
-        rx = self._plane.receive(Receive(entry.key, job.plan.decode, heads, tokens, agent, tid), halt)
+        # The chunks come from the source rank's worker where its handshake named one (staged_workers),
+        # else from its sidecar; ours arrive in our worker where we run them and the source knows how.
+        sender, sender_md, from_worker = remote.sender_of(src_rank)
+        in_worker = self._plane.staged_workers and remote.staged_workers
+        if from_worker and not in_worker:
+            self._nixl.load_remote(sender, sender_md)  # our own agent sends it credits
+        rx = self._plane.receive(
+            Receive(entry.key, job.plan.decode, heads, tokens, sender, tid, sender_md if in_worker else b""),
+            halt,
+            in_worker,
+        )
         if rx is None:
             return 0  # a prefix hit covering the whole request: nothing to move
         self._metrics.staged_transfer_reads.observe(len(reads))
@@ -336,6 +346,8 @@ class StagedReader:
                 slots=[peer_pb2.PushSlot(address=a, length=slots.slot_bytes) for a in slots.addresses],
                 timeout_ms=max(1, int(halt.remaining() * 1000)),
                 notified=bool(key),
+                reader_worker_agent=slots.agent if in_worker else "",
+                source_in_worker=from_worker,
             )
             if group:
                 req.members.extend(
@@ -388,7 +400,7 @@ class StagedReader:
                 rx.close(False, None if call is None else _confirmation(call))
 
 
-def _receive(halt: Halt, rx: Reception, push: _PushCall, address: str, label: str) -> int:
+def _receive(halt: Halt, rx: Reception | WorkerReception, push: _PushCall, address: str, label: str) -> int:
     """Scatter chunks as their notifications arrive, until the transfer is complete."""
     grace: float | None = None
     while True:
@@ -425,7 +437,7 @@ def _push_error(e: PeerCallError, address: str, label: str) -> SidecarError:
     return e.explain(address, f"to push request {label}")
 
 
-def _stop_source(rx: Reception, push: _PushCall) -> Any:
+def _stop_source(rx: Reception | WorkerReception, push: _PushCall) -> Any:
     """Ask the source to stop; the Push call whose answer confirms it, None if none could be sent."""
     if push.call is None or not push.call.done():
         rx.stop_source()

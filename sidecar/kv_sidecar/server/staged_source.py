@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kv_sidecar.dataplane import staged_protocol as sp
 from kv_sidecar.dataplane.jobs import Send
-from kv_sidecar.dataplane.plane import DataPlane, Transmission
+from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import check_tokens
@@ -287,7 +287,7 @@ class StagedSource:
         stopped = threading.Event()
         context.add_callback(stopped.set)  # the call ended: the reader went away (or we answered)
 
-        tx: Transmission = self._plane.send(
+        tx = self._plane.send(
             Send(
                 src_entry.key,
                 reader_spec,
@@ -299,12 +299,13 @@ class StagedSource:
                 req.start_token,
                 tuple(chunks),
                 req.transfer_id,
-                req.reader_agent,
+                req.reader_worker_agent or req.reader_agent,  # where the chunks go, credits come from
                 req.reader_agent_metadata,
                 tuple((s.address, s.length) for s in req.slots),
                 req.device_id,
                 deadline,
-            )
+            ),
+            in_worker=req.source_in_worker,
         )
         context.add_callback(lambda: tx.stop("the reader cancelled the Push"))
         try:

@@ -19,14 +19,18 @@ class MemoryRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class RankMemory(_message.Message):
-    __slots__ = ("rank", "regions", "memory_kind")
+    __slots__ = ("rank", "regions", "memory_kind", "worker_agent", "worker_agent_metadata")
     RANK_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     memory_kind: str
-    def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., memory_kind: _Optional[str] = ...) -> None: ...
+    worker_agent: str
+    worker_agent_metadata: bytes
+    def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., memory_kind: _Optional[str] = ..., worker_agent: _Optional[str] = ..., worker_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "engine_id", "reader_engine_id", "reader_spec", "plan_hash")
@@ -63,7 +67,7 @@ class SidecarRanks(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_members_v2")
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_members_v2", "staged_workers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +79,7 @@ class HandshakeResponse(_message.Message):
     PUSH_KEY_FIELD_NUMBER: _ClassVar[int]
     PUSH_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PUSH_MEMBERS_V2_FIELD_NUMBER: _ClassVar[int]
+    STAGED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sidecar_id: str
     agent_name: str
@@ -86,7 +91,8 @@ class HandshakeResponse(_message.Message):
     push_key: bytes
     push_members: bool
     push_members_v2: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_members_v2: _Optional[bool] = ...) -> None: ...
+    staged_workers: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_members_v2: _Optional[bool] = ..., staged_workers: _Optional[bool] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
     __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id")
@@ -173,7 +179,7 @@ class PushSlot(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping", "members")
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping", "members", "reader_worker_agent", "source_in_worker")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +200,8 @@ class PushRequest(_message.Message):
     NOTIFIED_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    READER_WORKER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IN_WORKER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
@@ -214,7 +222,9 @@ class PushRequest(_message.Message):
     notified: bool
     stopping: bool
     members: _containers.RepeatedCompositeFieldContainer[PushMember]
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ...) -> None: ...
+    reader_worker_agent: str
+    source_in_worker: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ..., reader_worker_agent: _Optional[str] = ..., source_in_worker: _Optional[bool] = ...) -> None: ...
 
 class PushMember(_message.Message):
     __slots__ = ("request_id", "open", "num_tokens", "start_token")
