@@ -147,10 +147,8 @@ class DataPlane:
         self.staged_workers = settings.staged_workers
         staged = (nixl.name, settings) if settings.staged_workers else None
         self.workers = CopyWorkers(metrics, staged) if settings.device_workers or staged else None
-        # Host ranks go to the host's worker where it copies them or runs their (host-ring) transfers.
-        self._host_workers = settings.device_workers or (
-            staged is not None and settings.host_transfer == "ring"
-        )
+        # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
+        # a source serves host-ring transfers when its reader's setting asks for them.
 
     def device(self, device: int) -> DevicePlane:
         with self._lock:
@@ -179,7 +177,7 @@ class DataPlane:
     # -- memory ---------------------------------------------------------------------
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
         memory = self.ranks.attach_host(key, spec, tensors)
-        if self.workers is not None and self._host_workers:
+        if self.workers is not None:
             self.workers.attach_host(key, spec, tensors)
         return memory
 
@@ -244,8 +242,6 @@ class DataPlane:
         if self.workers is None or not self.staged_workers:
             return None
         device = self._device_of(key)
-        if device == HOST and not self._host_workers:
-            return None
         return self.workers.get(device).agent()
 
     def blocks_per_chunk(self, src: RankKey, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
@@ -259,7 +255,7 @@ class DataPlane:
         without staged_workers (this sidecar restarted without them since the reader's handshake)."""
         device = self._device_of(job.src)
         if in_worker:
-            if self.workers is None or not self.staged_workers or (device == HOST and not self._host_workers):
+            if self.workers is None or not self.staged_workers:
                 raise SidecarError(
                     Code.FAILED_PRECONDITION,
                     "the reader expects this transfer from a staged worker, and this sidecar runs none for "

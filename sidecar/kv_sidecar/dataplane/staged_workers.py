@@ -139,7 +139,7 @@ class StagedServer:
         """One message from the control side; False if it is not a staged one."""
         if kind == "hello":
             self._run(msg_id, self._hello)
-        elif kind == "receive":
+        elif kind == "receive":  # (result id, job, deadline): answered with the slots, then the result
             with self._lock:
                 self._receptions[msg_id] = Mailbox()
             self._pool.submit(self._reception, msg_id, *args)
@@ -185,7 +185,10 @@ class StagedServer:
         return self._nixl.name, self._nixl.metadata()
 
     # -- the reader's end ----------------------------------------------------------------------------
-    def _reception(self, rxid: int, job: Receive, deadline: float) -> None:
+    def _reception(self, rxid: int, result_id: int, job: Receive, deadline: float) -> None:
+        """Take the slots and answer them (`rxid`), then scatter at once until the transfer is complete
+        and answer that (`result_id`): a transfer that ends well closes here, without a message more.
+        Then, or after a failure, the control side's commands until it closes the reception."""
         with self._lock:
             cmds = self._receptions[rxid]
         try:
@@ -196,34 +199,53 @@ class StagedServer:
                 rx = self._plane.receive(job, halt)
             except Exception as e:
                 self._answer(rxid, False, encode_error(e))
+                self._answer(result_id, False, encode_error(e))
                 return
             self._answer(rxid, True, None if rx is None else rx.slots)
-            if rx is not None:
-                self._drive(rxid, rx, cmds, Deadline(deadline))
+            if rx is None:
+                self._answer(result_id, True, 0)
+                return
+            self._drive(rxid, rx, cmds, self._run_reception(rx, cmds, result_id, Deadline(deadline)))
         finally:
             with self._lock:
                 self._receptions.pop(rxid, None)
 
-    def _drive(self, rxid: int, rx: Reception, cmds: Mailbox[tuple[Any, ...]], halt: Deadline) -> None:
-        """The reception's commands, in order, on its own thread; "run" scatters until the transfer is
-        complete, looking at the commands between chunks; "close" ends it."""
+    def _run_reception(
+        self, rx: Reception, cmds: Mailbox[tuple[Any, ...]], result_id: int, halt: Deadline
+    ) -> tuple[Any, ...] | None:
+        """Scatter until the transfer is complete, looking at the commands between chunks; answer the
+        result. A close that came meanwhile is returned, to be done once the loop is out."""
+        closing = None
+        try:
+            rx.prepare()
+            while not rx.wait(_TURN_S):
+                halt.remaining()
+                stopped, closing = self._between(rx, cmds)
+                if stopped:
+                    raise sp.Stopped("the reader stopped the transfer")
+        except Exception as e:
+            self._answer(result_id, False, encode_error(e))
+            return closing
+        rx.close(True)  # complete: nothing of the source is in flight, the slots go back now
+        self._answer(result_id, True, rx.nbytes)
+        return ("closed", -1)
+
+    def _drive(
+        self, rxid: int, rx: Reception, cmds: Mailbox[tuple[Any, ...]], closing: tuple[Any, ...] | None
+    ) -> None:
+        """The commands that follow a reception's run, in order, until its close."""
         while True:
-            cmd, msg_id, *args = cmds.get()
-            if cmd == "run":
-                closing = None
-                try:
-                    rx.prepare()
-                    while not rx.wait(_TURN_S):
-                        halt.remaining()
-                        stopped, closing = self._between(rx, cmds)
-                        if stopped:
-                            raise sp.Stopped("the reader stopped the transfer")
-                    self._answer(msg_id, True, rx.nbytes)
-                except Exception as e:
-                    self._answer(msg_id, False, encode_error(e))
-                if closing is None:
-                    continue
-                cmd, msg_id, *args = closing
+            cmd, msg_id, *args = closing if closing is not None else cmds.get()
+            closing = None
+            if cmd == "closed":  # it closed itself when complete; a close sent before it knew is answered
+                with self._lock:
+                    self._receptions.pop(rxid, None)  # from now on `handle` answers them itself
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        late = cmds.get_nowait()
+                        if late[0] != "describe":
+                            self._answer(late[1], True, None)
+                return
             if cmd == "close":
                 quiet, confirmed = args
                 try:
@@ -311,7 +333,7 @@ def receive_in(worker: CopyWorker, job: Receive, halt: Halt) -> WorkerReception 
     """The receiving end of a staged transfer in `worker`, its slots taken there; None if it moves
     nothing. Waits for the slots as `DataPlane.receive` does; a reader stopped meanwhile leaves the
     worker to close the reception once it has them."""
-    rxid, fut = worker.request("receive", job, job, time.monotonic() + halt.remaining())
+    rxid, fut, result = worker.request_two("receive", job, job, time.monotonic() + halt.remaining())
     while True:
         try:
             left = halt.remaining()
@@ -325,17 +347,22 @@ def receive_in(worker: CopyWorker, job: Receive, halt: Halt) -> WorkerReception 
             continue
     if slots is None:
         return None
-    return WorkerReception(worker, job, rxid, slots)
+    return WorkerReception(worker, job, rxid, slots, result)
 
 
 class WorkerReception:
     """A `Reception` that runs in a worker: the same methods, as messages."""
 
-    def __init__(self, worker: CopyWorker, job: Receive, rxid: int, slots: ReceiveSlots) -> None:
+    def __init__(
+        self, worker: CopyWorker, job: Receive, rxid: int, slots: ReceiveSlots, result: Future[Any]
+    ) -> None:
+        """`result`: the worker's answer once the transfer is complete (it scatters from the moment it
+        has the slots, and closes a transfer that ended well itself)."""
         self._worker, self._job, self._id, self.slots = worker, job, rxid, slots
         self._incarnation = worker.incarnation
-        self._run: Future[Any] | None = None
+        self._run = result
         self._inbox: Mailbox[bool] = Mailbox()
+        result.add_done_callback(lambda _: self._inbox.put(True))
         self.nbytes = 0
         self.chunks: int | None = None  # the worker's to know; describe() says how far it got
 
@@ -347,12 +374,10 @@ class WorkerReception:
             return f"its worker did not say how far it got ({e})"
 
     def prepare(self) -> None:
-        _, self._run = self._worker.request("rx", self._job, self._id, "run")
-        self._run.add_done_callback(lambda _: self._inbox.put(True))
+        """Nothing to ask: the worker prepared its scatters once it had the slots."""
 
     def wait(self, timeout_s: float) -> bool:
         run = self._run
-        assert run is not None, "prepare() first"
         if not run.done():
             with contextlib.suppress(queue.Empty):
                 self._inbox.get(timeout=timeout_s)
@@ -377,6 +402,8 @@ class WorkerReception:
     def close(self, quiet: bool, settles: Callable[[Callable[[bool], None]], None] | None = None) -> None:
         """As `Reception.close`: returns once no scatter of the worker writes into the rank (or the
         worker is gone, and its scatters with it)."""
+        if self._run.done() and self._run.exception() is None:
+            return  # complete: the worker closed it then
         _, fut = self._worker.request("rx", self._job, self._id, "close", quiet, settles is not None)
         if settles is not None:
             settles(lambda ok: self._worker.tell("rx_settled", self._id, ok))

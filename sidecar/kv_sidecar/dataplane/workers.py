@@ -169,6 +169,18 @@ class CopyWorker:
                 raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
             return self._post_id(kind, job, *args)
 
+    def request_two(self, kind: str, job: _Job, *args: Any) -> tuple[int, Future[Any], Future[Any]]:
+        """Send a message answered twice: its id, and a future for each answer (the second's id is the
+        message's second field)."""
+        with self._lock:
+            if self._closed:
+                raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+            second: Future[Any] = Future()
+            later = next(self._ids)
+            self._pending[later] = (second, job)
+            msg_id, first = self._post_id(kind, job, later, *args)
+            return msg_id, first, second
+
     def tell(self, kind: str, msg_id: int, *args: Any) -> None:
         """Send a message nobody waits for (lost with the worker, should it die)."""
         with self._lock:
