@@ -536,8 +536,16 @@ def _sidecar_cpu(r: Row, name: str) -> str:
     """A sidecar's CPU % (the busiest of that role where each pair has its own), and its child
     processes' (device_workers) where it has any."""
     kids = r.cpu.get(f"{name} children")
-    cpu = max(v for k, v in r.cpu.items() if k == name or (k.startswith(f"{name} ") and "children" not in k))
-    return f"{cpu:.0f}" + (f" (+{kids:.0f} in child processes)" if kids is not None else "")
+    busiest = r.cpu.get(f"{name} busiest child")
+    cpu = max(
+        v
+        for k, v in r.cpu.items()
+        if k == name or (k.startswith(f"{name} ") and not k.endswith(("children", "child")))
+    )
+    if kids is None:
+        return f"{cpu:.0f}"
+    most = f", the busiest {busiest:.0f}" if busiest is not None and busiest < kids - 0.5 else ""
+    return f"{cpu:.0f} (+{kids:.0f} in child processes{most})"
 
 
 def table(rows: list[Row]) -> str:
