@@ -28,24 +28,7 @@ LONG = 512
 
 
 def workers_of(sidecar: SidecarProcess) -> list[int]:
-    """The sidecar's worker processes: its children started by multiprocessing's spawn."""
-    pid = sidecar.proc.pid
-    children = []
-    for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed under the thread that started it
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    out = []
-    for c in children:
-        try:
-            with open(f"/proc/{c}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(c)
-        except OSError:
-            continue
-    return out
+    return sidecar.worker_pids()
 
 
 def _pull(

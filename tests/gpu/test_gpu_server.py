@@ -181,6 +181,74 @@ def test_concurrent_staged_pulls_in_staged_workers(
     assert not errors, errors
 
 
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(victim: str) -> None:
+    """staged_workers on GPUs: the worker of the GPU a transfer runs on (the decode or the prefill side)
+    SIGKILLed in the middle of it. The pull handshakes again and retries on the restarted worker's new
+    agent: it arrives bit-exact, nothing else written; the next pull too; both sidecars stay up.
+    Two-block chunks through two 64 KiB slots: a 16,000-block request takes 8,000 chunks."""
+    import json
+    import os
+    import signal
+
+    extra = [*SMALL_RINGS, "--staged-workers", "true"]
+    a = SidecarProcess(f"gpu-swk-p-{victim}", extra=extra)
+    b = SidecarProcess(f"gpu-swk-d-{victim}", extra=extra)
+    spec = EngineSpec.from_dict(BASE | {"num_blocks": 16384})
+    prefill = EngineProcess(a.socket, f"swk-p-{victim}", spec, devices=[GPU_A])
+    decode = EngineProcess(b.socket, f"swk-d-{victim}", spec, devices=[GPU_B])
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 1}
+        )
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1], "seed": 1})
+        assert res["ok"] and res["verified"], res
+        sidecar = b if victim == "decode" else a
+        (worker,) = sidecar.worker_pids()
+        pushes = sum(
+            _metric(a, "kvsidecar_push_starts_total", f'{{by="{by}"}}') for by in ("notification", "call")
+        )
+        blocks = 16000
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": "long",
+                "block_ids": list(range(blocks)),
+                "num_tokens": blocks * 16,
+                "seed": 2,
+            }
+        )
+        assert pub["ok"], pub
+        dst = list(range(16384 - blocks, 16384))
+        decode.post({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2})
+        deadline = time.monotonic() + 30
+        while (
+            sum(
+                _metric(a, "kvsidecar_push_starts_total", f'{{by="{by}"}}') for by in ("notification", "call")
+            )
+            <= pushes
+        ):
+            assert time.monotonic() < deadline, "the transfer never started"
+            time.sleep(0.002)
+        time.sleep(0.05)
+        os.kill(worker, signal.SIGKILL)
+        res = json.loads(decode.readline(120))
+        assert res["ok"] and res["verified"], (res.get("error"), res.get("errors"))
+        assert sidecar.worker_pids() and sidecar.worker_pids() != [worker], "a new worker"
+        assert any("handshake again and retry once" in line for line in b.stderr_tail), "killed mid-transfer"
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "after", "block_ids": [3, 4], "num_tokens": 30, "seed": 3}
+        )
+        res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [5, 6], "seed": 3})
+        assert res["ok"] and res["verified"], res
+        assert a.alive and b.alive
+    finally:
+        prefill.stop()
+        decode.stop()
+        a.stop()
+        b.stop()
+
+
 def test_bad_block_id_fails_cleanly_and_the_sidecar_keeps_serving(
     pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:

@@ -355,6 +355,21 @@ class SidecarProcess(_Proc):
         for line in self.proc.stdout:
             self.stdout_tail.append(line.rstrip())
 
+    def worker_pids(self) -> list[int]:
+        """The sidecar's data-plane worker processes (device_workers, staged_workers): its children
+        that multiprocessing's spawn started, in the order /proc lists them."""
+        pid = self.proc.pid
+        children: list[int] = []
+        for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed under the thread that started it
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        out = []
+        for c in children:
+            with contextlib.suppress(OSError), open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        return out
+
     def stop(self, timeout_s: float = 30) -> int:
         """SIGTERM, and the exit code. A sidecar still running after `timeout_s` is asked for its
         threads' stacks (SIGUSR1, in its stderr: see `hung_on_stop`) and killed."""
