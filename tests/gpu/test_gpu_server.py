@@ -205,9 +205,7 @@ def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(v
         assert res["ok"] and res["verified"], res
         sidecar = b if victim == "decode" else a
         (worker,) = sidecar.worker_pids()
-        pushes = sum(
-            _metric(a, "kvsidecar_push_starts_total", f'{{by="{by}"}}') for by in ("notification", "call")
-        )
+        pushes = _pushes(a)
         blocks = 16000
         pub = prefill.send(
             {
@@ -222,12 +220,7 @@ def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(v
         dst = list(range(16384 - blocks, 16384))
         decode.post({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2})
         deadline = time.monotonic() + 30
-        while (
-            sum(
-                _metric(a, "kvsidecar_push_starts_total", f'{{by="{by}"}}') for by in ("notification", "call")
-            )
-            <= pushes
-        ):
+        while _pushes(a) <= pushes:
             assert time.monotonic() < deadline, "the transfer never started"
             time.sleep(0.002)
         time.sleep(0.05)
@@ -310,6 +303,13 @@ def test_the_sidecar_counts_its_kernel_launches(node: SidecarProcess) -> None:
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
     """A sample of the sidecar's /metrics, its labels as exposed (`{kind="x"}`): 0 when absent."""
     return scrape.value(sc.metrics_port, name, **scrape.labels(labels))
+
+
+def _pushes(source: SidecarProcess) -> float:
+    """Staged transfers the source sidecar has started (by the reader's notification or its call)."""
+    return sum(
+        _metric(source, "kvsidecar_push_starts_total", f'{{by="{by}"}}') for by in ("notification", "call")
+    )
 
 
 def _rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
