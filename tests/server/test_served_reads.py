@@ -6,11 +6,14 @@ are wired here as the sidecar wires them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.published import PublishedStore
+from kv_sidecar.server.reads import begin_serve
 from kv_sidecar.server.transfers import TransferTracker
 
 
@@ -42,12 +45,16 @@ class Source:
         )
         self.ranks = ranks
 
-    def open(self, plan: PairPlan, reader_ranks: list[int]) -> list[int]:
-        """OpenRead's bookkeeping (server/reads.py): returns the reader ranks the read waits for."""
+    def open(
+        self, plan: PairPlan, reader_ranks: list[int], meanwhile: Callable[[], object] = lambda: None
+    ) -> list[int]:
+        """OpenRead's bookkeeping (server/reads.py): returns the reader ranks the read waits for.
+        `meanwhile` runs between the open and the serve's start (another thread's turn)."""
         item = self.store.open_read("p", "r", "d", plan, reader_ranks, 30.0)
         served = item.readers_here(plan, reader_ranks)
+        meanwhile()
         if served:
-            self.tracker.begin_serve("p", "r", "d", "peer", served, 0, "host-nixl")
+            begin_serve(self.store, self.tracker, item, "d", "peer", served, 0, "host-nixl")
         return served
 
     def in_flight(self) -> list[str]:
@@ -65,6 +72,21 @@ def test_a_request_ending_early_ends_its_open_reads(why: str) -> None:
         assert src.store.release("p", "r", "d", "the reader gave it up") is not None
     else:
         assert src.store.abort("p", "r")
+    assert src.in_flight() == []
+
+
+def test_a_request_that_ends_between_its_open_and_its_serve_leaves_no_read_open() -> None:
+    """A reader gives a request up (release) while the source, slow, is still opening a read of it that
+    the reader sent before: the release ends the reads open then, and the one whose serve starts
+    after it must end too, not wait 30 s for a done notification (a CI flake of
+    tests/e2e/test_concurrent_ranks.py::test_abort_stops_every_pull_of_the_request)."""
+    src = Source()
+    plan = plan_pair(_spec(1), _spec(1))
+    src.store.publish("p", "r", [3, 4], 20, 30.0)
+    released = src.open(
+        plan, [0], meanwhile=lambda: src.store.release("p", "r", "d", "the reader gave it up")
+    )
+    assert released == [0]
     assert src.in_flight() == []
 
 

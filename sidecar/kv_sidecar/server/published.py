@@ -144,6 +144,15 @@ class PublishedStore:
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
+    def ended_since(self, engine_id: str, request_id: str, item: Published) -> str | None:
+        """Why the request `item` was ended (released, aborted, ...) once it was taken; None if it is
+        still the live record."""
+        key = (engine_id, request_id)
+        with self._lock:
+            if self._items.get(key) is item:
+                return None
+            return self._ended.get(key, "ended")
+
     def get_live(self, engine_id: str, request_id: str) -> Published:
         key = (engine_id, request_id)
         item = self._items.get(key)

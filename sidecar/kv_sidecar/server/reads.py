@@ -58,6 +58,26 @@ class ReadPlans:
         return plan
 
 
+def begin_serve(
+    published: PublishedStore,
+    transfers: TransferTracker,
+    item: Published,
+    reader: str,
+    peer: str,
+    served: list[int],
+    nbytes: int,
+    path: str,
+) -> None:
+    """Track the read of `item` just opened for these reader ranks. A request that ended between its
+    open and here (a reader's release racing its own late open, on a source that was slow) ends the
+    serve as that end ended the others: it would otherwise wait for a done notification that never
+    comes, until it timed out."""
+    transfers.begin_serve(item.engine_id, item.request_id, reader, peer, served, nbytes, path)
+    why = published.ended_since(item.engine_id, item.request_id, item)
+    if why is not None:
+        transfers.end_serves(item.engine_id, item.request_id, why)
+
+
 class SourceReads:
     """Opens of requests published here, for their readers (OpenRead, its notification, a staged Push)."""
 
@@ -110,9 +130,10 @@ class SourceReads:
         )
         served = item.readers_here(plan, list(request.reader_ranks))
         if served:
-            self._transfers.begin_serve(
-                request.engine_id,
-                request.request_id,
+            begin_serve(
+                self._published,
+                self._transfers,
+                item,
                 request.reader_engine_id,
                 peer,
                 served,
