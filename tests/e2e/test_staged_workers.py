@@ -104,6 +104,12 @@ def _kill_when_pushed(victim: SidecarProcess, source: SidecarProcess, pushes: fl
     return worker
 
 
+def _replaced(sc: SidecarProcess, killed: tuple[int, ...]) -> bool:
+    """A worker runs that is none of the killed ones (one look at /proc: it changes meanwhile)."""
+    pids = workers_of(sc)
+    return bool(pids) and not set(pids) & set(killed)
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_a_worker_killed_mid_transfer_is_restarted_and_its_pull_fails_or_retries_cleanly(
     spawn: Spawn, victim: str
@@ -131,10 +137,7 @@ def test_a_worker_killed_mid_transfer_is_restarted_and_its_pull_fails_or_retries
         killed = []
         for _ in range(kills):
             killed.append(_kill_when_pushed(victim_sc, ps, _pushes(ps)))
-            wait_for(
-                "a new worker",
-                lambda k=tuple(killed): workers_of(victim_sc) and workers_of(victim_sc)[0] not in k,
-            )
+            wait_for("a new worker", lambda k=tuple(killed): _replaced(victim_sc, k))
         res = json.loads(decode.readline(60))
         if kills == 1:  # retried on a new handshake, with the restarted worker's agent
             assert res["ok"] and res["verified"], (

@@ -439,23 +439,26 @@ class WorkerTransmission:
         self.quiet = False
         if stopped is not None:
             self._worker.tell("tx_stop", txid, stopped)
-        try:
-            while True:
-                try:
-                    quiet, sent, err = fut.result(timeout=_TURN_S)
-                    break
+        while True:
+            try:
+                quiet, sent, err = fut.result(timeout=_TURN_S)
+                break
+            except FutureTimeout:
+                pass
+            except SidecarError:
+                self.quiet = True  # the worker died: nothing of it is in flight any more
+                raise
+            try:
+                halt.remaining()
+            except BaseException:
+                self._worker.tell("tx_stop", txid, "the push was stopped")
+                try:  # its answer says whether its WRITEs ended; a worker that died has none in flight
+                    self.quiet = bool(fut.result(timeout=CANCEL_WAIT_S + 1)[0])
+                except SidecarError:
+                    self.quiet = True
                 except FutureTimeout:
-                    pass
-                try:
-                    halt.remaining()
-                except BaseException:
-                    self._worker.tell("tx_stop", txid, "the push was stopped")
-                    with contextlib.suppress(Exception):
-                        self.quiet = bool(fut.result(timeout=CANCEL_WAIT_S + 1)[0])
-                    raise
-        except SidecarError:
-            self.quiet = fut.done()  # the worker died: nothing of it is in flight any more
-            raise
+                    pass  # still not answered: not quiet
+                raise
         self.quiet = bool(quiet)
         if err is not None:
             raise decode_error(err)
