@@ -157,8 +157,14 @@ def test_a_worker_killed_mid_transfer_is_restarted_and_its_pull_fails_or_retries
                 "\n".join(ps.stderr_lines(30)),
             )
             assert res["unfilled_blocks"] == dst, res
-            if victim == "decode":
-                assert "data-plane worker of the host died" in res["error"], res
+            if victim == "decode":  # whichever side noticed first: our worker's death, or the source's WRITE
+                assert any(
+                    why in res["error"]
+                    for why in (
+                        "data-plane worker of the host died",
+                        "NIXL WRITE into the reader's ring failed",
+                    )
+                ), res
         assert logged(ds, "handshake again and retry once"), "the first failure is logged"
     assert metric(victim_sc.metrics_port, "kvsidecar_worker_restarts_total", '{device="-1"}') == 3
     for i in range(2):  # the next pulls (into other blocks) are exact
