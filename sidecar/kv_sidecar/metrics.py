@@ -124,7 +124,7 @@ class Metrics:
         )
         self.worker_restarts = Counter(
             "kvsidecar_worker_restarts",
-            "Data-plane worker processes (device_workers) started again after they died, by device "
+            "Data-plane worker processes (device_workers, staged_workers) started again after they died, by device "
             "(-1: the host)",
             ["device"],
             registry=r,
