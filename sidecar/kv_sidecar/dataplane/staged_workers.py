@@ -85,29 +85,6 @@ class Deadline:
 # -- in the worker process --------------------------------------------------------------------------
 
 
-class _Sending:
-    """A transmission by id, from before it exists: a stop that arrives first is kept for it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.tx: Transmission | None = None
-        self.stopped: str | None = None
-
-    def stop(self, reason: str) -> None:
-        with self.lock:
-            self.stopped = self.stopped or reason
-            tx = self.tx
-        if tx is not None:
-            tx.stop(reason)
-
-    def attach(self, tx: Transmission) -> None:
-        with self.lock:
-            self.tx = tx
-            stopped = self.stopped
-        if stopped is not None:
-            tx.stop(stopped)
-
-
 class StagedServer:
     """The worker's staged transfers, on its own NIXL agent and rings; every message answered once."""
 
@@ -132,7 +109,7 @@ class StagedServer:
         self._pool = ThreadPoolExecutor(STAGED_THREADS, thread_name_prefix="staged")
         self._lock = threading.Lock()
         self._receptions: dict[int, Mailbox[tuple[Any, ...]]] = {}
-        self._sendings: dict[int, _Sending] = {}
+        self._sendings: dict[int, Transmission] = {}
         self._settles: dict[int, Callable[[bool], None] | bool] = {}
 
     def handle(self, kind: str, msg_id: int, args: tuple[Any, ...]) -> bool:
@@ -153,17 +130,15 @@ class StagedServer:
                 self._answer(msg_id, True, "the transfer's reception had ended")
         elif kind == "rx_settled":
             self._settled(msg_id, bool(args[0]))
-        elif kind == "send":
-            with self._lock:
-                self._sendings[msg_id] = _Sending()
-            self._pool.submit(self._send, msg_id, *args)
+        elif kind == "send":  # (job, deadline)
+            self._start_send(msg_id, *args)
         elif kind == "stop_orphan":
             self._pool.submit(self._stop_orphan, *args)
         elif kind == "tx_stop":
             with self._lock:
-                sending = self._sendings.get(msg_id)
-            if sending is not None:
-                sending.stop(str(args[0]))
+                tx = self._sendings.get(msg_id)
+            if tx is not None:
+                tx.stop(str(args[0]))  # a Transmission keeps a stop that comes before its run
         else:
             return False
         return True
@@ -310,17 +285,23 @@ class StagedServer:
             )
 
     # -- the source's end ----------------------------------------------------------------------------
-    def _send(self, txid: int, job: Send, deadline: float) -> None:
-        with self._lock:
-            sending = self._sendings[txid]
-        tx = None
+    def _start_send(self, txid: int, job: Send, deadline: float) -> None:
+        """Make the transmission here, where a stop can find it by id at once; run it on a thread."""
         try:
             tx = self._plane.send(job, None)  # no ids uploaded at Publish here: the gather uploads them
-            sending.attach(tx)
+        except Exception as e:
+            self._answer(txid, True, (True, None, encode_error(e)))
+            return
+        with self._lock:
+            self._sendings[txid] = tx
+        self._pool.submit(self._send, txid, tx, deadline)
+
+    def _send(self, txid: int, tx: Transmission, deadline: float) -> None:
+        try:
             sent = tx.run(Deadline(deadline, "the transfer's deadline passed"))
             self._answer(txid, True, (True, (sent.chunks, sent.nbytes), None))
         except Exception as e:
-            self._answer(txid, True, (True if tx is None else tx.quiet, None, encode_error(e)))
+            self._answer(txid, True, (tx.quiet, None, encode_error(e)))
         finally:
             with self._lock:
                 self._sendings.pop(txid, None)

@@ -165,21 +165,23 @@ class CopyWorker:
         """Send a message that is answered: its id, and the answer's future (failed, naming `job`'s
         blocks, if the worker dies first)."""
         with self._lock:
-            if self._closed:
-                raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+            self._refuse_if_closed()
             return self._post_id(kind, job, *args)
 
     def request_two(self, kind: str, job: _Job, *args: Any) -> tuple[int, Future[Any], Future[Any]]:
         """Send a message answered twice: its id, and a future for each answer (the second's id is the
         message's second field)."""
         with self._lock:
-            if self._closed:
-                raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+            self._refuse_if_closed()
             second: Future[Any] = Future()
             later = next(self._ids)
             self._pending[later] = (second, job)
             msg_id, first = self._post_id(kind, job, later, *args)
             return msg_id, first, second
+
+    def _refuse_if_closed(self) -> None:  # holds self._lock
+        if self._closed:
+            raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
 
     def tell(self, kind: str, msg_id: int, *args: Any) -> None:
         """Send a message nobody waits for (lost with the worker, should it die)."""
@@ -193,8 +195,7 @@ class CopyWorker:
         """The NIXL agent of this worker's staged transfers, and its metadata (its rings registered)."""
         with self._lock:
             if self._agent is None:
-                if self._closed:
-                    raise SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
+                self._refuse_if_closed()
                 self._agent = self._post("hello", None)
             fut = self._agent
         try:

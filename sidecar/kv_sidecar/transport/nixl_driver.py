@@ -402,15 +402,9 @@ class NixlDriver:
         def add(a: Any) -> str:
             if expected_name and self._full_md.get(expected_name) == metadata:
                 return expected_name
-            try:
-                name = _decoded(a.add_remote_agent(metadata))
-            except Exception:
-                if expected_name not in self._remotes:
-                    raise
-                name = self._replace(a, expected_name, metadata)
-            else:
-                if name in self._full_md:  # loaded again with more memory: NIXL voids prepared lists
-                    self._invalidate(name)
+            name, replaced = self._load(a, expected_name, metadata)
+            if not replaced and name in self._full_md:  # loaded again with more memory: lists are void
+                self._invalidate(name)
             self._full_md[name] = metadata
             self._remotes.add(name)
             return name
@@ -420,6 +414,16 @@ class NixlDriver:
     def generation(self, agent_name: str) -> int:
         """How many times what NIXL knows of `agent_name` changed (read without the driver thread)."""
         return self._generations.get(agent_name, 0)
+
+    def _load(self, a: Any, name: str, metadata: bytes) -> tuple[str, bool]:
+        """On the driver thread: load `metadata` (expected to be agent `name`); the agent's name, and
+        whether an old agent of that name was replaced."""
+        try:
+            return _decoded(a.add_remote_agent(metadata)), False
+        except Exception:
+            if name not in self._remotes:
+                raise
+            return self._replace(a, name, metadata), True
 
     def _replace(self, a: Any, name: str, metadata: bytes) -> str:
         """On the driver thread: NIXL refused new connection info for an agent it knows, so the peer
@@ -640,12 +644,7 @@ class NixlDriver:
             return
 
         def load(a: Any) -> str:
-            try:
-                got = _decoded(a.add_remote_agent(metadata))
-            except Exception:
-                if name not in self._remotes:
-                    raise
-                got = self._replace(a, name, metadata)
+            got, _ = self._load(a, name, metadata)
             self._remotes.add(got)
             blobs = self._remote_md.setdefault(got, set())
             if len(blobs) >= 16:  # one per ring of the peer; more means it restarted: forget the old
