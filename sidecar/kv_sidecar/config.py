@@ -106,10 +106,10 @@ class Settings:
         "staged_group_reads": "most reads of other requests between the same two ranks that one staged "
         "transfer carries (gpu-staged, host-ring): those that wait while two such transfers run go as one "
         "next, their tokens concatenated; 1: every read its own transfer",
-        "staged_batch_reads": "hold a PullBatch's staged reads (from other sidecars) until all of them reach "
-        "the reader, at most 50 ms, so that they go as one transfer per rank pair instead of the first two "
-        "alone (staged_group_reads). On 4x H100 1.01-1.38x a batch's pulls/s, p99 mostly lower "
-        "(docs/benchmarks.md); off: a member stopped while others wait on a hung source ends at once",
+        "staged_batch_reads": "run a PullBatch's staged members (from other sidecars, GPU ranks or "
+        "host_transfer: ring) as one unit on the call's thread: each member's checks and plan, then their "
+        "reads together (one transfer per rank pair, one thread per pair), then their answers, instead of "
+        "a thread per member (docs/gpu.md, Node scaling); off: each member on its own pool thread",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.batch_reads import BatchReads
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
@@ -22,16 +22,17 @@ from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
-from kv_sidecar.server.pull_batch import OnOutcome, PullBatches
+from kv_sidecar.server.pull_batch import OnOutcome, PullBatches, Together
 from kv_sidecar.server.release import Releases
+from kv_sidecar.server.staged_reader import StagedRead, Steps, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
 # Registers what to run when the engine goes away mid-call (the gRPC call ends, the lane closes).
 OnHangup = Callable[[Callable[[], None]], None]
-# Runs one admitted pull (Puller.pull): the request, its ticket, where to leave work for later.
-PullFn = Callable[[engine_pb2.PullRequest, PullTicket, Later | None], engine_pb2.PullResponse]
+# One admitted pull's steps (Puller.pull_steps): the request, its ticket, where to leave work for later.
+PullFn = Callable[[engine_pb2.PullRequest, PullTicket, Later | None], Steps[engine_pb2.PullResponse]]
 
 
 KEEP_ALIVE_TIMEOUT_S = 5.0
@@ -50,6 +51,9 @@ class EngineCalls:
         membership: Membership,
         pulls: InflightPulls,
         run_pull: PullFn,
+        goes_staged: Callable[[engine_pb2.PullRequest], bool],
+        read: Callable[[StagedRead], int],
+        read_all: Callable[[Sequence[StagedRead], Executor], list[int | BaseException]],
         releases: Releases,
         peers: Peers,
         lease_view: LeaseView,
@@ -60,10 +64,11 @@ class EngineCalls:
         observe_batch: Callable[[int], None] = lambda n: None,
         batch_reads_together: bool = False,
     ) -> None:
-        """on_published: a request was just published here (PushThreads.expect_read); refusals: where a
-        refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and the
-        threads its members from other sidecars wait on; observe_batch: each batch's size (metrics);
-        batch_reads_together: a batch's staged reads go together (staged_batch_reads)."""
+        """run_pull, goes_staged: Puller.pull_steps and Puller.goes_staged; read, read_all: how its staged
+        reads move, alone and a PullBatch's together (StagedReader.read, read_all); on_published: a request was just published here (PushThreads.expect_read); refusals:
+        where a refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and
+        the threads its members from other sidecars wait on; observe_batch: each batch's size
+        (metrics); batch_reads_together: a batch's staged members run together (staged_batch_reads)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -72,13 +77,19 @@ class EngineCalls:
         self._membership = membership
         self._pulls = pulls
         self._run_pull = run_pull
+        self._read = read
         self._releases = releases
         self._peers = peers
         self._lease_view = lease_view
         self._on_published = on_published
         self._refusals = refusals
         self._batches = PullBatches(
-            self.pull, max_pull_batch, identity.sidecar_id, batch_threads, observe_batch, batch_reads_together
+            self.pull,
+            max_pull_batch,
+            identity.sidecar_id,
+            batch_threads,
+            observe_batch,
+            Together(self.pull_steps, goes_staged, read_all, read) if batch_reads_together else None,
         )
 
     def close(self) -> None:
@@ -182,36 +193,29 @@ class EngineCalls:
         return engine_pb2.PublishResponse(params=params)
 
     def pull(
-        self,
-        request: engine_pb2.PullRequest,
-        on_hangup: OnHangup,
-        later: Later | None = None,
-        batch_reads: BatchReads | None = None,
+        self, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None
     ) -> engine_pb2.PullResponse:
         """`later`: where the pull leaves work for after its answer (the caller runs it once the answer is
-        out, then `run_later`); None: it runs before this returns. `batch_reads`: a PullBatch member's,
-        its batch's staged reads, which go together."""
-        try:
-            check_id("engine_id", request.engine_id)
-            check_id("params.request_id", request.params.request_id)
-            check_id("params.engine_id", request.params.engine_id)
-            # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
-            # their own rank); no ranks means every rank registered now.
-            ranks = list(request.ranks) or self._engines.ranks_of(request.engine_id)
-            ticket = self._pulls.begin(request.engine_id, request.params.request_id, ranks)
-        except BaseException:  # refused before it had a ticket: its batch's reads need not wait for it
-            if batch_reads is not None:
-                batch_reads.leave(None)
-            raise
-        ticket.batch_reads = batch_reads
+        out, then `run_later`); None: it runs before this returns."""
+        return run_steps(self.pull_steps(request, on_hangup, later), self._read)
+
+    def pull_steps(
+        self, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None
+    ) -> Steps[engine_pb2.PullResponse]:
+        """`pull`, yielding its staged reads to its caller (a PullBatch moves its members' together)."""
+        check_id("engine_id", request.engine_id)
+        check_id("params.request_id", request.params.request_id)
+        check_id("params.engine_id", request.params.engine_id)
+        # Pulls of one request into different ranks run side by side (a TP engine's workers each pull
+        # their own rank); no ranks means every rank registered now.
+        ranks = list(request.ranks) or self._engines.ranks_of(request.engine_id)
+        ticket = self._pulls.begin(request.engine_id, request.params.request_id, ranks)
         # The engine went away (or gave up the call): stop, and let the source free its blocks.
         on_hangup(lambda: ticket.stop("the engine's call ended", release_source=True))
         try:
-            return self._run_pull(request, ticket, later)
+            return (yield from self._run_pull(request, ticket, later))
         finally:
             self._pulls.end(ticket)
-            if batch_reads is not None:  # if it did not reach the staged reader (failed first), none waits
-                batch_reads.leave(ticket)
 
     def pull_batch(
         self,

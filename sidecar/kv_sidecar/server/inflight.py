@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterable
 
 from kv_sidecar.errors import Code, SidecarError, ranks_text
-from kv_sidecar.server.batch_reads import BatchReads
 
 
 class PullTicket(threading.Event):
@@ -38,8 +37,6 @@ class PullTicket(threading.Event):
         self.release_source = False
         self.ending = False  # failed: moves no byte any more, only reports
         self.finished = threading.Event()
-        # A PullBatch member's: its batch's staged reads, which go together (server/batch_reads.py).
-        self.batch_reads: BatchReads | None = None
 
     def stop(self, reason: str, release_source: bool) -> None:
         if not self.is_set():

@@ -206,6 +206,11 @@ class Peers:
                 self._links[address] = link
             return link
 
+    def known_engine(self, address: str, engine_id: str, reader_engine: str) -> RemoteEngine | None:
+        """The cached handshake with the peer's engine, if any (a pull from it need not wait for one)."""
+        link = self._links.get(address)  # a dict read: no lock, no link made
+        return None if link is None else link.engines.get((engine_id, reader_engine))
+
     def remote_engine(
         self,
         address: str,

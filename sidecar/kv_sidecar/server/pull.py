@@ -50,7 +50,7 @@ from kv_sidecar.server.pull_job import (
 )
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
-from kv_sidecar.server.staged_reader import StagedReader
+from kv_sidecar.server.staged_reader import StagedRead, StagedReader, Steps, run_steps
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
 from kv_sidecar.transport.notifications import done_notification
@@ -148,14 +148,41 @@ class Puller:
         """`later`: see engine_calls.pull. What is left there (the pull's log record, "consumed"
         events of a same-sidecar pull) waits for nothing the engine needs: ~0.07 ms of a 0.5 ms
         same-sidecar pull (bench/trace_pull.py --local)."""
+        return run_steps(self.pull_steps(req, cancel, later), self._staged_reader.read)
+
+    def pull_steps(
+        self, req: engine_pb2.PullRequest, cancel: PullTicket, later: Later | None = None
+    ) -> Steps[engine_pb2.PullResponse]:
+        """`pull`, yielding each staged read for its caller to move (alone, or with a PullBatch's other
+        members' reads: StagedReader.read_all)."""
         after: Later = [] if later is None else later
         try:
-            return self._pull(req, cancel, after)
+            return (yield from self._pull(req, cancel, after))
         finally:
             if later is None:
                 run_later(after)
 
-    def _pull(self, req: engine_pb2.PullRequest, cancel: PullTicket, after: Later) -> engine_pb2.PullResponse:
+    def goes_staged(self, req: engine_pb2.PullRequest) -> bool:
+        """Whether a pull from another sidecar is one staged read whose Push carries the open, from a
+        source whose handshake is cached: such a pull waits for nothing but that read, so it may run
+        with a PullBatch's others on one thread (pull_batch.py). A first handshake, an OpenRead (TP
+        gather, several holders) or a READ may wait for a peer that hangs."""
+        p = req.params
+        remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
+        if remote is None:
+            return False
+        try:
+            local = self._local_ranks(req, list(req.ranks))
+            holders = holders_needed(
+                remote, [remote.plan.decode_ranks[e.rank] for e in local], self._sidecar_id
+            )
+        except (SidecarError, KeyError, IndexError):
+            return False  # the pull says what is wrong
+        return remote.plan.decode == local[0].spec and self._one_push(req, local, remote, list(holders))
+
+    def _pull(
+        self, req: engine_pb2.PullRequest, cancel: PullTicket, after: Later
+    ) -> Steps[engine_pb2.PullResponse]:
         p = req.params
         timeout_s = req.timeout_ms / 1000 if req.timeout_ms else self._default_timeout_s
         start = time.perf_counter()
@@ -176,7 +203,7 @@ class Puller:
                     route[0] = PATH_DIRECT
                 nbytes, path = self._direct.pull(req, local, cancel, deadline, after, self._release_now)
             else:
-                nbytes, path = self._pull_remote_fresh(
+                nbytes, path = yield from self._pull_remote_fresh(
                     req, local, cancel, time.monotonic() + timeout_s, after, route
                 )
         except Exception as e:
@@ -226,7 +253,7 @@ class Puller:
         deadline: float,
         after: Later,
         route: list[str],
-    ) -> tuple[int, str]:
+    ) -> Steps[tuple[int, str]]:
         """_pull_remote, dropping a cached handshake that went stale (the peer restarted).
 
         A peer that forgot our plan, or whose NIXL agent is gone, fails the pull; handshake
@@ -234,10 +261,12 @@ class Puller:
         failed attempt partly wrote is harmless: OpenRead checks the lease again first.
         """
         try:
-            return self._pull_remote(req, local, cancel, deadline, after, route, may_retry=True)
+            return (yield from self._pull_remote(req, local, cancel, deadline, after, route, may_retry=True))
         except _Retry as first:
             try:
-                return self._pull_remote(req, local, cancel, deadline, after, route, may_retry=False)
+                return (
+                    yield from self._pull_remote(req, local, cancel, deadline, after, route, may_retry=False)
+                )
             except SidecarError as again:
                 # The peer answered a new handshake, yet its agent is "disconnected" again at the READ.
                 if _agent_lost(first) and _agent_lost(again) and ucx_emulation_disabled():
@@ -254,7 +283,7 @@ class Puller:
         after: Later,
         route: list[str],
         may_retry: bool,
-    ) -> tuple[int, str]:
+    ) -> Steps[tuple[int, str]]:
         p = req.params
         ranks = [e.rank for e in local]
         opened_on: list[Holder] = []
@@ -276,13 +305,11 @@ class Puller:
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
             )
             pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
-            if pushed is None and cancel.batch_reads is not None:
-                cancel.batch_reads.leave(cancel)  # not with its batch's reads: those need not wait for it
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
                 route[0] = _ring_path(pushed)
                 (rplan,) = pushed.rank_plans()
-                nbytes = self._staged_reader.read(
+                nbytes = yield StagedRead(
                     pushed,
                     remote,
                     pushed.local[0],
@@ -312,7 +339,7 @@ class Puller:
                     early
                 )  # the source holds other blocks than the params say: read those
             early = []
-            return self._read_remote(req, local, remote, opened, cancel, deadline, after, route)
+            return (yield from self._read_remote(req, local, remote, opened, cancel, deadline, after, route))
         except Exception as e:
             self._plane.abandon_reads(early)  # no byte moves once the engine has its answer
             if opening is not None:
@@ -379,11 +406,7 @@ class Puller:
         several local ranks, several holders). Unlike an early READ this needs no lease check: the
         source opens and checks the request before it WRITEs anything."""
         p = req.params
-        if not self._staged(remote, local) or state_group(req, remote.plan) is not None:
-            return None  # a converted Mamba state: the usual path says what is wrong
-        if len({remote.memory_kind == "VRAM", *(e.on_gpu for e in local)}) > 1:
-            return None  # host and GPU memory mixed: the usual path says what is wrong
-        if len(holders) != 1 or sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) != 1:
+        if not self._one_push(req, local, remote, holders):
             return None
         try:
             return build_job(
@@ -391,6 +414,16 @@ class Puller:
             )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
+
+    def _one_push(
+        self, req: engine_pb2.PullRequest, local: list[RankEntry], remote: RemoteEngine, holders: list[Holder]
+    ) -> bool:
+        """Whether the pull is one staged read from one holder, which its Push opens."""
+        if not self._staged(remote, local) or state_group(req, remote.plan) is not None:
+            return False  # a converted Mamba state: the usual path says what is wrong
+        if len({remote.memory_kind == "VRAM", *(e.on_gpu for e in local)}) > 1:
+            return False  # host and GPU memory mixed: the usual path says what is wrong
+        return len(holders) == 1 and sum(len(remote.plan.decode_ranks[e.rank].reads) for e in local) == 1
 
     def _staged(self, remote: RemoteEngine, local: list[RankEntry]) -> bool:
         """Whether a pull across sidecars runs the staged protocol: always where either side is in GPU
@@ -408,7 +441,7 @@ class Puller:
         deadline: float,
         after: Later,
         route: list[str],
-    ) -> tuple[int, str]:
+    ) -> Steps[tuple[int, str]]:
         p = req.params
         group = state_group(req, remote.plan)
         if group is not None:
@@ -441,7 +474,7 @@ class Puller:
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
                     if ring:
-                        nbytes += self._staged_reader.read(job, remote, entry, read.prefill_rank)
+                        nbytes += yield StagedRead(job, remote, entry, read.prefill_rank)
                     else:
                         src = remote.remote_rank(read.prefill_rank)
                         converted = ConvertedRead(entry.key, src, job.plan, read.heads, job.tokens)

@@ -2,34 +2,45 @@
 
 Each member runs as its own Pull would (admitted, stoppable by Abort of its request, its own deadline
 and its own outcome), so a member that fails fails alone. What the batch saves is per call: one
-engine-lane frame each way instead of one per request, one thread serving the call instead of one
-per request (pulls from another sidecar wait side by side on this module's pool, same-sidecar copies
-run one after another on the call's thread, without the hand-offs between many threads that
-contend for the one interpreter). The work a member leaves for after its answer (its log record,
-"consumed" events) runs once that member's outcome is out when outcomes are streamed (the engine
-lane), else once the whole answer is.
+engine-lane frame each way instead of one per request, and fewer threads per member, whose hand-offs
+contend for the one interpreter:
+
+- members from other sidecars on the staged protocol (GPU ranks, or host_transfer: ring), with
+  staged_batch_reads: one unit on the call's thread. Each runs its steps (Puller.pull_steps: checks,
+  plan, open) up to its staged read; then the reads go together (StagedReader.read_all: one transfer
+  per rank pair, one thread per pair); each member goes on to its answer on the thread that finished
+  its read, the moment it is read (a further read of it, a TP gather's, alone there). A member whose
+  read failed goes on on the pool (its retry, or its failure's own calls to the source, which may
+  hang), so that one member's trouble holds up no other;
+- other members from other sidecars (host-nixl READs) wait side by side on this module's pool;
+- same-sidecar copies run one after another on the call's thread (on the pool when the call's thread
+  runs staged members).
+
+The work a member leaves for after its answer (its log record, "consumed" events) runs once that
+member's outcome is out when outcomes are streamed (the engine lane), else once the whole answer is.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.batch_reads import BatchReads
+from kv_sidecar.server.staged_reader import StagedRead, Steps, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
 # engine_calls' own alias (that module builds PullBatches, so this one cannot import it).
 OnHangup = Callable[[Callable[[], None]], None]
-# Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`, and its
-# batch's staged reads (those from other sidecars go together: server/batch_reads.py).
-MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later, BatchReads | None], engine_pb2.PullResponse]
+# Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
+MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
 # Told each member's outcome the moment it ends (from whichever thread ran it), its index set.
 OnOutcome = Callable[[engine_pb2.PullOutcome], None]
 
@@ -55,6 +66,16 @@ class _Hangup:
             stops, self._stops = self._stops, []
         for stop in stops:
             stop()
+
+
+class Together(NamedTuple):
+    """How staged members run as one unit: their steps (EngineCalls.pull_steps), which members take the
+    staged protocol (Puller.goes_staged), and how their reads move together (StagedReader.read_all)."""
+
+    steps: Callable[[engine_pb2.PullRequest, OnHangup, Later], Steps[engine_pb2.PullResponse]]
+    goes_staged: Callable[[engine_pb2.PullRequest], bool]
+    read_all: Callable[[Sequence[StagedRead], Executor, Callable[[int, int | BaseException], None]], None]
+    read: Callable[[StagedRead], int]  # one read alone (StagedReader.read)
 
 
 def _group(p: engine_pb2.PullRequest) -> int | None:
@@ -100,11 +121,11 @@ class PullBatches:
         local_sidecar_id: str,
         threads: int,
         observe_size: Callable[[int], None],
-        reads_together: bool = False,
+        together: Together | None = None,
     ) -> None:
-        """reads_together: members from other sidecars hold their staged reads for each other, so that
-        they go as one transfer per rank pair (server/batch_reads.py; staged_batch_reads)."""
-        self._reads_together = reads_together
+        """together: staged members from other sidecars run as one unit (staged_batch_reads); None: each
+        on the pool, as other members from other sidecars."""
+        self._together = together
         self._run_member = run_member
         self._observe_size = observe_size
         self._max = max_members
@@ -151,28 +172,84 @@ class PullBatches:
                 i,
             )
             told(outcomes[i])
-        # Pulls from another sidecar wait on the network: side by side on the pool. Copies on this node
-        # are CPU work: one after another here, while those wait.
-        remote: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
-        local: list[int] = []
+        # Pulls from another sidecar wait on the network: staged ones as one unit on this thread, others
+        # side by side on the pool. Copies on this node are CPU work: one after another here (on the
+        # pool when this thread runs the staged ones), while those wait.
+        together = self._together
         todo = [i for i, o in enumerate(outcomes) if o is None]
-        others = sum(1 for i in todo if pulls[i].params.sidecar_id != self._me)
-        reads = BatchReads(others) if self._reads_together and others > 1 else None
+        local = [i for i in todo if pulls[i].params.sidecar_id == self._me]
+        staged = [
+            i for i in todo if together is not None and i not in local and together.goes_staged(pulls[i])
+        ]
+        waiting: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
         for i in todo:
-            p = pulls[i]
-            if p.params.sidecar_id == self._me:
-                local.append(i)
-            else:
-                remote.append(
-                    (i, self._pool.submit(self._member, i, p, hangup, later, told, streamed, reads))
+            if i not in staged and (i not in local or staged):
+                waiting.append(
+                    (i, self._pool.submit(self._member, i, pulls[i], hangup, later, told, streamed))
                 )
-        for i in local:
-            outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed, None)
-        for i, fut in remote:
+        if staged:
+            assert together is not None
+            for i, outcome in self._together_run(
+                together, staged, pulls, hangup, later, told, streamed
+            ).items():
+                outcomes[i] = outcome
+        else:
+            for i in local:
+                outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed)
+        for i, fut in waiting:
             outcomes[i] = fut.result()
         return engine_pb2.PullBatchResponse(
             outcomes=outcomes, duration_us=int((time.perf_counter() - start) * 1e6)
         )
+
+    def _together_run(
+        self,
+        together: Together,
+        members: list[int],
+        pulls: list[engine_pb2.PullRequest],
+        hangup: _Hangup,
+        later: Later,
+        told: OnOutcome,
+        streamed: bool,
+    ) -> dict[int, engine_pb2.PullOutcome]:
+        """Staged members as one unit: each runs its steps up to its read, the reads go together, and each
+        goes on from its read to its answer (on the pool where its read failed)."""
+        outcomes: dict[int, engine_pb2.PullOutcome] = {}
+        mine: dict[int, Later] = {i: [] for i in members}
+        steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
+        failing: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
+
+        def go_on(i: int, start: Callable[[], StagedRead]) -> engine_pb2.PullOutcome:
+            try:
+                response = run_steps(steps[i], together.read, start)
+                outcome = engine_pb2.PullOutcome(response=response, index=i)
+            except Exception as e:
+                outcome = failed(e, i)
+            return self._settle(i, outcome, mine[i], later, told, streamed)
+
+        wanted: list[int] = []
+        wants: list[StagedRead] = []
+        for i in members:
+            try:
+                wants.append(next(steps[i]))
+                wanted.append(i)
+            except StopIteration as done:  # nothing to read (the decode engine holds every token)
+                outcome = engine_pb2.PullOutcome(response=done.value, index=i)
+                outcomes[i] = self._settle(i, outcome, mine[i], later, told, streamed)
+            except Exception as e:
+                outcomes[i] = self._settle(i, failed(e, i), mine[i], later, told, streamed)
+
+        def read(k: int, moved: int | BaseException) -> None:
+            i, member = wanted[k], steps[wanted[k]]
+            if isinstance(moved, BaseException):
+                failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
+            else:
+                outcomes[i] = go_on(i, functools.partial(member.send, moved))
+
+        together.read_all(wants, self._pool, read)
+        for i, fut in failing:  # complete: read_all returned after its last `read`
+            outcomes[i] = fut.result()
+        return outcomes
 
     def _member(
         self,
@@ -182,18 +259,28 @@ class PullBatches:
         later: Later,
         told: OnOutcome,
         streamed: bool,
-        reads: BatchReads | None,
     ) -> engine_pb2.PullOutcome:
         mine: Later = []
         try:
             outcome = engine_pb2.PullOutcome(
-                response=self._run_member(req, hangup.register, mine, reads), index=index
+                response=self._run_member(req, hangup.register, mine), index=index
             )
         except Exception as e:
             outcome = failed(e, index)
-        finally:
-            if not streamed:
-                later.extend(mine)  # list.extend is atomic: members on the pool append side by side
+        return self._settle(index, outcome, mine, later, told, streamed)
+
+    @staticmethod
+    def _settle(
+        index: int,
+        outcome: engine_pb2.PullOutcome,
+        mine: Later,
+        later: Later,
+        told: OnOutcome,
+        streamed: bool,
+    ) -> engine_pb2.PullOutcome:
+        """A member ended: tell its outcome, and run (streamed) or hand on what it left for later."""
+        if not streamed:
+            later.extend(mine)  # list.extend is atomic: members on the pool append side by side
         try:
             told(outcome)
         except Exception:  # the engine went away: the call's own answer will fail the same way

@@ -123,6 +123,9 @@ class Sidecar:
             NotifiedOpens(notified, s.open_answer_wait_us / 1e6, peers, nixl, metrics),
             metrics,
         )
+        staged_reader = StagedReader(
+            me.sidecar_id, peers, plane, threads, nixl, metrics, s.staged_group_reads
+        )
         puller = Puller(
             me.sidecar_id,
             s,
@@ -134,7 +137,7 @@ class Sidecar:
             opener,
             DirectPulls(engines, plane, membership, published, releases.here),
             plane,
-            StagedReader(me.sidecar_id, peers, plane, threads, nixl, metrics, s.staged_group_reads),
+            staged_reader,
             nixl,
             metrics,
         )
@@ -146,7 +149,10 @@ class Sidecar:
             published,
             membership,
             pulls,
-            puller.pull,
+            puller.pull_steps,
+            puller.goes_staged,
+            staged_reader.read,
+            staged_reader.read_all,
             releases,
             peers,
             lease_view,

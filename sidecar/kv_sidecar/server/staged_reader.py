@@ -5,17 +5,21 @@ plane's (dataplane/receive.py; docs/gpu.md says how the protocol flows).
 A transfer moves one (decode rank, source rank) read, or, under load, several: the reads of other
 requests between the same two ranks that wait while one runs go as one transfer next, their tokens
 concatenated (server/group_commit.py; PushRequest.members). A group that fails does not fail its
-reads: each that may still go runs again alone, so that a bad request fails by itself."""
+reads: each that may still go runs again alone, so that a bad request fails by itself.
+
+A pull asks for its reads as `StagedRead`s (server/pull.py yields them): `read` runs one on the
+pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at once per
+rank pair and finished on one thread per pair, without a thread per member (server/pull_batch.py)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import wait
+from collections.abc import Callable, Generator, Hashable, Sequence
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,7 +30,6 @@ from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.group_commit import GroupCommit, Waiter
-from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import require_gpu
@@ -149,6 +152,17 @@ class _Read:
     open_msg: peer_pb2.OpenReadRequest | None
 
 
+@dataclass
+class StagedRead:
+    """What a pull asks of the staged reader: a (decode rank, source rank) read of its job (`read`)."""
+
+    job: PullJob
+    remote: RemoteEngine
+    entry: RankEntry
+    src_rank: int
+    open_msg: peer_pb2.OpenReadRequest | None = None
+
+
 class _Alone:
     """A read whose group failed, not for its own fault: it runs again by itself."""
 
@@ -231,35 +245,86 @@ class StagedReader:
             max(1, self._group_reads), GROUPS_AT_ONCE
         )
 
-    def read(
-        self,
-        job: PullJob,
-        remote: RemoteEngine,
-        entry: RankEntry,
-        src_rank: int,
-        open_msg: peer_pb2.OpenReadRequest | None = None,
-    ) -> int:
+    def read(self, want: StagedRead) -> int:
         """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
 
-        `open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned from
-        the params, and the source refuses before any WRITE if its record holds another token count.
+        `want.open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned
+        from the params, and the source refuses before any WRITE if its record holds another token count.
         """
-        one = _Read(job, entry, open_msg)
-        ticket = job.cancel
-        batch = ticket.batch_reads if isinstance(ticket, PullTicket) else None
-        if self._group_reads < 2 or not groupable(job, remote, src_rank):
-            if batch is not None:
-                batch.leave(ticket)
-            return self._transfer(remote, src_rank, [one])
-        key = (remote.sidecar_id, remote.engine_id, src_rank, entry.key, job.plan.hash())
+        one = _Read(want.job, want.entry, want.open_msg)
+        if not self._groups_it(want):
+            return self._transfer(want.remote, want.src_rank, [one])
+        key = self._pair(want)
         me: Waiter[_Read, int | _Alone] = Waiter(one)
-        if batch is None or not batch.arrive(ticket, key, me, self._groups.enqueue):
-            self._groups.enqueue(key, [me])  # else queued with its batch's reads
-        lead = functools.partial(self._lead, remote, src_rank)
-        outcome = self._groups.finish(key, me, lead, job.remaining)
+        self._groups.enqueue(key, [me])
+        lead = functools.partial(self._lead, want.remote, want.src_rank)
+        outcome = self._groups.finish(key, me, lead, want.job.remaining)
         if isinstance(outcome, _Alone):
-            return self._transfer(remote, src_rank, [one])
+            return self._transfer(want.remote, want.src_rank, [one])
         return outcome
+
+    def read_all(
+        self, wants: Sequence[StagedRead], pool: Executor, done: Callable[[int, int | BaseException], None]
+    ) -> None:
+        """Move the reads of a PullBatch's members together; `done(i, bytes or what failed it)` as each
+        read ends, on the thread that finished it. Those of one (source rank, decode rank) pair are
+        queued at once (one transfer, or as few as `staged_group_reads` allows) and finished on one
+        thread, the first pair's on this one and the others' on `pool`, so that a hung source holds up
+        only its own pair's reads; a read that goes alone (not groupable, or its group failed) goes on
+        `pool` too. Returns once every `done` has returned."""
+        tasks: list[Future[None]] = []
+        pairs: dict[Hashable, list[tuple[int, Waiter[_Read, int | _Alone]]]] = {}
+
+        def alone(i: int, run: Callable[[], int]) -> None:
+            try:
+                moved: int | BaseException = run()
+            except Exception as e:
+                moved = e
+            done(i, moved)
+
+        for i, want in enumerate(wants):
+            if self._groups_it(want):
+                waiter: Waiter[_Read, int | _Alone] = Waiter(_Read(want.job, want.entry, want.open_msg))
+                pairs.setdefault(self._pair(want), []).append((i, waiter))
+            else:
+                tasks.append(pool.submit(alone, i, functools.partial(self.read, want)))
+
+        def finish(key: Hashable, waiters: list[tuple[int, Waiter[_Read, int | _Alone]]]) -> None:
+            # Queued by the thread that finishes them: a queued read's thread is always running, so a
+            # group never waits for a lead that waits for a pool thread.
+            self._groups.enqueue(key, [w for _, w in waiters])
+            for i, waiter in waiters:  # in queue order: a group this thread leads starts with its first
+                want = wants[i]
+                lead = functools.partial(self._lead, want.remote, want.src_rank)
+                try:
+                    outcome = self._groups.finish(key, waiter, lead, want.job.remaining)
+                except Exception as e:
+                    done(i, e)
+                    continue
+                if isinstance(outcome, _Alone):
+                    one = [_Read(want.job, want.entry, want.open_msg)]
+                    run = functools.partial(self._transfer, want.remote, want.src_rank, one)
+                    tasks.append(pool.submit(alone, i, run))
+                else:
+                    done(i, outcome)
+
+        groups = list(pairs.items())
+        finishers = [pool.submit(finish, key, waiters) for key, waiters in groups[1:]]
+        if groups:
+            finish(*groups[0])
+        for f in finishers:
+            f.result()
+        for t in tasks:  # complete: every finisher that adds to it has returned
+            t.result()
+
+    def _groups_it(self, want: StagedRead) -> bool:
+        return self._group_reads >= 2 and groupable(want.job, want.remote, want.src_rank)
+
+    @staticmethod
+    def _pair(want: StagedRead) -> Hashable:
+        """A group's key: the reads of one (source rank, decode rank) pair under one plan."""
+        r = want.remote
+        return (r.sidecar_id, r.engine_id, want.src_rank, want.entry.key, want.job.plan.hash())
 
     def _lead(
         self, remote: RemoteEngine, src_rank: int, reads: list[_Read]
@@ -472,3 +537,28 @@ def _confirmation(call: Any) -> Callable[[Callable[[bool], None]], None]:
         call.add_done_callback(ended)
 
     return settles
+
+
+R = TypeVar("R")
+# A pull's work up to its answer: it yields each staged read it needs and is sent the bytes moved (or
+# thrown what failed the read); its return value is its answer.
+Steps = Generator[StagedRead, int, R]
+
+
+def run_steps(
+    steps: Steps[R], read: Callable[[StagedRead], int], start: Callable[[], StagedRead] | None = None
+) -> R:
+    """Run a pull's steps to its answer on this thread, each read as `read` (StagedReader.read) moves it;
+    `start`: how the steps go on (resumed after a read that another thread moved or failed), else
+    from their beginning."""
+    try:
+        want = start() if start is not None else next(steps)
+        while True:
+            try:
+                moved = read(want)
+            except Exception as e:
+                want = steps.throw(e)
+            else:
+                want = steps.send(moved)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
