@@ -184,6 +184,11 @@ def _stop_writer() -> None:
 
 def configure_logging(level: str, fmt: str = "text") -> None:
     global _listener
+    # A busy sidecar makes a record per transfer, thousands a second, and neither format prints the
+    # caller's file and line, thread or process: skip collecting them (the logging HOWTO's
+    # "Optimization"; 33 -> 27 us a record here, writer included).
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = _Batched(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
     _stop_writer()

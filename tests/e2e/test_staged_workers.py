@@ -97,7 +97,8 @@ def _pushes(source: SidecarProcess) -> float:
 def _kill_when_pushed(victim: SidecarProcess, source: SidecarProcess, pushes: float) -> int:
     """SIGKILL the victim's worker once the source has started transfer number `pushes` + 1, a little
     after (mid-transfer: a 512 MiB transfer takes seconds here); its pid."""
-    wait_for("the transfer's Push", lambda: _pushes(source) > pushes, timeout_s=30)
+    # A retry's Push follows a worker's restart (spawned: seconds on a loaded 2-core machine).
+    wait_for("the transfer's Push", lambda: _pushes(source) > pushes, timeout_s=60)
     time.sleep(0.3)
     (worker,) = workers_of(victim)
     os.kill(worker, signal.SIGKILL)
