@@ -672,6 +672,11 @@ def main() -> int:
         help="also run this tree's sidecars with these more options, side by side (repeatable)",
     )
     ap.add_argument(
+        "--variant-per-call",
+        action="store_true",
+        help="with --per-call: the variants send PullBatch calls of that many pulls too",
+    )
+    ap.add_argument(
         "--per-call",
         type=int,
         default=1,
@@ -743,7 +748,18 @@ def main() -> int:
         batch_env = mine and {k: v.replace("{path}", "{path}-batch") for k, v in mine.items()}
         trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call, False))
     for v in args.variant:  # the same code, other settings, in the same run
-        trees.append((f"this tree, {v}", None, extra + v.split(), 1, False))
+        if args.variant_per_call and args.per_call > 1:
+            trees.append(
+                (
+                    f"this tree, {v}, PullBatch of {args.per_call}",
+                    None,
+                    extra + v.split(),
+                    args.per_call,
+                    False,
+                )
+            )
+        else:
+            trees.append((f"this tree, {v}", None, extra + v.split(), 1, False))
     if args.split_sidecars:
         trees.append(("this tree, sidecars per GPU pair", None, extra, 1, True))
     base: tuple[str, dict[str, str]] | None = None
