@@ -53,7 +53,9 @@ class EngineCalls:
         run_pull: PullFn,
         goes_staged: Callable[[engine_pb2.PullRequest], bool],
         read: Callable[[StagedRead], int],
-        read_all: Callable[[Sequence[StagedRead], Executor], list[int | BaseException]],
+        read_all: Callable[
+            [Sequence[StagedRead], Executor, Callable[[int, int | BaseException], None]], None
+        ],
         releases: Releases,
         peers: Peers,
         lease_view: LeaseView,

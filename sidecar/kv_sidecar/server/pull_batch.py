@@ -12,7 +12,8 @@ contend for the one interpreter:
   its read, the moment it is read (a further read of it, a TP gather's, alone there). A member whose
   read failed goes on on the pool (its retry, or its failure's own calls to the source, which may
   hang), so that one member's trouble holds up no other;
-- other members from other sidecars (host-nixl READs) wait side by side on this module's pool;
+- other members from other sidecars (host-nixl READs; a first handshake, or OpenReads, which may
+  wait for a peer that hangs) wait side by side on this module's pool;
 - same-sidecar copies run one after another on the call's thread (on the pool when the call's thread
   runs staged members).
 
@@ -181,9 +182,10 @@ class PullBatches:
         staged = [
             i for i in todo if together is not None and i not in local and together.goes_staged(pulls[i])
         ]
+        on_this_thread = set(staged) or set(local)  # the rest of `todo` on the pool
         waiting: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
         for i in todo:
-            if i not in staged and (i not in local or staged):
+            if i not in on_this_thread:
                 waiting.append(
                     (i, self._pool.submit(self._member, i, pulls[i], hangup, later, told, streamed))
                 )
@@ -233,7 +235,7 @@ class PullBatches:
             try:
                 wants.append(next(steps[i]))
                 wanted.append(i)
-            except StopIteration as done:  # nothing to read (the decode engine holds every token)
+            except StopIteration as done:  # answered without a staged read
                 outcome = engine_pb2.PullOutcome(response=done.value, index=i)
                 outcomes[i] = self._settle(i, outcome, mine[i], later, told, streamed)
             except Exception as e:
