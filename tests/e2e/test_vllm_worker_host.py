@@ -33,10 +33,19 @@ CASES = {
 
 
 def worker(
-    sidecar: SidecarProcess, engine_id: str, spec: tuple[str, int, int | None], pull_batch: bool = False
+    sidecar: SidecarProcess,
+    engine_id: str,
+    spec: tuple[str, int, int | None],
+    pull_batch: bool = True,
+    pull_batch_max: int = 64,
 ) -> tuple[SidecarWorker, VllmCache]:
     layout, block, kernel = spec
-    config = ConnectorConfig(sidecar_socket=sidecar.socket, pull_timeout_s=30.0, pull_batch=pull_batch)
+    config = ConnectorConfig(
+        sidecar_socket=sidecar.socket,
+        pull_timeout_s=30.0,
+        pull_batch=pull_batch,
+        pull_batch_max=pull_batch_max,
+    )
     w = SidecarWorker(config, engine_id, 0, on_cpu=True)
     assert w.pool is not None
     cache = VllmCache(
@@ -73,12 +82,13 @@ def test_vllm_shaped_host_caches_pull_bit_exact(
 def test_with_pull_batch_a_steps_pulls_go_in_one_call_and_a_bad_one_fails_alone(
     sidecar_pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:
-    """pull_batch: the step's three pulls go in one PullBatch; two arrive bit-exact, the third (a block id
-    past the cache) fails alone, naming its blocks, and vLLM is told which to recompute."""
+    """pull_batch: the step's three pulls go in PullBatch calls of at most two (pull_batch_max): two
+    arrive bit-exact, the third (a block id past the cache) fails alone, naming its blocks, and vLLM is
+    told which to recompute."""
     a, b = sidecar_pair
     spec = ("LBHNC", 32, None)
     pw, prefill = worker(a, "vb-p", spec)
-    dw, decode = worker(b, "vb-d", spec, pull_batch=True)
+    dw, decode = worker(b, "vb-d", spec, pull_batch=True, pull_batch_max=2)
     try:
         n_blocks = -(-NUM_TOKENS // 32)
         before = decode.raw.clone()
@@ -93,6 +103,7 @@ def test_with_pull_batch_a_steps_pulls_go_in_one_call_and_a_bad_one_fails_alone(
                 orders[f"r{i}"] = PullOrder(json.loads(params_to_json(params)), d_blocks, 0)
                 wanted[f"r{i}"] = (p_blocks, d_blocks)
         batches = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum")
+        calls = metric(b.metrics_port, "kvsidecar_pull_batch_pulls_count")
         dw.take_orders(StepOrders(pulls=orders))
         done: set[str] = set()
         deadline = time.monotonic() + 60
@@ -108,6 +119,7 @@ def test_with_pull_batch_a_steps_pulls_go_in_one_call_and_a_bad_one_fails_alone(
         )
         assert dw.load_errors() == set(wanted["r2"][1])
         assert metric(b.metrics_port, "kvsidecar_pull_batch_pulls_sum") - batches == 3
+        assert metric(b.metrics_port, "kvsidecar_pull_batch_pulls_count") - calls == 2  # 2 + 1
         # Both good requests bit-exact (whole blocks: the plan is the identity), nothing else changed.
         good = sorted(set(wanted["r0"][1]) | set(wanted["r1"][1]))
         assert_pulled_exactly(

@@ -164,8 +164,9 @@ class SidecarWorker:
             self._start_pull(req_id, order, now, part)
 
     def _start_batch(self, starts: list[tuple[str, PullOrder, int]], ordered_at: float) -> None:
-        """The step's pulls in one PullBatch call (`pull_batch`): each member still fails alone, and is
-        done when its own outcome arrives (over the engine lane) or when the call answers (gRPC)."""
+        """The step's pulls in PullBatch calls of at most `pull_batch_max` (`pull_batch`): each member still
+        fails alone, and is done when its own outcome arrives (over the engine lane; over gRPC, when its
+        call answers)."""
         assert self._polled is not None
         started = time.monotonic()
         members: list[tuple[str, PullOrder, int]] = []
@@ -181,8 +182,18 @@ class SidecarWorker:
                 continue
             members.append((req_id, order, part))
             batch.append(BatchPull(params, order.block_ids, [self.rank], order.start_token, order.group))
-        if not batch:
-            return
+        most = max(1, self.config.pull_batch_max)
+        for at in range(0, len(batch), most):
+            self._send_batch(members[at : at + most], batch[at : at + most], ordered_at, started)
+
+    def _send_batch(
+        self,
+        members: list[tuple[str, PullOrder, int]],
+        batch: list[BatchPull],
+        ordered_at: float,
+        started: float,
+    ) -> None:
+        assert self._polled is not None
         try:
             calls = self._polled.start_batch(self.engine_id, batch, timeout_s=self.config.pull_timeout_s)
         except Exception as e:

@@ -86,8 +86,9 @@ class RankEntry:
     events: Mailbox[engine_pb2.Event | None] = field(default_factory=Mailbox)
     sessions: int = 0
 
-    @property
+    @functools.cached_property
     def key(self) -> RankKey:
+        """Made once: a pull asks for it many times (a frozen dataclass costs ~1-2 us to make)."""
         return RankKey(self.engine_id, self.rank)
 
     @property
