@@ -106,10 +106,12 @@ class Settings:
         "staged_group_reads": "most reads of other requests between the same two ranks that one staged "
         "transfer carries (gpu-staged, host-ring): those that wait while two such transfers run go as one "
         "next, their tokens concatenated; 1: every read its own transfer",
-        "staged_batch_reads": "run a PullBatch's staged members (from other sidecars, GPU ranks or "
-        "host_transfer: ring) as one unit on the call's thread: each member's checks and plan, then their "
-        "reads together (one transfer per rank pair, one thread per pair), then their answers, instead of "
-        "a thread per member (docs/gpu.md, Node scaling); off: each member on its own pool thread",
+        "staged_batch_reads": "run a PullBatch's members as one unit on the call's thread where they wait "
+        "for nothing but their bytes (copies on this node; one staged read from a sidecar already "
+        "handshaken with): each member's checks and plan, then their moves together (copies launched "
+        "together with one wait; staged reads one transfer per rank pair, one thread per pair), then "
+        "their answers, instead of a thread per member (docs/gpu.md, Node scaling); off: members from "
+        "other sidecars each on its own pool thread, copies one after another",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "

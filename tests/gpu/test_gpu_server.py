@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine import scrape  # noqa: E402
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
+from kv_sidecar_client import params_from_json, params_to_json  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -396,7 +397,8 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
     pair: tuple[SidecarProcess, SidecarProcess],
 ) -> None:
     """One PullBatch into a GPU engine: members through the staged ring (another sidecar) and the kernel
-    path (this sidecar), of other layouts and block sizes, side by side; a bad member fails alone."""
+    path (this sidecar, their copies launched together), of other layouts and block sizes, side by
+    side; a bad member of either kind fails alone."""
     a, b = pair
     n = next(_count)
     dspec = EngineSpec.from_dict(BASE | {"num_blocks": 64})  # room for every member's own blocks
@@ -439,14 +441,19 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
             }
         )
         assert pub["ok"], pub
-        # A block id out of range: refused alone.
+        # A block id out of range: refused alone. A direct member of a request never published: refused
+        # alone, while the other direct members' copies launch together (one wait).
         bad = {"params": pub["params"], "block_ids": [*range(41, 50), dspec.num_blocks], "seed": n}
-        out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})
-        *good, refused = out["results"]
+        unpublished = params_from_json(pulls[2]["params"])
+        unpublished.request_id = "never-published"
+        gone = {"params": params_to_json(unpublished), "block_ids": list(range(51, 61)), "seed": n}
+        out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad, gone]})
+        *good, refused, unknown = out["results"]
         assert out["untouched_outside"], out["outside_errors"]
         for res, (_, _, path) in zip(good, sources.values(), strict=True):
             assert res["ok"] and res["verified"] and res["path"] == path, res
         assert refused["error_code"] == "INVALID_ARGUMENT", refused
+        assert unknown["error_code"] == "NOT_FOUND", unknown
     finally:
         for e in (*engines.values(), decode):
             e.stop()

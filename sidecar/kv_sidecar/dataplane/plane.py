@@ -205,6 +205,32 @@ class DataPlane:
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
 
+    def copy_local_all(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
+        """Several copies (a PullBatch's), each's bytes or what failed it: on GPUs launched together
+        with one wait per decode GPU; otherwise one after another, as `copy_local` makes each."""
+        out: list[int | BaseException | None] = [None] * len(jobs)
+        on_gpu = [
+            i
+            for i, (job, _) in enumerate(jobs)
+            if job.reads
+            and self.ranks.is_gpu(job.reads[0].dst)
+            and not (self.workers is not None and self._settings.device_workers)
+        ]
+        if on_gpu:
+            try:
+                moved = local_copies.copy_gpu_all(self.ranks, [jobs[i] for i in on_gpu])
+            except Exception as e:  # the wait failed: no copy is known to have landed
+                moved = [e] * len(on_gpu)
+            for i, m in zip(on_gpu, moved, strict=True):
+                out[i] = m
+        for i, (job, halt) in enumerate(jobs):
+            if out[i] is None:
+                try:
+                    out[i] = self.copy_local(job, halt)
+                except Exception as e:
+                    out[i] = e
+        return [m if m is not None else RuntimeError("a copy got no outcome") for m in out]
+
     def copy_state(self, job: StateCopy, halt: Halt) -> int:
         """host-direct of a converted Mamba state block (host ranks only: the caller checked)."""
         return state_copies.copy_state_local(self.ranks, job, halt)

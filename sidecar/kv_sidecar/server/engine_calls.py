@@ -23,8 +23,8 @@ from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull_batch import OnOutcome, PullBatches, Together
+from kv_sidecar.server.pull_steps import Steps, Want, run_steps
 from kv_sidecar.server.release import Releases
-from kv_sidecar.server.staged_reader import StagedRead, Steps, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,9 @@ class EngineCalls:
         membership: Membership,
         pulls: InflightPulls,
         run_pull: PullFn,
-        goes_staged: Callable[[engine_pb2.PullRequest], bool],
-        read: Callable[[StagedRead], int],
-        read_all: Callable[
-            [Sequence[StagedRead], Executor, Callable[[int, int | BaseException], None]], None
-        ],
+        goes_together: Callable[[engine_pb2.PullRequest], bool],
+        move: Callable[[Want], int],
+        move_all: Callable[[Sequence[Want], Executor, Callable[[int, int | BaseException], None]], None],
         releases: Releases,
         peers: Peers,
         lease_view: LeaseView,
@@ -66,11 +64,12 @@ class EngineCalls:
         observe_batch: Callable[[int], None] = lambda n: None,
         batch_reads_together: bool = False,
     ) -> None:
-        """run_pull, goes_staged: Puller.pull_steps and Puller.goes_staged; read, read_all: how its staged
-        reads move, alone and a PullBatch's together (StagedReader.read, read_all); on_published: a request was just published here (PushThreads.expect_read); refusals:
-        where a refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and
+        """run_pull, goes_together, move, move_all: Puller.pull_steps (a pull's steps), goes_together
+        (which PullBatch members run as one unit), move and move_all (how the steps' bytes move, alone
+        and a batch's together); on_published: a request was just published here
+        (PushThreads.expect_read); refusals: where a refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and
         the threads its members from other sidecars wait on; observe_batch: each batch's size
-        (metrics); batch_reads_together: a batch's staged members run together (staged_batch_reads)."""
+        (metrics); batch_reads_together: a batch's members run as one unit (staged_batch_reads)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -79,7 +78,7 @@ class EngineCalls:
         self._membership = membership
         self._pulls = pulls
         self._run_pull = run_pull
-        self._read = read
+        self._move = move
         self._releases = releases
         self._peers = peers
         self._lease_view = lease_view
@@ -91,7 +90,7 @@ class EngineCalls:
             identity.sidecar_id,
             batch_threads,
             observe_batch,
-            Together(self.pull_steps, goes_staged, read_all, read) if batch_reads_together else None,
+            Together(self.pull_steps, goes_together, move_all, move) if batch_reads_together else None,
         )
 
     def close(self) -> None:
@@ -199,7 +198,7 @@ class EngineCalls:
     ) -> engine_pb2.PullResponse:
         """`later`: where the pull leaves work for after its answer (the caller runs it once the answer is
         out, then `run_later`); None: it runs before this returns."""
-        return run_steps(self.pull_steps(request, on_hangup, later), self._read)
+        return run_steps(self.pull_steps(request, on_hangup, later), self._move)
 
     def pull_steps(
         self, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None

@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 
 from kv_sidecar.config import Settings
 from kv_sidecar.dataplane.jobs import BlockReads, ConvertedRead, StateRead
@@ -48,9 +49,10 @@ from kv_sidecar.server.pull_job import (
     state_group,
     unfilled_blocks,
 )
+from kv_sidecar.server.pull_steps import DirectCopy, Steps, Want, run_steps
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
-from kv_sidecar.server.staged_reader import StagedRead, StagedReader, Steps, run_steps
+from kv_sidecar.server.staged_reader import StagedRead, StagedReader
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
 from kv_sidecar.transport.notifications import done_notification
@@ -148,13 +150,13 @@ class Puller:
         """`later`: see engine_calls.pull. What is left there (the pull's log record, "consumed"
         events of a same-sidecar pull) waits for nothing the engine needs: ~0.07 ms of a 0.5 ms
         same-sidecar pull (bench/trace_pull.py --local)."""
-        return run_steps(self.pull_steps(req, cancel, later), self._staged_reader.read)
+        return run_steps(self.pull_steps(req, cancel, later), self.move)
 
     def pull_steps(
         self, req: engine_pb2.PullRequest, cancel: PullTicket, later: Later | None = None
     ) -> Steps[engine_pb2.PullResponse]:
-        """`pull`, yielding each staged read for its caller to move (alone, or with a PullBatch's other
-        members' reads: StagedReader.read_all)."""
+        """`pull`, yielding what moves its bytes for its caller to move (`move` alone, or with a
+        PullBatch's other members' moves: `move_all`)."""
         after: Later = [] if later is None else later
         try:
             return (yield from self._pull(req, cancel, after))
@@ -162,12 +164,37 @@ class Puller:
             if later is None:
                 run_later(after)
 
-    def goes_staged(self, req: engine_pb2.PullRequest) -> bool:
-        """Whether a pull from another sidecar is one staged read whose Push carries the open, from a
-        source whose handshake is cached: such a pull waits for nothing but that read, so it may run
-        with a PullBatch's others on one thread (pull_batch.py). A first handshake, an OpenRead (TP
-        gather, several holders) or a READ may wait for a peer that hangs."""
+    def move(self, want: Want) -> int:
+        """Move one pull's bytes on this thread: a staged read, or a copy between ranks of this node."""
+        if isinstance(want, DirectCopy):
+            return self._plane.copy_local(want.copy, want.job)
+        return self._staged_reader.read(want)
+
+    def move_all(
+        self, wants: Sequence[Want], pool: Executor, done: Callable[[int, int | BaseException], None]
+    ) -> None:
+        """Several pulls' moves (a PullBatch's), `done(i, bytes or what failed it)` as each ends: the copies
+        first, launched together with one wait, on this thread; then the staged reads together
+        (StagedReader.read_all: one thread per source rank pair, this one the first)."""
+        copies = [i for i, w in enumerate(wants) if isinstance(w, DirectCopy)]
+        if copies:
+            jobs = [(wants[i].copy, wants[i].job) for i in copies]  # type: ignore[union-attr]
+            for i, moved in zip(copies, self._plane.copy_local_all(jobs), strict=True):
+                done(i, moved)
+        reads = [(i, w) for i, w in enumerate(wants) if isinstance(w, StagedRead)]
+        if reads:
+            self._staged_reader.read_all(
+                [w for _, w in reads], pool, lambda k, moved: done(reads[k][0], moved)
+            )
+
+    def goes_together(self, req: engine_pb2.PullRequest) -> bool:
+        """Whether a pull may run with a PullBatch's others on one thread (pull_batch.py): it waits for
+        nothing but its move. A pull from an engine on this sidecar (a copy); or one staged read whose
+        Push carries the open, from a source whose handshake is cached. A first handshake, an OpenRead
+        (TP gather, several holders) or a READ may wait for a peer that hangs."""
         p = req.params
+        if p.sidecar_id == self._sidecar_id:
+            return True
         remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
         if remote is None:
             return False
@@ -201,7 +228,9 @@ class Puller:
                 deadline = time.monotonic() + timeout_s
                 if any(e.on_gpu for e in local):
                     route[0] = PATH_DIRECT
-                nbytes, path = self._direct.pull(req, local, cancel, deadline, after, self._release_now)
+                nbytes, path = yield from self._direct.pull(
+                    req, local, cancel, deadline, after, self._release_now
+                )
             else:
                 nbytes, path = yield from self._pull_remote_fresh(
                     req, local, cancel, time.monotonic() + timeout_s, after, route

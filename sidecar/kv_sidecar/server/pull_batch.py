@@ -5,17 +5,18 @@ and its own outcome), so a member that fails fails alone. What the batch saves i
 engine-lane frame each way instead of one per request, and fewer threads per member, whose hand-offs
 contend for the one interpreter:
 
-- members from other sidecars on the staged protocol (GPU ranks, or host_transfer: ring), with
-  staged_batch_reads: one unit on the call's thread. Each runs its steps (Puller.pull_steps: checks,
-  plan, open) up to its staged read; then the reads go together (StagedReader.read_all: one transfer
-  per rank pair, one thread per pair); each member goes on to its answer on the thread that finished
-  its read, the moment it is read (a further read of it, a TP gather's, alone there). A member whose
-  read failed goes on on the pool (its retry, or its failure's own calls to the source, which may
-  hang), so that one member's trouble holds up no other;
+- with staged_batch_reads, members from engines on this sidecar (copies) and members from other
+  sidecars that are one staged read (GPU ranks, or host_transfer: ring) from a source already
+  handshaken with run as one unit on the call's thread. Each runs its steps (Puller.pull_steps:
+  checks, plan, open) up to its move; then the moves go together (Puller.move_all: the copies launched
+  together with one wait; the staged reads one transfer per rank pair, one thread per pair); each
+  member goes on to its answer on the thread that made its move, the moment it is made (a further
+  move of it, a TP gather's second read, alone there). A member whose move failed goes on on the
+  pool (its retry, or its failure's own calls to the source, which may hang), so that one member's
+  trouble holds up no other;
 - other members from other sidecars (host-nixl READs; a first handshake, or OpenReads, which may
   wait for a peer that hangs) wait side by side on this module's pool;
-- same-sidecar copies run one after another on the call's thread (on the pool when the call's thread
-  runs staged members).
+- without staged_batch_reads, same-sidecar copies run one after another on the call's thread.
 
 The work a member leaves for after its answer (its log record, "consumed" events) runs once that
 member's outcome is out when outcomes are streamed (the engine lane), else once the whole answer is.
@@ -33,7 +34,7 @@ from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.staged_reader import StagedRead, Steps, run_steps
+from kv_sidecar.server.pull_steps import Steps, Want, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,13 @@ class _Hangup:
 
 
 class Together(NamedTuple):
-    """How staged members run as one unit: their steps (EngineCalls.pull_steps), which members take the
-    staged protocol (Puller.goes_staged), and how their reads move together (StagedReader.read_all)."""
+    """How members run as one unit: their steps (EngineCalls.pull_steps), which members may
+    (Puller.goes_together), and how their moves are made together and alone (Puller.move_all, move)."""
 
     steps: Callable[[engine_pb2.PullRequest, OnHangup, Later], Steps[engine_pb2.PullResponse]]
-    goes_staged: Callable[[engine_pb2.PullRequest], bool]
-    read_all: Callable[[Sequence[StagedRead], Executor, Callable[[int, int | BaseException], None]], None]
-    read: Callable[[StagedRead], int]  # one read alone (StagedReader.read)
+    goes_together: Callable[[engine_pb2.PullRequest], bool]
+    move_all: Callable[[Sequence[Want], Executor, Callable[[int, int | BaseException], None]], None]
+    move: Callable[[Want], int]
 
 
 def _group(p: engine_pb2.PullRequest) -> int | None:
@@ -124,8 +125,8 @@ class PullBatches:
         observe_size: Callable[[int], None],
         together: Together | None = None,
     ) -> None:
-        """together: staged members from other sidecars run as one unit (staged_batch_reads); None: each
-        on the pool, as other members from other sidecars."""
+        """together: members run as one unit where they may (staged_batch_reads); None: members from other
+        sidecars each on the pool, same-sidecar ones in turn on the call's thread."""
         self._together = together
         self._run_member = run_member
         self._observe_size = observe_size
@@ -173,30 +174,24 @@ class PullBatches:
                 i,
             )
             told(outcomes[i])
-        # Pulls from another sidecar wait on the network: staged ones as one unit on this thread, others
-        # side by side on the pool. Copies on this node are CPU work: one after another here (on the
-        # pool when this thread runs the staged ones), while those wait.
+        # Members that wait for nothing but their moves as one unit on this thread; others from another
+        # sidecar side by side on the pool. Without the unit, copies on this node are CPU work: one
+        # after another here, while those on the pool wait.
         together = self._together
         todo = [i for i, o in enumerate(outcomes) if o is None]
-        local = [i for i in todo if pulls[i].params.sidecar_id == self._me]
-        staged = [
-            i for i in todo if together is not None and i not in local and together.goes_staged(pulls[i])
-        ]
-        on_this_thread = set(staged) or set(local)  # the rest of `todo` on the pool
+        if together is not None:
+            here = [i for i in todo if together.goes_together(pulls[i])]
+        else:
+            here = [i for i in todo if pulls[i].params.sidecar_id == self._me]
         waiting: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
-        for i in todo:
-            if i not in on_this_thread:
-                waiting.append(
-                    (i, self._pool.submit(self._member, i, pulls[i], hangup, later, told, streamed))
-                )
-        if staged:
-            assert together is not None
-            for i, outcome in self._together_run(
-                together, staged, pulls, hangup, later, told, streamed
-            ).items():
+        for i in sorted(set(todo) - set(here)):
+            waiting.append((i, self._pool.submit(self._member, i, pulls[i], hangup, later, told, streamed)))
+        if together is not None:
+            outcomes_here = self._together_run(together, here, pulls, hangup, later, told, streamed)
+            for i, outcome in outcomes_here.items():
                 outcomes[i] = outcome
         else:
-            for i in local:
+            for i in here:
                 outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed)
         for i, fut in waiting:
             outcomes[i] = fut.result()
@@ -214,42 +209,42 @@ class PullBatches:
         told: OnOutcome,
         streamed: bool,
     ) -> dict[int, engine_pb2.PullOutcome]:
-        """Staged members as one unit: each runs its steps up to its read, the reads go together, and each
-        goes on from its read to its answer (on the pool where its read failed)."""
+        """Members as one unit: each runs its steps up to its move, the moves are made together, and each
+        goes on from its move to its answer (on the pool where its move failed)."""
         outcomes: dict[int, engine_pb2.PullOutcome] = {}
         mine: dict[int, Later] = {i: [] for i in members}
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
         failing: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
 
-        def go_on(i: int, start: Callable[[], StagedRead]) -> engine_pb2.PullOutcome:
+        def go_on(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
             try:
-                response = run_steps(steps[i], together.read, start)
+                response = run_steps(steps[i], together.move, start)
                 outcome = engine_pb2.PullOutcome(response=response, index=i)
             except Exception as e:
                 outcome = failed(e, i)
             return self._settle(i, outcome, mine[i], later, told, streamed)
 
         wanted: list[int] = []
-        wants: list[StagedRead] = []
+        wants: list[Want] = []
         for i in members:
             try:
                 wants.append(next(steps[i]))
                 wanted.append(i)
-            except StopIteration as done:  # answered without a staged read
+            except StopIteration as done:  # answered without a move
                 outcome = engine_pb2.PullOutcome(response=done.value, index=i)
                 outcomes[i] = self._settle(i, outcome, mine[i], later, told, streamed)
             except Exception as e:
                 outcomes[i] = self._settle(i, failed(e, i), mine[i], later, told, streamed)
 
-        def read(k: int, moved: int | BaseException) -> None:
+        def made(k: int, moved: int | BaseException) -> None:
             i, member = wanted[k], steps[wanted[k]]
             if isinstance(moved, BaseException):
                 failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
             else:
                 outcomes[i] = go_on(i, functools.partial(member.send, moved))
 
-        together.read_all(wants, self._pool, read)
-        for i, fut in failing:  # complete: read_all returned after its last `read`
+        together.move_all(wants, self._pool, made)
+        for i, fut in failing:  # complete: move_all returned after its last `made`
             outcomes[i] = fut.result()
         return outcomes
 

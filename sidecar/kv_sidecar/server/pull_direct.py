@@ -1,6 +1,7 @@
 """Pulls from a prefill engine registered on this sidecar: `host-direct` (host memory) and
 `gpu-direct` (GPU memory, one launch per read on the decode GPU, over NVLink). The copies are the
-data plane's (dataplane/local_copies.py); no NIXL, no peer.
+data plane's (dataplane/local_copies.py); no NIXL, no peer. A pull yields its copy (`DirectCopy`,
+server/pull_steps.py), so that a PullBatch's copies launch together and wait once.
 """
 
 from __future__ import annotations
@@ -18,21 +19,18 @@ from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import PublishedStore
-from kv_sidecar.server.pull_job import PullJob, build_job, build_state_job, state_blocks, state_group
+from kv_sidecar.server.pull_job import (
+    PullJob,
+    build_job,
+    build_state_job,
+    require_gpu,
+    state_blocks,
+    state_group,
+)
+from kv_sidecar.server.pull_steps import DirectCopy, Steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 PATH_DIRECT = "gpu-direct"
-
-
-def require_gpu(entries: list[RankEntry], side: str) -> list[RankEntry]:
-    for e in entries:
-        if not e.on_gpu:
-            raise SidecarError(
-                Code.FAILED_PRECONDITION,
-                f"{side} engine {e.engine_id!r} rank {e.rank} is in host memory while the other side is in "
-                "GPU memory; host<->GPU pulls are not supported",
-            )
-    return entries
 
 
 class DirectPulls:
@@ -55,7 +53,7 @@ class DirectPulls:
         deadline: float,
         after: Later,
         release_now: Callable[[PullTicket], bool],
-    ) -> tuple[int, str]:
+    ) -> Steps[tuple[int, str]]:
         """Copy the request's blocks from the prefill ranks registered here; "consumed" once answered."""
         p = req.params
         if self._membership.is_split(p.engine_id):
@@ -87,7 +85,7 @@ class DirectPulls:
             job = build_job(
                 req, local, plan, item.block_ids, item.num_tokens, cancel, deadline, item.first_token
             )
-            return self._copy(job, src_ranks, after)
+            return (yield from self._copy(job, src_ranks, after))
         except Exception:
             if release_now(cancel):
                 self._release(p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
@@ -119,7 +117,7 @@ class DirectPulls:
             done = [r.prefill_rank for r in rplan.reads] + list(rplan.notify_only)
             self._published.mark_done(p.engine_id, p.request_id, entry.engine_id, entry.rank, done)
 
-    def _copy(self, job: PullJob, src_ranks: list[RankEntry], after: Later) -> tuple[int, str]:
+    def _copy(self, job: PullJob, src_ranks: list[RankEntry], after: Later) -> Steps[tuple[int, str]]:
         """The copies, then "consumed" once the pull has answered (`after`): the prefill engine frees
         its blocks no sooner than the bytes are in place, and the event's wake-up of the prefill's
         event stream no longer competes with the answer."""
@@ -134,6 +132,6 @@ class DirectPulls:
             require_gpu(src_ranks, "prefill")
             require_gpu(job.local, "decode")
             path = PATH_DIRECT
-        nbytes = self._plane.copy_local(copy, job)
+        nbytes = yield DirectCopy(copy, job)
         after.append(functools.partial(self._mark_done, job))
         return nbytes, path

@@ -155,3 +155,14 @@ def state_blocks(job: PullJob, group: int) -> list[StateBlock]:
         StateBlock(int(job.src_blocks[0]), int(job.dst_blocks[0]), positions, moves[e.rank])
         for e in job.local
     ]
+
+
+def require_gpu(entries: list[RankEntry], side: str) -> list[RankEntry]:
+    for e in entries:
+        if not e.on_gpu:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"{side} engine {e.engine_id!r} rank {e.rank} is in host memory while the other side is in "
+                "GPU memory; host<->GPU pulls are not supported",
+            )
+    return entries

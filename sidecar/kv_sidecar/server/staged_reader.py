@@ -7,8 +7,8 @@ requests between the same two ranks that wait while one runs go as one transfer 
 concatenated (server/group_commit.py; PushRequest.members). A group that fails does not fail its
 reads: each that may still go runs again alone, so that a bad request fails by itself.
 
-A pull asks for its reads as `StagedRead`s (server/pull.py yields them): `read` runs one on the
-pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at once per
+A pull asks for its reads as `StagedRead`s (its steps yield them: server/pull_steps.py): `read` runs
+one on the pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at once per
 rank pair and finished on one thread per pair, without a thread per member (server/pull_batch.py)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +32,7 @@ from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.group_commit import GroupCommit, Waiter
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
-from kv_sidecar.server.pull_direct import require_gpu
-from kv_sidecar.server.pull_job import PullJob
+from kv_sidecar.server.pull_job import PullJob, require_gpu
 from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -537,28 +536,3 @@ def _confirmation(call: Any) -> Callable[[Callable[[bool], None]], None]:
         call.add_done_callback(ended)
 
     return settles
-
-
-R = TypeVar("R")
-# A pull's work up to its answer: it yields each staged read it needs and is sent the bytes moved (or
-# thrown what failed the read); its return value is its answer.
-Steps = Generator[StagedRead, int, R]
-
-
-def run_steps(
-    steps: Steps[R], read: Callable[[StagedRead], int], start: Callable[[], StagedRead] | None = None
-) -> R:
-    """Run a pull's steps to its answer on this thread, each read as `read` (StagedReader.read) moves it;
-    `start`: how the steps go on (resumed after a read that another thread moved or failed), else
-    from their beginning."""
-    try:
-        want = start() if start is not None else next(steps)
-        while True:
-            try:
-                moved = read(want)
-            except Exception as e:
-                want = steps.throw(e)
-            else:
-                want = steps.send(moved)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
