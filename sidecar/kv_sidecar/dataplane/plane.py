@@ -201,21 +201,20 @@ class DataPlane:
         the decode device's worker process where there are workers."""
         if self.workers is not None and self._settings.device_workers and job.reads:
             return self.workers.copy(self._device_of(job.reads[0].dst), job, halt)
-        if job.reads and self.ranks.is_gpu(job.reads[0].dst):
+        if self._copies_on_gpu_here(job):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
+
+    def _copies_on_gpu_here(self, job: LocalCopy) -> bool:
+        """Whether `copy_local` launches this copy on a GPU from this process (not in a worker)."""
+        in_worker = self.workers is not None and self._settings.device_workers
+        return not in_worker and bool(job.reads) and self.ranks.is_gpu(job.reads[0].dst)
 
     def copy_local_all(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
         """Several copies (a PullBatch's), each's bytes or what failed it: on GPUs launched together
         with one wait per decode GPU; otherwise one after another, as `copy_local` makes each."""
         out: list[int | BaseException | None] = [None] * len(jobs)
-        on_gpu = [
-            i
-            for i, (job, _) in enumerate(jobs)
-            if job.reads
-            and self.ranks.is_gpu(job.reads[0].dst)
-            and not (self.workers is not None and self._settings.device_workers)
-        ]
+        on_gpu = [i for i, (job, _) in enumerate(jobs) if self._copies_on_gpu_here(job)]
         if on_gpu:
             try:
                 moved = local_copies.copy_gpu_all(self.ranks, [jobs[i] for i in on_gpu])

@@ -67,9 +67,10 @@ class EngineCalls:
         """run_pull, goes_together, move, move_all: Puller.pull_steps (a pull's steps), goes_together
         (which PullBatch members run as one unit), move and move_all (how the steps' bytes move, alone
         and a batch's together); on_published: a request was just published here
-        (PushThreads.expect_read); refusals: where a refused Publish is counted; max_pull_batch, batch_threads: PullBatch's most members, and
-        the threads its members from other sidecars wait on; observe_batch: each batch's size
-        (metrics); batch_reads_together: a batch's members run as one unit (staged_batch_reads)."""
+        (PushThreads.expect_read); refusals: where a refused Publish is counted; max_pull_batch,
+        batch_threads: PullBatch's most members, and the threads its members from other sidecars wait
+        on; observe_batch: each batch's size (metrics); batch_reads_together: a batch's members run as
+        one unit (staged_batch_reads)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -203,7 +204,7 @@ class EngineCalls:
     def pull_steps(
         self, request: engine_pb2.PullRequest, on_hangup: OnHangup, later: Later | None = None
     ) -> Steps[engine_pb2.PullResponse]:
-        """`pull`, yielding its staged reads to its caller (a PullBatch moves its members' together)."""
+        """`pull`, yielding what moves its bytes to its caller (a PullBatch moves its members' together)."""
         check_id("engine_id", request.engine_id)
         check_id("params.request_id", request.params.request_id)
         check_id("params.engine_id", request.params.engine_id)

@@ -176,10 +176,10 @@ class Puller:
         """Several pulls' moves (a PullBatch's), `done(i, bytes or what failed it)` as each ends: the copies
         first, launched together with one wait, on this thread; then the staged reads together
         (StagedReader.read_all: one thread per source rank pair, this one the first)."""
-        copies = [i for i, w in enumerate(wants) if isinstance(w, DirectCopy)]
+        copies = [(i, w) for i, w in enumerate(wants) if isinstance(w, DirectCopy)]
         if copies:
-            jobs = [(wants[i].copy, wants[i].job) for i in copies]  # type: ignore[union-attr]
-            for i, moved in zip(copies, self._plane.copy_local_all(jobs), strict=True):
+            moves = self._plane.copy_local_all([(w.copy, w.job) for _, w in copies])
+            for (i, _), moved in zip(copies, moves, strict=True):
                 done(i, moved)
         reads = [(i, w) for i, w in enumerate(wants) if isinstance(w, StagedRead)]
         if reads:

@@ -8,8 +8,9 @@ concatenated (server/group_commit.py; PushRequest.members). A group that fails d
 reads: each that may still go runs again alone, so that a bad request fails by itself.
 
 A pull asks for its reads as `StagedRead`s (its steps yield them: server/pull_steps.py): `read` runs
-one on the pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at once per
-rank pair and finished on one thread per pair, without a thread per member (server/pull_batch.py)."""
+one on the pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at
+once per rank pair and finished on one thread per pair, without a thread per member
+(server/pull_batch.py)."""
 
 from __future__ import annotations
 
@@ -142,18 +143,9 @@ GROUPS_AT_ONCE = 2
 
 
 @dataclass
-class _Read:
-    """One read to move: the pull's job, the local rank it fills, and the open its Push carries (None:
-    the request was opened before)."""
-
-    job: PullJob
-    entry: RankEntry
-    open_msg: peer_pb2.OpenReadRequest | None
-
-
-@dataclass
 class StagedRead:
-    """What a pull asks of the staged reader: a (decode rank, source rank) read of its job (`read`)."""
+    """What a pull asks of the staged reader: a (decode rank, source rank) read of its job, and the
+    open its Push carries (None: the request was opened before). Also an item of a group."""
 
     job: PullJob
     remote: RemoteEngine
@@ -240,7 +232,7 @@ class StagedReader:
         self._nixl = nixl
         self._metrics = metrics
         self._group_reads = min(group_reads, MAX_PUSH_MEMBERS)
-        self._groups: GroupCommit[_Read, int | _Alone] = GroupCommit(
+        self._groups: GroupCommit[StagedRead, int | _Alone] = GroupCommit(
             max(1, self._group_reads), GROUPS_AT_ONCE
         )
 
@@ -250,16 +242,15 @@ class StagedReader:
         `want.open_msg`: the Push opens the request itself (no OpenRead before it); the job was planned
         from the params, and the source refuses before any WRITE if its record holds another token count.
         """
-        one = _Read(want.job, want.entry, want.open_msg)
         if not self._groups_it(want):
-            return self._transfer(want.remote, want.src_rank, [one])
+            return self._transfer(want.remote, want.src_rank, [want])
         key = self._pair(want)
-        me: Waiter[_Read, int | _Alone] = Waiter(one)
+        me: Waiter[StagedRead, int | _Alone] = Waiter(want)
         self._groups.enqueue(key, [me])
         lead = functools.partial(self._lead, want.remote, want.src_rank)
         outcome = self._groups.finish(key, me, lead, want.job.remaining)
         if isinstance(outcome, _Alone):
-            return self._transfer(want.remote, want.src_rank, [one])
+            return self._transfer(want.remote, want.src_rank, [want])
         return outcome
 
     def read_all(
@@ -272,7 +263,7 @@ class StagedReader:
         only its own pair's reads; a read that goes alone (not groupable, or its group failed) goes on
         `pool` too. Returns once every `done` has returned."""
         tasks: list[Future[None]] = []
-        pairs: dict[Hashable, list[tuple[int, Waiter[_Read, int | _Alone]]]] = {}
+        pairs: dict[Hashable, list[tuple[int, Waiter[StagedRead, int | _Alone]]]] = {}
 
         def alone(i: int, run: Callable[[], int]) -> None:
             try:
@@ -283,12 +274,12 @@ class StagedReader:
 
         for i, want in enumerate(wants):
             if self._groups_it(want):
-                waiter: Waiter[_Read, int | _Alone] = Waiter(_Read(want.job, want.entry, want.open_msg))
+                waiter: Waiter[StagedRead, int | _Alone] = Waiter(want)
                 pairs.setdefault(self._pair(want), []).append((i, waiter))
             else:
                 tasks.append(pool.submit(alone, i, functools.partial(self.read, want)))
 
-        def finish(key: Hashable, waiters: list[tuple[int, Waiter[_Read, int | _Alone]]]) -> None:
+        def finish(key: Hashable, waiters: list[tuple[int, Waiter[StagedRead, int | _Alone]]]) -> None:
             # Queued by the thread that finishes them: a queued read's thread is always running, so a
             # group never waits for a lead that waits for a pool thread.
             self._groups.enqueue(key, [w for _, w in waiters])
@@ -301,8 +292,7 @@ class StagedReader:
                     done(i, e)
                     continue
                 if isinstance(outcome, _Alone):
-                    one = [_Read(want.job, want.entry, want.open_msg)]
-                    run = functools.partial(self._transfer, want.remote, want.src_rank, one)
+                    run = functools.partial(self._transfer, want.remote, want.src_rank, [want])
                     tasks.append(pool.submit(alone, i, run))
                 else:
                     done(i, outcome)
@@ -326,7 +316,7 @@ class StagedReader:
         return (r.sidecar_id, r.engine_id, want.src_rank, want.entry.key, want.job.plan.hash())
 
     def _lead(
-        self, remote: RemoteEngine, src_rank: int, reads: list[_Read]
+        self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead]
     ) -> list[int | _Alone | BaseException]:
         """Run a group as one transfer; each read's share of the bytes, or, if it failed, what each does.
         A read alone fails as itself: GroupCommit gives it what `_transfer` raises."""
@@ -351,7 +341,7 @@ class StagedReader:
         shares[-1] = total - sum(shares[:-1])
         return list(shares)
 
-    def _transfer(self, remote: RemoteEngine, src_rank: int, reads: list[_Read]) -> int:
+    def _transfer(self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead]) -> int:
         """One staged transfer of `reads` (one, or a group of the same two ranks); returns bytes written."""
         first = reads[0]
         job, entry = first.job, first.entry
