@@ -37,6 +37,8 @@ LANE_SUFFIX = ".lane"
 ENV_SWITCH = "KV_SIDECAR_ENGINE_LANE"  # "0" turns the lane off in every client of this process
 _LOOK_AGAIN_S = 1.0  # after the lane was not there, gRPC takes the calls this long before we look again
 _HELLO_TIMEOUT_S = 2.0
+# How long a connection may owe its call's answer before it is closed rather than kept.
+_OWED_ANSWER_S = 5.0
 
 
 def lane_path(target: str) -> str | None:
@@ -62,6 +64,9 @@ class Lane:
     def __init__(self, target: str) -> None:
         self.path = lane_path(target)
         self._idle: list[Connection] = []
+        # Connections whose call's answer is still on its way though its caller has all it needs (a
+        # PullBatch whose every member's outcome came ahead), since when: reused once it is read.
+        self._owing: dict[Connection, float] = {}
         self._lock = threading.Lock()
         self._look_at = 0.0
         self._max_call_bytes = 0
@@ -69,6 +74,8 @@ class Lane:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
+            idle += self._owing
+            self._owing.clear()
         for conn in idle:
             conn.close()
 
@@ -104,14 +111,44 @@ class Lane:
         with self._lock:
             self._idle.append(conn)
 
+    def give_back_owing(self, conn: Connection) -> None:
+        """Keep `conn` for a later call once the answer of its call, still on its way, has been read.
+        Without this the next call would open a connection (and the sidecar start a thread) of its own."""
+        with self._lock:
+            self._owing[conn] = time.monotonic()
+
     def _take(self, hello_timeout_s: float) -> Connection | None:
         with self._lock:
+            self._settle_owing()
             while self._idle:
                 conn = self._idle.pop()
                 if not conn.poll(0):
                     return conn
                 conn.close()  # something to read on an idle connection: the sidecar closed it
         return self._connect(hello_timeout_s)
+
+    def _settle_owing(self) -> None:
+        """Connections whose owed answer has arrived go idle; those that owe it too long are closed."""
+        now = time.monotonic()
+        for conn, since in list(self._owing.items()):
+            try:
+                ready = conn.poll(0)
+            except OSError:
+                ready, since = False, -_OWED_ANSWER_S  # closed: drop it below
+            if ready:
+                del self._owing[conn]
+                try:
+                    answer = engine_pb2.LaneAnswer.FromString(conn.recv_bytes())
+                except (EOFError, OSError, DecodeError):
+                    conn.close()
+                    continue
+                if answer.WhichOneof("result") == "pull_outcome":  # not the answer: the stream is off
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+            elif now - since > _OWED_ANSWER_S:
+                del self._owing[conn]
+                conn.close()
 
     def _connect(self, hello_timeout_s: float) -> Connection | None:
         now = time.monotonic()
@@ -286,6 +323,10 @@ class LaneBatch(_LaneCallInFlight):
         if 0 <= i < len(self._blocks) and i not in self._early:
             (result,) = batch_results([outcome], [self._blocks[i]])
             self._early[i] = (result, time.monotonic())
+            if len(self._early) == len(self._blocks):  # every member's outcome: the call's answer adds none
+                self._lane.give_back_owing(self._conn)
+                self._finished = True
+                self.done_at = time.monotonic()
 
     def _failed(self, code: str, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
         self._results = batch_failed(code, message, self._blocks)

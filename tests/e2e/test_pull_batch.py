@@ -223,6 +223,37 @@ def test_over_the_lane_a_member_is_done_when_it_ends_not_when_the_slowest_does(
     no_transfer_in_flight(b)
 
 
+def test_batches_whose_outcomes_all_came_ahead_leave_their_lane_connection_for_the_next_call(
+    pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """Over the lane a batch is done when its last member's outcome arrives, before the call's own
+    answer; its connection goes back to the client once that answer is read, even while the engine
+    still holds the results, so that each batch does not open a connection (and a sidecar thread)."""
+    a, b = pair
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(a.socket, "bc-p", SPEC),
+        lambda: EngineProcess(b.socket, "bc-d", SPEC),
+    )
+    params = [params_from_json(prefilled(prefill, f"c{i}", [1 + i], 16, seed=i)) for i in range(8)]
+    held = []
+    with SidecarClient(b.socket, lane=True) as client:
+        before = metric(b.metrics_port, "kvsidecar_engine_lane_connections")
+        for k in range(4):
+            pending = client.pull_batch_async(
+                decode.engine_id, [BatchPull(params[2 * k + j], [10 + 2 * k + j]) for j in range(2)]
+            )
+            results = [p.result() for p in pending]
+            assert all(r.ok and r.path == "host-nixl" for r in results), results
+            held.append(pending)  # the engine keeps them: their connection must not stay theirs
+            time.sleep(0.2)  # the call's answer follows its last outcome by well under this
+        opened = metric(b.metrics_port, "kvsidecar_engine_lane_connections") - before
+    assert opened == 1, f"4 batches in turn opened {opened} lane connections"
+    for i in range(8):  # and every member's bytes are the source's
+        want = prefill.send({"cmd": "digest", "block_ids": [1 + i]})["digests"]
+        got = decode.send({"cmd": "digest", "block_ids": [10 + i]})["digests"]
+        assert got == want, i
+
+
 def test_the_engine_going_away_stops_every_member(
     pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
