@@ -16,6 +16,10 @@ median start and end relative to the engine's call and the median duration.
     python bench/trace_pull.py --gpu --blocks 512 --gpu-staging-bytes 2147483648 --slots 4 --timeline
                                                       # a 1 GiB pull through 2 GiB rings, span by span
     python bench/trace_pull.py --idle 1.5 --iters 40  # each pull after a quiet spell (default 2 ms)
+    python bench/trace_pull.py --gpu --batch 16 --timeline    # each engine call a PullBatch of 16 pulls
+
+--batch N: each engine call is a PullBatch of N pulls (N requests, each of --blocks blocks), so the
+table's rows are per batch: how often each span ran in one batch and its busy time summed over them.
 
 --concurrent C: spans overlap between pulls in flight together, so instead of placing them on a
 pull the table compares each span's median duration, one pull at a time against C at a time.
@@ -48,7 +52,7 @@ from latency import SPEC  # noqa: E402
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine.procs import SidecarProcess  # noqa: E402
-from kv_sidecar_client import SidecarClient  # noqa: E402
+from kv_sidecar_client import BatchPull, SidecarClient  # noqa: E402
 from kv_sidecar_client.shm import ShmKVCache  # noqa: E402
 
 # --small: 32 KiB blocks (2 heads, head_dim 64), so that the host copies, which a GPU does in a
@@ -152,6 +156,24 @@ STAGED = {
         "kv_sidecar.transport.nixl_driver:NixlDriver.listen",
     ],
 }
+# --batch: a PullBatch's own steps and each member's work outside the moves.
+BATCH = [
+    "kv_sidecar.server.adapters.engine_lane:EngineLane._pull_batch",
+    "kv_sidecar.server.pull_batch:PullBatches.run",
+    "kv_sidecar.server.pull_batch:PullBatches._together_run",
+    "kv_sidecar.server.pull_batch:repeated_members",
+    "kv_sidecar.server.pull:Puller.goes_together",
+    "kv_sidecar.server.pull:Puller.move_all",
+    "kv_sidecar.server.pull:Puller._local_ranks",
+    "kv_sidecar.server.staged_reader:StagedReader.read_all",
+    "kv_sidecar.dataplane.local_copies:copy_gpu_all",
+    "kv_sidecar.server.inflight:InflightPulls.begin",
+    "kv_sidecar.server.inflight:InflightPulls.end",
+    "kv_sidecar.server.after_answer:run_later",
+    "kv_sidecar.plan.blocks:check_start",
+    "kv_sidecar.plan.blocks:check_pull",
+    "kv_sidecar.server.routing:holders_needed",
+]
 # --gpu: inside the copies of a staged transfer (validation, upload, launch templates, the launch).
 GPU_DETAIL = [
     "kv_sidecar.execute.gpu:StagedCopies.__init__",
@@ -211,6 +233,7 @@ SPANS = {
     ],
     "prefill": [
         *GRPC,
+        "kv_sidecar.server.adapters.peer_service:PeerServicer.Push",
         "kv_sidecar.server.notified_opens:OpenAnswers.answer",
         "kv_sidecar.server.published:PublishedStore.open_read",
         "kv_sidecar.server.transfers:TransferTracker.begin_serve",
@@ -267,6 +290,7 @@ def main() -> int:
         "--timeline", action="store_true", help="also list every span of the median pull, in order"
     )
     ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
+    ap.add_argument("--batch", type=int, default=0, help="each engine call a PullBatch of N pulls")
     ap.add_argument(
         "--idle", type=float, default=0.002, help="seconds between pulls (1.5: each after a quiet second)"
     )
@@ -280,6 +304,7 @@ def main() -> int:
         k: v
         + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])
         + ((GPU_DIRECT if args.local else GPU_DETAIL) if args.gpu else [])
+        + (BATCH if args.batch and k == "decode" else [])
         for k, v in SPANS.items()
     }
     tree = baseline.export(args.baseline) if args.baseline else None
@@ -312,9 +337,9 @@ def main() -> int:
             if args.fragmented
             else list(range(spec.num_blocks - args.blocks, spec.num_blocks))
         )
-        if args.concurrent > 1:  # each puller its own destination blocks
+        if args.concurrent > 1 or args.batch:  # each puller (member) its own destination blocks
             spec = dataclasses.replace(
-                spec, num_blocks=max(spec.num_blocks, (args.concurrent + 1) * args.blocks)
+                spec, num_blocks=max(spec.num_blocks, (max(args.concurrent, args.batch) + 1) * args.blocks)
             )
         devices = (0, 1 if torch.cuda.device_count() > 1 else 0) if args.gpu else (None, None)
         caches += [register(ca, "tr-p", spec, devices[0]), register(dec, "tr-d", spec, devices[1])]
@@ -323,14 +348,27 @@ def main() -> int:
             spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
             compare_phases(windows, spans, args.blocks * block_bytes(spec))
             return 0
+        n = args.blocks
         for i in range(args.iters + 20):
-            n = args.blocks
-            params = ca.publish("tr-p", f"t{i}", src_ids, n * spec.block_size)
-            t0 = time.perf_counter()
-            res = dec.pull(params, "tr-d", dst_ids)
-            t1 = time.perf_counter()
-            assert res.ok, res
-            assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
+            if args.batch:
+                members = [
+                    BatchPull(
+                        ca.publish("tr-p", f"t{i}-{k}", src_ids, n * spec.block_size),
+                        list(range(spec.num_blocks - (k + 1) * n, spec.num_blocks - k * n)),
+                    )
+                    for k in range(args.batch)
+                ]
+                t0 = time.perf_counter()
+                results = dec.pull_batch("tr-d", members)
+                t1 = time.perf_counter()
+            else:
+                params = ca.publish("tr-p", f"t{i}", src_ids, n * spec.block_size)
+                t0 = time.perf_counter()
+                results = [dec.pull(params, "tr-d", dst_ids)]
+                t1 = time.perf_counter()
+            for res in results:
+                assert res.ok, res
+                assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
             if i >= 20:
                 calls.append((t0, t1))
             time.sleep(args.idle)  # keep pulls apart, so late spans (notifications) stay on their pull
@@ -341,7 +379,8 @@ def main() -> int:
         a.stop()
         b.stop()
     print(
-        f"{'gpu-direct' if args.gpu and args.local else 'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s): {len(calls)} pulls, engine wall p50 "
+        f"{'gpu-direct' if args.gpu and args.local else 'local' if args.local else 'ring' if args.ring else 'gpu-staged' if args.gpu else 'remote'}, {args.blocks} block(s)"
+        f"{f', PullBatches of {args.batch}' if args.batch else ''}: {len(calls)} calls, engine wall p50 "
         f"{statistics.median(t1 - t0 for t0, t1 in calls) * 1e3:.3f} ms, {args.idle:g} s apart "
         f"(load {os.getloadavg()[0]:.1f})"
     )
