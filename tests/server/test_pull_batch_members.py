@@ -1,10 +1,16 @@
-"""Which members of a PullBatch repeat an earlier one (pure: server/pull_batch.repeated_members)."""
+"""PullBatch members, pure (server/pull_batch.py): which repeat an earlier one; in what order members run
+as one unit tell their outcomes and run their leftovers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
 import pytest
 
-from kv_sidecar.server.pull_batch import repeated_members
+from kv_sidecar.server.after_answer import Later, run_later
+from kv_sidecar.server.pull_batch import OnHangup, PullBatches, Together, repeated_members
+from kv_sidecar.server.pull_steps import DirectCopy, Made, Steps, Want
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 
@@ -35,3 +41,60 @@ def pull(
 )
 def test_repeated_members(members: list[engine_pb2.PullRequest], repeated: dict[int, int]) -> None:
     assert repeated_members(members) == repeated
+
+
+def _unit(
+    ends: list[list[int]], log: list[tuple[str, int]]
+) -> tuple[PullBatches, engine_pb2.PullBatchRequest]:
+    """A batch of as many members as `ends` names, run as one unit whose moves end in the groups `ends`
+    lists (one transfer's members each); each member's steps leave a record of their leftovers."""
+
+    def steps(req: engine_pb2.PullRequest, _hangup: OnHangup, later: Later) -> Steps[engine_pb2.PullResponse]:
+        i = int(req.params.request_id)
+        moved = yield DirectCopy(None, None)  # type: ignore[arg-type]  # what moves is not looked at here
+        later.append(lambda: log.append(("later", i)))
+        return engine_pb2.PullResponse(bytes=moved)
+
+    def move_all(wants: Sequence[Want], _pool: Executor, made: Made) -> None:
+        assert len(wants) == sum(map(len, ends))
+        for group in ends:
+            made([(i, 100 + i) for i in group])
+
+    def no_member(*_: object) -> engine_pb2.PullResponse:
+        raise AssertionError("every member goes in the unit")
+
+    together = Together(steps, lambda _: True, move_all, lambda _: 0)
+    batches = PullBatches(no_member, 64, "d", 2, lambda _: None, together)
+    n = sum(map(len, ends))
+    return batches, engine_pb2.PullBatchRequest(pulls=[pull(str(i)) for i in range(n)])
+
+
+def test_members_that_end_together_have_every_outcome_out_before_any_leftover() -> None:
+    """A transfer's members: the last member's outcome does not wait for the others' records, done
+    notifications and "consumed" events; and a transfer's leftovers do not wait for a later transfer."""
+    log: list[tuple[str, int]] = []
+    batches, req = _unit([[0, 1, 2], [3, 4]], log)
+    try:
+        later: Later = []
+        answer = batches.run(req, lambda _: None, later, lambda o: log.append(("told", o.index)))
+    finally:
+        batches.stop()
+    assert [o.response.bytes for o in answer.outcomes] == [100, 101, 102, 103, 104]
+    assert log == [
+        ("told", 0), ("told", 1), ("told", 2), ("later", 0), ("later", 1), ("later", 2),
+        ("told", 3), ("told", 4), ("later", 3), ("later", 4),
+    ]  # fmt: skip
+    assert not later  # streamed: nothing left for after the call's answer
+
+
+def test_without_streamed_outcomes_the_leftovers_wait_for_the_calls_answer() -> None:
+    log: list[tuple[str, int]] = []
+    batches, req = _unit([[0, 1], [2]], log)
+    try:
+        later: Later = []
+        batches.run(req, lambda _: None, later)
+    finally:
+        batches.stop()
+    assert log == [] and len(later) == 3
+    run_later(later)
+    assert sorted(log) == [("later", 0), ("later", 1), ("later", 2)]

@@ -23,7 +23,7 @@ from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.pull_batch import OnOutcome, PullBatches, Together
-from kv_sidecar.server.pull_steps import Steps, Want, run_steps
+from kv_sidecar.server.pull_steps import Made, Steps, Want, run_steps
 from kv_sidecar.server.release import Releases
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
@@ -53,7 +53,7 @@ class EngineCalls:
         run_pull: PullFn,
         goes_together: Callable[[engine_pb2.PullRequest], bool],
         move: Callable[[Want], int],
-        move_all: Callable[[Sequence[Want], Executor, Callable[[int, int | BaseException], None]], None],
+        move_all: Callable[[Sequence[Want], Executor, Made], None],
         releases: Releases,
         peers: Peers,
         lease_view: LeaseView,

@@ -30,6 +30,11 @@ class Waiter(Generic[T, R]):
         self.outcome: R | BaseException | None = None
         self.lead: list[Waiter[T, R]] | None = None  # handed the lead of this group
 
+    @property
+    def settled(self) -> bool:
+        """Whether its outcome is in, so that `finish` returns at once (neither leads nor waits)."""
+        return self.done.is_set() and self.lead is None
+
 
 class _Key(Generic[T, R]):
     def __init__(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from kv_sidecar.config import Settings
@@ -49,7 +49,7 @@ from kv_sidecar.server.pull_job import (
     state_group,
     unfilled_blocks,
 )
-from kv_sidecar.server.pull_steps import DirectCopy, Steps, Want, run_steps
+from kv_sidecar.server.pull_steps import DirectCopy, Made, Steps, Want, run_steps
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
 from kv_sidecar.server.staged_reader import StagedRead, StagedReader
@@ -170,21 +170,18 @@ class Puller:
             return self._plane.copy_local(want.copy, want.job)
         return self._staged_reader.read(want)
 
-    def move_all(
-        self, wants: Sequence[Want], pool: Executor, done: Callable[[int, int | BaseException], None]
-    ) -> None:
-        """Several pulls' moves (a PullBatch's), `done(i, bytes or what failed it)` as each ends: the copies
-        first, launched together with one wait, on this thread; then the staged reads together
-        (StagedReader.read_all: one thread per source rank pair, this one the first)."""
+    def move_all(self, wants: Sequence[Want], pool: Executor, made: Made) -> None:
+        """Several pulls' moves (a PullBatch's), `made([(i, bytes or what failed it), ..])` with those that
+        ended together: the copies first, launched together with one wait, on this thread; then the staged
+        reads together (StagedReader.read_all: one thread per source rank pair, this one the first)."""
         copies = [(i, w) for i, w in enumerate(wants) if isinstance(w, DirectCopy)]
         if copies:
             moves = self._plane.copy_local_all([(w.copy, w.job) for _, w in copies])
-            for (i, _), moved in zip(copies, moves, strict=True):
-                done(i, moved)
+            made([(i, moved) for (i, _), moved in zip(copies, moves, strict=True)])
         reads = [(i, w) for i, w in enumerate(wants) if isinstance(w, StagedRead)]
         if reads:
             self._staged_reader.read_all(
-                [w for _, w in reads], pool, lambda k, moved: done(reads[k][0], moved)
+                [w for _, w in reads], pool, lambda ended: made([(reads[k][0], moved) for k, moved in ended])
             )
 
     def goes_together(self, req: engine_pb2.PullRequest) -> bool:

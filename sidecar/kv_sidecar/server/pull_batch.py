@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.pull_steps import Steps, Want, run_steps
+from kv_sidecar.server.pull_steps import Made, Steps, Want, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Together(NamedTuple):
 
     steps: Callable[[engine_pb2.PullRequest, OnHangup, Later], Steps[engine_pb2.PullResponse]]
     goes_together: Callable[[engine_pb2.PullRequest], bool]
-    move_all: Callable[[Sequence[Want], Executor, Callable[[int, int | BaseException], None]], None]
+    move_all: Callable[[Sequence[Want], Executor, Made], None]
     move: Callable[[Want], int]
 
 
@@ -216,13 +216,13 @@ class PullBatches:
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
         failing: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
 
-        def go_on(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
+        def go_on(i: int, start: Callable[[], Want], then: Later | None) -> engine_pb2.PullOutcome:
             try:
                 response = run_steps(steps[i], together.move, start)
                 outcome = engine_pb2.PullOutcome(response=response, index=i)
             except Exception as e:
                 outcome = failed(e, i)
-            return self._settle(i, outcome, mine[i], later, told, streamed)
+            return self._settle(i, outcome, mine[i], later, told, streamed, then)
 
         wanted: list[int] = []
         wants: list[Want] = []
@@ -236,12 +236,19 @@ class PullBatches:
             except Exception as e:
                 outcomes[i] = self._settle(i, failed(e, i), mine[i], later, told, streamed)
 
-        def made(k: int, moved: int | BaseException) -> None:
-            i, member = wanted[k], steps[wanted[k]]
-            if isinstance(moved, BaseException):
-                failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
-            else:
-                outcomes[i] = go_on(i, functools.partial(member.send, moved))
+        def made(ended: list[tuple[int, int | BaseException]]) -> None:
+            # Moves that ended together (one transfer's, the copies'): every outcome out first, then what
+            # each member left for after it (records, done notifications, "consumed"), so that the
+            # last member's outcome does not wait for the others' leftovers.
+            then: Later = []
+            for k, moved in ended:
+                i, member = wanted[k], steps[wanted[k]]
+                if isinstance(moved, BaseException):
+                    go = functools.partial(go_on, i, functools.partial(member.throw, moved), None)
+                    failing.append((i, self._pool.submit(go)))
+                else:
+                    outcomes[i] = go_on(i, functools.partial(member.send, moved), then)
+            run_later(then)
 
         together.move_all(wants, self._pool, made)
         for i, fut in failing:  # complete: move_all returned after its last `made`
@@ -274,8 +281,11 @@ class PullBatches:
         later: Later,
         told: OnOutcome,
         streamed: bool,
+        then: Later | None = None,
     ) -> engine_pb2.PullOutcome:
-        """A member ended: tell its outcome, and run (streamed) or hand on what it left for later."""
+        """A member ended: tell its outcome, and run (streamed) or hand on what it left for later; `then`:
+        where it goes instead, when streamed, to run once the outcomes of members that ended with this
+        one are out too."""
         if not streamed:
             later.extend(mine)  # list.extend is atomic: members on the pool append side by side
         try:
@@ -283,5 +293,8 @@ class PullBatches:
         except Exception:  # the engine went away: the call's own answer will fail the same way
             log.debug("could not send pulls[%d]'s outcome ahead", index, exc_info=True)
         if streamed:  # the prefill engine hears "consumed" when this member ends, not the step's slowest
-            run_later(mine)
+            if then is not None:
+                then.extend(mine)
+            else:
+                run_later(mine)
         return outcome

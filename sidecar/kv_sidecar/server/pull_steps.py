@@ -29,6 +29,8 @@ class DirectCopy:
 Want = StagedRead | DirectCopy
 R = TypeVar("R")
 Steps = Generator[Want, int, R]
+# Told moves that ended together (Puller.move_all): each one's index, and its bytes or what failed it.
+Made = Callable[[list[tuple[int, int | BaseException]]], None]
 
 
 def run_steps(steps: Steps[R], move: Callable[[Want], int], start: Callable[[], Want] | None = None) -> R:

@@ -254,14 +254,17 @@ class StagedReader:
         return outcome
 
     def read_all(
-        self, wants: Sequence[StagedRead], pool: Executor, done: Callable[[int, int | BaseException], None]
+        self,
+        wants: Sequence[StagedRead],
+        pool: Executor,
+        made: Callable[[list[tuple[int, int | BaseException]]], None],
     ) -> None:
-        """Move the reads of a PullBatch's members together; `done(i, bytes or what failed it)` as each
-        read ends, on the thread that finished it. Those of one (source rank, decode rank) pair are
-        queued at once (one transfer, or as few as `staged_group_reads` allows) and finished on one
-        thread, the first pair's on this one and the others' on `pool`, so that a hung source holds up
-        only its own pair's reads; a read that goes alone (not groupable, or its group failed) goes on
-        `pool` too. Returns once every `done` has returned."""
+        """Move the reads of a PullBatch's members together; `made([(i, bytes or what failed it), ..])` with
+        the reads that ended together (one transfer's), on the thread that finished them. Those of one
+        (source rank, decode rank) pair are queued at once (one transfer, or as few as
+        `staged_group_reads` allows) and finished on one thread, the first pair's on this one and the
+        others' on `pool`, so that a hung source holds up only its own pair's reads; a read that goes alone
+        (not groupable, or its group failed) goes on `pool` too. Returns once every `made` has returned."""
         tasks: list[Future[None]] = []
         pairs: dict[Hashable, list[tuple[int, Waiter[StagedRead, int | _Alone]]]] = {}
 
@@ -270,7 +273,7 @@ class StagedReader:
                 moved: int | BaseException = run()
             except Exception as e:
                 moved = e
-            done(i, moved)
+            made([(i, moved)])
 
         for i, want in enumerate(wants):
             if self._groups_it(want):
@@ -283,19 +286,25 @@ class StagedReader:
             # Queued by the thread that finishes them: a queued read's thread is always running, so a
             # group never waits for a lead that waits for a pool thread.
             self._groups.enqueue(key, [w for _, w in waiters])
+            ended: list[tuple[int, int | BaseException]] = []
             for i, waiter in waiters:  # in queue order: a group this thread leads starts with its first
+                if ended and not waiter.settled:  # this thread leads or waits next: what ended goes on first
+                    made(ended)
+                    ended = []
                 want = wants[i]
                 lead = functools.partial(self._lead, want.remote, want.src_rank)
                 try:
                     outcome = self._groups.finish(key, waiter, lead, want.job.remaining)
                 except Exception as e:
-                    done(i, e)
+                    ended.append((i, e))
                     continue
                 if isinstance(outcome, _Alone):
                     run = functools.partial(self._transfer, want.remote, want.src_rank, [want])
                     tasks.append(pool.submit(alone, i, run))
                 else:
-                    done(i, outcome)
+                    ended.append((i, outcome))
+            if ended:
+                made(ended)
 
         groups = list(pairs.items())
         finishers = [pool.submit(finish, key, waiters) for key, waiters in groups[1:]]
