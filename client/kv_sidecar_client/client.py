@@ -93,7 +93,7 @@ def start_batch(
     timeout_s: float,
     over_grpc: Callable[[engine_pb2.PullBatchRequest, list[list[int]]], PendingBatch],
 ) -> list[PendingPull]:
-    """A PullBatch sent over the engine lane (each member's outcome streamed as it ends), or, where the
+    """A PullBatch sent over the engine lane (members' outcomes streamed as they end), or, where the
     lane does not take it, by `over_grpc` (the request, each member's blocks); a PendingPull per member.
     Cancelling one cancels the batch (they share one call); to stop one member, `abort` its request."""
     req = engine_pb2.PullBatchRequest(
@@ -105,7 +105,7 @@ def start_batch(
     blocks = [list(m.block_ids) for m in pulls]
     batch: PendingBatch | None = None
     if lane is not None:
-        streamed = engine_pb2.PullBatchRequest(pulls=req.pulls, stream_outcomes=True)
+        streamed = engine_pb2.PullBatchRequest(pulls=req.pulls, stream_outcomes=True, group_outcomes=True)
         conn = lane.send(engine_pb2.LaneCall(pull_batch=streamed))
         if conn is not None:
             batch = LaneBatch(lane, conn, blocks, time.monotonic() + timeout_s + PULL_GRACE_S)

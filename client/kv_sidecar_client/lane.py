@@ -142,7 +142,7 @@ class Lane:
                 except (EOFError, OSError, DecodeError):
                     conn.close()
                     continue
-                if answer.WhichOneof("result") == "pull_outcome":  # not the answer: the stream is off
+                if answer.WhichOneof("result") in ("pull_outcome", "pull_outcomes"):  # not the answer
                     conn.close()
                 else:
                     self._idle.append(conn)
@@ -246,8 +246,13 @@ class _LaneCallInFlight:
             code = "CANCELLED" if self._cancelled else e.code
             self._failed(code, e.message if code == e.code else "cancelled")
         else:
-            if answer.WhichOneof("result") == "pull_outcome":
+            result = answer.WhichOneof("result")
+            if result == "pull_outcome":
                 self._ahead(answer.pull_outcome)
+                return
+            if result == "pull_outcomes":
+                for outcome in answer.pull_outcomes.outcomes:
+                    self._ahead(outcome)
                 return
             self._lane.give_back(self._conn)
             if answer.code:

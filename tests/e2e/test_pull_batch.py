@@ -254,6 +254,53 @@ def test_batches_whose_outcomes_all_came_ahead_leave_their_lane_connection_for_t
         assert got == want, i
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_outcomes_of_members_that_end_together_come_in_one_frame_where_the_client_asks(
+    pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, grouped: bool
+) -> None:
+    """Same-sidecar members' copies end together: with group_outcomes their outcomes come in one frame
+    ahead of the call's answer; a client that does not ask (one from before it) gets a frame each."""
+    _, b = pair
+    local, decode = spawn.together(
+        lambda: EngineProcess(b.socket, f"bo-p-{grouped}", SPEC),
+        lambda: EngineProcess(b.socket, f"bo-d-{grouped}", SPEC),
+    )
+    pulls = [
+        engine_pb2.PullRequest(
+            params=params_from_json(prefilled(local, f"o{i}", [1 + i], 16, seed=i)),
+            engine_id=decode.engine_id,
+            block_ids=[10 + i],
+            timeout_ms=30_000,
+        )
+        for i in range(3)
+    ]
+    batch = engine_pb2.PullBatchRequest(pulls=pulls, stream_outcomes=True, group_outcomes=grouped)
+    conn = Client(b.socket + LANE_SUFFIX, family="AF_UNIX")
+    try:
+        assert conn.poll(5)
+        conn.recv_bytes()  # the hello
+        conn.send_bytes(engine_pb2.LaneCall(pull_batch=batch).SerializeToString())
+        frames = []
+        while True:
+            assert conn.poll(30), "no answer"
+            frame = engine_pb2.LaneAnswer.FromString(conn.recv_bytes())
+            frames.append(frame.WhichOneof("result"))
+            if frame.WhichOneof("result") == "pull_outcomes":
+                ahead = list(frame.pull_outcomes.outcomes)
+            if frame.WhichOneof("result") == "pull_batch":
+                break
+    finally:
+        conn.close()
+    if grouped:
+        assert frames == ["pull_outcomes", "pull_batch"], frames
+        assert sorted(o.index for o in ahead) == [0, 1, 2] and all(o.response.bytes for o in ahead), ahead
+    else:
+        assert frames == ["pull_outcome"] * 3 + ["pull_batch"], frames
+    for i in range(3):
+        want = local.send({"cmd": "digest", "block_ids": [1 + i]})["digests"]
+        assert decode.send({"cmd": "digest", "block_ids": [10 + i]})["digests"] == want, i
+
+
 def test_the_engine_going_away_stops_every_member(
     pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:

@@ -44,7 +44,7 @@ def test_repeated_members(members: list[engine_pb2.PullRequest], repeated: dict[
 
 
 def _unit(
-    ends: list[list[int]], log: list[tuple[str, int]]
+    ends: list[list[int]], log: list[tuple[str, object]]
 ) -> tuple[PullBatches, engine_pb2.PullBatchRequest]:
     """A batch of as many members as `ends` names, run as one unit whose moves end in the groups `ends`
     lists (one transfer's members each); each member's steps leave a record of their leftovers."""
@@ -69,26 +69,28 @@ def _unit(
     return batches, engine_pb2.PullBatchRequest(pulls=[pull(str(i)) for i in range(n)])
 
 
-def test_members_that_end_together_have_every_outcome_out_before_any_leftover() -> None:
-    """A transfer's members: the last member's outcome does not wait for the others' records, done
-    notifications and "consumed" events; and a transfer's leftovers do not wait for a later transfer."""
-    log: list[tuple[str, int]] = []
+def test_members_that_end_together_are_told_at_once_before_any_leftover_runs() -> None:
+    """A transfer's members: their outcomes go in one call (one lane frame), and the last member's does
+    not wait for the others' records, done notifications and "consumed" events; a transfer's leftovers
+    do not wait for a later transfer."""
+    log: list[tuple[str, object]] = []
     batches, req = _unit([[0, 1, 2], [3, 4]], log)
     try:
         later: Later = []
-        answer = batches.run(req, lambda _: None, later, lambda o: log.append(("told", o.index)))
+        told = lambda outcomes: log.append(("told", [o.index for o in outcomes]))  # noqa: E731
+        answer = batches.run(req, lambda _: None, later, told)
     finally:
         batches.stop()
     assert [o.response.bytes for o in answer.outcomes] == [100, 101, 102, 103, 104]
     assert log == [
-        ("told", 0), ("told", 1), ("told", 2), ("later", 0), ("later", 1), ("later", 2),
-        ("told", 3), ("told", 4), ("later", 3), ("later", 4),
+        ("told", [0, 1, 2]), ("later", 0), ("later", 1), ("later", 2),
+        ("told", [3, 4]), ("later", 3), ("later", 4),
     ]  # fmt: skip
     assert not later  # streamed: nothing left for after the call's answer
 
 
 def test_without_streamed_outcomes_the_leftovers_wait_for_the_calls_answer() -> None:
-    log: list[tuple[str, int]] = []
+    log: list[tuple[str, object]] = []
     batches, req = _unit([[0, 1], [2]], log)
     try:
         later: Later = []

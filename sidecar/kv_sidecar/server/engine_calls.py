@@ -22,7 +22,7 @@ from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
 from kv_sidecar.server.published import Published, PublishedStore
-from kv_sidecar.server.pull_batch import OnOutcome, PullBatches, Together
+from kv_sidecar.server.pull_batch import OnOutcomes, PullBatches, Together
 from kv_sidecar.server.pull_steps import Made, Steps, Want, run_steps
 from kv_sidecar.server.release import Releases
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
@@ -224,10 +224,11 @@ class EngineCalls:
         request: engine_pb2.PullBatchRequest,
         on_hangup: OnHangup,
         later: Later | None = None,
-        on_outcome: OnOutcome | None = None,
+        on_outcome: OnOutcomes | None = None,
     ) -> engine_pb2.PullBatchResponse:
         """Every member run as `pull` runs it, side by side; `later` as for `pull`; `on_outcome`: told
-        each member's outcome as it ends (the lane sends it ahead)."""
+        members' outcomes as they end, those of members that ended together at once (the lane sends
+        them ahead)."""
         after: Later = [] if later is None else later
         try:
             return self._batches.run(request, on_hangup, after, on_outcome)

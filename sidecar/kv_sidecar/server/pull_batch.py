@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 OnHangup = Callable[[Callable[[], None]], None]
 # Runs one member as EngineCalls.pull does: the request, its hang-up registration, its `later`.
 MemberFn = Callable[[engine_pb2.PullRequest, OnHangup, Later], engine_pb2.PullResponse]
-# Told each member's outcome the moment it ends (from whichever thread ran it), its index set.
-OnOutcome = Callable[[engine_pb2.PullOutcome], None]
+# Told members' outcomes the moment they end (from whichever thread ran them), each its index set:
+# one member's, or those of members that ended together.
+OnOutcomes = Callable[[list[engine_pb2.PullOutcome]], None]
 
 
 class _Hangup:
@@ -142,7 +143,7 @@ class PullBatches:
         batch: engine_pb2.PullBatchRequest,
         on_hangup: OnHangup,
         later: Later,
-        on_outcome: OnOutcome | None = None,
+        on_outcome: OnOutcomes | None = None,
     ) -> engine_pb2.PullBatchResponse:
         """Every member's outcome, in order. Raises only for the batch as a whole (before any member ran,
         so before any `on_outcome`)."""
@@ -160,7 +161,7 @@ class PullBatches:
         hangup = _Hangup()
         on_hangup(hangup.fire)
         outcomes: list[engine_pb2.PullOutcome | None] = [None] * len(pulls)
-        told = on_outcome or (lambda _: None)
+        told: OnOutcomes = on_outcome or (lambda _: None)
         # Streamed, a member's own "after its answer" comes after its own outcome; else after the batch's.
         streamed = on_outcome is not None
         for i, j in repeated_members(pulls).items():
@@ -173,7 +174,7 @@ class PullBatches:
                 ),
                 i,
             )
-            told(outcomes[i])
+            told([outcomes[i]])
         # Members that wait for nothing but their moves as one unit on this thread; others from another
         # sidecar side by side on the pool. Without the unit, copies on this node are CPU work: one
         # after another here, while those on the pool wait.
@@ -206,7 +207,7 @@ class PullBatches:
         pulls: list[engine_pb2.PullRequest],
         hangup: _Hangup,
         later: Later,
-        told: OnOutcome,
+        told: OnOutcomes,
         streamed: bool,
     ) -> dict[int, engine_pb2.PullOutcome]:
         """Members as one unit: each runs its steps up to its move, the moves are made together, and each
@@ -216,13 +217,14 @@ class PullBatches:
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
         failing: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
 
-        def go_on(i: int, start: Callable[[], Want], then: Later | None) -> engine_pb2.PullOutcome:
+        def answer(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
             try:
-                response = run_steps(steps[i], together.move, start)
-                outcome = engine_pb2.PullOutcome(response=response, index=i)
+                return engine_pb2.PullOutcome(response=run_steps(steps[i], together.move, start), index=i)
             except Exception as e:
-                outcome = failed(e, i)
-            return self._settle(i, outcome, mine[i], later, told, streamed, then)
+                return failed(e, i)
+
+        def go_on(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
+            return self._settle([answer(i, start)], [mine[i]], later, told, streamed)[0]
 
         wanted: list[int] = []
         wants: list[Want] = []
@@ -232,23 +234,26 @@ class PullBatches:
                 wanted.append(i)
             except StopIteration as done:  # answered without a move
                 outcome = engine_pb2.PullOutcome(response=done.value, index=i)
-                outcomes[i] = self._settle(i, outcome, mine[i], later, told, streamed)
+                outcomes[i] = self._settle([outcome], [mine[i]], later, told, streamed)[0]
             except Exception as e:
-                outcomes[i] = self._settle(i, failed(e, i), mine[i], later, told, streamed)
+                outcomes[i] = self._settle([failed(e, i)], [mine[i]], later, told, streamed)[0]
 
         def made(ended: list[tuple[int, int | BaseException]]) -> None:
-            # Moves that ended together (one transfer's, the copies'): every outcome out first, then what
-            # each member left for after it (records, done notifications, "consumed"), so that the
+            # Moves that ended together (one transfer's, the copies'): their outcomes out at once, then
+            # what each member left for after it (records, done notifications, "consumed"), so that the
             # last member's outcome does not wait for the others' leftovers.
-            then: Later = []
+            answered: list[int] = []
             for k, moved in ended:
                 i, member = wanted[k], steps[wanted[k]]
                 if isinstance(moved, BaseException):
-                    go = functools.partial(go_on, i, functools.partial(member.throw, moved), None)
-                    failing.append((i, self._pool.submit(go)))
+                    failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
                 else:
-                    outcomes[i] = go_on(i, functools.partial(member.send, moved), then)
-            run_later(then)
+                    outcomes[i] = answer(i, functools.partial(member.send, moved))
+                    answered.append(i)
+            if answered:
+                self._settle(
+                    [outcomes[i] for i in answered], [mine[i] for i in answered], later, told, streamed
+                )
 
         together.move_all(wants, self._pool, made)
         for i, fut in failing:  # complete: move_all returned after its last `made`
@@ -261,7 +266,7 @@ class PullBatches:
         req: engine_pb2.PullRequest,
         hangup: _Hangup,
         later: Later,
-        told: OnOutcome,
+        told: OnOutcomes,
         streamed: bool,
     ) -> engine_pb2.PullOutcome:
         mine: Later = []
@@ -271,30 +276,28 @@ class PullBatches:
             )
         except Exception as e:
             outcome = failed(e, index)
-        return self._settle(index, outcome, mine, later, told, streamed)
+        return self._settle([outcome], [mine], later, told, streamed)[0]
 
     @staticmethod
     def _settle(
-        index: int,
-        outcome: engine_pb2.PullOutcome,
-        mine: Later,
+        ended: list[engine_pb2.PullOutcome],
+        leftovers: list[Later],
         later: Later,
-        told: OnOutcome,
+        told: OnOutcomes,
         streamed: bool,
-        then: Later | None = None,
-    ) -> engine_pb2.PullOutcome:
-        """A member ended: tell its outcome, and run (streamed) or hand on what it left for later; `then`:
-        where it goes instead, when streamed, to run once the outcomes of members that ended with this
-        one are out too."""
+    ) -> list[engine_pb2.PullOutcome]:
+        """Members ended together: tell their outcomes, then run (streamed) or hand on what each left for
+        after its answer."""
         if not streamed:
-            later.extend(mine)  # list.extend is atomic: members on the pool append side by side
+            for mine in leftovers:
+                later.extend(mine)  # list.extend is atomic: members on the pool append side by side
         try:
-            told(outcome)
+            told(ended)
         except Exception:  # the engine went away: the call's own answer will fail the same way
-            log.debug("could not send pulls[%d]'s outcome ahead", index, exc_info=True)
+            log.debug(
+                "could not send the outcomes of pulls %s ahead", [o.index for o in ended], exc_info=True
+            )
         if streamed:  # the prefill engine hears "consumed" when this member ends, not the step's slowest
-            if then is not None:
-                then.extend(mine)
-            else:
+            for mine in leftovers:
                 run_later(mine)
-        return outcome
+        return ended

@@ -200,10 +200,15 @@ class EngineLane:
         later: Later,
         send: Callable[[engine_pb2.LaneAnswer], None],
     ) -> engine_pb2.LaneAnswer:
-        """A PullBatch; with stream_outcomes, each member's outcome goes as a frame of its own as it ends."""
+        """A PullBatch; with stream_outcomes, members' outcomes go ahead as they end: a frame each, or with
+        group_outcomes one frame for those that ended together."""
 
-        def ahead(outcome: engine_pb2.PullOutcome) -> None:
-            send(engine_pb2.LaneAnswer(pull_outcome=outcome))
+        def ahead(outcomes: list[engine_pb2.PullOutcome]) -> None:
+            if request.group_outcomes and len(outcomes) > 1:
+                send(engine_pb2.LaneAnswer(pull_outcomes=engine_pb2.PullOutcomes(outcomes=outcomes)))
+                return
+            for outcome in outcomes:
+                send(engine_pb2.LaneAnswer(pull_outcome=outcome))
 
         streamed = ahead if request.stream_outcomes else None
         batch = self._busy_while(

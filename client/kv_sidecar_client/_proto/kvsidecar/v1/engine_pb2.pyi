@@ -143,12 +143,20 @@ class PullResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
-    __slots__ = ("pulls", "stream_outcomes")
+    __slots__ = ("pulls", "stream_outcomes", "group_outcomes")
     PULLS_FIELD_NUMBER: _ClassVar[int]
     STREAM_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
     stream_outcomes: bool
-    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., stream_outcomes: _Optional[bool] = ...) -> None: ...
+    group_outcomes: bool
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., stream_outcomes: _Optional[bool] = ..., group_outcomes: _Optional[bool] = ...) -> None: ...
+
+class PullOutcomes(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[PullOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[PullOutcome, _Mapping]]] = ...) -> None: ...
 
 class PullOutcome(_message.Message):
     __slots__ = ("response", "code", "message", "trailers", "index")
@@ -230,7 +238,7 @@ class LaneCall(_message.Message):
     def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
 
 class LaneAnswer(_message.Message):
-    __slots__ = ("pull", "publish", "pull_batch", "pull_outcome", "code", "message", "trailers")
+    __slots__ = ("pull", "publish", "pull_batch", "pull_outcome", "pull_outcomes", "code", "message", "trailers")
     class TrailersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +250,7 @@ class LaneAnswer(_message.Message):
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
     PULL_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PULL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
@@ -249,7 +258,8 @@ class LaneAnswer(_message.Message):
     publish: PublishResponse
     pull_batch: PullBatchResponse
     pull_outcome: PullOutcome
+    pull_outcomes: PullOutcomes
     code: str
     message: str
     trailers: _containers.ScalarMap[str, str]
-    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., pull_outcome: _Optional[_Union[PullOutcome, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, pull: _Optional[_Union[PullResponse, _Mapping]] = ..., publish: _Optional[_Union[PublishResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., pull_outcome: _Optional[_Union[PullOutcome, _Mapping]] = ..., pull_outcomes: _Optional[_Union[PullOutcomes, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
