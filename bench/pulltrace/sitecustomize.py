@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import signal
@@ -48,7 +49,10 @@ def _patch(target: str) -> bool:
     fn = getattr(obj, leaf)
     if getattr(fn, "__traced__", False):
         return True
-    setattr(obj, leaf, _wrap(attr.rsplit(".", 1)[-1] if not owner else attr, fn))
+    traced = _wrap(attr.rsplit(".", 1)[-1] if not owner else attr, fn)
+    # A static method stays one: wrapped as a plain function it would be given the instance too.
+    static = owner and isinstance(inspect.getattr_static(obj, leaf), staticmethod)
+    setattr(obj, leaf, staticmethod(traced) if static else traced)
     return True
 
 
