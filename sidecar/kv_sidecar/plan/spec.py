@@ -6,6 +6,7 @@ planner needs is here; nothing here touches memory, torch or the network.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -429,6 +430,12 @@ class EngineSpec:
         return [self.layer_tensor_shape()] * self.num_layers
 
     def rank_bytes(self) -> int:
+        return self._rank_bytes
+
+    # Once per spec (a frozen dataclass's cache lives outside its fields): a source asks it for every
+    # request it opens, and the shapes cost ~12 us to work out each time.
+    @functools.cached_property
+    def _rank_bytes(self) -> int:
         total = 0
         for shape in self.rank_tensor_shapes():
             n = 1

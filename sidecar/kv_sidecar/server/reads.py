@@ -112,9 +112,10 @@ class SourceReads:
         )
 
     def open_for_reader(
-        self, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str
+        self, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str, reads_next: bool = True
     ) -> Published:
-        """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller."""
+        """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller.
+        `reads_next`: the reader READs next (not a Push's open, after which this sidecar WRITEs)."""
         if self._engines.spec(request.engine_id) != plan.prefill:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
@@ -140,7 +141,8 @@ class SourceReads:
                 opened_bytes(plan, served, len(item.block_ids)),
                 path,
             )
-        self._nixl.wake()  # the reader's READs complete only once our NIXL worker answers their flush
+        if reads_next:  # its READs complete only once our NIXL worker answers their flush
+            self._nixl.wake()
         return item
 
     def reader_done(self, agent: str, msg: bytes) -> None:

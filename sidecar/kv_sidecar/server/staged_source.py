@@ -360,7 +360,8 @@ class StagedSource:
                 f"request {request_id!r} holds {num_tokens} tokens here, the reader planned "
                 f"{planned_tokens}: its transfer params are out of date",
             )
-        return self._reads.open_for_reader(o, plan, peer, PATH_STAGED if on_gpu else PATH_HOST_RING)
+        path = PATH_STAGED if on_gpu else PATH_HOST_RING
+        return self._reads.open_for_reader(o, plan, peer, path, reads_next=False)
 
     def _members(
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
