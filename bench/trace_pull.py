@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import statistics
 import sys
@@ -303,6 +304,7 @@ def main() -> int:
     )
     ap.add_argument("--concurrent", type=int, default=1, help="compare with C pulls in flight at once")
     ap.add_argument("--batch", type=int, default=0, help="each engine call a PullBatch of N pulls")
+    ap.add_argument("--sidecar-args", default="", help="more `kv-sidecar serve` options for both sidecars")
     ap.add_argument(
         "--idle", type=float, default=0.002, help="seconds between pulls (1.5: each after a quiet second)"
     )
@@ -312,6 +314,7 @@ def main() -> int:
         extra += ["--gpu-staging-bytes", str(args.gpu_staging_bytes)]
     if args.slots:
         extra += ["--gpu-staging-slots", str(args.slots)]
+    extra += shlex.split(args.sidecar_args)
     spans_of = {
         k: v
         + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])

@@ -104,21 +104,21 @@ def test_without_streamed_outcomes_the_leftovers_wait_for_the_calls_answer() -> 
 
 
 def test_a_stage_moves_while_the_next_stage_runs_its_steps() -> None:
-    """staged_batch_stages 2: the first stage's moves wait for a member of the second stage to have run
-    its steps; that can only happen if the second stage is prepared while the first moves."""
+    """staged_batch_stages 2: the first stage's moves (on the call's thread, its Push out first) wait for
+    a member of the second stage to have run its steps, which only a second thread can do meanwhile;
+    the second stage's moves go on that thread."""
     second_prepared = threading.Event()
-    moved_on: list[str] = []
+    moved_on: list[tuple[int, str]] = []
 
     def steps(req: engine_pb2.PullRequest, _hangup: OnHangup, later: Later) -> Steps[engine_pb2.PullResponse]:
-        i = int(req.params.request_id)
-        if i == 4:
+        if int(req.params.request_id) == 6:  # the second stage's (9 members: 5 and 4)
             second_prepared.set()
         moved = yield DirectCopy(None, None)  # type: ignore[arg-type]
         return engine_pb2.PullResponse(bytes=moved)
 
     def move_all(wants: Sequence[Want], _pool: Executor, made: Made) -> None:
-        moved_on.append(threading.current_thread().name.rstrip("_0123456789"))
-        if len(moved_on) == 1:
+        moved_on.append((len(wants), threading.current_thread().name.rstrip("_0123456789")))
+        if len(wants) == 5:
             assert second_prepared.wait(10), "the second stage was not prepared while the first moved"
         made([(k, 10) for k in range(len(wants))])
 
@@ -133,7 +133,7 @@ def test_a_stage_moves_while_the_next_stage_runs_its_steps() -> None:
     finally:
         batches.stop()
     assert [o.response.bytes for o in answer.outcomes] == [10] * 9
-    assert moved_on == ["pull-batch-move", "MainThread"], moved_on
+    assert sorted(moved_on) == [(4, "pull-batch-move"), (5, "MainThread")], moved_on
 
 
 @pytest.mark.parametrize(

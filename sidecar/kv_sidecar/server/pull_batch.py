@@ -143,8 +143,8 @@ class PullBatches:
         self._max = max_members
         self._me = local_sidecar_id
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch")
-        # A stage's moves while the call's thread prepares the next: apart from the pool, which those
-        # moves also use (for other source rank pairs, failures), so that none waits for itself.
+        # Stages after a unit's first: apart from the pool, which their moves also use (for other source
+        # rank pairs, failures), so that none waits for itself.
         self._movers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch-move")
 
     def stop(self) -> None:
@@ -225,7 +225,7 @@ class PullBatches:
     ) -> dict[int, engine_pb2.PullOutcome]:
         """Members as one unit: each runs its steps up to its move, the moves are made together, and each
         goes on from its move to its answer (on the pool where its move failed). In stages (`_split`):
-        a stage's moves are made on a mover thread while this one runs the next stage's steps."""
+        each stage's steps, then the next stage handed to a mover thread, then the stage's moves."""
         outcomes: dict[int, engine_pb2.PullOutcome] = {}
         mine: dict[int, Later] = {i: [] for i in members}
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
@@ -275,19 +275,25 @@ class PullBatches:
 
             return made
 
-        # Each stage's moves go while the next is prepared; the last stage's on this thread.
-        moving: list[Future[None]] = []
+        # Each stage runs its steps, hands the next stage to a mover thread, then makes its own moves:
+        # its Push goes out first, and the next stage's steps run while it waits for its bytes (a thread
+        # that went on to them first would hold the interpreter until the next stage's Push, which
+        # would then wait for them all). No mover waits for another; this thread waits for them all.
         stages = self._split(members, pulls)
-        for n, stage in enumerate(stages):
-            wanted, wants = to_moves(stage)
-            if not wants:
-                continue
-            if n < len(stages) - 1:
-                moving.append(self._movers.submit(together.move_all, wants, self._pool, made_for(wanted)))
-            else:
+        moving: list[Future[None]] = []
+
+        def run_stage(k: int) -> None:
+            wanted, wants = to_moves(stages[k])
+            if k + 1 < len(stages):
+                moving.append(self._movers.submit(run_stage, k + 1))
+            if wants:
                 together.move_all(wants, self._pool, made_for(wanted))
-        for f in moving:
-            f.result()
+
+        run_stage(0)
+        waited = 0
+        while waited < len(moving):  # a stage's mover is listed before the stage before it returns
+            moving[waited].result()
+            waited += 1
         for i, fut in failing:  # complete: every move_all returned after its last `made`
             outcomes[i] = fut.result()
         return outcomes
