@@ -39,7 +39,6 @@ class Settings:
     max_pull_batch: int = 256
     staged_group_reads: int = 64
     staged_batch_reads: bool = True
-    staged_batch_stages: int = 2
     log_level: str = "INFO"
     sidecar_id: str = ""  # default: a random id per process
     tls_cert: str = ""
@@ -113,10 +112,6 @@ class Settings:
         "together with one wait; staged reads one transfer per rank pair, one thread per pair), then "
         "their answers, instead of a thread per member (docs/gpu.md, Node scaling); off: members from "
         "other sidecars each on its own pool thread, copies one after another",
-        "staged_batch_stages": "with staged_batch_reads, a PullBatch's members from other sidecars go in up "
-        "to this many transfers in turn (at least 4 members each): while one moves, the call's thread "
-        "prepares the next (checks, plan, open), so that this sidecar's work per member overlaps the "
-        "source's and the bytes'; 1: one transfer for them all",
         "log_level": "log verbosity",
         "sidecar_id": "stable id of this sidecar (default: random per process)",
         "tls_cert": "PEM certificate chain of this sidecar: served on the peer port (enables TLS) "
@@ -139,7 +134,6 @@ class Settings:
         "engine_workers": 8,
         "max_pull_batch": 1,
         "staged_group_reads": 1,
-        "staged_batch_stages": 1,
         "nixl_quiet_poll_ms": 1,
         "open_answer_wait_us": 0,
         "leader_wait_ms": 0,

@@ -125,24 +125,6 @@ def test_a_batch_of_reads_goes_as_one_transfer(
     no_transfer_in_flight(a, b)
 
 
-def test_a_larger_batch_goes_in_two_stages_each_one_transfer(
-    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
-) -> None:
-    """staged_batch_stages (2 by default): a batch of 10 staged members goes as two transfers of 5, the
-    second prepared while the first moves; every byte lands where a pull of its own would put it."""
-    a, b = ring_pair
-    prefill, decode = _engines_after_one_pull(a, b, spawn, "sst")
-    n = 10
-    pulls = []
-    for i in range(n):
-        params = prefilled(prefill, f"st{i}", [159 - i, 3 * i, 60 + i], TOKENS - i % 3, seed=700 + i)
-        pulls.append({"params": params, "block_ids": [3 * i, 100 + 2 * i, 101 + 2 * i], "seed": 700 + i})
-    transfers, reads = _pull_all_exact(decode, b, pulls)
-    assert (transfers, reads) == (2, n)
-    assert consumed_events(prefill, n + 1) == n + 1
-    no_transfer_in_flight(a, b)
-
-
 @pytest.mark.parametrize("decode_spec", [SPEC, BLOCK32], ids=["blocks-16", "decode-blocks-32"])
 def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, decode_spec: EngineSpec

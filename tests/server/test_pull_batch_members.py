@@ -3,7 +3,6 @@ as one unit tell their outcomes and run their leftovers."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -101,63 +100,3 @@ def test_without_streamed_outcomes_the_leftovers_wait_for_the_calls_answer() -> 
     assert log == [] and len(later) == 3
     run_later(later)
     assert sorted(log) == [("later", 0), ("later", 1), ("later", 2)]
-
-
-def test_a_stage_moves_while_the_next_stage_runs_its_steps() -> None:
-    """staged_batch_stages 2: the first stage's moves (on the call's thread, its Push out first) wait for
-    a member of the second stage to have run its steps, which only a second thread can do meanwhile;
-    the second stage's moves go on that thread."""
-    second_prepared = threading.Event()
-    moved_on: list[tuple[int, str]] = []
-
-    def steps(req: engine_pb2.PullRequest, _hangup: OnHangup, later: Later) -> Steps[engine_pb2.PullResponse]:
-        if int(req.params.request_id) == 6:  # the second stage's (9 members: 5 and 4)
-            second_prepared.set()
-        moved = yield DirectCopy(None, None)  # type: ignore[arg-type]
-        return engine_pb2.PullResponse(bytes=moved)
-
-    def move_all(wants: Sequence[Want], _pool: Executor, made: Made) -> None:
-        moved_on.append((len(wants), threading.current_thread().name.rstrip("_0123456789")))
-        if len(wants) == 5:
-            assert second_prepared.wait(10), "the second stage was not prepared while the first moved"
-        made([(k, 10) for k in range(len(wants))])
-
-    def no_member(*_: object) -> engine_pb2.PullResponse:
-        raise AssertionError("every member goes in the unit")
-
-    together = Together(steps, lambda _: True, move_all, lambda _: 0)
-    batches = PullBatches(no_member, 64, "d", 4, lambda _: None, together, stages=2)
-    try:
-        req = engine_pb2.PullBatchRequest(pulls=[pull(str(i)) for i in range(9)])
-        answer = batches.run(req, lambda _: None, [])
-    finally:
-        batches.stop()
-    assert [o.response.bytes for o in answer.outcomes] == [10] * 9
-    assert sorted(moved_on) == [(4, "pull-batch-move"), (5, "MainThread")], moved_on
-
-
-@pytest.mark.parametrize(
-    ("remote", "local", "stages", "want"),
-    [
-        (8, 0, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
-        (9, 0, 2, [[0, 1, 2, 3, 4], [5, 6, 7, 8]]),
-        (7, 0, 2, [list(range(7))]),  # fewer than MIN_STAGE a stage: one
-        (8, 2, 2, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]),  # this sidecar's copies with the last
-        (16, 0, 1, [list(range(16))]),
-        (12, 0, 3, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
-    ],
-)
-def test_stages_split_members_from_other_sidecars(
-    remote: int, local: int, stages: int, want: list[list[int]]
-) -> None:
-    together = Together(lambda *_: iter(()), lambda _: True, lambda *_: None, lambda _: 0)  # type: ignore[arg-type,return-value]
-    batches = PullBatches(lambda *_: engine_pb2.PullResponse(), 64, "d", 2, lambda _: None, together, stages)
-    try:
-        pulls = [pull(str(i)) for i in range(remote)]
-        pulls += [
-            engine_pb2.PullRequest(params=common_pb2.TransferParams(sidecar_id="d", request_id=f"l{i}"))
-            for i in range(local)
-        ]
-        assert batches._split(list(range(len(pulls))), pulls) == want
-    finally:
-        batches.stop()

@@ -63,7 +63,6 @@ class EngineCalls:
         batch_threads: int,
         observe_batch: Callable[[int], None] = lambda n: None,
         batch_reads_together: bool = False,
-        batch_stages: int = 1,
     ) -> None:
         """run_pull, goes_together, move, move_all: Puller.pull_steps (a pull's steps), goes_together
         (which PullBatch members run as one unit), move and move_all (how the steps' bytes move, alone
@@ -71,8 +70,7 @@ class EngineCalls:
         (PushThreads.expect_read); refusals: where a refused Publish is counted; max_pull_batch,
         batch_threads: PullBatch's most members, and the threads its members from other sidecars wait
         on; observe_batch: each batch's size (metrics); batch_reads_together: a batch's members run as
-        one unit (staged_batch_reads), its members from other sidecars in up to `batch_stages` transfers
-        in turn (staged_batch_stages)."""
+        one unit (staged_batch_reads)."""
         self._me = identity
         self._lease_ms = lease_ms
         self._pull_timeout_s = pull_timeout_s
@@ -94,7 +92,6 @@ class EngineCalls:
             batch_threads,
             observe_batch,
             Together(self.pull_steps, goes_together, move_all, move) if batch_reads_together else None,
-            batch_stages,
         )
 
     def close(self) -> None:

@@ -13,9 +13,7 @@ contend for the one interpreter:
   member goes on to its answer on the thread that made its move, the moment it is made (a further
   move of it, a TP gather's second read, alone there). A member whose move failed goes on on the
   pool (its retry, or its failure's own calls to the source, which may hang), so that one member's
-  trouble holds up no other. With staged_batch_stages, members from other sidecars go in stages:
-  while one stage's moves are made (the source opens, gathers and WRITEs), this thread runs the next
-  stage's steps, so that this sidecar's work per member overlaps the source's;
+  trouble holds up no other;
 - other members from other sidecars (host-nixl READs; a first handshake, or OpenReads, which may
   wait for a peer that hangs) wait side by side on this module's pool;
 - without staged_batch_reads, same-sidecar copies run one after another on the call's thread.
@@ -40,10 +38,6 @@ from kv_sidecar.server.pull_steps import Made, Steps, Want, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
-
-# The fewest members from other sidecars one stage of a unit moves (staged_batch_stages): below this a
-# transfer's own cost outweighs the overlap.
-MIN_STAGE = 4
 
 # engine_calls' own alias (that module builds PullBatches, so this one cannot import it).
 OnHangup = Callable[[Callable[[], None]], None]
@@ -131,25 +125,18 @@ class PullBatches:
         threads: int,
         observe_size: Callable[[int], None],
         together: Together | None = None,
-        stages: int = 1,
     ) -> None:
         """together: members run as one unit where they may (staged_batch_reads); None: members from other
-        sidecars each on the pool, same-sidecar ones in turn on the call's thread. stages: the unit's
-        members from other sidecars go in up to this many moves in turn (staged_batch_stages)."""
+        sidecars each on the pool, same-sidecar ones in turn on the call's thread."""
         self._together = together
-        self._stages = stages
         self._run_member = run_member
         self._observe_size = observe_size
         self._max = max_members
         self._me = local_sidecar_id
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch")
-        # Stages after a unit's first: apart from the pool, which their moves also use (for other source
-        # rank pairs, failures), so that none waits for itself.
-        self._movers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pull-batch-move")
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._movers.shutdown(wait=False, cancel_futures=True)
 
     def run(
         self,
@@ -224,8 +211,7 @@ class PullBatches:
         streamed: bool,
     ) -> dict[int, engine_pb2.PullOutcome]:
         """Members as one unit: each runs its steps up to its move, the moves are made together, and each
-        goes on from its move to its answer (on the pool where its move failed). In stages (`_split`):
-        each stage's steps, then the next stage handed to a mover thread, then the stage's moves."""
+        goes on from its move to its answer (on the pool where its move failed)."""
         outcomes: dict[int, engine_pb2.PullOutcome] = {}
         mine: dict[int, Later] = {i: [] for i in members}
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
@@ -240,80 +226,39 @@ class PullBatches:
         def go_on(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
             return self._settle([answer(i, start)], [mine[i]], later, told, streamed)[0]
 
-        def to_moves(stage: list[int]) -> tuple[list[int], list[Want]]:
-            """Run each member's steps to its move; those answered without one (or failed) are settled."""
-            wanted: list[int] = []
-            wants: list[Want] = []
-            for i in stage:
-                try:
-                    wants.append(next(steps[i]))
-                    wanted.append(i)
-                except StopIteration as done:  # answered without a move
-                    outcome = engine_pb2.PullOutcome(response=done.value, index=i)
-                    outcomes[i] = self._settle([outcome], [mine[i]], later, told, streamed)[0]
-                except Exception as e:
-                    outcomes[i] = self._settle([failed(e, i)], [mine[i]], later, told, streamed)[0]
-            return wanted, wants
+        wanted: list[int] = []
+        wants: list[Want] = []
+        for i in members:
+            try:
+                wants.append(next(steps[i]))
+                wanted.append(i)
+            except StopIteration as done:  # answered without a move
+                outcome = engine_pb2.PullOutcome(response=done.value, index=i)
+                outcomes[i] = self._settle([outcome], [mine[i]], later, told, streamed)[0]
+            except Exception as e:
+                outcomes[i] = self._settle([failed(e, i)], [mine[i]], later, told, streamed)[0]
 
-        def made_for(wanted: list[int]) -> Made:
-            def made(ended: list[tuple[int, int | BaseException]]) -> None:
-                # Moves that ended together (one transfer's, the copies'): their outcomes out at once,
-                # then what each member left for after it (records, done notifications, "consumed"), so
-                # that the last member's outcome does not wait for the others' leftovers.
-                answered: list[int] = []
-                for k, moved in ended:
-                    i, member = wanted[k], steps[wanted[k]]
-                    if isinstance(moved, BaseException):
-                        go = functools.partial(go_on, i, functools.partial(member.throw, moved))
-                        failing.append((i, self._pool.submit(go)))
-                    else:
-                        outcomes[i] = answer(i, functools.partial(member.send, moved))
-                        answered.append(i)
-                if answered:
-                    ended_outcomes = [outcomes[i] for i in answered]
-                    self._settle(ended_outcomes, [mine[i] for i in answered], later, told, streamed)
+        def made(ended: list[tuple[int, int | BaseException]]) -> None:
+            # Moves that ended together (one transfer's, the copies'): their outcomes out at once, then
+            # what each member left for after it (records, done notifications, "consumed"), so that the
+            # last member's outcome does not wait for the others' leftovers.
+            answered: list[int] = []
+            for k, moved in ended:
+                i, member = wanted[k], steps[wanted[k]]
+                if isinstance(moved, BaseException):
+                    failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
+                else:
+                    outcomes[i] = answer(i, functools.partial(member.send, moved))
+                    answered.append(i)
+            if answered:
+                self._settle(
+                    [outcomes[i] for i in answered], [mine[i] for i in answered], later, told, streamed
+                )
 
-            return made
-
-        # Each stage runs its steps, hands the next stage to a mover thread, then makes its own moves:
-        # its Push goes out first, and the next stage's steps run while it waits for its bytes (a thread
-        # that went on to them first would hold the interpreter until the next stage's Push, which
-        # would then wait for them all). No mover waits for another; this thread waits for them all.
-        stages = self._split(members, pulls)
-        moving: list[Future[None]] = []
-
-        def run_stage(k: int) -> None:
-            wanted, wants = to_moves(stages[k])
-            if k + 1 < len(stages):
-                moving.append(self._movers.submit(run_stage, k + 1))
-            if wants:
-                together.move_all(wants, self._pool, made_for(wanted))
-
-        run_stage(0)
-        waited = 0
-        while waited < len(moving):  # a stage's mover is listed before the stage before it returns
-            moving[waited].result()
-            waited += 1
-        for i, fut in failing:  # complete: every move_all returned after its last `made`
+        together.move_all(wants, self._pool, made)
+        for i, fut in failing:  # complete: move_all returned after its last `made`
             outcomes[i] = fut.result()
         return outcomes
-
-    def _split(self, members: list[int], pulls: list[engine_pb2.PullRequest]) -> list[list[int]]:
-        """The unit's stages: its members from other sidecars in up to `stages` runs of at least
-        MIN_STAGE, in order; members from this sidecar (copies, no source to wait for) with the last."""
-        remote = [i for i in members if pulls[i].params.sidecar_id != self._me]
-        n = min(self._stages, len(remote) // MIN_STAGE)
-        if n <= 1:
-            return [members]
-        local = [i for i in members if pulls[i].params.sidecar_id == self._me]
-        size, extra = divmod(len(remote), n)
-        stages, start = [], 0
-        for k in range(n):
-            end = start + size + (k < extra)
-            stages.append(remote[start:end])
-            start = end
-        stages[-1] += local
-        return stages
 
     def _member(
         self,

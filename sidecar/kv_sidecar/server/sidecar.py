@@ -162,7 +162,6 @@ class Sidecar:
             s.engine_workers,
             self.metrics.pull_batch_pulls.observe,
             s.staged_batch_reads,
-            s.staged_batch_stages,
         )
         self.peer_requests = PeerRequests(
             me,
