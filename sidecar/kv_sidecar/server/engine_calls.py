@@ -15,7 +15,7 @@ from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.server.after_answer import Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
 from kv_sidecar.server.identity import Identity
-from kv_sidecar.server.inflight import InflightPulls, PullTicket, wait_finished
+from kv_sidecar.server.inflight import InflightPulls, PullTicket
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peer_calls import PeerCallError
@@ -124,7 +124,7 @@ class EngineCalls:
         self._engines.get(engine_id, rank)  # NOT_FOUND before touching anything
         # Pulls into this rank stop, and finish, before its memory is unmapped and deregistered.
         stopped = self._pulls.stop_rank(engine_id, rank, f"engine {engine_id!r} rank {rank} was unregistered")
-        if not wait_finished(stopped, self._pull_timeout_s):
+        if not self._pulls.wait_finished(stopped, self._pull_timeout_s):
             log.warning(
                 "pulls into engine %s rank %d did not stop in time; unregistering anyway", engine_id, rank
             )
