@@ -246,11 +246,11 @@ class Puller:
                 (("kvsidecar-unfilled-blocks", trailer),),
             ) from None
         elapsed = time.perf_counter() - start
-        m = self._metrics
-        m.pulls.labels(path, "ok").inc()
-        m.pull_bytes.labels(path).inc(nbytes)
-        m.pull_duration.labels(path).observe(elapsed)
-        m.pull_throughput.labels(path).observe(nbytes / elapsed if elapsed > 0 else 0)
+        ok = self._metrics.pull_ok(path)
+        ok.count.inc()
+        ok.bytes.inc(nbytes)
+        ok.duration.observe(elapsed)
+        ok.throughput.observe(nbytes / elapsed if elapsed > 0 else 0)
         after.append(self._transfers.end_pull(track, nbytes, path, "ok"))
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 
