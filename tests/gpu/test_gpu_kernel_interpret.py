@@ -188,13 +188,18 @@ def test_empty_and_prefix_only_requests_launch_nothing() -> None:
 
 @pytest.mark.parametrize("name", [c.name for c in kc.CASES])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-@pytest.mark.parametrize("ahead", [False, True], ids=["ids-uploaded-here", "ids-uploaded-ahead"])
+@pytest.mark.parametrize(
+    "ahead",
+    ["", "whole", "pieces"],
+    ids=["ids-uploaded-here", "ids-uploaded-ahead", "ids-joined-from-pieces"],
+)
 def test_staged_chunks_in_interpreter_match_host_executor(
-    name: str, blocks_per_chunk: int, ahead: bool
+    name: str, blocks_per_chunk: int, ahead: str
 ) -> None:
     """The staged path's copies (validated once, one launch per chunk) through a 2-slot ring:
     gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots. `ahead`:
-    the gather's ids come uploaded, as a source's published request's do."""
+    the gather's ids come uploaded, as a source's published request's do, whole or in pieces that
+    it joins (a transfer of several requests, each uploaded at its Publish)."""
     pytest.importorskip("triton")
     from kv_sidecar.dataplane.staged_protocol import plan_chunks
     from kv_sidecar.execute import gpu
@@ -212,7 +217,11 @@ def test_staged_chunks_in_interpreter_match_host_executor(
     slots = [base, base + slot_bytes]
     chunks = plan_chunks(c.start_token, c.num_tokens, c.dst.block_size, blocks_per_chunk)
     written = 0
-    up = torch.tensor(src_ids, dtype=torch.int32) if ahead else None
+    whole = torch.tensor(src_ids, dtype=torch.int32)
+    # Pieces as DataPlane._uploaded cuts them: slices of requests' ids, the last block again as padding.
+    half = len(src_ids) // 2
+    pieces = [whole[:half], whole[half:-1], whole[-1:].expand(1)]
+    up: Any = {"": None, "whole": whole, "pieces": pieces}[ahead]
     for r in c.reads:
         sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
         gather = gpu.StagedCopies(
@@ -227,7 +236,9 @@ def test_staged_chunks_in_interpreter_match_host_executor(
             interpret=True,
             uploaded_ids=up,
         )
-        assert (gather._ids is up) == ahead  # taken as they came, not uploaded again
+        if ahead == "whole":
+            assert gather._ids is up  # taken as it came, not uploaded again
+        assert torch.equal(gather._ids, whole)
         scatter = gpu.StagedCopies(
             dview,
             c.dst,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kv_sidecar.dataplane import staged_protocol as sp
-from kv_sidecar.dataplane.jobs import Send
+from kv_sidecar.dataplane.jobs import Send, SendMember
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
@@ -260,10 +260,11 @@ class StagedSource:
             raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
         per_chunk = self._plane.blocks_per_chunk(src_entry.key, reader_spec, [s.length for s in req.slots])
         # The opens it carries, checked like OpenReads once the rest of the Push is sound.
+        members: tuple[SendMember, ...] = ()
         if group:
-            block_ids, num_tokens = self._members(req, plan, context.peer(), src_entry.on_gpu)
+            block_ids, num_tokens, members = self._members(req, plan, context.peer(), src_entry.on_gpu)
             what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
-            # No ids uploaded at Publish are this concatenation's: the data plane uploads them itself.
+            # No request's own: the data plane joins the members' ids uploaded at Publish (`members`).
             ids_of: tuple[str, str] = (req.engine_id, "")
         else:
             if item is None:
@@ -304,6 +305,7 @@ class StagedSource:
                 tuple((s.address, s.length) for s in req.slots),
                 req.device_id,
                 deadline,
+                members,
             ),
             in_worker=req.source_in_worker,
         )
@@ -365,7 +367,7 @@ class StagedSource:
 
     def _members(
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], int, tuple[SendMember, ...]]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
         staged_protocol.member_spans lays them out, and the tokens that moves. One member refused
@@ -406,7 +408,10 @@ class StagedSource:
             items.append(item)
         spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)
         block_ids: list[int] = []
+        shares: list[SendMember] = []
         for m, item, (_, moved) in zip(req.members, items, spans, strict=True):
             own = item.source_blocks
-            block_ids += [own[i] for i in sp.member_block_indexes(len(own), m.start_token, moved, bp)]
-        return block_ids, spans[-1][0] + spans[-1][1]
+            indexes = sp.member_block_indexes(len(own), m.start_token, moved, bp)
+            block_ids += [own[i] for i in indexes]
+            shares.append(SendMember((req.engine_id, m.request_id), own, indexes[0], len(indexes)))
+        return block_ids, spans[-1][0] + spans[-1][1], tuple(shares)
