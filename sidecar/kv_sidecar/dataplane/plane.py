@@ -29,6 +29,7 @@ from kv_sidecar.dataplane.jobs import (
     RankMemory,
     Receive,
     Send,
+    SendMember,
     ShmTensor,
     StateCopy,
     StateRead,
@@ -124,6 +125,18 @@ class DevicePlane:
 
     def send(self, job: Send, uploaded_ids: Any) -> Transmission:
         return Transmission(self._ranks, self.ring("send"), self._nixl, self._metrics, job, uploaded_ids)
+
+
+def member_pieces(uploaded: Sequence[Any], members: Sequence[SendMember]) -> list[Any]:
+    """The pieces of each member's uploaded ids (1-D tensors) that a Send of several requests takes, in
+    order: views, no copy; joined they are its `block_ids`."""
+    pieces = []
+    for ids, m in zip(uploaded, members, strict=True):
+        n = ids.numel()
+        pieces.append(ids[m.first : min(m.first + m.count, n)])
+        if m.first + m.count > n:  # padding past the request's last block: that block again
+            pieces.append(ids[n - 1 :].expand(m.first + m.count - n))
+    return pieces
 
 
 class DataPlane:
@@ -321,16 +334,10 @@ class DataPlane:
         them on the transfer's stream: a kernel, where an upload from the host costs ~0.3 ms)."""
         if not job.members:
             return self._uploaded_ids(job.request, job.block_ids, device)
-        pieces = []
-        for m in job.members:
-            ids = self._uploaded_ids(m.request, m.block_ids, device)
-            if ids is None:
-                return None
-            n = ids.numel()
-            pieces.append(ids[m.first : min(m.first + m.count, n)])
-            if m.first + m.count > n:  # padding past the request's last block: that block again
-                pieces.append(ids[n - 1 :].expand(m.first + m.count - n))
-        return pieces
+        uploaded = [self._uploaded_ids(m.request, m.block_ids, device) for m in job.members]
+        if any(ids is None for ids in uploaded):
+            return None
+        return member_pieces(uploaded, job.members)
 
     def _uploaded_ids(self, request: tuple[str, str], block_ids: Sequence[int], device: int) -> Any:
         """A request's block ids on `device` if their upload is complete, else None."""

@@ -18,8 +18,10 @@ contend for the one interpreter:
   wait for a peer that hangs) wait side by side on this module's pool;
 - without staged_batch_reads, same-sidecar copies run one after another on the call's thread.
 
-The work a member leaves for after its answer (its log record, "consumed" events) runs once that
-member's outcome is out when outcomes are streamed (the engine lane), else once the whole answer is.
+The work a member leaves for after its answer (its log record, done notifications, "consumed"
+events) runs once its outcome is out when outcomes are streamed (the engine lane): with those of the
+members whose moves ended with its own, after all of their outcomes, which go out together. Otherwise
+it runs once the whole answer is.
 """
 
 from __future__ import annotations
