@@ -125,6 +125,45 @@ def test_a_batch_of_reads_goes_as_one_transfer(
     no_transfer_in_flight(a, b)
 
 
+def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A member from a source whose handshake is cached joins the batch's unit on the call's thread, but
+    its params do not plan (two decode blocks for three blocks' tokens), so it asks the source with an
+    OpenRead first, and the source hangs (SIGSTOP). It steps apart (pull_steps.Apart) before it waits:
+    the members from the running source, after it in the batch, answer at once; it fails by itself at
+    its deadline."""
+    a, b = ring_pair
+    far = spawn(SidecarProcess("groups-far2", extra=RING, env=ENV))
+    prefill, decode = _engines_after_one_pull(a, b, spawn, "sa")
+    hung = spawn(EngineProcess(far.socket, "sa-far", SPEC, env=ENV))
+    warm = prefilled(hung, "sa-far-warm", [30, 31, 32], TOKENS, seed=397)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [93, 94, 95], "seed": 397})["verified"]
+    full = 3 * SPEC.block_size
+    bad = BatchPull(params_from_json(prefilled(hung, "sa-bad", [0, 1, 2], full, seed=430)), [40, 41])
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
+    fine = [
+        BatchPull(
+            params_from_json(prefilled(prefill, f"sa-fine{i}", src, full, seed=440 + i)),
+            [43 + 3 * i + k for k in range(3)],
+        )
+        for i, src in enumerate(sources)
+    ]
+    with frozen(far), SidecarClient(b.socket) as client:
+        members = client.pull_batch_async(decode.engine_id, [bad, *fine], timeout_s=6)
+        wait_for(
+            "the members from the running source to answer", lambda: all(m.done() for m in members[1:]), 4
+        )
+        assert all(m.result().ok for m in members[1:]), [m.result() for m in members[1:]]
+        assert not members[0].done()
+        wait_for("the member that asked the hung source to end", members[0].done, 15)
+    assert not members[0].result().ok and members[0].result().unfilled_blocks == [40, 41], members[0].result()
+    for src, pull in zip(sources, fine, strict=True):
+        want = prefill.send({"cmd": "digest", "block_ids": src})["digests"]
+        assert decode.send({"cmd": "digest", "block_ids": pull.block_ids})["digests"] == want
+    no_transfer_in_flight(a, b)
+
+
 @pytest.mark.parametrize("decode_spec", [SPEC, BLOCK32], ids=["blocks-16", "decode-blocks-32"])
 def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, decode_spec: EngineSpec

@@ -49,7 +49,7 @@ from kv_sidecar.server.pull_job import (
     state_group,
     unfilled_blocks,
 )
-from kv_sidecar.server.pull_steps import DirectCopy, Made, Steps, Want, run_steps
+from kv_sidecar.server.pull_steps import Apart, DirectCopy, Made, Steps, Want, run_steps
 from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
 from kv_sidecar.server.staged_reader import StagedRead, StagedReader
@@ -165,7 +165,10 @@ class Puller:
                 run_later(after)
 
     def move(self, want: Want) -> int:
-        """Move one pull's bytes on this thread: a staged read, or a copy between ranks of this node."""
+        """Move one pull's bytes on this thread: a staged read, or a copy between ranks of this node
+        (`Apart`, alone: nothing to move)."""
+        if isinstance(want, Apart):
+            return 0
         if isinstance(want, DirectCopy):
             return self._plane.copy_local(want.copy, want.job)
         return self._staged_reader.read(want)
@@ -317,6 +320,8 @@ class Puller:
         opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
+            if self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id) is None:
+                yield Apart()  # the handshake waits for the peer
             _, remote = self._peers.remote_engine(
                 p.sidecar_address,
                 p.engine_id,
@@ -344,6 +349,8 @@ class Puller:
                 )
                 after.append(functools.partial(self._notify_done, req, remote, pushed))
                 return nbytes, _ring_path(pushed)
+            # The open waits for the source, which may hang: not on a thread other pulls share.
+            yield Apart()
             # Opens by notification are queued to the NIXL thread first, then the READ, which runs while
             # the opens (or OpenRead calls) are on their way when that is safe (server/lease_view.py).
             # The NIXL thread sends and posts both once this thread waits, in `finish`.

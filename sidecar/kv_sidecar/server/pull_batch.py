@@ -13,7 +13,9 @@ contend for the one interpreter:
   member goes on to its answer on the thread that made its move, the moment it is made (a further
   move of it, a TP gather's second read, alone there). A member whose move failed goes on on the
   pool (its retry, or its failure's own calls to the source, which may hang), so that one member's
-  trouble holds up no other;
+  trouble holds up no other. A member whose next step waits for a peer after all (its params did not
+  plan, so it asks the source with an OpenRead; its handshake was dropped meanwhile) says so
+  (`Apart`) and goes on on the pool too;
 - other members from other sidecars (host-nixl READs; a first handshake, or OpenReads, which may
   wait for a peer that hangs) wait side by side on this module's pool;
 - without staged_batch_reads, same-sidecar copies run one after another on the call's thread.
@@ -36,7 +38,7 @@ from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.pull_steps import Made, Steps, Want, run_steps
+from kv_sidecar.server.pull_steps import Apart, Made, Steps, Want, run_steps
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -213,11 +215,13 @@ class PullBatches:
         streamed: bool,
     ) -> dict[int, engine_pb2.PullOutcome]:
         """Members as one unit: each runs its steps up to its move, the moves are made together, and each
-        goes on from its move to its answer (on the pool where its move failed)."""
+        goes on from its move to its answer (on the pool where its move failed, or where it stepped
+        `Apart` before waiting for a peer)."""
         outcomes: dict[int, engine_pb2.PullOutcome] = {}
         mine: dict[int, Later] = {i: [] for i in members}
         steps = {i: together.steps(pulls[i], hangup.register, mine[i]) for i in members}
-        failing: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
+        # Members that go on on the pool: a move failed, or what follows may wait for a peer (Apart).
+        apart: list[tuple[int, Future[engine_pb2.PullOutcome]]] = []
 
         def answer(i: int, start: Callable[[], Want]) -> engine_pb2.PullOutcome:
             try:
@@ -232,7 +236,11 @@ class PullBatches:
         wants: list[Want] = []
         for i in members:
             try:
-                wants.append(next(steps[i]))
+                want = next(steps[i])
+                if isinstance(want, Apart):  # it will wait for a peer: on the pool, apart from the unit
+                    apart.append((i, self._pool.submit(go_on, i, functools.partial(steps[i].send, 0))))
+                    continue
+                wants.append(want)
                 wanted.append(i)
             except StopIteration as done:  # answered without a move
                 outcome = engine_pb2.PullOutcome(response=done.value, index=i)
@@ -248,7 +256,7 @@ class PullBatches:
             for k, moved in ended:
                 i, member = wanted[k], steps[wanted[k]]
                 if isinstance(moved, BaseException):
-                    failing.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
+                    apart.append((i, self._pool.submit(go_on, i, functools.partial(member.throw, moved))))
                 else:
                     outcomes[i] = answer(i, functools.partial(member.send, moved))
                     answered.append(i)
@@ -258,7 +266,7 @@ class PullBatches:
                 )
 
         together.move_all(wants, self._pool, made)
-        for i, fut in failing:  # complete: move_all returned after its last `made`
+        for i, fut in apart:  # complete: move_all returned after its last `made`
             outcomes[i] = fut.result()
         return outcomes
 

@@ -2,7 +2,8 @@
 
 A pull (Puller.pull_steps) is a generator: it yields each thing that moves bytes, a staged read
 (`StagedRead`: server/staged_reader.py) or a copy between ranks of this node (`DirectCopy`:
-server/pull_direct.py), and is sent the bytes moved, or thrown what failed. `run_steps` runs one pull
+server/pull_direct.py), and is sent the bytes moved, or thrown what failed; or `Apart`, before a step
+that may wait for a peer. `run_steps` runs one pull
 on its own thread, each move as it comes; a PullBatch runs its members to their moves, moves them
 together, and sends each its outcome (server/pull_batch.py).
 """
@@ -26,7 +27,14 @@ class DirectCopy:
     job: PullJob
 
 
-Want = StagedRead | DirectCopy
+@dataclass
+class Apart:
+    """Not a move: what follows may wait for a peer (an OpenRead to a source that may hang), so the pull
+    goes on apart from any others it runs with (a PullBatch's unit hands it to a thread of its own).
+    Alone it goes on at once (it is sent 0)."""
+
+
+Want = StagedRead | DirectCopy | Apart
 R = TypeVar("R")
 Steps = Generator[Want, int, R]
 # Told moves that ended together (Puller.move_all): each one's index, and its bytes or what failed it.
