@@ -164,6 +164,35 @@ def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
     no_transfer_in_flight(a, b)
 
 
+def test_a_batch_member_that_gathers_two_source_ranks_steps_apart_and_all_arrive(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A member from a TP 2 prefill engine (handshake cached) joins the batch's unit but is two reads,
+    which open the request with an OpenRead first: it steps apart onto the pool, and every member, its
+    own and the one-read members the unit reads together, lands bit-exact."""
+    a, b = ring_pair
+    prefill, decode = _engines_after_one_pull(a, b, spawn, "stp")
+    tp2 = spawn(
+        EngineProcess(a.socket, "stp-p2", EngineSpec.from_dict(spec_dict(num_blocks=160, tp_size=2)), env=ENV)
+    )
+    warm = prefilled(tp2, "stp2-warm", [30, 31, 32], TOKENS, seed=396)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [96, 97, 98], "seed": 396})["verified"]
+    pulls = [
+        {
+            "params": prefilled(tp2, "stp2-g", [3, 4, 5], TOKENS, seed=450),
+            "block_ids": [10, 11, 12],
+            "seed": 450,
+        }
+    ]
+    for i in range(3):
+        params = prefilled(prefill, f"stp-f{i}", [40 + 3 * i, 41 + 3 * i, 42 + 3 * i], TOKENS, seed=460 + i)
+        pulls.append({"params": params, "block_ids": [20 + 3 * i, 21 + 3 * i, 22 + 3 * i], "seed": 460 + i})
+    _pull_all_exact(decode, b, pulls)
+    assert consumed_events(tp2, 4) == 4  # each of its two ranks, for the warm pull and the batch's
+    assert consumed_events(prefill, 4) == 4  # the first pull's and the three members'
+    no_transfer_in_flight(a, b)
+
+
 @pytest.mark.parametrize("decode_spec", [SPEC, BLOCK32], ids=["blocks-16", "decode-blocks-32"])
 def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, decode_spec: EngineSpec

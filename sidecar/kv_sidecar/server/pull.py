@@ -188,24 +188,16 @@ class Puller:
             )
 
     def goes_together(self, req: engine_pb2.PullRequest) -> bool:
-        """Whether a pull may run with a PullBatch's others on one thread (pull_batch.py): it waits for
-        nothing but its move. A pull from an engine on this sidecar (a copy); or one staged read whose
-        Push carries the open, from a source whose handshake is cached. A first handshake, an OpenRead
-        (TP gather, several holders) or a READ may wait for a peer that hangs."""
+        """Whether a pull may run with a PullBatch's others on one thread (pull_batch.py): it moves by a
+        copy on this node or a staged read, from a source whose handshake is cached. What it checks is
+        cheap; a member that must wait for a peer after all (an OpenRead: TP gather, several holders,
+        params that do not plan; a handshake again) steps `Apart` first, and the unit lets it go."""
         p = req.params
         if p.sidecar_id == self._sidecar_id:
             return True
         remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
-        if remote is None:
-            return False
-        try:
-            local = self._local_ranks(req, list(req.ranks))
-            holders = holders_needed(
-                remote, [remote.plan.decode_ranks[e.rank] for e in local], self._sidecar_id
-            )
-        except (SidecarError, KeyError, IndexError):
-            return False  # the pull says what is wrong
-        return remote.plan.decode == local[0].spec and self._one_push(req, local, remote, list(holders))
+        # GPU sources always stage; host ones only with host_transfer: ring (else NIXL READs, posted early)
+        return remote is not None and (remote.memory_kind == "VRAM" or self._host_ring)
 
     def _pull(
         self, req: engine_pb2.PullRequest, cancel: PullTicket, after: Later
@@ -320,8 +312,9 @@ class Puller:
         opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
-            if self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id) is None:
-                yield Apart()  # the handshake waits for the peer
+            known = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
+            if known is None or known.plan.decode != local[0].spec:
+                yield Apart()  # a handshake (again) waits for the peer
             _, remote = self._peers.remote_engine(
                 p.sidecar_address,
                 p.engine_id,
