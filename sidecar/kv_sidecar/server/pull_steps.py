@@ -2,10 +2,10 @@
 
 A pull (Puller.pull_steps) is a generator: it yields each thing that moves bytes, a staged read
 (`StagedRead`: server/staged_reader.py) or a copy between ranks of this node (`DirectCopy`:
-server/pull_direct.py), and is sent the bytes moved, or thrown what failed; or `Apart`, before a step
-that may wait for a peer. `run_steps` runs one pull
-on its own thread, each move as it comes; a PullBatch runs its members to their moves, moves them
-together, and sends each its outcome (server/pull_batch.py).
+server/pull_direct.py), and is sent the bytes moved, or thrown what failed; before a step that may
+wait for a peer it yields `Apart`. `run_steps` runs one pull on its own thread, each move as it
+comes; a PullBatch runs its members to their moves, moves them together, and sends each its outcome
+(server/pull_batch.py), letting a member that steps apart go on on a thread of its own.
 """
 
 from __future__ import annotations
