@@ -109,6 +109,53 @@ def source_count(blocks: int) -> int:
     return 64 if blocks == 1 else 8
 
 
+# What each process on a GPU takes besides its caches (its CUDA context; a sidecar's rings): enough to
+# tell a run that cannot fit from one that can.
+PROCESS_GPU_BYTES = 1 << 30
+
+
+def gpu_free_bytes() -> dict[int, int]:
+    """Each GPU's free memory from nvidia-smi ({} where it cannot say, or where CUDA_VISIBLE_DEVICES
+    renumbers the GPUs): asked of torch, it would cost this process a CUDA context on every GPU, memory
+    the engines need."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return {}
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return {int(i): int(mib) << 20 for i, mib in (line.split(",") for line in out.strip().splitlines())}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+
+
+def check_gpu_memory(
+    places: list[tuple[int, int]], trees: int, sizes: list[int], decode_blocks: int, free: dict[int, int]
+) -> None:
+    """Every tree's engines and sidecars live at once: refuse, naming --decode-blocks, a run whose
+    caches cannot fit the GPUs' free memory (engines ran out of memory part way through, otherwise)."""
+    decode = dataclasses.replace(GPU_SPEC, num_blocks=decode_blocks or GPU_SPEC.num_blocks)
+    block = decode.rank_bytes() // decode.num_blocks
+    prefill_blocks = sum(b * source_count(b) for b in sizes)
+    need: dict[int, int] = {}
+    for p, d in places:
+        need[p] = need.get(p, 0) + prefill_blocks * block + 2 * PROCESS_GPU_BYTES  # an engine, a sidecar
+        need[d] = need.get(d, 0) + decode.num_blocks * block + 2 * PROCESS_GPU_BYTES
+    for gpu, per_tree in sorted(need.items()):
+        if gpu in free and trees * per_tree > free[gpu]:
+            spare = free[gpu] // trees - (per_tree - decode.num_blocks * block)
+            fits = max(0, spare // block) if spare > 0 else 0
+            raise SystemExit(
+                f"GPU {gpu}: {trees} trees (this tree, its variants and baselines, each with engines of "
+                f"its own) need ~{trees * per_tree / 2**30:.0f} GiB, {free[gpu] / 2**30:.0f} GiB is free; "
+                f"run fewer trees or pass --decode-blocks {fits // 1024 * 1024 or fits} or less"
+            )
+
+
 def gpu_pairs(count: int, gpus_present: int) -> list[tuple[int, int]]:
     """(prefill GPU, decode GPU) of each pair: disjoint GPUs where there are enough, else the two
     directions between GPU 0 and 1."""
@@ -772,6 +819,8 @@ def main() -> int:
         trees.append((base[0], base[1], [], 1, False))
         if args.baseline_per_call and args.per_call > 1:
             trees.append((f"{base[0]}, PullBatch of {args.per_call}", base[1], [], args.per_call, False))
+    if places is not None and (free := gpu_free_bytes()):
+        check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     rows: list[Row] = []
     turn = 0
     for path in paths:
