@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -82,6 +82,45 @@ def _engines_after_one_pull(
     return prefill, decode
 
 
+class _HungSource(NamedTuple):
+    far: SidecarProcess
+    prefill: EngineProcess
+    decode: EngineProcess
+    hung: EngineProcess
+    fine: list[BatchPull]
+    sources: list[list[int]]
+
+
+FULL = 3 * SPEC.block_size  # whole blocks: their digests compare
+
+
+def _a_hung_source_and_a_running_one(
+    a: SidecarProcess, b: SidecarProcess, spawn: Spawn, name: str, seed: int
+) -> _HungSource:
+    """A decode engine on `b` with cached handshakes to a prefill engine on `a` and to one on a sidecar
+    of its own (`far`, to freeze), and three whole-block members from `a`'s engine, into blocks 43-51."""
+    far = spawn(SidecarProcess(f"groups-far-{name}", extra=RING, env=ENV))
+    prefill, decode = _engines_after_one_pull(a, b, spawn, name)
+    hung = spawn(EngineProcess(far.socket, f"{name}-far", SPEC, env=ENV))
+    warm = prefilled(hung, f"{name}-far-warm", [30, 31, 32], TOKENS, seed=seed)
+    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [93, 94, 95], "seed": seed})["verified"]
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
+    fine = [
+        BatchPull(
+            params_from_json(prefilled(prefill, f"{name}-fine{i}", src, FULL, seed=seed + 20 + i)),
+            [43 + 3 * i + k for k in range(3)],
+        )
+        for i, src in enumerate(sources)
+    ]
+    return _HungSource(far, prefill, decode, hung, fine, sources)
+
+
+def _fine_members_exact(h: _HungSource) -> None:
+    for src, pull in zip(h.sources, h.fine, strict=True):
+        want = h.prefill.send({"cmd": "digest", "block_ids": src})["digests"]
+        assert h.decode.send({"cmd": "digest", "block_ids": pull.block_ids})["digests"] == want
+
+
 def test_reads_that_wait_go_as_one_transfer_and_land_as_their_own_would(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
@@ -134,23 +173,10 @@ def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
     the members from the running source, after it in the batch, answer at once; it fails by itself at
     its deadline."""
     a, b = ring_pair
-    far = spawn(SidecarProcess("groups-far2", extra=RING, env=ENV))
-    prefill, decode = _engines_after_one_pull(a, b, spawn, "sa")
-    hung = spawn(EngineProcess(far.socket, "sa-far", SPEC, env=ENV))
-    warm = prefilled(hung, "sa-far-warm", [30, 31, 32], TOKENS, seed=397)
-    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [93, 94, 95], "seed": 397})["verified"]
-    full = 3 * SPEC.block_size
-    bad = BatchPull(params_from_json(prefilled(hung, "sa-bad", [0, 1, 2], full, seed=430)), [40, 41])
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
-    fine = [
-        BatchPull(
-            params_from_json(prefilled(prefill, f"sa-fine{i}", src, full, seed=440 + i)),
-            [43 + 3 * i + k for k in range(3)],
-        )
-        for i, src in enumerate(sources)
-    ]
-    with frozen(far), SidecarClient(b.socket) as client:
-        members = client.pull_batch_async(decode.engine_id, [bad, *fine], timeout_s=6)
+    h = _a_hung_source_and_a_running_one(a, b, spawn, "sa", 397)
+    bad = BatchPull(params_from_json(prefilled(h.hung, "sa-bad", [0, 1, 2], FULL, seed=430)), [40, 41])
+    with frozen(h.far), SidecarClient(b.socket) as client:
+        members = client.pull_batch_async(h.decode.engine_id, [bad, *h.fine], timeout_s=6)
         wait_for(
             "the members from the running source to answer", lambda: all(m.done() for m in members[1:]), 4
         )
@@ -158,9 +184,7 @@ def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
         assert not members[0].done()
         wait_for("the member that asked the hung source to end", members[0].done, 15)
     assert not members[0].result().ok and members[0].result().unfilled_blocks == [40, 41], members[0].result()
-    for src, pull in zip(sources, fine, strict=True):
-        want = prefill.send({"cmd": "digest", "block_ids": src})["digests"]
-        assert decode.send({"cmd": "digest", "block_ids": pull.block_ids})["digests"] == want
+    _fine_members_exact(h)
     no_transfer_in_flight(a, b)
 
 
@@ -322,23 +346,12 @@ def test_a_batch_member_whose_source_hangs_holds_up_no_other(
     and arrive bit-exact while it hangs; aborted, it ends by itself, CANCELLED, within the time a lone
     aborted pull takes to tell a hung source."""
     a, b = ring_pair
-    far = spawn(SidecarProcess("groups-far", extra=RING, env=ENV))
-    prefill, decode = _engines_after_one_pull(a, b, spawn, "sh")
-    hung = spawn(EngineProcess(far.socket, "sh-far", SPEC, env=ENV))
-    warm = prefilled(hung, "sh-far-warm", [30, 31, 32], TOKENS, seed=398)
-    assert decode.send({"cmd": "pull", "params": warm, "block_ids": [93, 94, 95], "seed": 398})["verified"]
-    full = 3 * SPEC.block_size  # whole blocks: their digests compare
-    stuck = BatchPull(params_from_json(prefilled(hung, "sh-stuck", [0, 1, 2], full, seed=410)), [40, 41, 42])
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
-    fine = [
-        BatchPull(
-            params_from_json(prefilled(prefill, f"sh-fine{i}", src, full, seed=420 + i)),
-            [43 + 3 * i + k for k in range(3)],
-        )
-        for i, src in enumerate(sources)
-    ]
-    with frozen(far), SidecarClient(b.socket) as client:
-        members = client.pull_batch_async(decode.engine_id, [stuck, *fine], timeout_s=60)
+    h = _a_hung_source_and_a_running_one(a, b, spawn, "sh", 398)
+    stuck = BatchPull(
+        params_from_json(prefilled(h.hung, "sh-stuck", [0, 1, 2], FULL, seed=410)), [40, 41, 42]
+    )
+    with frozen(h.far), SidecarClient(b.socket) as client:
+        members = client.pull_batch_async(h.decode.engine_id, [stuck, *h.fine], timeout_s=60)
         wait_for(
             "the members from the running source to answer", lambda: all(m.done() for m in members[1:]), 10
         )
@@ -346,15 +359,13 @@ def test_a_batch_member_whose_source_hangs_holds_up_no_other(
             assert m.result().ok, m.result()
         assert not members[0].done()
         t0 = time.monotonic()
-        assert client.abort(decode.engine_id, "sh-stuck")
+        assert client.abort(h.decode.engine_id, "sh-stuck")
         wait_for("the stuck member to end", members[0].done, 5)
         took = time.monotonic() - t0
     res = members[0].result()
     assert res.error_code == "CANCELLED" and "aborted by the engine" in res.error, res
     assert took < 3.5, took
-    for src, pull in zip(sources, fine, strict=True):
-        want = prefill.send({"cmd": "digest", "block_ids": src})["digests"]
-        assert decode.send({"cmd": "digest", "block_ids": pull.block_ids})["digests"] == want
+    _fine_members_exact(h)
     # Not `far`: a source thawed after its reader gave up keeps that served read until its release is
     # retried or it goes stale (a lone pull's too; noted on issue 32).
     no_transfer_in_flight(a, b)
