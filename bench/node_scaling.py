@@ -21,6 +21,8 @@ beside it: a load bench must show that it is not itself the bottleneck it measur
 
 --per-call K also runs this tree with each decode thread sending K pulls in one PullBatch call, the
 same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 are the batch calls'.
+--per-call 16,8 runs both: 16 in flight as one batch, or as two batches of 8 that overlap (a decode
+engine whose requests arrive at different steps has several batches in flight).
 --prefix-blocks K has the decode engine hold the first K blocks of each request already, as a prefix
 cache hit would, and pull only the rest (start_token); sizes and GB/s are then of what moved.
 
@@ -725,10 +727,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--per-call",
-        type=int,
-        default=1,
+        default="1",
         help="also run this tree with each decode thread sending this many pulls in one PullBatch call "
-        "(in flight per pair stays the same: fewer threads), side by side",
+        "(in flight per pair stays the same: fewer threads), side by side; comma-separated for several "
+        "(the first is the variants' and the baseline's)",
     )
     ap.add_argument(
         "--split-sidecars",
@@ -791,19 +793,16 @@ def main() -> int:
     trees: list[tuple[str, dict[str, str] | None, list[str], int, bool]] = [
         ("this tree", mine, extra, 1, False)
     ]
-    if args.per_call > 1:
-        batch_env = mine and {k: v.replace("{path}", "{path}-batch") for k, v in mine.items()}
-        trees.append((f"this tree, PullBatch of {args.per_call}", batch_env, extra, args.per_call, False))
+    batches = [k for k in (int(c) for c in args.per_call.split(",") if c) if k > 1]
+    first_batch = batches[0] if batches else 1
+    for k in batches:
+        suffix = "-batch" if k == first_batch else f"-batch{k}"
+        batch_env = mine and {key: v.replace("{path}", "{path}" + suffix) for key, v in mine.items()}
+        trees.append((f"this tree, PullBatch of {k}", batch_env, extra, k, False))
     for v in args.variant:  # the same code, other settings, in the same run
-        if args.variant_per_call and args.per_call > 1:
+        if args.variant_per_call and first_batch > 1:
             trees.append(
-                (
-                    f"this tree, {v}, PullBatch of {args.per_call}",
-                    None,
-                    extra + v.split(),
-                    args.per_call,
-                    False,
-                )
+                (f"this tree, {v}, PullBatch of {first_batch}", None, extra + v.split(), first_batch, False)
             )
         else:
             trees.append((f"this tree, {v}", None, extra + v.split(), 1, False))
@@ -817,8 +816,8 @@ def main() -> int:
         base = (f"baseline ({tree.name})", baseline.env(str(tree.resolve())))
     if base is not None:
         trees.append((base[0], base[1], [], 1, False))
-        if args.baseline_per_call and args.per_call > 1:
-            trees.append((f"{base[0]}, PullBatch of {args.per_call}", base[1], [], args.per_call, False))
+        if args.baseline_per_call and first_batch > 1:
+            trees.append((f"{base[0]}, PullBatch of {first_batch}", base[1], [], first_batch, False))
     if places is not None and (free := gpu_free_bytes()):
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     rows: list[Row] = []
