@@ -232,7 +232,7 @@ SPANS = {
         "kv_sidecar.server.pull:Puller._read_remote",
         "kv_sidecar.dataplane.nixl_reads:NixlReads.post",
         "kv_sidecar.dataplane.nixl_reads:NixlReads.finish",
-        "kv_sidecar.server.pull:Puller._notify_done",
+        "kv_sidecar.server.pull:Puller.send_done",
         "kv_sidecar.transport.nixl_driver:NixlDriver.read_prepped",
         "kv_sidecar.transport.nixl_driver:NixlDriver._post",
         "kv_sidecar.transport.nixl_driver:NixlDriver._release",

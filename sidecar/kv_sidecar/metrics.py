@@ -81,6 +81,15 @@ class Metrics:
             ["by"],
             registry=r,
         )
+        self.done_notifications = Counter(
+            "kvsidecar_done_notifications_received",
+            "Source side: done notifications received from readers, each of one request and rank, or "
+            "joined (a PullBatch's members that ended together, several requests in one)",
+            ["form"],
+            registry=r,
+        )
+        for form in ("one", "joined"):
+            self.done_notifications.labels(form)
         self.push_starts = Counter(
             "kvsidecar_push_starts",
             "Staged transfers this sidecar sent, by what started them: the reader's NIXL notification "

@@ -35,6 +35,7 @@ RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(4 * SLOT), "--gpu-
 ENV = {"OMP_NUM_THREADS": "1"}
 TOKENS = 40  # 3 blocks, the last partial: a group pads it (staged_protocol.member_spans)
 READS = "kvsidecar_staged_transfer_reads"
+DONES = "kvsidecar_done_notifications_received_total"
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +159,15 @@ def test_a_batch_of_reads_goes_as_one_transfer(
     for i in range(n):
         params = prefilled(prefill, f"bt{i}", [120 + 3 * i, 3 * i, 60 + i], TOKENS - i % 3, seed=500 + i)
         pulls.append({"params": params, "block_ids": [3 * i, 100 + 2 * i, 101 + 2 * i], "seed": 500 + i})
+    dones = {form: metric(a.metrics_port, DONES, f'{{form="{form}"}}') for form in ("one", "joined")}
     transfers, reads = _pull_all_exact(decode, b, pulls)
     assert (transfers, reads) == (1, n)
     assert consumed_events(prefill, n + 1) == n + 1
+    # The members ended together: their done notifications reached the source as one.
+    assert {form: metric(a.metrics_port, DONES, f'{{form="{form}"}}') - v for form, v in dones.items()} == {
+        "one": 0,
+        "joined": 1,
+    }
     no_transfer_in_flight(a, b)
 
 

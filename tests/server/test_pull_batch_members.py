@@ -3,12 +3,12 @@ as one unit tell their outcomes and run their leftovers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import pytest
 
-from kv_sidecar.server.after_answer import Later, run_later
+from kv_sidecar.server.after_answer import Joined, Later, run_later
 from kv_sidecar.server.pull_batch import OnHangup, PullBatches, Together, repeated_members
 from kv_sidecar.server.pull_steps import DirectCopy, Made, Steps, Want
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
@@ -43,16 +43,27 @@ def test_repeated_members(members: list[engine_pb2.PullRequest], repeated: dict[
     assert repeated_members(members) == repeated
 
 
+class _Mine(Joined):
+    def __init__(self, run_all: Callable[[list[_Mine]], None], i: int) -> None:
+        super().__init__(run_all)
+        self.i = i
+
+
 def _unit(
     ends: list[list[int]], log: list[tuple[str, object]]
 ) -> tuple[PullBatches, engine_pb2.PullBatchRequest]:
     """A batch of as many members as `ends` names, run as one unit whose moves end in the groups `ends`
-    lists (one transfer's members each); each member's steps leave a record of their leftovers."""
+    lists (one transfer's members each); each member's steps leave a record of their leftovers, and work
+    joined with that of the members it runs with (as its done notifications are)."""
+
+    def joined(all_: list[_Mine]) -> None:
+        log.append(("joined", [m.i for m in all_]))
 
     def steps(req: engine_pb2.PullRequest, _hangup: OnHangup, later: Later) -> Steps[engine_pb2.PullResponse]:
         i = int(req.params.request_id)
         moved = yield DirectCopy(None, None)  # type: ignore[arg-type]  # what moves is not looked at here
         later.append(lambda: log.append(("later", i)))
+        later.append(_Mine(joined, i))
         return engine_pb2.PullResponse(bytes=moved)
 
     def move_all(wants: Sequence[Want], _pool: Executor, made: Made) -> None:
@@ -83,8 +94,8 @@ def test_members_that_end_together_are_told_at_once_before_any_leftover_runs() -
         batches.stop()
     assert [o.response.bytes for o in answer.outcomes] == [100, 101, 102, 103, 104]
     assert log == [
-        ("told", [0, 1, 2]), ("later", 0), ("later", 1), ("later", 2),
-        ("told", [3, 4]), ("later", 3), ("later", 4),
+        ("told", [0, 1, 2]), ("joined", [0, 1, 2]), ("later", 0), ("later", 1), ("later", 2),
+        ("told", [3, 4]), ("joined", [3, 4]), ("later", 3), ("later", 4),
     ]  # fmt: skip
     assert not later  # streamed: nothing left for after the call's answer
 
@@ -97,6 +108,7 @@ def test_without_streamed_outcomes_the_leftovers_wait_for_the_calls_answer() -> 
         batches.run(req, lambda _: None, later)
     finally:
         batches.stop()
-    assert log == [] and len(later) == 3
+    assert log == [] and len(later) == 6
     run_later(later)
-    assert sorted(log) == [("later", 0), ("later", 1), ("later", 2)]
+    assert log[0] == ("joined", [0, 1, 2])  # every member's joined work at once, first
+    assert sorted(log[1:]) == [("later", 0), ("later", 1), ("later", 2)]

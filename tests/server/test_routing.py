@@ -9,7 +9,15 @@ from kv_sidecar.plan.chunks import chunk_geometry
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.peers import Holder, RemoteEngine
-from kv_sidecar.server.routing import by_holder, depends_on, holders_needed
+from kv_sidecar.server.routing import (
+    MAX_DONES,
+    DoneReads,
+    by_holder,
+    depends_on,
+    done_messages,
+    holders_needed,
+)
+from kv_sidecar.transport import notifications as n
 
 from ..e2e.conftest import spec_dict
 
@@ -66,3 +74,50 @@ def test_missing_and_own_ranks_are_refused() -> None:
     with pytest.raises(SidecarError) as info:
         by_holder(remote, [0], "leader")  # the reader itself holds rank 0
     assert info.value.code is Code.UNIMPLEMENTED
+
+
+def _done_reads(remote: RemoteEngine, request: str) -> DoneReads:
+    return DoneReads(remote, request, "d", list(enumerate(remote.plan.decode_ranks)))
+
+
+def test_done_notifications_to_a_leader_that_takes_them_joined_go_as_one() -> None:
+    """A PullBatch's members that ended together: the leader that said done_batches gets one notification
+    for all of them; a member sidecar (never handshaken with) one per request and rank."""
+    remote = _remote({"tp_size": 4}, {"tp_size": 2}, {0: LEADER, 1: LEADER, 2: MEMBER, 3: MEMBER})
+    remote.done_batches = True
+    messages, addresses = done_messages([_done_reads(remote, "r1"), _done_reads(remote, "r2")], "reader")
+    assert addresses == {LEADER.address, MEMBER.address}
+    to_leader = [m for a, m in messages if a == "leader"]
+    to_member = [m for a, m in messages if a == "member"]
+    assert len(to_leader) == 1 and to_leader[0].startswith(n.DONES_TAG + n.SEP)
+    assert n.parse_done_batch(to_leader[0]) == [("p", "r1", "d", 0, [0, 1]), ("p", "r2", "d", 0, [0, 1])]
+    assert [n.parse_done_notification(m) for m in to_member] == [
+        ("p", "r1", "d", 1, [2, 3]),
+        ("p", "r2", "d", 1, [2, 3]),
+    ]
+
+
+def test_done_notifications_go_one_by_one_to_a_peer_without_done_batches_and_alone() -> None:
+    remote = _remote({"tp_size": 2}, {"tp_size": 2}, {0: LEADER, 1: LEADER})
+    messages, _ = done_messages([_done_reads(remote, "r1"), _done_reads(remote, "r2")], "reader")
+    assert [(a, n.parse_done_notification(m)) for a, m in messages] == [
+        ("leader", ("p", "r1", "d", 0, [0])),
+        ("leader", ("p", "r1", "d", 1, [1])),
+        ("leader", ("p", "r2", "d", 0, [0])),
+        ("leader", ("p", "r2", "d", 1, [1])),
+    ]
+    # One pull of one rank to a peer with done_batches: a plain done notification.
+    single = _remote({"tp_size": 1}, {"tp_size": 1}, {0: LEADER})
+    single.done_batches = True
+    ((agent, msg),) = done_messages([_done_reads(single, "r1")], "reader")[0]
+    assert agent == "leader" and n.parse_done_notification(msg) == ("p", "r1", "d", 0, [0])
+
+
+def test_done_notifications_joined_are_split_at_max_dones() -> None:
+    remote = _remote({"tp_size": 1}, {"tp_size": 1}, {0: LEADER})
+    remote.done_batches = True
+    pulls = [_done_reads(remote, f"r{i}") for i in range(MAX_DONES + 3)]
+    messages, _ = done_messages(pulls, "reader")
+    parts = [n.parse_done_batch(m) for _, m in messages]
+    assert [len(p or []) for p in parts] == [MAX_DONES, 3]
+    assert [r[1] for p in parts for r in p or [] if r is not None] == [f"r{i}" for i in range(MAX_DONES + 3)]

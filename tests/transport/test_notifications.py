@@ -8,7 +8,7 @@ from kv_sidecar.transport import notifications as n
 
 
 def test_tags_are_distinct_and_none_starts_another() -> None:
-    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG]
+    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG, n.DONES_TAG]
     for a, b in itertools.permutations(tags, 2):
         assert not (a + n.SEP).startswith(b + n.SEP), (a, b)
 
@@ -29,3 +29,23 @@ def test_malformed_done_notifications_are_none() -> None:
         n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body"),
     ):
         assert n.parse_done_notification(bad) is None, bad
+
+
+def test_a_done_batch_round_trips_each_notification_and_names_a_malformed_one() -> None:
+    a = n.done_notification("eng:1/ä", "req,with,commas", "decode", 3, [0, 2])
+    b = n.done_notification("e", "r2", "decode", 0, [1])
+    msg = n.done_batch([a, b])
+    assert msg.startswith(n.DONES_TAG + n.SEP)
+    assert n.parse_done_batch(msg) == [
+        ("eng:1/ä", "req,with,commas", "decode", 3, [0, 2]),
+        ("e", "r2", "decode", 0, [1]),
+    ]
+    assert n.parse_done_batch(n.done_batch([a])) == [n.parse_done_notification(a)]
+    # One malformed notification is None in its place; the others still parse.
+    assert n.parse_done_batch(n.done_batch([a, b"kvs1\x1fjunk", b])) == [
+        n.parse_done_notification(a),
+        None,
+        n.parse_done_notification(b),
+    ]
+    for other in (a, b"", n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body")):  # not a batch
+        assert n.parse_done_batch(other) is None

@@ -65,6 +65,8 @@ class RemoteEngine:
     # staged transfers run in a worker (staged_workers), that worker's agent and metadata.
     staged_workers: bool = False
     workers: dict[int, tuple[str, bytes]] = field(default_factory=dict)
+    # The peer takes done notifications of several requests in one (to its own agent: DONES_TAG).
+    done_batches: bool = False
     agent_metadata: bytes = field(default=b"", repr=False)
 
     def agent_of(self, rank: int) -> str:
@@ -303,6 +305,7 @@ class Peers:
             push_members=resp.push_members,
             push_members_v2=resp.push_members_v2,
             staged_workers=resp.staged_workers,
+            done_batches=resp.done_batches,
             workers={r.rank: (r.worker_agent, r.worker_agent_metadata) for r in resp.ranks if r.worker_agent},
             agent_metadata=resp.agent_metadata,
         )

@@ -22,10 +22,9 @@ the holder named in the map its leader returned at handshake (docs/multinode.md)
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from kv_sidecar.config import Settings
@@ -35,7 +34,7 @@ from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_addres
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.blocks import check_start
 from kv_sidecar.plan.spec import PlanError
-from kv_sidecar.server.after_answer import Later, run_later
+from kv_sidecar.server.after_answer import Joined, Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
@@ -50,17 +49,32 @@ from kv_sidecar.server.pull_job import (
     unfilled_blocks,
 )
 from kv_sidecar.server.pull_steps import Apart, DirectCopy, Made, Steps, Want, run_steps
-from kv_sidecar.server.routing import Opener, Opening, by_holder, depends_on, holders_needed
+from kv_sidecar.server.routing import DoneReads, Opener, Opening, done_messages, holders_needed
 from kv_sidecar.server.staged_common import PATH_HOST_RING, PATH_STAGED
 from kv_sidecar.server.staged_reader import StagedRead, StagedReader
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import AgentDisconnected, NixlDriver, ucx_emulation_disabled
-from kv_sidecar.transport.notifications import done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
 PATH_STATE = "host-nixl-state"  # a Mamba group's state converted: its runs READ into the state blocks
+
+
+class DoneNotices(Joined):
+    """A pull's done notifications, sent after its answer: with those of the other pulls whose work runs
+    with it (a PullBatch's members that ended together), one notification per source agent that takes
+    them joined (Puller.send_done)."""
+
+    def __init__(
+        self,
+        send_done: Callable[[list[DoneNotices]], None],
+        req: engine_pb2.PullRequest,
+        remote: RemoteEngine,
+        job: PullJob,
+    ) -> None:
+        super().__init__(send_done)
+        self.req, self.remote, self.job = req, remote, job
 
 
 class _Retry(Exception):
@@ -340,7 +354,7 @@ class Puller:
                     rplan.reads[0].prefill_rank,
                     open_msg=self._opener.request(remote, req, ranks),
                 )
-                after.append(functools.partial(self._notify_done, req, remote, pushed))
+                after.append(DoneNotices(self.send_done, req, remote, pushed))
                 return nbytes, _ring_path(pushed)
             # The open waits for the source, which may hang: not on a thread other pulls share.
             yield Apart()
@@ -359,7 +373,7 @@ class Puller:
             if early_job is not None:
                 if _held(opened) == _held(p):
                     nbytes = self._plane.finish_reads(early, early_job)
-                    after.append(functools.partial(self._notify_done, req, remote, early_job))
+                    after.append(DoneNotices(self.send_done, req, remote, early_job))
                     return nbytes, "host-nixl"
                 self._plane.abandon_reads(
                     early
@@ -505,7 +519,7 @@ class Puller:
                         src = remote.remote_rank(read.prefill_rank)
                         converted = ConvertedRead(entry.key, src, job.plan, read.heads, job.tokens)
                         nbytes += self._plane.read_converted(converted, job)
-        after.append(functools.partial(self._notify_done, req, remote, job))
+        after.append(DoneNotices(self.send_done, req, remote, job))
         return nbytes, route[0]
 
     def _read_state(
@@ -534,18 +548,24 @@ class Puller:
             job.remaining()  # stopped before touching (possibly unregistered) memory
             sources = tuple(remote.remote_rank(q) for q in sorted({m.src_rank for m in block.moves}))
             nbytes += self._plane.read_state(StateRead(entry.key, sources, block), job)
-        after.append(functools.partial(self._notify_done, req, remote, job))
+        after.append(DoneNotices(self.send_done, req, remote, job))
         return nbytes, PATH_STATE
 
-    def _notify_done(self, req: engine_pb2.PullRequest, remote: RemoteEngine, job: PullJob) -> None:
-        """Tell each source sidecar which of its ranks each local rank is done with. A pull runs this
-        after its answer (`after`), which does not wait for the driver thread to send them either
-        (NixlDriver.notify)."""
-        p = req.params
-        for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
-            for holder, done in by_holder(remote, depends_on(rplan), self._sidecar_id).items():
-                self._nixl.notify(
-                    holder.agent_name,
-                    done_notification(p.engine_id, p.request_id, req.engine_id, entry.rank, done),
-                )
-                self._peers.link(holder.address).read_completed()  # later opens may go as notifications
+    def send_done(self, pulls: list[DoneNotices]) -> None:
+        """Tell each source sidecar which of its ranks each local rank of these pulls is done with
+        (routing.done_messages: joined per source agent that takes them so). Runs after the pulls'
+        answers, which do not wait for the driver thread to send them either (NixlDriver.notify)."""
+        reads = (
+            DoneReads(
+                d.remote,
+                d.req.params.request_id,
+                d.req.engine_id,
+                [(e.rank, plan) for e, plan in zip(d.job.local, d.job.rank_plans(), strict=True)],
+            )
+            for d in pulls
+        )
+        messages, addresses = done_messages(reads, self._sidecar_id)
+        for agent, msg in messages:
+            self._nixl.notify(agent, msg)
+        for address in addresses:
+            self._peers.link(address).read_completed()  # later opens may go as notifications

@@ -22,8 +22,9 @@ contend for the one interpreter:
 
 The work a member leaves for after its answer (its log record, done notifications, "consumed"
 events) runs once its outcome is out when outcomes are streamed (the engine lane): with those of the
-members whose moves ended with its own, after all of their outcomes, which go out together. Otherwise
-it runs once the whole answer is.
+members whose moves ended with its own, after all of their outcomes, which go out together, their
+done notifications joined into one per source that takes them so (after_answer.Joined). Otherwise it
+runs once the whole answer is, all members' done notifications joined.
 """
 
 from __future__ import annotations
@@ -308,6 +309,8 @@ class PullBatches:
                 "could not send the outcomes of pulls %s ahead", [o.index for o in ended], exc_info=True
             )
         if streamed:  # the prefill engine hears "consumed" when this member ends, not the step's slowest
+            together = [fn for mine in leftovers for fn in mine]
             for mine in leftovers:
-                run_later(mine)
+                mine.clear()
+            run_later(together)  # their done notifications joined per source (after_answer.Joined)
         return ended

@@ -22,7 +22,7 @@ from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar.transport.notifications import parse_done_notification
+from kv_sidecar.transport.notifications import parse_done_batch, parse_done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,23 @@ class SourceReads:
             log.warning("ignoring malformed notification from %s", agent)
             self._metrics.failures.labels("bad_notification").inc()
             return
-        engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
+        self._metrics.done_notifications.labels("one").inc()
+        self._done(*parsed)
+
+    def readers_done(self, agent: str, msg: bytes) -> None:
+        """Done notifications of several requests in one (NIXL thread): a PullBatch's members that ended
+        together. A malformed one is counted and skipped; the others count."""
+        self._metrics.done_notifications.labels("joined").inc()
+        for parsed in parse_done_batch(msg) or [None]:
+            if parsed is None:
+                log.warning("ignoring a malformed done notification from %s", agent)
+                self._metrics.failures.labels("bad_notification").inc()
+                continue
+            self._done(*parsed)
+
+    def _done(
+        self, engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: list[int]
+    ) -> None:
         self._published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
         self._transfers.serve_rank_done(engine_id, request_id, reader, decode_rank)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
@@ -21,9 +22,13 @@ from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar.server.notified_opens import NotifiedOpens
 from kv_sidecar.server.peer_calls import PeerCallError, PeerFuture
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
+from kv_sidecar.transport.notifications import done_batch, done_notification
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
+
+# Done notifications joined into one at most (a NIXL notification is one active message).
+MAX_DONES = 64
 
 
 def depends_on(rank_plan: DecodeRankPlan) -> list[int]:
@@ -55,6 +60,43 @@ def by_holder(
         if p not in ranks:
             ranks.append(p)
     return out
+
+
+class DoneReads(NamedTuple):
+    """What one pull read, for its done notifications: the request, the local engine, and each local
+    rank with its plan."""
+
+    remote: RemoteEngine
+    request_id: str
+    reader: str
+    ranks: Sequence[tuple[int, DecodeRankPlan]]
+
+
+def done_messages(
+    pulls: Iterable[DoneReads], own_sidecar_id: str
+) -> tuple[list[tuple[str, bytes]], set[str]]:
+    """The done notifications of pulls that end together, (agent, message) each, and the addresses of the
+    sidecars they go to. Each local rank tells each holder which of its ranks it is done with; those to
+    a leader whose handshake said done_batches go joined (MAX_DONES at most in one), the rest (a member
+    sidecar, which the reader never handshook with; an older peer) one by one."""
+    out: list[tuple[str, bytes]] = []
+    joined: dict[str, list[bytes]] = {}
+    addresses: set[str] = set()
+    for pull in pulls:
+        remote = pull.remote
+        for rank, rank_plan in pull.ranks:
+            for holder, done in by_holder(remote, depends_on(rank_plan), own_sidecar_id).items():
+                msg = done_notification(remote.engine_id, pull.request_id, pull.reader, rank, done)
+                if remote.done_batches and holder.agent_name == remote.agent_name:
+                    joined.setdefault(holder.agent_name, []).append(msg)
+                else:
+                    out.append((holder.agent_name, msg))
+                addresses.add(holder.address)
+    for agent, msgs in joined.items():
+        for i in range(0, len(msgs), MAX_DONES):
+            part = msgs[i : i + MAX_DONES]
+            out.append((agent, part[0] if len(part) == 1 else done_batch(part)))
+    return out, addresses
 
 
 def holders_needed(

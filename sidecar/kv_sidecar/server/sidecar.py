@@ -45,6 +45,7 @@ from kv_sidecar.server.status import StatusReport
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import (
+    DONES_TAG,
     OPEN_TAG,
     PUSH_TAG,
     NotificationRoutes,
@@ -193,7 +194,11 @@ class Sidecar:
         # Staged transfers' notifications (and OpenRead answers, under the same tag) go to whoever listens
         # for them (the data plane routes the tag: DataPlane); the rest by tag.
         routes.set(
-            {PUSH_TAG: staged_source.from_notification, OPEN_TAG: open_answers.answer},
+            {
+                PUSH_TAG: staged_source.from_notification,
+                OPEN_TAG: open_answers.answer,
+                DONES_TAG: reads.readers_done,
+            },
             other=reads.reader_done,
         )
 

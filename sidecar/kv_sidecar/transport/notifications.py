@@ -20,6 +20,11 @@ PUSH_TAG = b"kvs3"  # a Push sent as a notification (server/push_runs.py)
 OPEN_TAG = (
     b"kvs4"  # an OpenRead sent as a notification (server/notified_opens.py); answered under TRANSFER_TAG
 )
+# Several done notifications in one (a PullBatch's members that ended together), to a source whose
+# handshake said it takes them (HandshakeResponse.done_batches): DONES_TAG, SEP, then the done
+# notifications joined by RS (ids are printable: neither separator occurs in them).
+DONES_TAG = b"kvs5"
+RS = b"\x1e"
 
 
 def done_notification(
@@ -39,6 +44,19 @@ def parse_done_notification(msg: bytes) -> tuple[str, str, str, int, list[int]] 
         return parts[1], parts[2], parts[3], int(parts[4]), [int(p) for p in parts[5].split(",") if p]
     except ValueError:
         return None
+
+
+def done_batch(notifications: Sequence[bytes]) -> bytes:
+    """Done notifications (done_notification) as one."""
+    return DONES_TAG + SEP + RS.join(notifications)
+
+
+def parse_done_batch(msg: bytes) -> list[tuple[str, str, str, int, list[int]] | None] | None:
+    """Each done notification of a batch, parsed (None where one is malformed); None if `msg` is not a
+    batch."""
+    if not msg.startswith(DONES_TAG + SEP):
+        return None
+    return [parse_done_notification(one) for one in msg[len(DONES_TAG) + 1 :].split(RS)]
 
 
 def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:

@@ -26,7 +26,7 @@ from . import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x91\x01\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x14\n\x0cworker_agent\x18\x04 \x01(\t\x12\x1d\n\x15worker_agent_metadata\x18\x05 \x01(\x0c\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\x8d\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\"\xd7\x02\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\x12\x10\n\x08push_key\x18\t \x01(\x0c\x12\x14\n\x0cpush_members\x18\n \x01(\x08\x12\x17\n\x0fpush_members_v2\x18\x0b \x01(\x08\x12\x16\n\x0estaged_workers\x18\x0c \x01(\x08\"\xd0\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x10\n\x08reply_id\x18\x08 \x01(\t\"n\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\"`\n\rOpenReadReply\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.OpenReadResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"\x8a\x01\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\x12\x0f\n\x07release\x18\x06 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"+\n\x08PushSlot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xc8\x04\n\x0bPushRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12\x13\n\x0bstart_token\x18\x08 \x01(\r\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x14\n\x0creader_agent\x18\n \x01(\t\x12\x1d\n\x15reader_agent_metadata\x18\x0b \x01(\x0c\x12\x13\n\x0bmemory_kind\x18\x0c \x01(\t\x12\x11\n\tdevice_id\x18\r \x01(\r\x12%\n\x05slots\x18\x0e \x03(\x0b\x32\x16.kvsidecar.v1.PushSlot\x12\x12\n\ntimeout_ms\x18\x0f \x01(\r\x12+\n\x04open\x18\x10 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x17\n\x0fopen_num_tokens\x18\x11 \x01(\r\x12\x10\n\x08notified\x18\x12 \x01(\x08\x12\x10\n\x08stopping\x18\x13 \x01(\x08\x12)\n\x07members\x18\x14 \x03(\x0b\x32\x18.kvsidecar.v1.PushMember\x12\x1b\n\x13reader_worker_agent\x18\x15 \x01(\t\x12\x18\n\x10source_in_worker\x18\x16 \x01(\x08\"v\n\nPushMember\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bstart_token\x18\x04 \x01(\r\"?\n\x0cPushResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08push_key\x18\x03 \x01(\x0c\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x9c\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xbc\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12=\n\x04Push\x12\x19.kvsidecar.v1.PushRequest\x1a\x1a.kvsidecar.v1.PushResponse\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x91\x01\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x14\n\x0cworker_agent\x18\x04 \x01(\t\x12\x1d\n\x15worker_agent_metadata\x18\x05 \x01(\x0c\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\x8d\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\"\xed\x02\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\x12\x10\n\x08push_key\x18\t \x01(\x0c\x12\x14\n\x0cpush_members\x18\n \x01(\x08\x12\x17\n\x0fpush_members_v2\x18\x0b \x01(\x08\x12\x16\n\x0estaged_workers\x18\x0c \x01(\x08\x12\x14\n\x0c\x64one_batches\x18\r \x01(\x08\"\xd0\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x10\n\x08reply_id\x18\x08 \x01(\t\"n\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\"`\n\rOpenReadReply\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.OpenReadResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"\x8a\x01\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\x12\x0f\n\x07release\x18\x06 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"+\n\x08PushSlot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xc8\x04\n\x0bPushRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12\x13\n\x0bstart_token\x18\x08 \x01(\r\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x14\n\x0creader_agent\x18\n \x01(\t\x12\x1d\n\x15reader_agent_metadata\x18\x0b \x01(\x0c\x12\x13\n\x0bmemory_kind\x18\x0c \x01(\t\x12\x11\n\tdevice_id\x18\r \x01(\r\x12%\n\x05slots\x18\x0e \x03(\x0b\x32\x16.kvsidecar.v1.PushSlot\x12\x12\n\ntimeout_ms\x18\x0f \x01(\r\x12+\n\x04open\x18\x10 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x17\n\x0fopen_num_tokens\x18\x11 \x01(\r\x12\x10\n\x08notified\x18\x12 \x01(\x08\x12\x10\n\x08stopping\x18\x13 \x01(\x08\x12)\n\x07members\x18\x14 \x03(\x0b\x32\x18.kvsidecar.v1.PushMember\x12\x1b\n\x13reader_worker_agent\x18\x15 \x01(\t\x12\x18\n\x10source_in_worker\x18\x16 \x01(\x08\"v\n\nPushMember\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bstart_token\x18\x04 \x01(\r\"?\n\x0cPushResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08push_key\x18\x03 \x01(\x0c\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x9c\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xbc\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12=\n\x04Push\x12\x19.kvsidecar.v1.PushRequest\x1a\x1a.kvsidecar.v1.PushResponse\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,41 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIDECARRANKS']._serialized_start=534
   _globals['_SIDECARRANKS']._serialized_end=675
   _globals['_HANDSHAKERESPONSE']._serialized_start=678
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1021
-  _globals['_OPENREADREQUEST']._serialized_start=1024
-  _globals['_OPENREADREQUEST']._serialized_end=1232
-  _globals['_OPENREADRESPONSE']._serialized_start=1234
-  _globals['_OPENREADRESPONSE']._serialized_end=1344
-  _globals['_OPENREADREPLY']._serialized_start=1346
-  _globals['_OPENREADREPLY']._serialized_end=1442
-  _globals['_PEERKEEPALIVEREQUEST']._serialized_start=1444
-  _globals['_PEERKEEPALIVEREQUEST']._serialized_end=1506
-  _globals['_PEERKEEPALIVERESPONSE']._serialized_start=1508
-  _globals['_PEERKEEPALIVERESPONSE']._serialized_end=1563
-  _globals['_CLOSEREADREQUEST']._serialized_start=1566
-  _globals['_CLOSEREADREQUEST']._serialized_end=1704
-  _globals['_CLOSEREADRESPONSE']._serialized_start=1706
-  _globals['_CLOSEREADRESPONSE']._serialized_end=1725
-  _globals['_PUSHSLOT']._serialized_start=1727
-  _globals['_PUSHSLOT']._serialized_end=1770
-  _globals['_PUSHREQUEST']._serialized_start=1773
-  _globals['_PUSHREQUEST']._serialized_end=2357
-  _globals['_PUSHMEMBER']._serialized_start=2359
-  _globals['_PUSHMEMBER']._serialized_end=2477
-  _globals['_PUSHRESPONSE']._serialized_start=2479
-  _globals['_PUSHRESPONSE']._serialized_end=2542
-  _globals['_REPORTRANKSREQUEST']._serialized_start=2545
-  _globals['_REPORTRANKSREQUEST']._serialized_end=2694
-  _globals['_REPORTRANKSRESPONSE']._serialized_start=2696
-  _globals['_REPORTRANKSRESPONSE']._serialized_end=2736
-  _globals['_PEERPUBLISHREQUEST']._serialized_start=2739
-  _globals['_PEERPUBLISHREQUEST']._serialized_end=2895
-  _globals['_PEERPUBLISHRESPONSE']._serialized_start=2897
-  _globals['_PEERPUBLISHRESPONSE']._serialized_end=2918
-  _globals['_PEERABORTREQUEST']._serialized_start=2920
-  _globals['_PEERABORTREQUEST']._serialized_end=2977
-  _globals['_PEERABORTRESPONSE']._serialized_start=2979
-  _globals['_PEERABORTRESPONSE']._serialized_end=3013
-  _globals['_PEERSERVICE']._serialized_start=3016
-  _globals['_PEERSERVICE']._serialized_end=3716
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1043
+  _globals['_OPENREADREQUEST']._serialized_start=1046
+  _globals['_OPENREADREQUEST']._serialized_end=1254
+  _globals['_OPENREADRESPONSE']._serialized_start=1256
+  _globals['_OPENREADRESPONSE']._serialized_end=1366
+  _globals['_OPENREADREPLY']._serialized_start=1368
+  _globals['_OPENREADREPLY']._serialized_end=1464
+  _globals['_PEERKEEPALIVEREQUEST']._serialized_start=1466
+  _globals['_PEERKEEPALIVEREQUEST']._serialized_end=1528
+  _globals['_PEERKEEPALIVERESPONSE']._serialized_start=1530
+  _globals['_PEERKEEPALIVERESPONSE']._serialized_end=1585
+  _globals['_CLOSEREADREQUEST']._serialized_start=1588
+  _globals['_CLOSEREADREQUEST']._serialized_end=1726
+  _globals['_CLOSEREADRESPONSE']._serialized_start=1728
+  _globals['_CLOSEREADRESPONSE']._serialized_end=1747
+  _globals['_PUSHSLOT']._serialized_start=1749
+  _globals['_PUSHSLOT']._serialized_end=1792
+  _globals['_PUSHREQUEST']._serialized_start=1795
+  _globals['_PUSHREQUEST']._serialized_end=2379
+  _globals['_PUSHMEMBER']._serialized_start=2381
+  _globals['_PUSHMEMBER']._serialized_end=2499
+  _globals['_PUSHRESPONSE']._serialized_start=2501
+  _globals['_PUSHRESPONSE']._serialized_end=2564
+  _globals['_REPORTRANKSREQUEST']._serialized_start=2567
+  _globals['_REPORTRANKSREQUEST']._serialized_end=2716
+  _globals['_REPORTRANKSRESPONSE']._serialized_start=2718
+  _globals['_REPORTRANKSRESPONSE']._serialized_end=2758
+  _globals['_PEERPUBLISHREQUEST']._serialized_start=2761
+  _globals['_PEERPUBLISHREQUEST']._serialized_end=2917
+  _globals['_PEERPUBLISHRESPONSE']._serialized_start=2919
+  _globals['_PEERPUBLISHRESPONSE']._serialized_end=2940
+  _globals['_PEERABORTREQUEST']._serialized_start=2942
+  _globals['_PEERABORTREQUEST']._serialized_end=2999
+  _globals['_PEERABORTRESPONSE']._serialized_start=3001
+  _globals['_PEERABORTRESPONSE']._serialized_end=3035
+  _globals['_PEERSERVICE']._serialized_start=3038
+  _globals['_PEERSERVICE']._serialized_end=3738
 # @@protoc_insertion_point(module_scope)
