@@ -327,17 +327,19 @@ class Puller:
         try:
             check_address("params.sidecar_address", p.sidecar_address)
             known = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
-            if known is None or known.plan.decode != local[0].spec:
+            if known is not None and known.plan.decode == local[0].spec:
+                remote = known  # the cached handshake, as remote_engine would return it, without its locks
+            else:
                 yield Apart()  # a handshake (again) waits for the peer
-            _, remote = self._peers.remote_engine(
-                p.sidecar_address,
-                p.engine_id,
-                req.engine_id,
-                local[0].spec,
-                max(0.001, deadline - time.monotonic()),
-                cancel,
-                lambda: stopped_error(cancel, p.request_id),
-            )
+                _, remote = self._peers.remote_engine(
+                    p.sidecar_address,
+                    p.engine_id,
+                    req.engine_id,
+                    local[0].spec,
+                    max(0.001, deadline - time.monotonic()),
+                    cancel,
+                    lambda: stopped_error(cancel, p.request_id),
+                )
             # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
             holders = list(
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
