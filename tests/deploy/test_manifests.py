@@ -79,6 +79,7 @@ COUNTERS = {
     "kvsidecar_failures_total",
     "kvsidecar_ucx_emulation_detected_total",
     "kvsidecar_push_starts_total",
+    "kvsidecar_done_notifications_received_total",
     "kvsidecar_push_calls_total",
     "kvsidecar_peer_opens_total",
     "kvsidecar_gpu_launches_total",
