@@ -55,7 +55,7 @@ def freeze_startup_objects() -> int:
     """Take what the sidecar holds for its whole life (the imported modules: torch, NIXL, gRPC, ~180k
     objects) out of the garbage collector's full collections, which walk every object they track with
     the interpreter held: ~100 ms each, a pause for every pull in flight, once in a while under load
-    (docs/benchmarks.md, "the collector's full collections"). Frozen objects are still freed when
+    (docs/benchmarks.md, 2026-11-28, "... the collector's pauses"). Frozen objects are still freed when
     nothing refers to them; only a cycle among them would never be, and at start-up there is no
     garbage to keep (a collection there finds none). Returns how many objects were frozen."""
     gc.freeze()
