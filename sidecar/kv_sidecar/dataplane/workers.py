@@ -192,14 +192,27 @@ class CopyWorker:
                 self._conn.send((kind, msg_id, *args))
 
     def agent(self, timeout_s: float = 60) -> tuple[str, bytes]:
-        """The NIXL agent of this worker's staged transfers, and its metadata (its rings registered)."""
-        with self._lock:
-            if self._agent is None:
+        """The NIXL agent of this worker's staged transfers, and its metadata (its rings registered).
+
+        A worker that died and whose death `_follow` has not seen yet is waited for: its agent is gone,
+        and a peer that handshakes now (a reader whose credits met the dead agent retries at once) must
+        be given the next worker's, not the dead one's still cached."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
                 self._refuse_if_closed()
-                self._agent = self._post("hello", None)
-            fut = self._agent
+                if self._proc is None or self._proc.is_alive():
+                    if self._agent is None:
+                        self._agent = self._post("hello", None)
+                    fut = self._agent
+                    break
+            if time.monotonic() > deadline:
+                raise SidecarError(
+                    Code.UNAVAILABLE, f"the worker of device {self.device} was not started again"
+                )
+            time.sleep(0.005)
         try:
-            return fut.result(timeout=timeout_s)
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise SidecarError(
                 Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"

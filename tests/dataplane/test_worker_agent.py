@@ -1,0 +1,43 @@
+"""A staged worker's NIXL agent, as a handshake hands it to peers (dataplane/workers.py: CopyWorker.agent)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kv_sidecar.config import Settings
+from kv_sidecar.dataplane.workers import HOST, CopyWorker
+from kv_sidecar.metrics import Metrics
+
+
+def test_a_worker_that_died_hands_out_its_successors_agent_not_its_own() -> None:
+    """A reader whose credits meet a dead worker's agent fails its pull and handshakes again at once,
+    possibly before the sidecar has seen the death and started another worker: that handshake must wait
+    for the next worker's agent (the same name, new connection info). Handing out the dead one's made the
+    retry fail with NIXL_ERR_REMOTE_DISCONNECT (2x H100, under load)."""
+    worker = CopyWorker(HOST, Metrics(), ("agent-test", Settings(gpu_staging_bytes=4 << 20)))
+    try:
+        name, first = worker.agent()
+        # Hold the window open: the thread that restarts a dead worker first joins it; gate that join.
+        proc: Any = worker._proc
+        gate, join = threading.Event(), proc.join
+        proc.join = lambda timeout=None: (gate.wait(30), join(timeout))
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while proc.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        with ThreadPoolExecutor(1) as pool:
+            handshake = pool.submit(worker.agent)
+            time.sleep(0.2)
+            assert not handshake.done(), "the dead worker's agent was handed out"
+            gate.set()  # the worker is started again
+            again, second = handshake.result(timeout=60)
+        assert again == name and second != first
+        assert worker.incarnation == 2
+    finally:
+        worker.close()
