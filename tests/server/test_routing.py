@@ -121,3 +121,18 @@ def test_done_notifications_joined_are_split_at_max_dones() -> None:
     parts = [n.parse_done_batch(m) for _, m in messages]
     assert [len(p or []) for p in parts] == [MAX_DONES, 3]
     assert [r[1] for p in parts for r in p or [] if r is not None] == [f"r{i}" for i in range(MAX_DONES + 3)]
+
+
+def test_a_pull_whose_holders_cannot_be_named_leaves_the_others_done_notifications_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    whole = _remote({"tp_size": 1}, {"tp_size": 1}, {0: LEADER})
+    whole.done_batches = True
+    missing = _remote({"tp_size": 2}, {"tp_size": 2}, {0: LEADER})  # rank 1's holder unknown
+    messages, _ = done_messages(
+        [_done_reads(whole, "r1"), _done_reads(missing, "bad"), _done_reads(whole, "r2")], "reader"
+    )
+    ((agent, msg),) = messages
+    assert agent == "leader"
+    assert [r[1] for r in n.parse_done_batch(msg) or [] if r is not None] == ["r1", "r2"]
+    assert "no done notification for request 'bad'" in caplog.text

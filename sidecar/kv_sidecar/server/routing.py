@@ -78,20 +78,29 @@ def done_messages(
     """The done notifications of pulls that end together, (agent, message) each, and the addresses of the
     sidecars they go to. Each local rank tells each holder which of its ranks it is done with; those to
     a leader whose handshake said done_batches go joined (MAX_DONES at most in one), the rest (a member
-    sidecar, which the reader never handshook with; an older peer) one by one."""
+    sidecar, which the reader never handshook with; an older peer) one by one. A pull whose holders
+    cannot be named is logged and left out: the others' sources still hear theirs."""
     out: list[tuple[str, bytes]] = []
     joined: dict[str, list[bytes]] = {}
     addresses: set[str] = set()
     for pull in pulls:
         remote = pull.remote
-        for rank, rank_plan in pull.ranks:
-            for holder, done in by_holder(remote, depends_on(rank_plan), own_sidecar_id).items():
-                msg = done_notification(remote.engine_id, pull.request_id, pull.reader, rank, done)
-                if remote.done_batches and holder.agent_name == remote.agent_name:
-                    joined.setdefault(holder.agent_name, []).append(msg)
-                else:
-                    out.append((holder.agent_name, msg))
-                addresses.add(holder.address)
+        try:
+            dones = [
+                (rank, holder, done)
+                for rank, rank_plan in pull.ranks
+                for holder, done in by_holder(remote, depends_on(rank_plan), own_sidecar_id).items()
+            ]
+        except SidecarError as e:
+            log.warning("no done notification for request %r: %s", pull.request_id, e.message)
+            continue
+        for rank, holder, done in dones:
+            msg = done_notification(remote.engine_id, pull.request_id, pull.reader, rank, done)
+            if remote.done_batches and holder.agent_name == remote.agent_name:
+                joined.setdefault(holder.agent_name, []).append(msg)
+            else:
+                out.append((holder.agent_name, msg))
+            addresses.add(holder.address)
     for agent, msgs in joined.items():
         for i in range(0, len(msgs), MAX_DONES):
             part = msgs[i : i + MAX_DONES]
