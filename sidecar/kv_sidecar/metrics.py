@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Every pull path and outcome (docs/operations.md lists them): their series exist from the first scrape,
@@ -186,6 +186,11 @@ class Metrics:
         """Expose the GPU copy kernel's launches by how they were made (counted by the launcher)."""
         self.registry.register(_GpuLaunches(counts))
 
+    def bind_workers(self, staging: Callable[[], dict[int, tuple[float, float]]]) -> None:
+        """Expose the staged workers' rings (their staging is not in kvsidecar_staging_bytes_*), asked
+        at each scrape: device -> (bytes in use, capacity)."""
+        self.registry.register(_WorkerStaging(staging))
+
     def bind_registry(self, ranks: Callable[[], list[Any]], published: Callable[[], int]) -> None:
         """Registered ranks and engines, and published requests, read when scraped: always current,
         and no component has to remember to refresh them (`ranks()` returns the ranks' entries)."""
@@ -217,3 +222,28 @@ class _GpuLaunches(Collector):
         for by in ("direct", "triton"):
             family.add_metric([by], counts.get(by, 0))
         yield family
+
+
+class _WorkerStaging(Collector):
+    """kvsidecar_worker_staging_bytes_{in_use,capacity}{device}: each staged worker's rings, from the
+    worker at each scrape (a worker that does not answer in time is left out of that scrape)."""
+
+    def __init__(self, staging: Callable[[], dict[int, tuple[float, float]]]) -> None:
+        self._staging = staging
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_use = GaugeMetricFamily(
+            "kvsidecar_worker_staging_bytes_in_use",
+            "Staging bytes in use in each staged worker's rings (staged_workers), by device (-1: host)",
+            labels=["device"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvsidecar_worker_staging_bytes_capacity",
+            "Staging bytes each staged worker owns (staged_workers), by device (-1: host)",
+            labels=["device"],
+        )
+        for device, (used, owned) in sorted(self._staging().items()):
+            in_use.add_metric([str(device)], used)
+            capacity.add_metric([str(device)], owned)
+        yield in_use
+        yield capacity

@@ -99,6 +99,8 @@ GAUGES = {
     "kvsidecar_registered_ranks",
     "kvsidecar_staging_bytes_in_use",
     "kvsidecar_staging_bytes_capacity",
+    "kvsidecar_worker_staging_bytes_in_use",
+    "kvsidecar_worker_staging_bytes_capacity",
     "kvsidecar_inflight_transfers",
     "kvsidecar_published_requests",
     "kvsidecar_gpu_memory_bytes",

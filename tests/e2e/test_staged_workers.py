@@ -32,6 +32,7 @@ BIG = EngineSpec.from_dict(
 )
 LONG = 256
 READS = "kvsidecar_staged_transfer_reads"  # staged transfers the reader ran, and the reads they carried
+STAGING = "kvsidecar_worker_staging_bytes"  # each worker's rings, by device (-1: the host's)
 
 
 def _pull(prefill: EngineProcess, decode: EngineProcess, rid: str, blocks: list[int], seed: int) -> dict:
@@ -84,6 +85,11 @@ def test_staged_pulls_through_workers_are_exact(
     for r in out["results"]:
         assert r["verified"] and r["path"] == "host-ring", r["errors"]
     assert metric(ds.metrics_port, f"{READS}_count") - before < 8, "some reads went together"
+    # A worker's rings are its own: each sidecar's scrape shows them, asked from the worker, idle now.
+    for sc, on in ((ps, prefill_workers), (ds, decode_workers)):
+        owned = metric(sc.metrics_port, f"{STAGING}_capacity", '{device="-1"}')
+        assert (0 < owned <= 8 << 20) if on else owned == 0, (sc.name, owned)  # rings of 4 MiB
+        assert metric(sc.metrics_port, f"{STAGING}_in_use", '{device="-1"}') == 0
 
 
 def _pushes(source: SidecarProcess) -> float:

@@ -166,6 +166,12 @@ class DataPlane:
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
 
+    def worker_staging(self) -> dict[int, tuple[float, float]]:
+        """Each staged worker's rings, device -> (bytes in use, capacity): what a scrape shows of them."""
+        if self.workers is None or not self.staged_workers:
+            return {}
+        return self.workers.staging()
+
     def device(self, device: int) -> DevicePlane:
         with self._lock:
             plane = self._devices.get(device)

@@ -218,6 +218,15 @@ class CopyWorker:
                 Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
             ) from None
 
+    def ask_staging(self) -> Future[tuple[float, float]] | None:
+        """Ask its rings' bytes in use and capacity (a worker with staged transfers; else None)."""
+        if self._staged is None:
+            return None
+        try:
+            return self._call("staging", None)
+        except SidecarError:  # shutting down
+            return None
+
     def _follow(self, proc: Any, conn: multiprocessing.connection.Connection) -> None:
         """Answer each message's future; when the worker dies, fail what it held and start another."""
         while True:
@@ -336,6 +345,23 @@ class CopyWorkers:
         with self._lock:
             worker = self._get(device)
         return worker.copy(job, halt)
+
+    def staging(self, timeout_s: float = 0.5) -> dict[int, tuple[float, float]]:
+        """Each staged worker's rings: device -> (bytes in use, capacity), asked side by side; a worker
+        that does not answer within `timeout_s` (starting, or just died) is left out: a scrape must not
+        wait on it."""
+        with self._lock:
+            asked = [(device, w.ask_staging()) for device, w in self._workers.items()]
+        deadline = time.monotonic() + timeout_s
+        out = {}
+        for device, fut in asked:
+            if fut is None:
+                continue
+            try:
+                out[device] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                continue
+        return out
 
     def worker(self, device: int) -> CopyWorker | None:
         with self._lock:

@@ -97,6 +97,7 @@ class Sidecar:
         metrics.bind_gpu_launches(_gpu_launch_counts)
         # Every device's memory, rings and byte moves; the core hands it jobs (dataplane/plane.py).
         plane = self.plane = DataPlane(s, nixl, metrics)
+        metrics.bind_workers(plane.worker_staging)
 
         # -- the core ---------------------------------------------------------------------------------
         threads = self.push_threads = PushThreads(s, plane, push_runs)
