@@ -54,12 +54,10 @@ def pulled() -> Iterator[tuple[SidecarProcess, SidecarProcess, str]]:
         assert (a.stop(), b.stop()) == (0, 0)
 
 
-def _json_records(sidecar: SidecarProcess) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in sidecar.stderr_tail if line.startswith("{")]
-
-
-def _json_records_all(sidecar: SidecarProcess) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in sidecar.stderr_lines(100_000) if line.startswith("{")]
+def _json_records(sidecar: SidecarProcess, lines: int | None = None) -> list[dict[str, Any]]:
+    """The JSON records among the last lines of stderr (`lines`: that many, else its tail)."""
+    tail = sidecar.stderr_tail if lines is None else sidecar.stderr_lines(lines)
+    return [json.loads(line) for line in tail if line.startswith("{")]
 
 
 def _record(sidecar: SidecarProcess, **match: Any) -> dict[str, Any]:
@@ -169,7 +167,7 @@ def test_a_served_sidecar_freezes_its_start_up_objects(
     """Full garbage collections walk only what the sidecar made since it started (commands/serve.py:
     the imported modules alone are ~180k objects, a ~100 ms pause each time)."""
     a, _, _ = pulled
-    (record,) = [r for r in _json_records_all(a) if "start-up objects frozen" in r.get("msg", "")]
+    (record,) = [r for r in _json_records(a, 100_000) if "start-up objects frozen" in r.get("msg", "")]
     assert int(record["msg"].split()[0]) > 50_000, record
 
 

@@ -148,27 +148,24 @@ class SourceReads:
     def reader_done(self, agent: str, msg: bytes) -> None:
         """A decode rank's done notification (NIXL thread): it has read these ranks of a request."""
         parsed = parse_done_notification(msg)
-        if parsed is None:
-            log.warning("ignoring malformed notification from %s", agent)
-            self._metrics.failures.labels("bad_notification").inc()
-            return
-        self._metrics.done_notifications.labels("one").inc()
-        self._done(*parsed)
+        if parsed is not None:
+            self._metrics.done_notifications.labels("one").inc()
+        self._done(agent, parsed)
 
     def readers_done(self, agent: str, msg: bytes) -> None:
         """Done notifications of several requests in one (NIXL thread): a PullBatch's members that ended
         together. A malformed one is counted and skipped; the others count."""
         self._metrics.done_notifications.labels("joined").inc()
         for parsed in parse_done_batch(msg) or [None]:
-            if parsed is None:
-                log.warning("ignoring a malformed done notification from %s", agent)
-                self._metrics.failures.labels("bad_notification").inc()
-                continue
-            self._done(*parsed)
+            self._done(agent, parsed)
 
-    def _done(
-        self, engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: list[int]
-    ) -> None:
+    def _done(self, agent: str, parsed: tuple[str, str, str, int, list[int]] | None) -> None:
+        """One done notification's effect; a malformed one (None) is logged and counted."""
+        if parsed is None:
+            log.warning("ignoring a malformed done notification from %s", agent)
+            self._metrics.failures.labels("bad_notification").inc()
+            return
+        engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
         self._published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
         self._transfers.serve_rank_done(engine_id, request_id, reader, decode_rank)
 
