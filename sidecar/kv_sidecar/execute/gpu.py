@@ -371,17 +371,20 @@ def _upload_ids(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both id lists as int32 on `dev`, in one copy uploaded on `stream`; the destination's start
     16-byte aligned so that the launch specialises the same way. A pageable copy: through torch's
-    pinned-memory allocator the same upload took longer (bench/launch_cost.py)."""
+    pinned-memory allocator the same upload took longer (bench/launch_cost.py). Non-blocking: a
+    blocking `.to()` synchronises the stream after the copy, so each member of a batch waited for
+    the kernels launched before it; from pageable memory the driver has taken the bytes when the
+    call returns, and the launches that read the ids go on the same stream, after the copy."""
     n_src = len(src_block_ids)
     d0 = n_src + (-n_src % 4)
     host = np.zeros(d0 + len(dst_block_ids), dtype=np.int32)
     host[:n_src] = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
     host[d0:] = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     if dev.type != "cuda" or stream is None:
-        ids = torch.from_numpy(host).to(dev)  # on dev's current stream
+        ids = torch.from_numpy(host).to(dev, non_blocking=True)  # on dev's current stream
     else:
         with torch.cuda.device(dev), torch.cuda.stream(stream):
-            ids = torch.from_numpy(host).to(dev)
+            ids = torch.from_numpy(host).to(dev, non_blocking=True)
     return ids[:n_src], ids[d0:]
 
 
