@@ -682,6 +682,51 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpus()}, Python {platform.python_version()}"
 
 
+def render(rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut: bool = False) -> str:
+    """The section: command, machine, date, the rows, and the ratios measured side by side."""
+    rows = sorted(rows, key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.tree != "this tree"))
+    places_text = ""
+    if places:
+        places_text = (
+            "GPU pairs (prefill -> decode): " + ", ".join(f"GPU{p} -> GPU{d}" for p, d in places) + ".  \n"
+        )
+    command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
+    body = (
+        (f"**Cut short: {len(rows)} rows, the run did not finish.**\n\n" if cut else "")
+        + f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
+        f"{places_text}\n"
+        + (
+            "A model-shaped rank on GPU: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 2 MiB a block. "
+            if kind == "gpu"
+            else "A host rank: 4 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 256 KiB a block. "
+        )
+        + "Each engine is its own process; each pair's decode engine pulls with its own threads, all pairs "
+        "starting together. pulls/s and GB/s: all pairs' pulls over the wall time from the common start "
+        "to the last pull's end; p50/p99: the engines' pull() calls. CPU: each process's user+system "
+        "time over the row (100 % = one core; for engines, the busiest). reads per transfer: staged paths, "
+        "the reads each staged transfer the decode sidecar received carried on average over the row "
+        "(above 1: reads that waited went as one, staged_group_reads), with the transfers in brackets. "
+        "bytes: every byte of every pull "
+        'checked against its seed after the row; consumed: the prefill engines\' "consumed" events.\n\n'
+        + table(rows)
+        + "\n"
+    )
+    if r := ratios(rows):
+        body += "\nThis tree against the others, same run:\n\n" + r
+    if s := scaling(rows):
+        body += "\nMore pairs against one pair, same tree and run:\n\n" + s
+    return body
+
+
+def save(out: Path, kind: str, rows: list[Row], body: str) -> None:
+    """The section and the rows' JSON under `out` (rewritten after every row)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"node_scaling_{kind}_section.md").write_text(body)
+    (out / f"node_scaling_{kind}.json").write_text(
+        json.dumps([dataclasses.asdict(r) | {"rate": r.rate, "gbps": r.gbps} for r in rows], indent=1)
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", default="host-nixl,host-direct", help=f"comma-separated, of {sorted(PATHS)}")
@@ -755,7 +800,11 @@ def main() -> int:
         type=Path,
         help="cProfile (thread CPU time) this tree's sidecars over every row, into DIR",
     )
-    ap.add_argument("--out", type=Path, help="write the section and the rows' JSON into DIR (not into docs/)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="write the section and the rows' JSON into DIR (not into docs/), after every row: a run cut short keeps its rows",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
     args = ap.parse_args()
@@ -853,49 +902,18 @@ def main() -> int:
                             row = node.run(p, c, b, pulls, spy, args.profile_gil)
                             rows.append(row)
                             print(table([row]).splitlines()[-1], flush=True)
+                            if args.out:  # what is done so far survives a run cut short (a time limit)
+                                save(args.out, kind, rows, render(rows, kind, places, cut=True))
                             print(f"  threads (CPU %): {row.threads}", flush=True)
                             if row.errors:
                                 print(f"  errors: {row.errors}", file=sys.stderr, flush=True)
         finally:
             for node in nodes:
                 node.close()
-    rows.sort(key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.tree != "this tree"))
-    places_text = ""
-    if places:
-        places_text = (
-            "GPU pairs (prefill -> decode): " + ", ".join(f"GPU{p} -> GPU{d}" for p, d in places) + ".  \n"
-        )
-    command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
-    body = (
-        f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
-        f"{places_text}\n"
-        + (
-            "A model-shaped rank on GPU: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 2 MiB a block. "
-            if kind == "gpu"
-            else "A host rank: 4 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 256 KiB a block. "
-        )
-        + "Each engine is its own process; each pair's decode engine pulls with its own threads, all pairs "
-        "starting together. pulls/s and GB/s: all pairs' pulls over the wall time from the common start "
-        "to the last pull's end; p50/p99: the engines' pull() calls. CPU: each process's user+system "
-        "time over the row (100 % = one core; for engines, the busiest). reads per transfer: staged paths, "
-        "the reads each staged transfer the decode sidecar received carried on average over the row "
-        "(above 1: reads that waited went as one, staged_group_reads), with the transfers in brackets. "
-        "bytes: every byte of every pull "
-        'checked against its seed after the row; consumed: the prefill engines\' "consumed" events.\n\n'
-        + table(rows)
-        + "\n"
-    )
-    if r := ratios(rows):
-        body += "\nThis tree against the others, same run:\n\n" + r
-    if s := scaling(rows):
-        body += "\nMore pairs against one pair, same tree and run:\n\n" + s
+    body = render(rows, kind, places)
     print("\n" + body)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"node_scaling_{kind}_section.md").write_text(body)
-        (args.out / f"node_scaling_{kind}.json").write_text(
-            json.dumps([dataclasses.asdict(r) | {"rate": r.rate, "gbps": r.gbps} for r in rows], indent=1)
-        )
+        save(args.out, kind, rows, body)
     elif not args.no_write:
         write_section(DOCS, TITLES[kind], body)
     return 0 if all(r.verified and r.consumed == r.pulls for r in rows) else 1
