@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 # Every pull path and outcome (docs/operations.md lists them): their series exist from the first scrape,
@@ -25,6 +26,22 @@ OUTCOMES = ("ok", "error", "cancelled", "timeout")
 _SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _THROUGHPUT_BUCKETS = tuple(x * 1e9 for x in (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 400))
+
+
+# What a data-plane worker process counts in its own registry, re-exported by the sidecar as
+# kvsidecar_worker_<name>{device, ...} (the sidecar's own series of these leave the workers out).
+WORKER_FAMILIES = (
+    "kvsidecar_staging_bytes_in_use",
+    "kvsidecar_staging_bytes_capacity",
+    "kvsidecar_nixl_descriptors_per_transfer",
+    "kvsidecar_failures",
+    "kvsidecar_ucx_emulation_detected",
+    "kvsidecar_gpu_launches",
+    "kvsidecar_nixl_held",
+    "kvsidecar_nixl_release_failures",
+)
+# A family as it crosses the pipe: name, type, help, samples (name, labels, value).
+Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 
 
 class OkPull(NamedTuple):
@@ -186,10 +203,22 @@ class Metrics:
         """Expose the GPU copy kernel's launches by how they were made (counted by the launcher)."""
         self.registry.register(_GpuLaunches(counts))
 
-    def bind_workers(self, staging: Callable[[], dict[int, tuple[float, float]]]) -> None:
-        """Expose the staged workers' rings (their staging is not in kvsidecar_staging_bytes_*), asked
-        at each scrape: device -> (bytes in use, capacity)."""
-        self.registry.register(_WorkerStaging(staging))
+    def bind_workers(self, families: Callable[[], dict[int, list[Family]]]) -> None:
+        """Expose what the data-plane workers count (`worker_families`, asked at each scrape: device ->
+        families) as kvsidecar_worker_<name>{device}: their rings, WRITEs, failures, kernel launches and
+        NIXL objects are not in this registry's series."""
+        self.registry.register(_WorkerMetrics(families))
+
+    def worker_families(self) -> list[Family]:
+        """A worker process's side: its `WORKER_FAMILIES`, plain data for the pipe."""
+        out: list[Family] = []
+        for m in self.registry.collect():
+            if m.name in WORKER_FAMILIES:
+                samples = [
+                    (x.name, dict(x.labels), x.value) for x in m.samples if not x.name.endswith("_created")
+                ]
+                out.append((m.name, m.type, m.documentation, samples))
+        return out
 
     def bind_registry(self, ranks: Callable[[], list[Any]], published: Callable[[], int]) -> None:
         """Registered ranks and engines, and published requests, read when scraped: always current,
@@ -224,26 +253,27 @@ class _GpuLaunches(Collector):
         yield family
 
 
-class _WorkerStaging(Collector):
-    """kvsidecar_worker_staging_bytes_{in_use,capacity}{device}: each staged worker's rings, from the
-    worker at each scrape (a worker that does not answer in time is left out of that scrape)."""
+class _WorkerMetrics(Collector):
+    """kvsidecar_worker_<name>{device, ...}: each worker's `WORKER_FAMILIES`, from the worker at each
+    scrape (a worker that does not answer in time is left out of that scrape)."""
 
-    def __init__(self, staging: Callable[[], dict[int, tuple[float, float]]]) -> None:
-        self._staging = staging
+    def __init__(self, families: Callable[[], dict[int, list[Family]]]) -> None:
+        self._families = families
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        in_use = GaugeMetricFamily(
-            "kvsidecar_worker_staging_bytes_in_use",
-            "Staging bytes in use in each staged worker's rings (staged_workers), by device (-1: host)",
-            labels=["device"],
-        )
-        capacity = GaugeMetricFamily(
-            "kvsidecar_worker_staging_bytes_capacity",
-            "Staging bytes each staged worker owns (staged_workers), by device (-1: host)",
-            labels=["device"],
-        )
-        for device, (used, owned) in sorted(self._staging().items()):
-            in_use.add_metric([str(device)], used)
-            capacity.add_metric([str(device)], owned)
-        yield in_use
-        yield capacity
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for device, families in sorted(self._families().items()):
+            for name, typ, doc, samples in families:
+                new = _worker_name(name)
+                m = merged.get(new)
+                if m is None:
+                    m = merged[new] = Metric(
+                        new, f"{doc} (in the data-plane workers, by device; -1: host)", typ
+                    )
+                for sample, labels, value in samples:
+                    m.add_sample(_worker_name(sample), {"device": str(device), **labels}, value)
+        yield from merged.values()
+
+
+def _worker_name(name: str) -> str:
+    return "kvsidecar_worker_" + name.removeprefix("kvsidecar_")

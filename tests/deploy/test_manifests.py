@@ -84,6 +84,9 @@ COUNTERS = {
     "kvsidecar_peer_opens_total",
     "kvsidecar_gpu_launches_total",
     "kvsidecar_worker_restarts_total",
+    "kvsidecar_worker_failures_total",
+    "kvsidecar_worker_ucx_emulation_detected_total",
+    "kvsidecar_worker_gpu_launches_total",
     "kvsidecar_publishes_refused_total",
 }
 HISTOGRAMS = {
@@ -93,6 +96,7 @@ HISTOGRAMS = {
     "kvsidecar_handshake_duration_seconds",
     "kvsidecar_pull_batch_pulls",
     "kvsidecar_staged_transfer_reads",
+    "kvsidecar_worker_nixl_descriptors_per_transfer",
 }
 GAUGES = {
     "kvsidecar_registered_engines",
@@ -106,6 +110,8 @@ GAUGES = {
     "kvsidecar_gpu_memory_bytes",
     "kvsidecar_nixl_held",
     "kvsidecar_nixl_release_failures",
+    "kvsidecar_worker_nixl_held",
+    "kvsidecar_worker_nixl_release_failures",
     "kvsidecar_engine_lane_connections",
 }
 METRICS = COUNTERS | HISTOGRAMS | GAUGES

@@ -33,6 +33,7 @@ BIG = EngineSpec.from_dict(
 LONG = 256
 READS = "kvsidecar_staged_transfer_reads"  # staged transfers the reader ran, and the reads they carried
 STAGING = "kvsidecar_worker_staging_bytes"  # each worker's rings, by device (-1: the host's)
+DESCRIPTORS = "kvsidecar_worker_nixl_descriptors_per_transfer"  # a worker's NIXL transfers (WRITEs)
 
 
 def _pull(prefill: EngineProcess, decode: EngineProcess, rid: str, blocks: list[int], seed: int) -> dict:
@@ -90,6 +91,13 @@ def test_staged_pulls_through_workers_are_exact(
         owned = metric(sc.metrics_port, f"{STAGING}_capacity", '{device="-1"}')
         assert (0 < owned <= 8 << 20) if on else owned == 0, (sc.name, owned)  # rings of 4 MiB
         assert metric(sc.metrics_port, f"{STAGING}_in_use", '{device="-1"}') == 0
+        # So are its NIXL agent's registrations (its rings) ...
+        held = metric(sc.metrics_port, "kvsidecar_worker_nixl_held", '{device="-1",kind="registrations"}')
+        assert held >= 1 if on else held == 0, (sc.name, held)
+    # ... and the source's WRITEs: a worker's, where the source runs one, else the sidecar's own.
+    writes = metric(ps.metrics_port, f"{DESCRIPTORS}_count", '{device="-1"}')
+    own = metric(ps.metrics_port, f"{DESCRIPTORS}_count".replace("_worker", ""))
+    assert (writes >= 2 and own == 0) if prefill_workers else (writes == 0 and own >= 2), (writes, own)
 
 
 def _pushes(source: SidecarProcess) -> float:

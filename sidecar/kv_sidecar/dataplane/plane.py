@@ -42,8 +42,8 @@ from kv_sidecar.dataplane.send import Transmission
 from kv_sidecar.dataplane.staged_workers import WorkerReception, WorkerTransmission, receive_in
 from kv_sidecar.dataplane.workers import CopyWorkers
 from kv_sidecar.errors import Code, SidecarError
-from kv_sidecar.execute import gpu
-from kv_sidecar.metrics import Metrics
+from kv_sidecar.execute import gpu, gpu_launch_counts
+from kv_sidecar.metrics import Family, Metrics
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import SEP, TRANSFER_TAG
@@ -166,11 +166,15 @@ class DataPlane:
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
 
-    def worker_staging(self) -> dict[int, tuple[float, float]]:
-        """Each staged worker's rings, device -> (bytes in use, capacity): what a scrape shows of them."""
-        if self.workers is None or not self.staged_workers:
-            return {}
-        return self.workers.staging()
+    def worker_metrics(self) -> dict[int, list[Family]]:
+        """What each worker process counts (its rings, WRITEs, failures, launches, NIXL objects), device
+        -> families: what a scrape shows of them."""
+        return {} if self.workers is None else self.workers.metrics()
+
+    @staticmethod
+    def gpu_launches() -> dict[str, int]:
+        """The GPU copy kernel's launches in this process, by how they were made."""
+        return gpu_launch_counts()
 
     def device(self, device: int) -> DevicePlane:
         with self._lock:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kv_sidecar.dataplane.receive import Reception
     from kv_sidecar.dataplane.send import Transmission
     from kv_sidecar.dataplane.workers import CopyWorker
+    from kv_sidecar.metrics import Metrics
 
 # A reception's loop in the worker looks at its commands (stop, describe, close) this often.
 _TURN_S = 0.05
@@ -88,9 +89,17 @@ class Deadline:
 class StagedServer:
     """The worker's staged transfers, on its own NIXL agent and rings; every message answered once."""
 
-    def __init__(self, device: int, agent_name: str, settings: Settings, ranks: MappedRanks, answer: Answer):
+    def __init__(
+        self,
+        device: int,
+        agent_name: str,
+        settings: Settings,
+        ranks: MappedRanks,
+        answer: Answer,
+        metrics: Metrics,
+    ):
+        """`metrics`: the worker's own registry, which the sidecar asks for at each scrape."""
         from kv_sidecar.dataplane.plane import DevicePlane
-        from kv_sidecar.metrics import Metrics
         from kv_sidecar.transport.nixl_driver import NixlDriver
         from kv_sidecar.transport.notifications import SEP, TRANSFER_TAG
 
@@ -102,10 +111,8 @@ class StagedServer:
         )
         self._nixl.start()
         self._nixl.route(TRANSFER_TAG + SEP)
-        # Its own registry: the sidecar counts pulls, bytes and failures from the answers, and asks for
-        # the rings' bytes when it is scraped ("staging").
-        self._metrics = Metrics()
-        self._plane = DevicePlane(device, settings, self._nixl, self._metrics, ranks)
+        metrics.bind_nixl(self._nixl.counts)
+        self._plane = DevicePlane(device, settings, self._nixl, metrics, ranks)
         # Messages told rather than asked carry id -1: nobody waits for their answer.
         self._answer: Answer = lambda msg_id, ok, value: None if msg_id < 0 else answer(msg_id, ok, value)
         self._pool = ThreadPoolExecutor(STAGED_THREADS, thread_name_prefix="staged")
@@ -118,8 +125,6 @@ class StagedServer:
         """One message from the control side; False if it is not a staged one."""
         if kind == "hello":
             self._run(msg_id, self._hello)
-        elif kind == "staging":
-            self._run(msg_id, self._staging)
         elif kind == "receive":  # (result id, job, deadline): answered with the slots, then the result
             with self._lock:
                 self._receptions[msg_id] = Mailbox()
@@ -162,12 +167,6 @@ class StagedServer:
         self._plane.ring("send")
         self._plane.ring("recv")
         return self._nixl.name, self._nixl.metadata()
-
-    def _staging(self) -> tuple[float, float]:
-        """The bytes of this worker's rings in use, and their capacity (0 before the first transfer)."""
-        r = self._metrics.registry
-        in_use = r.get_sample_value("kvsidecar_staging_bytes_in_use") or 0.0
-        return in_use, r.get_sample_value("kvsidecar_staging_bytes_capacity") or 0.0
 
     # -- the reader's end ----------------------------------------------------------------------------
     def _reception(self, rxid: int, result_id: int, job: Receive, deadline: float) -> None:

@@ -32,7 +32,8 @@ from kv_sidecar.dataplane import local_copies
 from kv_sidecar.dataplane.jobs import HOST, Halt, IpcTensorRef, LocalCopy, RankKey, Receive, Send, ShmTensor
 from kv_sidecar.dataplane.staged_workers import Deadline, StagedServer, decode_error, encode_error
 from kv_sidecar.errors import Code, SidecarError
-from kv_sidecar.metrics import Metrics
+from kv_sidecar.execute import gpu_launch_counts
+from kv_sidecar.metrics import Family, Metrics
 from kv_sidecar.plan.spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ def _serve(
     from kv_sidecar.dataplane.ranks import MappedRanks
 
     ranks = MappedRanks(None)  # no NIXL: neither a local copy nor a staged one registers engine memory
+    # Its own registry: the sidecar counts pulls, bytes and failures from the answers, and asks for the
+    # rest (rings, WRITEs, launches, NIXL objects) at each scrape ("metrics").
+    metrics = Metrics()
+    metrics.bind_gpu_launches(gpu_launch_counts)
     send_lock = threading.Lock()
     pool = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="copy")
 
@@ -68,7 +73,7 @@ def _serve(
         except Exception as e:
             answer(msg_id, False, encode_error(e))
 
-    server = None if staged is None else StagedServer(device, staged[0], staged[1], ranks, answer)
+    server = None if staged is None else StagedServer(device, staged[0], staged[1], ranks, answer, metrics)
 
     def copy(job: LocalCopy, deadline: float) -> int:
         halt = Deadline(deadline, "the pull's deadline passed during its copy")
@@ -93,6 +98,8 @@ def _serve(
             run(msg_id, attach, *args)
         elif kind == "detach":
             run(msg_id, ranks.detach, *args)
+        elif kind == "metrics":
+            run(msg_id, metrics.worker_families)
         elif kind == "quit":
             break
         elif server is None or not server.handle(kind, msg_id, tuple(args)):
@@ -218,13 +225,11 @@ class CopyWorker:
                 Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
             ) from None
 
-    def ask_staging(self) -> Future[tuple[float, float]] | None:
-        """Ask its rings' bytes in use and capacity (a worker with staged transfers; else None)."""
-        if self._staged is None:
-            return None
+    def ask_metrics(self) -> Future[list[Family]] | None:
+        """Ask what it counts (`Metrics.worker_families`); None while the sidecar shuts down."""
         try:
-            return self._call("staging", None)
-        except SidecarError:  # shutting down
+            return self._call("metrics", None)
+        except SidecarError:
             return None
 
     def _follow(self, proc: Any, conn: multiprocessing.connection.Connection) -> None:
@@ -346,12 +351,11 @@ class CopyWorkers:
             worker = self._get(device)
         return worker.copy(job, halt)
 
-    def staging(self, timeout_s: float = 0.5) -> dict[int, tuple[float, float]]:
-        """Each staged worker's rings: device -> (bytes in use, capacity), asked side by side; a worker
-        that does not answer within `timeout_s` (starting, or just died) is left out: a scrape must not
-        wait on it."""
+    def metrics(self, timeout_s: float = 0.5) -> dict[int, list[Family]]:
+        """What each worker counts: device -> its families, asked side by side; a worker that does not
+        answer within `timeout_s` (starting, or just died) is left out: a scrape must not wait on it."""
         with self._lock:
-            asked = [(device, w.ask_staging()) for device, w in self._workers.items()]
+            asked = [(device, w.ask_metrics()) for device, w in self._workers.items()]
         deadline = time.monotonic() + timeout_s
         out = {}
         for device, fut in asked:

@@ -8,7 +8,6 @@ component is given (its id, its peer address) is fixed before anything serves.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 
 from kv_sidecar.config import Settings
@@ -94,10 +93,10 @@ class Sidecar:
             serving=lambda: transfers.any_serving() or recent(),
         )
         metrics.bind_nixl(nixl.counts)
-        metrics.bind_gpu_launches(_gpu_launch_counts)
         # Every device's memory, rings and byte moves; the core hands it jobs (dataplane/plane.py).
         plane = self.plane = DataPlane(s, nixl, metrics)
-        metrics.bind_workers(plane.worker_staging)
+        metrics.bind_gpu_launches(plane.gpu_launches)
+        metrics.bind_workers(plane.worker_metrics)
 
         # -- the core ---------------------------------------------------------------------------------
         threads = self.push_threads = PushThreads(s, plane, push_runs)
@@ -320,10 +319,3 @@ class Sidecar:
                 self.transfers.expire_stale()  # a reader that never reported keeps none open
             except Exception:
                 log.exception("lease reaper failed")
-
-
-def _gpu_launch_counts() -> dict[str, int]:
-    """The GPU copy kernel's launches in this process; none before its module (and Triton) is loaded,
-    which the first GPU copy does: a scrape must not import Triton."""
-    kernels = sys.modules.get("kv_sidecar.execute.gpu_kernels")
-    return kernels.launch.counts() if kernels is not None else {}
