@@ -23,6 +23,13 @@ beside it: a load bench must show that it is not itself the bottleneck it measur
 same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 are the batch calls'.
 --per-call 16,8 runs both: 16 in flight as one batch, or as two batches of 8 that overlap (a decode
 engine whose requests arrive at different steps has several batches in flight).
+--bad-every N also runs this tree's Pull and PullBatch calls with every Nth pull of each pair naming a
+request its source does not hold, beside the same calls without ("this tree, 1 in N failing"; issue
+32's "a failing pull fails only itself" under load): it must fail, with no "consumed" event for it,
+while every other pull arrives exact; pulls, rates and latencies count the others, and the bytes
+column says how the bad ones failed and whether their blocks kept their bytes (a failed pull names its
+blocks unfilled and may have written them: host-nixl READs before the source's open answers,
+server/lease_view.py).
 --prefix-blocks K has the decode engine hold the first K blocks of each request already, as a prefix
 cache hit would, and pull only the rest (start_token); sizes and GB/s are then of what moved.
 
@@ -256,6 +263,10 @@ class Row:
     # Staged transfers the decode sidecar received over the row and the reads they carried (groups:
     # staged_group_reads); None where its tree has no such metric or the path is not staged.
     transfers: tuple[int, int] | None = None
+    # Pulls meant to fail (--bad-every), left out of pulls, rates and latencies; their status codes.
+    bad: int = 0
+    bad_codes: dict[str, int] = dataclasses.field(default_factory=dict)
+    bad_untouched: bool = True  # their blocks kept their bytes (a failed pull may write them: early READs)
 
     @property
     def rate(self) -> float:
@@ -322,11 +333,15 @@ class Node:
         per_call: int = 1,
         prefix: int = 0,
         split: bool = False,
+        bad_every: int = 0,
     ) -> None:
         """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls); prefix:
         blocks of each pull the decode engine holds already, which it pulls past (start_token); split:
-        each GPU pair its own sidecars (what a process per GPU could reach at most), not the node's."""
+        each GPU pair its own sidecars (what a process per GPU could reach at most), not the node's;
+        bad_every N: every Nth pull of a pair names a request its source does not hold, and must fail
+        alone (its blocks unchanged, no "consumed" event)."""
         self.tree, self.path, self.per_call, self.prefix = tree, path, per_call, prefix
+        self.bad_every = bad_every
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
         decode_spec = GPU_SPEC if self.on_gpu else HOST_SPEC
@@ -434,6 +449,13 @@ class Node:
                     for k, (p, (_, seed)) in enumerate(zip(published["params"], sources, strict=True))
                 ]
             )
+            for k in range(self.bad_every - 1, pulls, self.bad_every) if self.bad_every else ():
+                # A request its source does not hold (released, or never published there): it must fail.
+                item = items[i][k]
+                item["params"] = dict(item["params"], request_id=f"{item['params']['request_id']}-gone")
+                item["expect_error"] = True
+        bad = pulls // self.bad_every if self.bad_every else 0
+        good = pulls - bad
         procs: dict[str, Any] = {}
         for i, (a, b) in enumerate(self.pair_sidecars[:pairs]):
             if a is self.a and i:
@@ -455,7 +477,8 @@ class Node:
         before_kids = {name: child_ticks(pid) for name, pid in sidecars.items()}
         staged = self.path in ("gpu-staged", "host-ring")
         transfers_before = _all_transfers(decoders) if staged else None
-        start_at = time.time() + 0.2
+        # The engines look at a bad pull's blocks before it (a digest: ~0.5 GB/s), then start together.
+        start_at = time.time() + 0.2 + bad * moved * rank_block_bytes(self.spec) / 0.5e9
         per_call = min(self.per_call, concurrency)  # 4 in flight with batches of 16: batches of 4
         for i in range(pairs):  # every pair's batch starts at start_at
             self.decode[i].post(
@@ -485,10 +508,15 @@ class Node:
         errors += [e for c in checked for e in c["errors"]]
         consumed = sum(
             self.prefill[i].send(
-                {"cmd": "count_events", "kind": "consumed", "expect": pulls, "timeout_s": 20}, timeout_s=60
+                {"cmd": "count_events", "kind": "consumed", "expect": good, "timeout_s": 20}, timeout_s=60
             )["count"]
             for i in range(pairs)
         )
+        bad_codes: dict[str, int] = {}
+        for g in got:
+            for code, n in g.get("bad", {}).get("codes", {}).items():
+                bad_codes[code] = bad_codes.get(code, 0) + n
+        bad_untouched = all(g.get("bad", {}).get("untouched", True) for g in got)
         transfers = _transfers_between(transfers_before, _all_transfers(decoders) if staged else None)
         paths: dict[str, int] = {}
         for g in got:
@@ -501,7 +529,7 @@ class Node:
             concurrency=concurrency,
             blocks=blocks,
             block_bytes=rank_block_bytes(self.spec),
-            pulls=pulls * pairs,
+            pulls=good * pairs,
             wall_s=wall,
             lat_s=[x for g in got for x in g.get("lat", [])],
             cpu={name: 100.0 * (after[name] - before[name]) / HZ / span for name in procs}
@@ -529,13 +557,17 @@ class Node:
                 for name, pid in sidecars.items()
             },
             verified=all(g.get("ok") for g in got)
-            and all(c["ok"] and c["checked"] == pulls for c in checked),
+            and all(c["ok"] and c["checked"] == good for c in checked)
+            and sum(bad_codes.values()) == bad * pairs,
             consumed=consumed,
             paths=paths,
             errors=errors[:10],
             profiled="py-spy" if profile is not None else self.profiler,
             prefix=self.prefix,
             transfers=transfers,
+            bad=bad * pairs,
+            bad_codes=bad_codes,
+            bad_untouched=bad_untouched,
         )
 
     def close(self) -> None:
@@ -612,9 +644,19 @@ def table(rows: list[Row]) -> str:
             f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
             f"{_sidecar_cpu(r, 'sidecar A')} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
-            f"{_per_transfer(r)} | {'verified' if r.verified else '**FAILED**'} | {r.consumed}/{r.pulls} |"
+            f"{_per_transfer(r)} | {'verified' if r.verified else '**FAILED**'}{_bad(r)} | {r.consumed}/{r.pulls} |"
         )
     return "\n".join(out)
+
+
+def _bad(r: Row) -> str:
+    """The pulls meant to fail: how they failed (each alone: verified says the rest arrived, the failed
+    ones' blocks unchanged)."""
+    if not r.bad:
+        return ""
+    codes = ", ".join(f"{n} {code}" for code, n in sorted(r.bad_codes.items()))
+    kept = "their blocks unchanged" if r.bad_untouched else "their blocks written (named unfilled)"
+    return f"; {r.bad} bad: {codes or 'none failed'}, {kept}"
 
 
 def _per_transfer(r: Row) -> str:
@@ -746,6 +788,13 @@ def main() -> int:
         "from that token on (this tree only: older reference engines pull from token 0)",
     )
     ap.add_argument(
+        "--bad-every",
+        type=int,
+        default=0,
+        help="also run this tree's calls with every Nth pull of each pair naming a request its source does not "
+        "hold: it must fail alone while the others arrive",
+    )
+    ap.add_argument(
         "--decode-blocks",
         type=int,
         default=0,
@@ -823,6 +872,8 @@ def main() -> int:
     pair_counts = [int(c) for c in args.pairs.split(",") if c] if kind == "gpu" else [1]
     sizes = [int(b) for b in (args.blocks or ("1,32" if kind == "gpu" else "1")).split(",") if b]
     pulls = args.pulls or (2048 if kind == "gpu" else 300)
+    if args.bad_every == 1 or args.bad_every < 0:
+        ap.error("--bad-every needs N >= 2")
     if args.prefix_blocks and (min(sizes) <= args.prefix_blocks or args.baseline or args.baseline_tree):
         ap.error("--prefix-blocks needs pulls of more blocks (--blocks), and runs this tree's variants only")
     places: list[tuple[int, int]] | None = None
@@ -839,24 +890,43 @@ def main() -> int:
             "PYTHONPATH": os.pathsep.join(p for p in (sampler, os.environ.get("PYTHONPATH", "")) if p),
             "KVS_CPU_PROFILE": str(args.cpu_profile.resolve() / "{path}"),
         }
-    trees: list[tuple[str, dict[str, str] | None, list[str], int, bool]] = [
-        ("this tree", mine, extra, 1, False)
+    trees: list[tuple[str, dict[str, str] | None, list[str], int, bool, int]] = [
+        ("this tree", mine, extra, 1, False, 0)
     ]
     batches = [k for k in (int(c) for c in args.per_call.split(",") if c) if k > 1]
     first_batch = batches[0] if batches else 1
     for k in batches:
         suffix = "-batch" if k == first_batch else f"-batch{k}"
         batch_env = mine and {key: v.replace("{path}", "{path}" + suffix) for key, v in mine.items()}
-        trees.append((f"this tree, PullBatch of {k}", batch_env, extra, k, False))
+        trees.append((f"this tree, PullBatch of {k}", batch_env, extra, k, False, 0))
+    if args.bad_every:  # the same calls with failing pulls among them, beside them
+        trees += [
+            (
+                name.replace("this tree", f"this tree, 1 in {args.bad_every} failing"),
+                None,
+                more,
+                k,
+                split,
+                args.bad_every,
+            )
+            for name, _, more, k, split, _ in list(trees)
+        ]
     for v in args.variant:  # the same code, other settings, in the same run
         if args.variant_per_call and first_batch > 1:
             trees.append(
-                (f"this tree, {v}, PullBatch of {first_batch}", None, extra + v.split(), first_batch, False)
+                (
+                    f"this tree, {v}, PullBatch of {first_batch}",
+                    None,
+                    extra + v.split(),
+                    first_batch,
+                    False,
+                    0,
+                )
             )
         else:
-            trees.append((f"this tree, {v}", None, extra + v.split(), 1, False))
+            trees.append((f"this tree, {v}", None, extra + v.split(), 1, False, 0))
     if args.split_sidecars:
-        trees.append(("this tree, sidecars per GPU pair", None, extra, 1, True))
+        trees.append(("this tree, sidecars per GPU pair", None, extra, 1, True, 0))
     base: tuple[str, dict[str, str]] | None = None
     if args.baseline:
         base = (baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)))
@@ -864,9 +934,9 @@ def main() -> int:
         tree = Path(args.baseline_tree)
         base = (f"baseline ({tree.name})", baseline.env(str(tree.resolve())))
     if base is not None:
-        trees.append((base[0], base[1], [], 1, False))
+        trees.append((base[0], base[1], [], 1, False, 0))
         if args.baseline_per_call and first_batch > 1:
-            trees.append((f"{base[0]}, PullBatch of {first_batch}", base[1], [], first_batch, False))
+            trees.append((f"{base[0]}, PullBatch of {first_batch}", base[1], [], first_batch, False, 0))
     if places is not None and (free := gpu_free_bytes()):
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     rows: list[Row] = []
@@ -884,8 +954,9 @@ def main() -> int:
                 per_call,
                 args.prefix_blocks,
                 split,
+                bad,
             )
-            for name, env, more, per_call, split in trees
+            for name, env, more, per_call, split, bad in trees
         ]
         try:
             for node in nodes:  # warm-up: handshakes, first touch of the caches and rings

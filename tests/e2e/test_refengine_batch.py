@@ -84,3 +84,30 @@ def test_a_batch_past_a_prefix_is_checked_from_its_start(
         assert decode.send(cmd)["ok"]
         checked = decode.send({"cmd": "verify_batch"})
         assert checked["ok"] is ok and checked["checked"] == 2 and bool(checked["errors"]) is not ok, checked
+
+
+def test_pulls_meant_to_fail_fail_alone_and_are_counted_apart(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """--bad-every: items that name a request the source does not hold must fail (their status counted),
+    the others arrive and are checked and consumed; latencies are the others'. One meant to fail that
+    arrives is an error."""
+    prefill, decode = _setup(spawn, sidecar_pair)
+    for per_call in (1, 4):  # Pull calls, PullBatch calls
+        items = _publish(prefill, 8, f"mixed{per_call}-")
+        for k in (2, 5):
+            items[k]["params"] = dict(items[k]["params"], request_id=f"not-published-{k}")
+            items[k]["expect_error"] = True
+        cmd = {"cmd": "pull_batch", "items": items, "concurrency": 2, "num_tokens": 16, "per_call": per_call}
+        got = decode.send(cmd)
+        assert got["ok"] and len(got["lat"]) == 6, got
+        assert got["bad"] == {"count": 2, "codes": {"NOT_FOUND": 2}, "untouched": got["bad"]["untouched"]}, (
+            got
+        )
+        assert decode.send({"cmd": "verify_batch"}) == {"ok": True, "checked": 6, "errors": []}
+        assert prefill.send({"cmd": "count_events", "kind": "consumed", "expect": 6})["count"] == 6
+    # A pull meant to fail that arrives fails the batch.
+    fresh = _publish(prefill, 2, "wrong-")
+    fresh[0]["expect_error"] = True
+    got = decode.send({"cmd": "pull_batch", "items": fresh, "concurrency": 1, "num_tokens": 16})
+    assert not got["ok"] and any("meant to fail" in e for e in got["errors"]), got

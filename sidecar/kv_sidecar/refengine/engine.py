@@ -27,7 +27,10 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
       (C threads pull the items in turn, each into blocks no other item shares; with start_at, a
       time.time() on this host, the pulls start then: several engines' batches start together; with
       per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call; an
-      item's start_token pulls past a prefix held, the batch's (the same for all) is what verify checks)
+      item's start_token pulls past a prefix held, the batch's (the same for all) is what verify checks;
+      an item with "expect_error": true must fail: "bad": {"count", "codes", "untouched": whether
+      their blocks kept their bytes, which a failed pull may write: host-nixl's early READ}, and "lat"
+      leaves it out)
   {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..]}
       (every byte the last pull_batch's pulls wrote, against their seeds)
   {"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": N}
@@ -283,6 +286,9 @@ class RefEngine:
         items = cmd["items"]
         lat = [0.0] * len(items)
         results: list[Any] = [None] * len(items)
+        bad = [i for i, it in enumerate(items) if it.get("expect_error")]
+        bad_blocks = [b for i in bad for b in items[i]["block_ids"]]
+        bad_before = self.digest({"block_ids": bad_blocks})["digests"] if bad else {}
         lock = threading.Lock()
         order = iter(range(len(items)))
         per_call = cmd.get("per_call", 1)
@@ -330,14 +336,29 @@ class RefEngine:
         paths: dict[str, int] = {}
         for res in results:
             paths[res.path or "failed"] = paths.get(res.path or "failed", 0) + 1
-        failed = [f"pull {i}: {r.error_code}: {r.error}" for i, r in enumerate(results) if not r.ok]
+        meant = set(bad)
+        failed = [
+            f"pull {i}: {r.error_code}: {r.error}"
+            for i, r in enumerate(results)
+            if not r.ok and i not in meant
+        ]
+        failed += [
+            f"pull {i}: meant to fail, it moved {results[i].bytes} bytes" for i in bad if results[i].ok
+        ]
+        codes: dict[str, int] = {}
+        for i in bad:
+            if not results[i].ok:
+                codes[results[i].error_code] = codes.get(results[i].error_code, 0) + 1
+        # Reported, not a failure: a failed pull names its blocks unfilled, and may have written them.
+        untouched = not bad or self.digest({"block_ids": bad_blocks})["digests"] == bad_before
         return {
             "ok": not failed,
-            "lat": lat,
+            "lat": [x for i, x in enumerate(lat) if i not in meant],
             "wall_s": wall,
             "t_end": t_end,
             "paths": paths,
             "errors": failed[:20],
+            "bad": {"count": len(bad), "codes": codes, "untouched": untouched},
         }
 
     def verify_batch(self, cmd: dict[str, Any]) -> dict[str, Any]:

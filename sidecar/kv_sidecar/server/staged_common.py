@@ -3,6 +3,8 @@ server/staged_source.py, the source's): path labels, the heads a read moves, the
 
 from __future__ import annotations
 
+import re
+
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import PairPlan
 
@@ -22,3 +24,19 @@ def read_heads(plan: PairPlan, decode_rank: int, prefill_rank: int) -> tuple[int
         Code.INVALID_ARGUMENT,
         f"decode rank {decode_rank} reads nothing from prefill rank {prefill_rank} under this plan",
     )
+
+
+def member_refusal(index: int, e: SidecarError) -> SidecarError:
+    """A Push of several requests refused for one of them: its index leads the message, which the
+    reader reads back (`refused_member`) to fail that read alone and send the others again as one."""
+    return SidecarError(e.code, f"members[{index}]: {e.message}", e.metadata)
+
+
+_MEMBER = re.compile(r"members\[(\d+)\]: ")
+
+
+def refused_member(details: str) -> tuple[int, str] | None:
+    """The member a Push of several requests was refused for, and the refusal of it alone (as a Push
+    of that request alone gets it); None for a refusal of the whole Push."""
+    m = _MEMBER.match(details)
+    return None if m is None else (int(m.group(1)), details[m.end() :])

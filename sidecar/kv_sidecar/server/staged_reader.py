@@ -5,7 +5,9 @@ plane's (dataplane/receive.py; docs/gpu.md says how the protocol flows).
 A transfer moves one (decode rank, source rank) read, or, under load, several: the reads of other
 requests between the same two ranks that wait while one runs go as one transfer next, their tokens
 concatenated (server/group_commit.py; PushRequest.members). A group that fails does not fail its
-reads: each that may still go runs again alone, so that a bad request fails by itself.
+reads: a group the source refused for one request fails that read with the refusal it would get alone
+and sends the others again as one; after any other failure each read that may still go runs again
+alone, so that a bad request fails by itself.
 
 A pull asks for its reads as `StagedRead`s (its steps yield them: server/pull_steps.py): `read` runs
 one on the pull's own thread; `read_all` runs the reads of a PullBatch's members together, queued at
@@ -31,11 +33,11 @@ from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.group_commit import GroupCommit, Waiter
-from kv_sidecar.server.peer_calls import PeerCallError
+from kv_sidecar.server.peer_calls import PeerCallError, peer_error
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_job import PullJob, require_gpu
 from kv_sidecar.server.push_threads import PushThreads
-from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads
+from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads, refused_member
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import PUSH_TAG, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
@@ -159,6 +161,16 @@ class _Alone:
 
 
 ALONE = _Alone()
+
+
+class RefusedMember(SidecarError):
+    """The source refused a group's Push for one of its reads (`index`): `alone` is what that read gets,
+    the refusal a Push of its request alone gets."""
+
+    def __init__(self, e: SidecarError, index: int, alone: SidecarError) -> None:
+        super().__init__(e.code, e.message, e.metadata)
+        self.index = index
+        self.alone = alone
 
 
 class _Halts:
@@ -333,6 +345,18 @@ class StagedReader:
             return [self._transfer(remote, src_rank, reads)]
         try:
             total = self._transfer(remote, src_rank, reads)
+        except RefusedMember as e:
+            if not 0 <= e.index < len(reads):
+                raise SidecarError(
+                    Code.INTERNAL, f"the source refused member {e.index} of {len(reads)}"
+                ) from e
+            log.info(
+                "a staged transfer of %d reads was refused for %r (%s); the others go again as one",
+                len(reads),
+                reads[e.index].job.params.request_id,
+                e.alone.message,
+            )
+            return self._again(remote, src_rank, reads, e.index, e.alone)
         except Exception as e:
             out: list[int | _Alone | BaseException] = []
             for r in reads:
@@ -349,6 +373,31 @@ class StagedReader:
         shares = [total * n // sum(moved) for n in moved]
         shares[-1] = total - sum(shares[:-1])
         return list(shares)
+
+    def _again(
+        self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead], refused: int, alone: SidecarError
+    ) -> list[int | _Alone | BaseException]:
+        """A group refused for read `refused`: that read fails as it would alone; the others that may
+        still go are sent again as one transfer (refused again for another, again without it)."""
+        out: list[int | _Alone | BaseException] = [alone] * len(reads)
+        rest = []
+        for k, r in enumerate(reads):
+            if k == refused:
+                continue
+            try:
+                r.job.remaining()
+                rest.append(k)
+            except Exception as own:  # stopped, or past its deadline
+                out[k] = own
+        if len(rest) == 1:
+            try:
+                out[rest[0]] = self._transfer(remote, src_rank, [reads[rest[0]]])
+            except Exception as own:
+                out[rest[0]] = own
+        elif rest:
+            for k, got in zip(rest, self._lead(remote, src_rank, [reads[k] for k in rest]), strict=True):
+                out[k] = got
+        return out
 
     def _transfer(self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead]) -> int:
         """One staged transfer of `reads` (one, or a group of the same two ranks); returns bytes written."""
@@ -480,7 +529,7 @@ def _receive(halt: Halt, rx: Reception | WorkerReception, push: _PushCall, addre
         if rx.wait(min(0.05, left, push.wait_s()) or 1e-4):
             return rx.nbytes
         if grace is None and push.call is not None and push.call.done():
-            _raise_push_error(push.call, address, label)
+            _raise_push_error(push.call, address, label, [m.request_id for m in push.req.members])
             # It answered OK: every WRITE is done, but their notifications may trail the answer.
             grace = time.monotonic() + CANCEL_WAIT_S
 
@@ -491,19 +540,29 @@ def _learn_key(link: PeerLink, call: Any) -> None:
         link.learn_push_key(call.result().push_key)
 
 
-def _raise_push_error(call: Any, address: str, label: str) -> None:
+def _raise_push_error(call: Any, address: str, label: str, members: Sequence[str]) -> None:
     try:
         call.result(timeout=0)
     except PeerCallError as e:
-        raise _push_error(e, address, label) from None
+        raise _push_error(e, address, label, members) from None
 
 
-def _push_error(e: PeerCallError, address: str, label: str) -> SidecarError:
-    """`label`: what was pushed, as "'request-id'" or "N requests (...)"."""
-    if e.ended:
+def _push_error(e: PeerCallError, address: str, label: str, members: Sequence[str] = ()) -> SidecarError:
+    """`label`: what was pushed, as "'request-id'" or "N requests (...)"; `members`: a group's request
+    ids, one of which the source may have refused it for (RefusedMember)."""
+    err = _refusal(e.code, e.details, e.ended, address, label)
+    named = refused_member(e.details) if members else None
+    if named is not None and 0 <= named[0] < len(members):
+        index, details = named
+        return RefusedMember(err, index, _refusal(e.code, details, e.ended, address, repr(members[index])))
+    return err
+
+
+def _refusal(code: Code, details: str, ended: bool, address: str, label: str) -> SidecarError:
+    if ended:
         # The source's own verdict (e.g. UNAVAILABLE: its NIXL WRITE failed).
-        return SidecarError(e.code, f"{e.details} (peer sidecar {address})")
-    return e.explain(address, f"to push request {label}")
+        return SidecarError(code, f"{details} (peer sidecar {address})")
+    return peer_error(code, details, address, f"to push request {label}")
 
 
 def _stop_source(rx: Reception | WorkerReception, push: _PushCall) -> Any:

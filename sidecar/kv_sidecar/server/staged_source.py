@@ -31,6 +31,7 @@ from kv_sidecar.server.staged_common import (
     MAX_SLOTS,
     PATH_HOST_RING,
     PATH_STAGED,
+    member_refusal,
     read_heads,
 )
 from kv_sidecar.transport.notifications import PUSH_TAG
@@ -371,7 +372,8 @@ class StagedSource:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
         staged_protocol.member_spans lays them out, and the tokens that moves. One member refused
-        refuses the Push, naming it (the reader then reads each request alone)."""
+        refuses the Push, naming it (`member_refusal`: the reader fails that read and sends the others
+        again as one)."""
         bp, bd = plan.prefill.block_size, plan.decode.block_size
         if len(req.members) > MAX_PUSH_MEMBERS:
             raise SidecarError(
@@ -404,7 +406,7 @@ class StagedSource:
                         f"the reader planned [0, {m.num_tokens})",
                     )
             except SidecarError as e:
-                raise SidecarError(e.code, f"members[{i}]: {e.message}", e.metadata) from None
+                raise member_refusal(i, e) from None
             items.append(item)
         spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)
         block_ids: list[int] = []
