@@ -139,6 +139,8 @@ class _PushCall:
         self.call.add_done_callback(lambda _: self.reception.poke())
 
 
+# How often a group refused for one of its reads sends the others again as one (StagedReader._lead).
+REGROUPS = 2
 # Staged transfers of one (source rank, decode rank) pair that run side by side; reads that arrive
 # while that many run wait and go together next (server/group_commit.py).
 GROUPS_AT_ONCE = 2
@@ -337,27 +339,25 @@ class StagedReader:
         return (r.sidecar_id, r.engine_id, want.src_rank, want.entry.key, want.job.plan.hash())
 
     def _lead(
-        self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead]
+        self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead], regroups: int = REGROUPS
     ) -> list[int | _Alone | BaseException]:
         """Run a group as one transfer; each read's share of the bytes, or, if it failed, what each does.
-        A read alone fails as itself: GroupCommit gives it what `_transfer` raises."""
+        A read alone fails as itself: GroupCommit gives it what `_transfer` raises. Refused for one read,
+        the others go again as one, `regroups` times at most: a source that refuses read after read (its
+        engine gone) is then asked for each alone, side by side, not once per read in a row."""
         if len(reads) == 1:
             return [self._transfer(remote, src_rank, reads)]
         try:
             total = self._transfer(remote, src_rank, reads)
-        except RefusedMember as e:
-            if not 0 <= e.index < len(reads):
-                raise SidecarError(
-                    Code.INTERNAL, f"the source refused member {e.index} of {len(reads)}"
-                ) from e
-            log.info(
-                "a staged transfer of %d reads was refused for %r (%s); the others go again as one",
-                len(reads),
-                reads[e.index].job.params.request_id,
-                e.alone.message,
-            )
-            return self._again(remote, src_rank, reads, e.index, e.alone)
         except Exception as e:
+            if isinstance(e, RefusedMember) and regroups > 0 and 0 <= e.index < len(reads):
+                log.info(
+                    "a staged transfer of %d reads was refused for %r (%s); the others go again as one",
+                    len(reads),
+                    reads[e.index].job.params.request_id,
+                    e.alone.message,
+                )
+                return self._again(remote, src_rank, reads, e.index, e.alone, regroups - 1)
             out: list[int | _Alone | BaseException] = []
             for r in reads:
                 try:
@@ -375,7 +375,13 @@ class StagedReader:
         return list(shares)
 
     def _again(
-        self, remote: RemoteEngine, src_rank: int, reads: list[StagedRead], refused: int, alone: SidecarError
+        self,
+        remote: RemoteEngine,
+        src_rank: int,
+        reads: list[StagedRead],
+        refused: int,
+        alone: SidecarError,
+        regroups: int,
     ) -> list[int | _Alone | BaseException]:
         """A group refused for read `refused`: that read fails as it would alone; the others that may
         still go are sent again as one transfer (refused again for another, again without it)."""
@@ -395,7 +401,8 @@ class StagedReader:
             except Exception as own:
                 out[rest[0]] = own
         elif rest:
-            for k, got in zip(rest, self._lead(remote, src_rank, [reads[k] for k in rest]), strict=True):
+            again = self._lead(remote, src_rank, [reads[k] for k in rest], regroups)
+            for k, got in zip(rest, again, strict=True):
                 out[k] = got
         return out
 
