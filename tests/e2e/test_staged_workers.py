@@ -33,7 +33,8 @@ BIG = EngineSpec.from_dict(
 LONG = 256
 READS = "kvsidecar_staged_transfer_reads"  # staged transfers the reader ran, and the reads they carried
 STAGING = "kvsidecar_worker_staging_bytes"  # each worker's rings, by device (-1: the host's)
-DESCRIPTORS = "kvsidecar_worker_nixl_descriptors_per_transfer"  # a worker's NIXL transfers (WRITEs)
+DESCRIPTORS = "kvsidecar_nixl_descriptors_per_transfer"  # the sidecar's own NIXL transfers (WRITEs)
+WORKER_DESCRIPTORS = "kvsidecar_worker_nixl_descriptors_per_transfer"  # its workers', by device
 
 
 def _pull(prefill: EngineProcess, decode: EngineProcess, rid: str, blocks: list[int], seed: int) -> dict:
@@ -95,8 +96,8 @@ def test_staged_pulls_through_workers_are_exact(
         held = metric(sc.metrics_port, "kvsidecar_worker_nixl_held", '{device="-1",kind="registrations"}')
         assert held >= 1 if on else held == 0, (sc.name, held)
     # ... and the source's WRITEs: a worker's, where the source runs one, else the sidecar's own.
-    writes = metric(ps.metrics_port, f"{DESCRIPTORS}_count", '{device="-1"}')
-    own = metric(ps.metrics_port, f"{DESCRIPTORS}_count".replace("_worker", ""))
+    writes = metric(ps.metrics_port, f"{WORKER_DESCRIPTORS}_count", '{device="-1"}')
+    own = metric(ps.metrics_port, f"{DESCRIPTORS}_count")
     assert (writes >= 2 and own == 0) if prefill_workers else (writes == 0 and own >= 2), (writes, own)
 
 
