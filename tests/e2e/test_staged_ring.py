@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -345,18 +346,27 @@ class _GoneReader:
     for `engine_id` (whose push key it keeps), and Push notifications it sends but never follows with
     a call or credits: what a reader that died right after asking leaves behind."""
 
-    def __init__(self, source: SidecarProcess, engine_id: str, spec: EngineSpec) -> None:
+    def __init__(
+        self,
+        source: SidecarProcess,
+        engine_id: str,
+        spec: EngineSpec,
+        on_notif: Callable[[str, bytes], None] = lambda agent, msg: None,
+    ) -> None:
         self.spec = spec
         self.engine_id = engine_id
-        self.driver = NixlDriver("gone-reader", on_notif=lambda agent, msg: None)
+        self.driver = NixlDriver("gone-reader", on_notif=on_notif)
         self.driver.start()
         self.slot = torch.zeros(SLOT, dtype=torch.uint8)  # chunk 0 of a transfer lands here
         self.ring_key = self.driver.register([(self.slot.data_ptr(), SLOT, 0)], mem_type="DRAM")
         self.hs = agent_handshake(source, self.driver, engine_id, spec, reader_engine="gone-engine")
         self.driver.add_remote(self.hs.agent_metadata, self.hs.agent_name)
 
-    def push(self, request_id: str, transfer_id: str) -> None:
-        """Open `request_id` (TOKENS tokens: 3 chunks) and ask for it into the one slot, by notification."""
+    def push(
+        self, request_id: str, transfer_id: str, tokens: int = TOKENS, failure_notice: bool = False
+    ) -> peer_pb2.PushRequest:
+        """Open `request_id` (planned with `tokens`; TOKENS: 3 chunks) and ask for it into the one slot,
+        by notification; the request sent."""
         req = peer_pb2.PushRequest(
             engine_id=self.engine_id,
             request_id=request_id,
@@ -376,11 +386,13 @@ class _GoneReader:
                 reader_ranks=[0],
                 plan_hash=self.hs.plan_hash,
             ),
-            open_num_tokens=TOKENS,
+            open_num_tokens=tokens,
             notified=True,
+            failure_notice=failure_notice,
         )
         signed = notifications.signed_notif(notifications.PUSH_TAG, self.hs.push_key, req.SerializeToString())
         self.driver.send_notif(self.hs.agent_name, signed)
+        return req
 
     def stop(self) -> None:
         self.driver.stop()
@@ -441,6 +453,43 @@ def test_a_notified_transfer_whose_call_never_comes_stops_within_alone_s(
         reader.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_a_refused_push_notification_is_told_back_at_once_and_its_call_gets_the_refusal(
+    ring_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """A transfer that a reader's Push notification started and that fails before the reader's call
+    joins it (here: refused, the request planned with other tokens) is told back to that reader's agent
+    at once, if its Push said it takes such a notice (failure_notice): the reader's call is otherwise
+    due only up to 100 ms on. The call that follows joins the run and gets the refusal. A reader
+    that did not ask gets no notice."""
+    a, _ = ring_pair
+    spec = EngineSpec.from_dict(spec_dict())
+    prefill = EngineProcess(a.socket, "notice-p", spec)
+    heard: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    reader = _GoneReader(a, "notice-p", spec, on_notif=lambda agent, msg: heard.put((agent, msg)))
+    try:
+        for rid in ("quiet", "told"):
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": [1, 2], "num_tokens": 20, "seed": 4}
+            )
+            assert pub["ok"], pub
+        starts = metric(a, "kvsidecar_push_starts_total", BY_NOTIF)
+        reader.push("quiet", "00112233445566bb", tokens=32)
+        told = reader.push("told", "00112233445566cc", tokens=32, failure_notice=True)
+        agent, msg = heard.get(timeout=10)
+        assert (agent, notifications.parse_push_failed(msg)) == (reader.hs.agent_name, told.transfer_id)
+        with pytest.raises(queue.Empty):  # none for the Push that did not ask (nor a second one)
+            heard.get(timeout=0.5)
+        assert metric(a, "kvsidecar_push_starts_total", BY_NOTIF) == starts + 2  # both ran (and failed)
+        with grpc.insecure_channel(a.peer_address) as ch, pytest.raises(grpc.RpcError) as info:
+            peer_pb2_grpc.PeerServiceStub(ch).Push(told, timeout=10)  # joins the run for its answer
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
+        assert "the reader planned 32" in info.value.details()
+        assert PUSH_ENDED in tuple(info.value.trailing_metadata())  # nothing in flight: slots free
+    finally:
+        reader.stop()
+        prefill.stop()
 
 
 def test_a_notification_finding_every_source_thread_busy_waits_its_turn(spawn: Spawn) -> None:

@@ -109,11 +109,32 @@ def _pushes(source: SidecarProcess) -> float:
     )
 
 
-def _kill_when_pushed(victim: SidecarProcess, source: SidecarProcess, pushes: float) -> int:
+def _kill_when_pushed(
+    victim: SidecarProcess,
+    source: SidecarProcess,
+    pushes: float,
+    decode: EngineProcess,
+    reader: SidecarProcess,
+) -> int:
     """SIGKILL the victim's worker once the source has started transfer number `pushes` + 1, a little
     after (mid-transfer: a 512 MiB transfer takes seconds here); its pid."""
     # A retry's Push follows a worker's restart (spawned: seconds on a loaded 2-core machine).
-    wait_for("the transfer's Push", lambda: _pushes(source) > pushes, timeout_s=60)
+    deadline = time.monotonic() + 60
+    while _pushes(source) <= pushes:
+        if time.monotonic() > deadline:
+            # The pull ended without the Push: its answer and both sidecars' logs say why.
+            raise AssertionError(
+                "\n".join(
+                    [
+                        "timed out waiting for the transfer's Push; the pull's answer:",
+                        decode.readline(5),
+                        *reader.stderr_lines(40),
+                        "--- source:",
+                        *source.stderr_lines(40),
+                    ]
+                )
+            )
+        time.sleep(0.05)
     time.sleep(0.3)
     (worker,) = workers_of(victim)
     os.kill(worker, signal.SIGKILL)
@@ -152,7 +173,7 @@ def test_a_worker_killed_mid_transfer_is_restarted_and_its_pull_fails_or_retries
         )
         killed = []
         for _ in range(kills):
-            killed.append(_kill_when_pushed(victim_sc, ps, _pushes(ps)))
+            killed.append(_kill_when_pushed(victim_sc, ps, _pushes(ps), decode, ds))
             wait_for("a new worker", lambda k=tuple(killed): _replaced(victim_sc, k))
         res = json.loads(decode.readline(60))
         if kills == 1:  # retried on a new handshake, with the restarted worker's agent

@@ -8,7 +8,7 @@ from kv_sidecar.transport import notifications as n
 
 
 def test_tags_are_distinct_and_none_starts_another() -> None:
-    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG, n.DONES_TAG]
+    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG, n.DONES_TAG, n.PUSH_FAILED_TAG]
     for a, b in itertools.permutations(tags, 2):
         assert not (a + n.SEP).startswith(b + n.SEP), (a, b)
 
@@ -49,3 +49,11 @@ def test_a_done_batch_round_trips_each_notification_and_names_a_malformed_one() 
     ]
     for other in (a, b"", n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body")):  # not a batch
         assert n.parse_done_batch(other) is None
+
+
+def test_a_failure_notice_round_trips_its_transfer_id_and_nothing_else_parses_as_one() -> None:
+    msg = n.push_failed("0123456789abcdef")
+    assert msg.startswith(n.PUSH_FAILED_TAG + n.SEP)
+    assert n.parse_push_failed(msg) == "0123456789abcdef"
+    for other in (b"", n.PUSH_FAILED_TAG, n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body"), b"kvs1\x1fx"):
+        assert n.parse_push_failed(other) is None, other

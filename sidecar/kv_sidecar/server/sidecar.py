@@ -46,6 +46,7 @@ from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import (
     DONES_TAG,
     OPEN_TAG,
+    PUSH_FAILED_TAG,
     PUSH_TAG,
     NotificationRoutes,
 )
@@ -115,7 +116,17 @@ class Sidecar:
         refusals = PublishRefusals(metrics)
         reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics)
         staged_source = StagedSource(
-            engines, published, reads, plane, threads, metrics, push_keys, push_runs, notified, pull_timeout_s
+            engines,
+            published,
+            reads,
+            plane,
+            threads,
+            metrics,
+            push_keys,
+            push_runs,
+            notified,
+            pull_timeout_s,
+            nixl.notify,
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(
@@ -198,6 +209,7 @@ class Sidecar:
                 PUSH_TAG: staged_source.from_notification,
                 OPEN_TAG: open_answers.answer,
                 DONES_TAG: reads.readers_done,
+                PUSH_FAILED_TAG: staged_reader.source_failed,
             },
             other=reads.reader_done,
         )

@@ -39,7 +39,7 @@ from kv_sidecar.server.pull_job import PullJob, require_gpu
 from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads, refused_member
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar.transport.notifications import PUSH_TAG, signed_notif
+from kv_sidecar.transport.notifications import PUSH_TAG, parse_push_failed, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class _PushCall:
         self.notified = req.notified
         self.sent_at = time.monotonic()
         self.due = self.sent_at + call_after_s(link.notified_push_s) if req.notified else 0.0
+        self.failed = False  # the source said its transfer failed: the call goes now, for the error
 
     @property
     def asked(self) -> bool:
@@ -107,9 +108,14 @@ class _PushCall:
         if self.call is None and time.monotonic() >= self.due:
             # Longer than the pull: the source stops at timeout_ms, and its answer says when nothing
             # is in flight any more, which a timed-out reader still needs.
-            self._send(
-                self.req, self.halt.remaining() + CANCEL_WAIT_S + 1, "slow" if self.notified else "no_key"
-            )
+            why = "failed" if self.failed else "slow" if self.notified else "no_key"
+            self._send(self.req, self.halt.remaining() + CANCEL_WAIT_S + 1, why)
+
+    def hurry(self) -> None:
+        """The source's failure notice (any thread): the call is due now; `_receive` sends it."""
+        self.failed = True
+        self.due = 0.0
+        self.reception.poke()
 
     def send_stopping(self) -> None:
         """We gave the transfer up before its call went out: ask the source to stop what the
@@ -249,6 +255,19 @@ class StagedReader:
         self._groups: GroupCommit[StagedRead, int | _Alone] = GroupCommit(
             max(1, self._group_reads), GROUPS_AT_ONCE
         )
+        # Pushes sent as notifications whose transfer runs, by transfer id: a failure notice finds its
+        # call there (source_failed). Set and popped by one key each: the GIL keeps the dict whole.
+        self._notified: dict[str, tuple[str, _PushCall]] = {}
+
+    def source_failed(self, agent: str, msg: bytes) -> None:
+        """A source's failure notice (NIXL thread): the transfer its Push notification started failed;
+        that read's call goes now and gets the error. Only from the agent the notification went to."""
+        tid = parse_push_failed(msg)
+        held = self._notified.get(tid) if tid is not None else None
+        if held is None or held[0] != agent:
+            log.debug("failure notice for transfer %s from %s, which no read here waits for", tid, agent)
+            return
+        held[1].hurry()
 
     def read(self, want: StagedRead) -> int:
         """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
@@ -471,6 +490,7 @@ class StagedReader:
                 slots=[peer_pb2.PushSlot(address=a, length=slots.slot_bytes) for a in slots.addresses],
                 timeout_ms=max(1, int(halt.remaining() * 1000)),
                 notified=bool(key),
+                failure_notice=bool(key),
                 reader_worker_agent=slots.agent if in_worker else "",
                 source_in_worker=from_worker,
             )
@@ -489,6 +509,7 @@ class StagedReader:
                 req.open_num_tokens = job.num_tokens
             push = _PushCall(self._threads, self._metrics, link, req, halt, rx)
             if req.notified:
+                self._notified[tid] = (agent, push)
                 # The request as a NIXL notification: the source's NIXL thread starts the transfer
                 # from it (server/push_runs.py); the call follows only if it is slow.
                 sent = self._nixl.notify(agent, signed_notif(PUSH_TAG, key, req.SerializeToString()))
@@ -514,6 +535,7 @@ class StagedReader:
                 Code.INTERNAL, f"peer sidecar {address} broke the staged protocol: {e}"
             ) from None
         finally:
+            self._notified.pop(tid, None)
             if done or push is None or not push.asked:
                 rx.close(True)
             else:

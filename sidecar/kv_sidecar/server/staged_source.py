@@ -34,7 +34,7 @@ from kv_sidecar.server.staged_common import (
     member_refusal,
     read_heads,
 )
-from kv_sidecar.transport.notifications import PUSH_TAG
+from kv_sidecar.transport.notifications import PUSH_TAG, push_failed
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,10 @@ class StagedSource:
         push_runs: PushRuns,
         notifications: bool,
         pull_timeout_s: float,
+        notify: Callable[[str, bytes], object],
     ) -> None:
-        """notifications: the push_notifications setting (readers get keys to push by notification)."""
+        """notifications: the push_notifications setting (readers get keys to push by notification);
+        notify: sends a NIXL notification to a reader's agent (the failure notice)."""
         self._engines = engines
         self._published = published
         self._reads = reads
@@ -148,6 +150,7 @@ class StagedSource:
         self._push_runs = push_runs
         self._notifications = notifications
         self._pull_timeout_s = pull_timeout_s
+        self._notify = notify
 
     def serve(self, req: peer_pb2.PushRequest, context: PushCall) -> peer_pb2.PushResponse:
         """Send one source rank's share of an opened request into the reader's receive slots, or, when
@@ -201,9 +204,9 @@ class StagedSource:
         run = self._push_runs.start_by_notif(req.transfer_id)
         if run is not None:
             self._metrics.push_starts.labels("notification").inc()
-            self._threads.run_source(functools.partial(self._run_push, req, run, peer))
+            self._threads.run_source(functools.partial(self._run_push, req, run, peer, agent))
 
-    def _run_push(self, req: peer_pb2.PushRequest, run: PushRun, peer: str) -> None:
+    def _run_push(self, req: peer_pb2.PushRequest, run: PushRun, peer: str, agent: str) -> None:
         quiet = [True]
         try:
             run.finish(self._push(req, _RunContext(run, peer), quiet), None, quiet[0])
@@ -214,8 +217,19 @@ class StagedSource:
             elif not isinstance(e, SidecarError):
                 log.exception("push %s started by notification failed", req.transfer_id)
             run.finish(None, e, quiet[0])
+            if req.failure_notice and not run.called and not isinstance(e, _ReaderGone):
+                self._tell_failed(agent, req.transfer_id)
         finally:
             self._push_runs.ended(run)
+
+    def _tell_failed(self, agent: str, transfer_id: str) -> None:
+        """The reader's call is not due for up to 100 ms (staged_reader.call_after_s), and under load
+        that wait made a batch with a refused member several times slower than one without (issue 32,
+        docs/benchmarks.md): tell it now, so that its call comes for the error."""
+        try:
+            self._notify(agent, push_failed(transfer_id))
+        except Exception:
+            log.debug("could not tell reader %s that transfer %s failed", agent, transfer_id, exc_info=True)
 
     def _join(self, run: PushRun, context: PushCall, key: bytes) -> peer_pb2.PushResponse:
         """Answer for a transfer the Push's notification started: its result, once it has one."""

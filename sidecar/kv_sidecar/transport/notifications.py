@@ -25,6 +25,9 @@ OPEN_TAG = (
 # notifications joined by RS (ids are printable: neither separator occurs in them).
 DONES_TAG = b"kvs5"
 RS = b"\x1e"
+# Source -> reader: the transfer that this reader's Push notification started failed before its call
+# joined it (PushRequest.failure_notice); the reader sends the call now for the error.
+PUSH_FAILED_TAG = b"kvs6"
 
 
 def done_notification(
@@ -57,6 +60,16 @@ def parse_done_batch(msg: bytes) -> list[tuple[str, str, str, int, list[int]] | 
     if not msg.startswith(DONES_TAG + SEP):
         return None
     return [parse_done_notification(one) for one in msg[len(DONES_TAG) + 1 :].split(RS)]
+
+
+def push_failed(transfer_id: str) -> bytes:
+    return PUSH_FAILED_TAG + SEP + transfer_id.encode()
+
+
+def parse_push_failed(msg: bytes) -> str | None:
+    """The transfer id of a PUSH_FAILED_TAG notification, or None if `msg` is not one."""
+    head = PUSH_FAILED_TAG + SEP
+    return msg[len(head) :].decode(errors="replace") if msg.startswith(head) else None
 
 
 def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:
