@@ -115,12 +115,13 @@ def _kill_when_pushed(
     pushes: float,
     decode: EngineProcess,
     reader: SidecarProcess,
-) -> int:
-    """SIGKILL the victim's worker once the source has started transfer number `pushes` + 1, a little
-    after (mid-transfer: a 512 MiB transfer takes seconds here); its pid."""
+) -> tuple[int, float]:
+    """SIGKILL the victim's worker once the source has started more than `pushes` transfers, a little
+    after (mid-transfer: a 512 MiB transfer takes seconds here); its pid, and the transfers started
+    then (the next Push is the retry's)."""
     # A retry's Push follows a worker's restart (spawned: seconds on a loaded 2-core machine).
     deadline = time.monotonic() + 60
-    while _pushes(source) <= pushes:
+    while (started := _pushes(source)) <= pushes:
         if time.monotonic() > deadline:
             # The pull ended without the Push: its answer and both sidecars' logs say why.
             raise AssertionError(
@@ -138,7 +139,7 @@ def _kill_when_pushed(
     time.sleep(0.3)
     (worker,) = workers_of(victim)
     os.kill(worker, signal.SIGKILL)
-    return worker
+    return worker, started
 
 
 def _replaced(sc: SidecarProcess, killed: tuple[int, ...]) -> bool:
@@ -168,12 +169,16 @@ def test_a_worker_killed_mid_transfer_is_restarted_and_its_pull_fails_or_retries
     dst = list(range(BIG.num_blocks - LONG, BIG.num_blocks))
     for kills in (1, 2):
         params = prefilled(prefill, f"long-{kills}", list(range(LONG)), LONG * BIG.block_size, seed=6 + kills)
+        # Counted before the pull goes: read after, its Push may already be in it (CI, loaded), and the
+        # wait would be for a Push that never comes.
+        pushes = _pushes(ps)
         decode.post(
             {"cmd": "pull", "params": params, "block_ids": dst, "seed": 6 + kills, "verify": kills == 1}
         )
         killed = []
         for _ in range(kills):
-            killed.append(_kill_when_pushed(victim_sc, ps, _pushes(ps), decode, ds))
+            pid, pushes = _kill_when_pushed(victim_sc, ps, pushes, decode, ds)
+            killed.append(pid)
             wait_for("a new worker", lambda k=tuple(killed): _replaced(victim_sc, k))
         res = json.loads(decode.readline(60))
         if kills == 1:  # retried on a new handshake, with the restarted worker's agent
