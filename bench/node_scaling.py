@@ -23,8 +23,9 @@ beside it: a load bench must show that it is not itself the bottleneck it measur
 same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 are the batch calls'.
 --per-call 16,8 runs both: 16 in flight as one batch, or as two batches of 8 that overlap (a decode
 engine whose requests arrive at different steps has several batches in flight).
---bad-every N also runs this tree's Pull and PullBatch calls with every Nth pull of each pair naming a
-request its source does not hold, beside the same calls without ("this tree, 1 in N failing"; issue
+--bad-every N also runs every tree's calls (this tree's Pull and PullBatch calls, a baseline's) with
+every Nth pull of each pair naming a request its source does not hold, beside the same calls without
+("this tree, 1 in N failing"; issue
 32's "a failing pull fails only itself" under load): it must fail, with no "consumed" event for it,
 while every other pull arrives exact; pulls, rates and latencies count the others, and the bytes
 column says how the bad ones failed and whether their blocks kept their bytes (a failed pull names its
@@ -669,10 +670,15 @@ def _per_transfer(r: Row) -> str:
 
 def _reference(tree: str) -> str:
     """The row of this tree a row of `tree` compares with: the same kind of call (Pull calls, or
-    PullBatch calls of as many pulls); this tree's PullBatch rows with its Pull calls."""
-    batch = tree.find(", PullBatch of ")
-    mine = "this tree" + (tree[batch:] if batch >= 0 else "")
-    return "this tree" if tree == mine else mine
+    PullBatch calls of as many pulls) with as many failing pulls; this tree's own rows: its PullBatch
+    rows with its Pull calls, its rows with failing pulls with the same calls without."""
+    batch = re.search(r", PullBatch of \d+", tree)
+    fail = re.search(r", 1 in \d+ failing", tree)
+    calls = batch.group(0) if batch else ""
+    mine = "this tree" + calls + (fail.group(0) if fail else "")
+    if tree != mine:
+        return mine
+    return "this tree" + calls if fail else "this tree"
 
 
 def ratios(rows: list[Row]) -> str:
@@ -899,18 +905,6 @@ def main() -> int:
         suffix = "-batch" if k == first_batch else f"-batch{k}"
         batch_env = mine and {key: v.replace("{path}", "{path}" + suffix) for key, v in mine.items()}
         trees.append((f"this tree, PullBatch of {k}", batch_env, extra, k, False, 0))
-    if args.bad_every:  # the same calls with failing pulls among them, beside them
-        trees += [
-            (
-                name.replace("this tree", f"this tree, 1 in {args.bad_every} failing"),
-                None,
-                more,
-                k,
-                split,
-                args.bad_every,
-            )
-            for name, _, more, k, split, _ in list(trees)
-        ]
     for v in args.variant:  # the same code, other settings, in the same run
         if args.variant_per_call and first_batch > 1:
             trees.append(
@@ -937,6 +931,18 @@ def main() -> int:
         trees.append((base[0], base[1], [], 1, False, 0))
         if args.baseline_per_call and first_batch > 1:
             trees.append((f"{base[0]}, PullBatch of {first_batch}", base[1], [], first_batch, False, 0))
+    if args.bad_every:  # every tree's calls again with failing pulls among them, beside them
+        trees += [
+            (
+                f"{name}, 1 in {args.bad_every} failing",
+                None if name.startswith("this tree") else env,  # this tree's profiles: clean rows only
+                more,
+                k,
+                split,
+                args.bad_every,
+            )
+            for name, env, more, k, split, _ in list(trees)
+        ]
     if places is not None and (free := gpu_free_bytes()):
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     rows: list[Row] = []
