@@ -27,7 +27,8 @@ def from_grpc(code: grpc.StatusCode) -> Code:
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
     err = handler_error(e)
     if err.metadata:
-        context.set_trailing_metadata(err.metadata)
+        # Added to what the handler set (a Push's "nothing in flight" marker): setting replaces it.
+        context.set_trailing_metadata((*(context.trailing_metadata() or ()), *err.metadata))
     context.abort(to_grpc(err.code), err.message)
 
 
