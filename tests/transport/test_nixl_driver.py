@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import queue
 import subprocess
 import sys
 import time
@@ -46,6 +47,27 @@ def test_a_notification_that_cannot_be_sent_is_logged_and_its_future_still_ends(
         assert "could not send a NIXL notification to no-such-agent" in caplog.text
     finally:
         driver.stop()
+
+
+def test_a_notification_only_if_loaded_goes_to_a_loaded_agent_and_skips_any_other_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    heard: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    sender = NixlDriver("if-loaded-sender", on_notif=lambda agent, msg: None)
+    receiver = NixlDriver("if-loaded-receiver", on_notif=lambda agent, msg: heard.put((agent, msg)))
+    sender.start()
+    receiver.start()
+    try:
+        sender.notify_if_loaded("if-loaded-receiver", b"before")  # not loaded: skipped, no warning
+        sender.add_remote(receiver.metadata(), "if-loaded-receiver")
+        sender.notify_if_loaded("if-loaded-receiver", b"after")
+        assert heard.get(timeout=10) == ("if-loaded-sender", b"after")
+        with pytest.raises(queue.Empty):
+            heard.get(timeout=0.3)
+        assert "could not send" not in caplog.text
+    finally:
+        sender.stop()
+        receiver.stop()
 
 
 def test_a_parked_poller_is_not_run_until_resumed_and_is_told_of_shutdown() -> None:

@@ -126,7 +126,7 @@ class Sidecar:
             push_runs,
             notified,
             pull_timeout_s,
-            nixl.notify,
+            nixl.notify_if_loaded,
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(

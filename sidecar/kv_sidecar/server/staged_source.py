@@ -139,7 +139,9 @@ class StagedSource:
         notify: Callable[[str, bytes], object],
     ) -> None:
         """notifications: the push_notifications setting (readers get keys to push by notification);
-        notify: sends a NIXL notification to a reader's agent (the failure notice)."""
+        notify: sends a NIXL notification to a reader's agent if it is loaded here (the failure notice:
+        a reader whose agent is not, e.g. one that never handshook with this member of a multi-node
+        engine, learns of the failure from its call, when due)."""
         self._engines = engines
         self._published = published
         self._reads = reads

@@ -589,6 +589,22 @@ class NixlDriver:
         self._queue.put((send, fut))
         return fut
 
+    def notify_if_loaded(self, remote_agent: str, msg: bytes) -> None:
+        """`notify`, only if `remote_agent` was loaded here (add_remote, load_remote): for a courtesy
+        that an agent we never loaded (a reader known only by the notifications it sent) goes without,
+        rather than a warning per message."""
+
+        def send(a: Any) -> None:
+            if remote_agent not in self._remotes:
+                return
+            try:
+                a.send_notif(remote_agent, msg)
+            except Exception as e:
+                log.debug("could not send a NIXL notification to %s: %s", remote_agent, e)
+
+        if self._thread.is_alive():
+            self._queue.put((send, Future()))
+
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
     def add_poller(self, fn: Poller) -> None:
         """Run `fn(agent)` on the driver thread every loop turn until it returns True; one that
