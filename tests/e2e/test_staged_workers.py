@@ -124,11 +124,15 @@ def _kill_when_pushed(
     while (started := _pushes(source)) <= pushes:
         if time.monotonic() > deadline:
             # The pull ended without the Push: its answer and both sidecars' logs say why.
+            try:
+                answer = decode.readline(5)
+            except Exception as e:  # none yet: the engine says what it waits for
+                answer = f"none ({e})"
             raise AssertionError(
                 "\n".join(
                     [
                         "timed out waiting for the transfer's Push; the pull's answer:",
-                        decode.readline(5),
+                        answer,
                         *reader.stderr_lines(40),
                         "--- source:",
                         *source.stderr_lines(40),
