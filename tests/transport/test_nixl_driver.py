@@ -58,9 +58,9 @@ def test_a_notification_only_if_loaded_goes_to_a_loaded_agent_and_skips_any_othe
     sender.start()
     receiver.start()
     try:
-        sender.notify_if_loaded("if-loaded-receiver", b"before")  # not loaded: skipped, no warning
+        sender.notify("if-loaded-receiver", b"before", only_loaded=True)  # not loaded: skipped, no warning
         sender.add_remote(receiver.metadata(), "if-loaded-receiver")
-        sender.notify_if_loaded("if-loaded-receiver", b"after")
+        sender.notify("if-loaded-receiver", b"after", only_loaded=True)
         assert heard.get(timeout=10) == ("if-loaded-sender", b"after")
         with pytest.raises(queue.Empty):
             heard.get(timeout=0.3)

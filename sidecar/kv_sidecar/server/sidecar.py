@@ -7,6 +7,7 @@ component is given (its id, its peer address) is fixed before anything serves.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -126,7 +127,7 @@ class Sidecar:
             push_runs,
             notified,
             pull_timeout_s,
-            nixl.notify_if_loaded,
+            functools.partial(nixl.notify, only_loaded=True),
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(

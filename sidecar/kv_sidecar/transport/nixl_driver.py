@@ -572,38 +572,29 @@ class NixlDriver:
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self.call(lambda a: a.send_notif(remote_agent, msg))
 
-    def notify(self, remote_agent: str, msg: bytes) -> Future[None]:
+    def notify(self, remote_agent: str, msg: bytes, only_loaded: bool = False) -> Future[None]:
         """send_notif without waiting for it: the caller's answer does not wait for the driver
         thread. A notification that cannot be sent is logged (the peer then times out or expires
-        the lease, as if it never came). The future is done once it was sent (or failed to be)."""
+        the lease, as if it never came). The future is done once it was sent (or failed to be).
+
+        only_loaded: send only if `remote_agent` was loaded here (add_remote, load_remote), and log a
+        failure at debug level: for a courtesy that an agent we never loaded (a reader known only by
+        the notifications it sent) goes without, rather than a warning per message."""
 
         def send(a: Any) -> None:
+            if only_loaded and remote_agent not in self._remotes:
+                return
             try:
                 a.send_notif(remote_agent, msg)
             except Exception as e:
-                log.warning("could not send a NIXL notification to %s: %s", remote_agent, e)
+                level = logging.DEBUG if only_loaded else logging.WARNING
+                log.log(level, "could not send a NIXL notification to %s: %s", remote_agent, e)
 
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
         fut: Future[None] = Future()
         self._queue.put((send, fut))
         return fut
-
-    def notify_if_loaded(self, remote_agent: str, msg: bytes) -> None:
-        """`notify`, only if `remote_agent` was loaded here (add_remote, load_remote): for a courtesy
-        that an agent we never loaded (a reader known only by the notifications it sent) goes without,
-        rather than a warning per message."""
-
-        def send(a: Any) -> None:
-            if remote_agent not in self._remotes:
-                return
-            try:
-                a.send_notif(remote_agent, msg)
-            except Exception as e:
-                log.debug("could not send a NIXL notification to %s: %s", remote_agent, e)
-
-        if self._thread.is_alive():
-            self._queue.put((send, Future()))
 
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
     def add_poller(self, fn: Poller) -> None:
