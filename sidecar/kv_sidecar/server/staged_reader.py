@@ -377,13 +377,7 @@ class StagedReader:
                     e.alone.message,
                 )
                 return self._again(remote, src_rank, reads, e.index, e.alone, regroups - 1)
-            out: list[int | _Alone | BaseException] = []
-            for r in reads:
-                try:
-                    r.job.remaining()
-                    out.append(ALONE)
-                except Exception as own:  # this read was stopped, or is past its deadline
-                    out.append(own)
+            out: list[int | _Alone | BaseException] = [_stopped(r) or ALONE for r in reads]
             log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
             return out
         # Each read's share of the bytes, by the tokens it moved (its padding included).
@@ -407,13 +401,12 @@ class StagedReader:
         out: list[int | _Alone | BaseException] = [alone] * len(reads)
         rest = []
         for k, r in enumerate(reads):
-            if k == refused:
-                continue
-            try:
-                r.job.remaining()
-                rest.append(k)
-            except Exception as own:  # stopped, or past its deadline
-                out[k] = own
+            if k != refused:
+                own = _stopped(r)
+                if own is None:
+                    rest.append(k)
+                else:
+                    out[k] = own
         if len(rest) == 1:
             try:
                 out[rest[0]] = self._transfer(remote, src_rank, [reads[rest[0]]])
@@ -545,6 +538,16 @@ class StagedReader:
                 # cancel wait.
                 call = _stop_source(rx, push)
                 rx.close(False, None if call is None else _confirmation(call))
+
+
+def _stopped(read: StagedRead) -> BaseException | None:
+    """Why a read of a failed group may not go again (it was stopped, or is past its deadline), or
+    None: it may."""
+    try:
+        read.job.remaining()
+    except Exception as e:
+        return e
+    return None
 
 
 def _receive(halt: Halt, rx: Reception | WorkerReception, push: _PushCall, address: str, label: str) -> int:
