@@ -25,8 +25,8 @@ same pulls in flight as C Pull calls (C/K threads), side by side; its p50/p99 ar
 engine whose requests arrive at different steps has several batches in flight).
 --bad-every N also runs every tree's calls (this tree's Pull and PullBatch calls, a baseline's) with
 every Nth pull of each pair naming a request its source does not hold, beside the same calls without
-("this tree, 1 in N failing"; issue
-32's "a failing pull fails only itself" under load): it must fail, with no "consumed" event for it,
+("this tree, 1 in N failing";
+issue 32's "a failing pull fails only itself" under load): it must fail, with no "consumed" event for it,
 while every other pull arrives exact; pulls, rates and latencies count the others, and the bytes
 column says how the bad ones failed and whether their blocks kept their bytes (a failed pull names its
 blocks unfilled and may have written them: host-nixl READs before the source's open answers,
@@ -797,8 +797,8 @@ def main() -> int:
         "--bad-every",
         type=int,
         default=0,
-        help="also run this tree's calls with every Nth pull of each pair naming a request its source does not "
-        "hold: it must fail alone while the others arrive",
+        help="also run every tree's calls (this tree's, a baseline's) with every Nth pull of each pair naming a "
+        "request its source does not hold: it must fail alone while the others arrive",
     )
     ap.add_argument(
         "--decode-blocks",
