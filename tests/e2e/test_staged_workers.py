@@ -19,6 +19,7 @@ import pytest
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar_client import SidecarClient, params_from_json
 
 from .conftest import Spawn, logged, metric, prefilled, spec_dict, wait_for
 from .test_device_workers import workers_of
@@ -99,6 +100,50 @@ def test_staged_pulls_through_workers_are_exact(
     writes = metric(ps.metrics_port, f"{WORKER_DESCRIPTORS}_count", '{device="-1"}')
     own = metric(ps.metrics_port, f"{DESCRIPTORS}_count")
     assert (writes >= 2 and own == 0) if prefill_workers else (writes == 0 and own >= 2), (writes, own)
+
+
+def test_a_request_the_source_refuses_fails_alone_through_workers(spawn: Spawn) -> None:
+    """A PullBatch through workers on both sides, two of whose requests the source no longer holds:
+    those two fail alone (NOT_FOUND, their blocks named and untouched, the words a pull of each alone
+    gets); the others arrive exact, nothing outside the blocks changes, and the workers' receptions
+    all end (their rings idle). A refused transfer's reception in the worker is asked how far it got
+    and closed: commands that wake its loop at once (StagedServer._scattering)."""
+    ps = spawn(SidecarProcess("swr-prefill", extra=WORKERS))
+    ds = spawn(SidecarProcess("swr-decode", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(ps.socket, "swr-p", SMALL), lambda: EngineProcess(ds.socket, "swr-d", SMALL)
+    )
+    pulls = [
+        {
+            "params": prefilled(prefill, f"r{i}", [2 * i, 2 * i + 1], 29, seed=20 + i),
+            "block_ids": [40 + 2 * i, 41 + 2 * i],
+            "seed": 20 + i,
+        }
+        for i in range(8)
+    ]
+    refused = (2, 5)
+    for i in refused:
+        assert prefill.send({"cmd": "abort", "request_id": f"r{i}"})["found"]
+    out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    assert out["untouched_outside"], out
+    for i, r in enumerate(out["results"]):
+        if i in refused:
+            assert not r["ok"] and r["error_code"] == "NOT_FOUND", (i, r)
+            assert r["unfilled_blocks"] == pulls[i]["block_ids"], r
+        else:
+            assert r["ok"] and r["verified"] and r["path"] == "host-ring", (i, r)
+    with SidecarClient(ds.socket) as client:
+        for i in refused:
+            alone = client.pull(params_from_json(pulls[i]["params"]), decode.engine_id, pulls[i]["block_ids"])
+            r = out["results"][i]
+            assert (alone.error_code, alone.error) == (r["error_code"], r["error"]), (i, alone)
+    for sc in (ps, ds):
+        wait_for(
+            f"{sc.name}: its worker's rings idle",
+            lambda sc=sc: metric(sc.metrics_port, f"{STAGING}_in_use", '{device="-1"}') == 0,
+            timeout_s=20,
+        )
+    assert ps.alive and ds.alive
 
 
 def _pushes(source: SidecarProcess) -> float:

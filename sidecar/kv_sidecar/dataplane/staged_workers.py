@@ -118,6 +118,9 @@ class StagedServer:
         self._pool = ThreadPoolExecutor(STAGED_THREADS, thread_name_prefix="staged")
         self._lock = threading.Lock()
         self._receptions: dict[int, Mailbox[tuple[Any, ...]]] = {}
+        # Receptions past their slots, by id: a command wakes its loop, which otherwise looks only
+        # between chunks or every _TURN_S (a refused transfer's describe and close waited that).
+        self._scattering: dict[int, Reception] = {}
         self._sendings: dict[int, Transmission] = {}
         self._settles: dict[int, Callable[[bool], None] | bool] = {}
 
@@ -133,8 +136,11 @@ class StagedServer:
             rxid, cmd, *rest = args
             with self._lock:
                 cmds = self._receptions.get(rxid)
+                rx = self._scattering.get(rxid)
             if cmds is not None:
                 cmds.put((cmd, msg_id, *rest))
+                if rx is not None:
+                    rx.poke()
             elif msg_id >= 0:  # long over (or before a restart): nothing of it is left to stop or close
                 self._answer(msg_id, True, "the transfer's reception had ended")
         elif kind == "rx_settled":
@@ -185,6 +191,11 @@ class StagedServer:
                 self._answer(rxid, False, encode_error(e))
                 self._answer(result_id, False, encode_error(e))
                 return
+            if rx is not None:
+                with self._lock:
+                    self._scattering[rxid] = rx
+                if not cmds.empty():  # came before it was here to wake
+                    rx.poke()
             self._answer(rxid, True, None if rx is None else rx.slots)
             if rx is None:
                 self._answer(result_id, True, 0)
@@ -193,6 +204,7 @@ class StagedServer:
         finally:
             with self._lock:
                 self._receptions.pop(rxid, None)
+                self._scattering.pop(rxid, None)
 
     def _run_reception(
         self, rx: Reception, cmds: Mailbox[tuple[Any, ...]], result_id: int, halt: Deadline
