@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kv_sidecar.memory.shm import HandleError
 from kv_sidecar.plan.spec import PlanError
@@ -48,12 +48,13 @@ class SidecarError(Exception):
         self.metadata = metadata
 
 
-def waited_for(e: SidecarError, what: str) -> SidecarError:
+def waited_for(e: SidecarError, what: str | Callable[[], str]) -> SidecarError:
     """`e` with what its operation was waiting for, if it ran out of time or was stopped while waiting:
-    a stalled transfer's error says where it stalled. Subclasses, which callers tell apart, are kept."""
+    a stalled transfer's error says where it stalled. Subclasses, which callers tell apart, are kept.
+    `what` may be a function, asked only then (a description can cost a round trip to a worker)."""
     if type(e) is not SidecarError or e.code not in (Code.DEADLINE_EXCEEDED, Code.CANCELLED):
         return e
-    return SidecarError(e.code, f"{e.message} ({what})", e.metadata)
+    return SidecarError(e.code, f"{e.message} ({what if isinstance(what, str) else what()})", e.metadata)
 
 
 def as_sidecar_error(e: Exception) -> SidecarError:

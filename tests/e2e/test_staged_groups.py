@@ -20,6 +20,7 @@ from .conftest import (
     Spawn,
     consumed_events,
     frozen,
+    logged,
     metric,
     no_transfer_in_flight,
     prefilled,
@@ -291,6 +292,9 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     # A group refused for r5 (or r9) sends its other reads again as one: a few transfers in all, where
     # each of its reads going again alone took ten more (14 in all, measured).
     assert metric(b.metrics_port, f"{READS}_count") - transfers < 10
+    # The source names both refused reads of the group in its one refusal (the trailer that
+    # member_refusals adds), so the others go again once, not once per refused read.
+    assert logged(b, "refused for 'r5', 'r9'"), "both refusals in one"
     # Each refused request gets what a pull of it alone gets, word for word.
     with SidecarClient(b.socket) as client:
         for i in (5, 9):

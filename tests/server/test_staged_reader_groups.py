@@ -9,12 +9,15 @@ import threading
 import numpy as np
 import pytest
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import chunk_geometry
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Holder, RemoteEngine
 from kv_sidecar.server.pull_job import PullJob
-from kv_sidecar.server.staged_reader import groupable, joined_tokens
+from kv_sidecar.server.staged_common import REFUSALS_BYTES, member_refusals, refused_member, refused_members
+from kv_sidecar.server.staged_reader import RefusedMember, _push_error, groupable, joined_tokens
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2
 
 BASE = {
@@ -105,3 +108,46 @@ def test_a_group_concatenates_each_reads_own_blocks_from_its_start() -> None:
     assert tokens.src_blocks.tolist() == [10, 11, 12, 12, 32, 33, 34]
     assert tokens.dst_blocks.tolist() == [20, 21, 40, 41]
     assert (tokens.num_tokens, tokens.start_token) == (64 + 38, 0)
+
+
+def test_a_group_refusal_names_every_refused_member_and_the_reader_fails_each_with_its_own_words() -> None:
+    """The source lists every refused member in the refusal's trailer; the message names the first as
+    before (a reader that knows no trailer fails that one and sends the others again). The reader's
+    side makes of each the error a Push of that request alone gets, code and words."""
+    refusals = [
+        (2, SidecarError(Code.NOT_FOUND, "request 'b' was never published by engine 'p'")),
+        (
+            5,
+            SidecarError(
+                Code.FAILED_PRECONDITION, "request 'e' holds tokens [0, 16) here, the reader planned [0, 32)"
+            ),
+        ),
+    ]
+    err = member_refusals(refusals)
+    assert err.code is Code.NOT_FOUND
+    assert refused_member(err.message) == (2, "request 'b' was never published by engine 'p'")
+    assert refused_members(err.metadata) == {i: (e.code, e.message) for i, e in refusals}
+    call = PeerCallError(err.code, err.message, ended=True, trailers=err.metadata)
+    got = _push_error(call, "10.0.0.1:1", "6 requests ('a', ...)", ["a", "b", "c", "d", "e", "f"])
+    assert isinstance(got, RefusedMember) and sorted(got.refused) == [2, 5]
+    assert got.refused[2].code is Code.NOT_FOUND and got.refused[5].code is Code.FAILED_PRECONDITION
+    assert got.refused[5].message == f"{refusals[1][1].message} (peer sidecar 10.0.0.1:1)"
+    # A source that names only the first (no trailer), or a trailer that is not ours: that one alone.
+    for trailers in ((), (("kvsidecar-refused-members", "[[5, 'NOPE'"),)):
+        one = _push_error(
+            PeerCallError(err.code, err.message, True, trailers), "10.0.0.1:1", "6 requests", list("abcdef")
+        )
+        assert isinstance(one, RefusedMember) and sorted(one.refused) == [2]
+
+
+def test_a_refusal_of_many_members_lists_whole_entries_up_to_its_trailer_budget() -> None:
+    """gRPC refuses trailers past 8 KiB: entries are listed whole while they fit REFUSALS_BYTES; the ones
+    left out are refused again in the next round (never cut, so each read keeps its words)."""
+    refusals = [(i, SidecarError(Code.NOT_FOUND, f"request 'r{i}' {'x' * 200}")) for i in range(100)]
+    err = member_refusals(refusals)
+    listed = refused_members(err.metadata)
+    assert 2 <= len(listed) < 100 and sorted(listed) == list(range(len(listed)))
+    assert all(listed[i] == (Code.NOT_FOUND, refusals[i][1].message) for i in listed)
+    assert sum(len(v) for _, v in err.metadata) <= REFUSALS_BYTES
+    # One refused: no trailer, as before.
+    assert member_refusals(refusals[:1]).metadata == ()

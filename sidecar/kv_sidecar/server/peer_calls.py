@@ -25,13 +25,17 @@ _TLS_FAILURE = re.compile(r"handshake failed|verification check failed|CERTIFICA
 
 class PeerCallError(Exception):
     """A peer call that failed. `ended`: the source itself ended a Push with this status, with nothing
-    of the transfer in flight (its verdict: the reader may reuse its slots at once)."""
+    of the transfer in flight (its verdict: the reader may reuse its slots at once). `trailers`: the
+    answer's trailing metadata (a group's refusal lists its refused members there)."""
 
-    def __init__(self, code: Code, details: str, ended: bool = False) -> None:
+    def __init__(
+        self, code: Code, details: str, ended: bool = False, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.ended = ended
+        self.trailers = trailers
 
     def explain(self, peer: str, what: str) -> SidecarError:
         return peer_error(self.code, self.details, peer, what)

@@ -3,6 +3,7 @@ server/staged_source.py, the source's): path labels, the heads a read moves, the
 
 from __future__ import annotations
 
+import json
 import re
 
 from kv_sidecar.errors import Code, SidecarError
@@ -33,6 +34,43 @@ def member_refusal(index: int, e: SidecarError) -> SidecarError:
 
 
 _MEMBER = re.compile(r"members\[(\d+)\]: ")
+# Trailing metadata of a group's refusal: every member refused, as JSON [[index, code, message], ..],
+# so that the reader drops them all in one go (the message names the first only, for readers that
+# know no more). Whole entries up to REFUSALS_BYTES: gRPC refuses trailers past 8 KiB by default, and
+# members left out are refused again in the next round.
+REFUSALS_KEY = "kvsidecar-refused-members"
+REFUSALS_BYTES = 4096
+
+
+def member_refusals(refusals: list[tuple[int, SidecarError]]) -> SidecarError:
+    """A Push of several requests refused for one or more of them (in index order): the first leads the
+    message (`member_refusal`), and all that fit are listed in the trailer REFUSALS_KEY."""
+    index, first = refusals[0]
+    listed: list[list[object]] = []
+    size = 2
+    for i, e in refusals:
+        entry = [i, e.code.name, e.message]
+        size += len(json.dumps(entry)) + 1
+        if size > REFUSALS_BYTES:
+            break
+        listed.append(entry)
+    err = member_refusal(index, first)
+    if len(listed) < 2:
+        return err
+    return SidecarError(err.code, err.message, (*err.metadata, (REFUSALS_KEY, json.dumps(listed))))
+
+
+def refused_members(trailers: tuple[tuple[str, str], ...]) -> dict[int, tuple[Code, str]]:
+    """The members a refusal lists in its trailer (`member_refusals`), each with the code and words a
+    Push of it alone gets; empty if it lists none (one refused, or a source that names only the first)."""
+    for key, value in trailers:
+        if key != REFUSALS_KEY:
+            continue
+        try:
+            return {int(i): (Code[code], str(msg)) for i, code, msg in json.loads(value)}
+        except (ValueError, KeyError, TypeError):
+            return {}  # not ours to trust: the message still names the first
+    return {}
 
 
 def refused_member(details: str) -> tuple[int, str] | None:

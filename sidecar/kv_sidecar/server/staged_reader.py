@@ -37,7 +37,7 @@ from kv_sidecar.server.peer_calls import PeerCallError, peer_error
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_job import PullJob, require_gpu
 from kv_sidecar.server.push_threads import PushThreads
-from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads, refused_member
+from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads, refused_member, refused_members
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import PUSH_TAG, parse_push_failed, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
@@ -172,13 +172,12 @@ ALONE = _Alone()
 
 
 class RefusedMember(SidecarError):
-    """The source refused a group's Push for one of its reads (`index`): `alone` is what that read gets,
-    the refusal a Push of its request alone gets."""
+    """The source refused a group's Push for some of its reads: `refused[index]` is what that read gets,
+    the refusal a Push of its request alone gets (one read, or every one the source listed)."""
 
-    def __init__(self, e: SidecarError, index: int, alone: SidecarError) -> None:
+    def __init__(self, e: SidecarError, refused: dict[int, SidecarError]) -> None:
         super().__init__(e.code, e.message, e.metadata)
-        self.index = index
-        self.alone = alone
+        self.refused = refused
 
 
 class _Halts:
@@ -369,14 +368,14 @@ class StagedReader:
         try:
             total = self._transfer(remote, src_rank, reads)
         except Exception as e:
-            if isinstance(e, RefusedMember) and regroups > 0 and 0 <= e.index < len(reads):
+            if isinstance(e, RefusedMember) and regroups > 0 and all(0 <= k < len(reads) for k in e.refused):
                 log.info(
-                    "a staged transfer of %d reads was refused for %r (%s); the others go again as one",
+                    "a staged transfer of %d reads was refused for %s (%s); the others go again as one",
                     len(reads),
-                    reads[e.index].job.params.request_id,
-                    e.alone.message,
+                    ", ".join(repr(reads[k].job.params.request_id) for k in e.refused),
+                    "; ".join(err.message for err in e.refused.values()),
                 )
-                return self._again(remote, src_rank, reads, e.index, e.alone, regroups - 1)
+                return self._again(remote, src_rank, reads, e.refused, regroups - 1)
             out: list[int | _Alone | BaseException] = [_stopped(r) or ALONE for r in reads]
             log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
             return out
@@ -392,21 +391,18 @@ class StagedReader:
         remote: RemoteEngine,
         src_rank: int,
         reads: list[StagedRead],
-        refused: int,
-        alone: SidecarError,
+        refused: dict[int, SidecarError],
         regroups: int,
     ) -> list[int | _Alone | BaseException]:
-        """A group refused for read `refused`: that read fails as it would alone; the others that may
-        still go are sent again as one transfer (refused again for another, again without it)."""
-        out: list[int | _Alone | BaseException] = [alone] * len(reads)
+        """A group refused for the reads `refused`: each fails as it would alone; the others that may
+        still go are sent again as one transfer (refused again for others, again without them)."""
+        out: list[int | _Alone | BaseException] = []
         rest = []
         for k, r in enumerate(reads):
-            if k != refused:
-                own = _stopped(r)
-                if own is None:
-                    rest.append(k)
-                else:
-                    out[k] = own
+            own = refused.get(k) or _stopped(r)
+            out.append(own if own is not None else ALONE)
+            if own is None:
+                rest.append(k)
         if len(rest) == 1:
             try:
                 out[rest[0]] = self._transfer(remote, src_rank, [reads[rest[0]]])
@@ -521,7 +517,10 @@ class StagedReader:
         except SidecarError as e:
             if push is None:
                 raise
-            raise waited_for(e, f"staged read from {address}: {push.describe()}; {rx.describe()}") from None
+            pushed = push  # narrowed, for the description asked only if the error needs it
+            raise waited_for(
+                e, lambda: f"staged read from {address}: {pushed.describe()}; {rx.describe()}"
+            ) from None
         except sp.ProtocolError as e:
             self._metrics.failures.labels("staged_protocol").inc()
             raise SidecarError(
@@ -584,10 +583,18 @@ def _push_error(e: PeerCallError, address: str, label: str, members: Sequence[st
     ids, one of which the source may have refused it for (RefusedMember)."""
     err = _refusal(e.code, e.details, e.ended, address, label)
     named = refused_member(e.details) if members else None
-    if named is not None and 0 <= named[0] < len(members):
-        index, details = named
-        return RefusedMember(err, index, _refusal(e.code, details, e.ended, address, repr(members[index])))
-    return err
+    if named is None or not 0 <= named[0] < len(members):
+        return err
+    # Every member the source listed (a source that lists none names only the first, in its message).
+    words = {named[0]: (e.code, named[1]), **refused_members(e.trailers)}
+    return RefusedMember(
+        err,
+        {
+            k: _refusal(code, details, e.ended, address, repr(members[k]))
+            for k, (code, details) in sorted(words.items())
+            if 0 <= k < len(members)
+        },
+    )
 
 
 def _refusal(code: Code, details: str, ended: bool, address: str, label: str) -> SidecarError:

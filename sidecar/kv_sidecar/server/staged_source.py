@@ -31,7 +31,7 @@ from kv_sidecar.server.staged_common import (
     MAX_SLOTS,
     PATH_HOST_RING,
     PATH_STAGED,
-    member_refusal,
+    member_refusals,
     read_heads,
 )
 from kv_sidecar.transport.notifications import PUSH_TAG, push_failed
@@ -387,9 +387,9 @@ class StagedSource:
     ) -> tuple[list[int], int, tuple[SendMember, ...]]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
-        staged_protocol.member_spans lays them out, and the tokens that moves. One member refused
-        refuses the Push, naming it (`member_refusal`: the reader fails that read and sends the others
-        again as one)."""
+        staged_protocol.member_spans lays them out, and the tokens that moves. A member refused
+        refuses the Push, naming every member refused (`member_refusals`: the reader fails those reads
+        and sends the others again as one)."""
         bp, bd = plan.prefill.block_size, plan.decode.block_size
         if len(req.members) > MAX_PUSH_MEMBERS:
             raise SidecarError(
@@ -403,6 +403,7 @@ class StagedSource:
                 f"reader blocks a multiple of the source's (here {bd} and {bp} tokens)",
             )
         items = []
+        refusals: list[tuple[int, SidecarError]] = []
         for i, m in enumerate(req.members):
             try:
                 if m.start_token % bd or m.start_token >= m.num_tokens:
@@ -422,8 +423,11 @@ class StagedSource:
                         f"the reader planned [0, {m.num_tokens})",
                     )
             except SidecarError as e:
-                raise member_refusal(i, e) from None
+                refusals.append((i, e))  # the others checked too: the reader drops all in one go
+                continue
             items.append(item)
+        if refusals:
+            raise member_refusals(refusals)
         spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)
         block_ids: list[int] = []
         shares: list[SendMember] = []

@@ -25,8 +25,8 @@ PUSH_ENDED = ("kvsidecar-push-ended", "1")
 def call_error(e: grpc.RpcError) -> PeerCallError:
     if not isinstance(e, grpc.Call):  # e.g. a channel that could not be made
         return PeerCallError(Code.UNAVAILABLE, str(e))
-    ended = PUSH_ENDED in tuple(e.trailing_metadata() or ())
-    return PeerCallError(from_grpc(e.code()), e.details() or "", ended)
+    trailers = tuple((str(k), v) for k, v in e.trailing_metadata() or () if isinstance(v, str))
+    return PeerCallError(from_grpc(e.code()), e.details() or "", PUSH_ENDED in trailers, trailers)
 
 
 class _Future:
