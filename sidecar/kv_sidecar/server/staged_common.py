@@ -46,18 +46,18 @@ def member_refusals(refusals: list[tuple[int, SidecarError]]) -> SidecarError:
     """A Push of several requests refused for one or more of them (in index order): the first leads the
     message (`member_refusal`), and all that fit are listed in the trailer REFUSALS_KEY."""
     index, first = refusals[0]
-    listed: list[list[object]] = []
-    size = 2
+    listed: list[str] = []
+    size = 1  # "[" and "]", and a "," after every entry but the last
     for i, e in refusals:
-        entry = [i, e.code.name, e.message]
-        size += len(json.dumps(entry)) + 1
+        entry = json.dumps([i, e.code.name, e.message], separators=(",", ":"))  # ASCII: a valid header
+        size += len(entry) + 1
         if size > REFUSALS_BYTES:
             break
         listed.append(entry)
     err = member_refusal(index, first)
     if len(listed) < 2:
         return err
-    return SidecarError(err.code, err.message, (*err.metadata, (REFUSALS_KEY, json.dumps(listed))))
+    return SidecarError(err.code, err.message, (*err.metadata, (REFUSALS_KEY, f"[{','.join(listed)}]")))
 
 
 def refused_members(trailers: tuple[tuple[str, str], ...]) -> dict[int, tuple[Code, str]]:
