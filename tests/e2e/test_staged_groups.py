@@ -267,6 +267,11 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
         lambda: EngineProcess(a.socket, "sb-p32", BLOCK32, env=ENV),
         lambda: EngineProcess(b.socket, "sb-d", SPEC, env=ENV),
     )
+    # A pull first: the reader then Pushes by notification (a wired link) and takes refusals back the
+    # same way (PushRequest.refusal_notice).
+    warm = prefilled(prefill, "warm", [40], 16, seed=199)
+    res = decode.send({"cmd": "pull", "params": warm, "block_ids": [140], "seed": 199})
+    assert res["ok"] and res["verified"], res
     pulls = []
     for i in range(12):
         params = prefilled(prefill, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], TOKENS, seed=200 + i)
@@ -281,6 +286,8 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     p32 = prefilled(other_size, "r32", [4, 5], 50, seed=300)
     pulls.append({"params": p32, "block_ids": [150, 151, 152, 153], "seed": 300})
     transfers = metric(b.metrics_port, f"{READS}_count")
+    failed_calls = metric(b.metrics_port, "kvsidecar_push_calls_total", '{why="failed"}')
+    by_notification = metric(a.metrics_port, "kvsidecar_push_starts_total", '{by="notification"}')
     out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
     assert out["untouched_outside"], out
     res = out["results"]
@@ -295,12 +302,15 @@ def test_a_request_the_source_refuses_fails_alone_and_the_rest_of_its_group_arri
     # The source names both refused reads of the group in its one refusal (the trailer that
     # member_refusals adds), so the others go again once, not once per refused read.
     assert logged(b, "refused for 'r5', 'r9'"), "both refusals in one"
+    # The group's Push went by notification and its refusal came back the same way: no call for it.
+    assert metric(a.metrics_port, "kvsidecar_push_starts_total", '{by="notification"}') > by_notification
+    assert metric(b.metrics_port, "kvsidecar_push_calls_total", '{why="failed"}') == failed_calls
     # Each refused request gets what a pull of it alone gets, word for word.
     with SidecarClient(b.socket) as client:
         for i in (5, 9):
             alone = client.pull(params_from_json(pulls[i]["params"]), decode.engine_id, pulls[i]["block_ids"])
             assert (alone.error_code, alone.error) == (res[i]["error_code"], res[i]["error"]), (i, alone)
-    assert consumed_events(prefill, 10) == 10
+    assert consumed_events(prefill, 11) == 11  # the warm-up's too
     no_transfer_in_flight(a, b)
 
 

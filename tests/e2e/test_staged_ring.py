@@ -363,7 +363,12 @@ class _GoneReader:
         self.driver.add_remote(self.hs.agent_metadata, self.hs.agent_name)
 
     def push(
-        self, request_id: str, transfer_id: str, tokens: int = TOKENS, failure_notice: bool = False
+        self,
+        request_id: str,
+        transfer_id: str,
+        tokens: int = TOKENS,
+        failure_notice: bool = False,
+        refusal_notice: bool = False,
     ) -> peer_pb2.PushRequest:
         """Open `request_id` (planned with `tokens`; TOKENS: 3 chunks) and ask for it into the one slot,
         by notification; the request sent."""
@@ -389,6 +394,7 @@ class _GoneReader:
             open_num_tokens=tokens,
             notified=True,
             failure_notice=failure_notice,
+            refusal_notice=refusal_notice,
         )
         signed = notifications.signed_notif(notifications.PUSH_TAG, self.hs.push_key, req.SerializeToString())
         self.driver.send_notif(self.hs.agent_name, signed)
@@ -487,6 +493,31 @@ def test_a_refused_push_notification_is_told_back_at_once_and_its_call_gets_the_
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
         assert "the reader planned 32" in info.value.details()
         assert PUSH_ENDED in tuple(info.value.trailing_metadata())  # nothing in flight: slots free
+        # A reader that takes the answer itself (refusal_notice) gets it by notification, signed with
+        # its push key: the status and words its call would get, so that no call need go. The call,
+        # made anyway here, still joins the run and gets the same.
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "answered", "block_ids": [3, 4], "num_tokens": 20, "seed": 5}
+        )
+        assert pub["ok"], pub
+        answered = reader.push(
+            "answered", "00112233445566dd", tokens=32, failure_notice=True, refusal_notice=True
+        )
+        agent, msg = heard.get(timeout=10)
+        assert agent == reader.hs.agent_name and notifications.parse_push_failed(msg) is None
+        parsed = notifications.parse_push_refused(msg, KEY_BYTES)
+        assert parsed is not None, msg
+        key, tid, code, words, trailers = parsed
+        assert (key, tid, code, trailers) == (
+            reader.hs.push_key,
+            answered.transfer_id,
+            "FAILED_PRECONDITION",
+            (),
+        )
+        with grpc.insecure_channel(a.peer_address) as ch, pytest.raises(grpc.RpcError) as info:
+            peer_pb2_grpc.PeerServiceStub(ch).Push(answered, timeout=10)
+        assert (info.value.code().name, info.value.details()) == (code, words)
+        assert "the reader planned 32" in words
     finally:
         reader.stop()
         prefill.stop()

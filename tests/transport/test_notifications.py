@@ -8,7 +8,15 @@ from kv_sidecar.transport import notifications as n
 
 
 def test_tags_are_distinct_and_none_starts_another() -> None:
-    tags = [n.DONE_TAG, n.TRANSFER_TAG, n.PUSH_TAG, n.OPEN_TAG, n.DONES_TAG, n.PUSH_FAILED_TAG]
+    tags = [
+        n.DONE_TAG,
+        n.TRANSFER_TAG,
+        n.PUSH_TAG,
+        n.OPEN_TAG,
+        n.DONES_TAG,
+        n.PUSH_FAILED_TAG,
+        n.PUSH_REFUSED_TAG,
+    ]
     for a, b in itertools.permutations(tags, 2):
         assert not (a + n.SEP).startswith(b + n.SEP), (a, b)
 
@@ -57,3 +65,21 @@ def test_a_failure_notice_round_trips_its_transfer_id_and_nothing_else_parses_as
     assert n.parse_push_failed(msg) == "0123456789abcdef"
     for other in (b"", n.PUSH_FAILED_TAG, n.signed_notif(n.PUSH_TAG, b"k" * 16, b"body"), b"kvs1\x1fx"):
         assert n.parse_push_failed(other) is None, other
+
+
+def test_a_refusal_notice_round_trips_its_key_status_words_and_trailers() -> None:
+    """Words with any character (a request id is the engine's), the trailers a group's refusal lists
+    its members in; a failure notice, a Push, a truncated or unsigned one parse as none."""
+    key = bytes(range(16))
+    words = "members[2]: request 'r\x1f\u00e9' was never published by engine 'p'"
+    trailers = (("kvsidecar-refused-members", '[[2,"NOT_FOUND","..."]]'),)
+    msg = n.push_refused(key, "0123456789abcdef", "NOT_FOUND", words, trailers)
+    assert n.parse_push_refused(msg, 16) == (key, "0123456789abcdef", "NOT_FOUND", words, trailers)
+    for other in (
+        b"",
+        n.push_failed("0123456789abcdef"),
+        n.signed_notif(n.PUSH_TAG, key, b"{}"),
+        msg[:-5],
+        n.signed_notif(n.PUSH_REFUSED_TAG, key, b'{"transfer": "x"}'),
+    ):
+        assert n.parse_push_refused(other, 16) is None, other

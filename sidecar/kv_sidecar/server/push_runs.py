@@ -75,6 +75,12 @@ class PushKeys:
         except DecodeError:
             return None
 
+    def key_of(self, agent: str) -> bytes | None:
+        """The key given to `agent`, if any (what a refusal sent back to it is signed with)."""
+        with self._lock:
+            known = self._keys.get(agent)
+        return None if known is None else known[0]
+
     def check(self, agent: str, key: bytes) -> str | None:
         """The peer `agent`'s key was given to, if `key` is that key; else None."""
         with self._lock:

@@ -48,6 +48,7 @@ from kv_sidecar.transport.notifications import (
     DONES_TAG,
     OPEN_TAG,
     PUSH_FAILED_TAG,
+    PUSH_REFUSED_TAG,
     PUSH_TAG,
     NotificationRoutes,
 )
@@ -211,6 +212,7 @@ class Sidecar:
                 OPEN_TAG: open_answers.answer,
                 DONES_TAG: reads.readers_done,
                 PUSH_FAILED_TAG: staged_reader.source_failed,
+                PUSH_REFUSED_TAG: staged_reader.source_refused,
             },
             other=reads.reader_done,
         )

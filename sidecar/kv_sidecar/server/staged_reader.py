@@ -17,6 +17,7 @@ once per rank pair and finished on one thread per pair, without a thread per mem
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -36,10 +37,11 @@ from kv_sidecar.server.group_commit import GroupCommit, Waiter
 from kv_sidecar.server.peer_calls import PeerCallError, peer_error
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_job import PullJob, require_gpu
+from kv_sidecar.server.push_runs import KEY_BYTES
 from kv_sidecar.server.push_threads import PushThreads
 from kv_sidecar.server.staged_common import MAX_PUSH_MEMBERS, read_heads, refused_member, refused_members
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar.transport.notifications import PUSH_TAG, parse_push_failed, signed_notif
+from kv_sidecar.transport.notifications import PUSH_TAG, parse_push_failed, parse_push_refused, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,9 @@ class _PushCall:
         self.sent_at = time.monotonic()
         self.due = self.sent_at + call_after_s(link.notified_push_s) if req.notified else 0.0
         self.failed = False  # the source said its transfer failed: the call goes now, for the error
+        # The source's answer, sent back by notification (a refusal, nothing in flight): no call goes.
+        self.refused: PeerCallError | None = None
+        self.key = b""  # the push key its notification was signed with: a refusal sent back carries it
 
     @property
     def asked(self) -> bool:
@@ -105,7 +110,7 @@ class _PushCall:
         return float("inf") if self.call is not None else max(0.0, self.due - time.monotonic())
 
     def send_if_due(self) -> None:
-        if self.call is None and time.monotonic() >= self.due:
+        if self.call is None and self.refused is None and time.monotonic() >= self.due:
             # Longer than the pull: the source stops at timeout_ms, and its answer says when nothing
             # is in flight any more, which a timed-out reader still needs.
             why = "failed" if self.failed else "slow" if self.notified else "no_key"
@@ -115,6 +120,11 @@ class _PushCall:
         """The source's failure notice (any thread): the call is due now; `_receive` sends it."""
         self.failed = True
         self.due = 0.0
+        self.reception.poke()
+
+    def answered(self, refusal: PeerCallError) -> None:
+        """The source's answer by notification (any thread): `_receive` raises it; no call goes."""
+        self.refused = refusal
         self.reception.poke()
 
     def send_stopping(self) -> None:
@@ -267,6 +277,25 @@ class StagedReader:
             log.debug("failure notice for transfer %s from %s, which no read here waits for", tid, agent)
             return
         held[1].hurry()
+
+    def source_refused(self, agent: str, msg: bytes) -> None:
+        """A source's refusal by notification (NIXL thread): the answer the read's call would get, for a
+        transfer that failed with nothing in flight. Only from the agent the Push went to, with the key
+        it was signed with (NIXL notifications carry no TLS: the key binds it to that source)."""
+        parsed = parse_push_refused(msg, KEY_BYTES)
+        held = self._notified.get(parsed[1]) if parsed is not None else None
+        if (
+            parsed is None
+            or held is None
+            or held[0] != agent
+            or not hmac.compare_digest(parsed[0], held[1].key)
+        ):
+            log.debug("a refusal by notification from %s, which no read here waits for", agent)
+            return
+        _, _, code, message, trailers = parsed
+        held[1].answered(
+            PeerCallError(Code[code] if code in Code.__members__ else Code.UNKNOWN, message, True, trailers)
+        )
 
     def read(self, want: StagedRead) -> int:
         """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
@@ -480,6 +509,7 @@ class StagedReader:
                 timeout_ms=max(1, int(halt.remaining() * 1000)),
                 notified=bool(key),
                 failure_notice=bool(key),
+                refusal_notice=bool(key),
                 reader_worker_agent=slots.agent if in_worker else "",
                 source_in_worker=from_worker,
             )
@@ -497,6 +527,7 @@ class StagedReader:
                 req.open.CopyFrom(first.open_msg)
                 req.open_num_tokens = job.num_tokens
             push = _PushCall(self._threads, self._metrics, link, req, halt, rx)
+            push.key = key or b""
             if req.notified:
                 self._notified[tid] = (agent, push)
                 # The request as a NIXL notification: the source's NIXL thread starts the transfer
@@ -528,8 +559,8 @@ class StagedReader:
             ) from None
         finally:
             self._notified.pop(tid, None)
-            if done or push is None or not push.asked:
-                rx.close(True)
+            if done or push is None or not push.asked or push.refused is not None:
+                rx.close(True)  # (a refusal by notification: the source said nothing is in flight)
             else:
                 # Given up while the source may still WRITE into our slots: ask it to stop and answer now
                 # (our scatters stop in close); the slots wait for the source's confirmation. Its Push
@@ -553,6 +584,8 @@ def _receive(halt: Halt, rx: Reception | WorkerReception, push: _PushCall, addre
     """Scatter chunks as their notifications arrive, until the transfer is complete."""
     grace: float | None = None
     while True:
+        if push.refused is not None and push.call is None:
+            raise _push_error(push.refused, address, label, [m.request_id for m in push.req.members])
         left = halt.remaining()
         if grace is not None and time.monotonic() > grace:
             raise sp.ProtocolError(f"the source answered but sent only part of the {rx.chunks} chunks")

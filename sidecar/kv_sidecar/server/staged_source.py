@@ -34,7 +34,7 @@ from kv_sidecar.server.staged_common import (
     member_refusals,
     read_heads,
 )
-from kv_sidecar.transport.notifications import PUSH_TAG, push_failed
+from kv_sidecar.transport.notifications import PUSH_TAG, push_failed, push_refused
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -220,18 +220,29 @@ class StagedSource:
                 log.exception("push %s started by notification failed", req.transfer_id)
             run.finish(None, e, quiet[0])
             if req.failure_notice and not run.called and not isinstance(e, _ReaderGone):
-                self._tell_failed(agent, req.transfer_id)
+                self._tell_failed(agent, req, e if quiet[0] else None)
         finally:
             self._push_runs.ended(run)
 
-    def _tell_failed(self, agent: str, transfer_id: str) -> None:
+    def _tell_failed(self, agent: str, req: peer_pb2.PushRequest, ended: BaseException | None) -> None:
         """The reader's call is not due for up to 100 ms (staged_reader.call_after_s), and under load
         that wait made a batch with a refused member several times slower than one without (issue 32,
-        docs/benchmarks.md): tell it now, so that its call comes for the error."""
+        docs/benchmarks.md): tell it now. `ended`: the error, where nothing of the transfer is in flight;
+        a reader that takes it (refusal_notice) gets the answer its call would get, and sends none;
+        otherwise its call comes for the error (and, mid-transfer, the stop's confirmation)."""
+        key = (
+            self._push_keys.key_of(agent) if isinstance(ended, SidecarError) and req.refusal_notice else None
+        )
+        if key and isinstance(ended, SidecarError):
+            msg = push_refused(key, req.transfer_id, ended.code.name, ended.message, ended.metadata)
+        else:
+            msg = push_failed(req.transfer_id)
         try:
-            self._notify(agent, push_failed(transfer_id))
+            self._notify(agent, msg)
         except Exception:
-            log.debug("could not tell reader %s that transfer %s failed", agent, transfer_id, exc_info=True)
+            log.debug(
+                "could not tell reader %s that transfer %s failed", agent, req.transfer_id, exc_info=True
+            )
 
     def _join(self, run: PushRun, context: PushCall, key: bytes) -> peer_pb2.PushResponse:
         """Answer for a transfer the Push's notification started: its result, once it has one."""

@@ -8,6 +8,7 @@ contain anything printable, never the separator.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -28,6 +29,10 @@ RS = b"\x1e"
 # Source -> reader: the transfer that this reader's Push notification started failed before its call
 # joined it (PushRequest.failure_notice); the reader sends the call now for the error.
 PUSH_FAILED_TAG = b"kvs6"
+# Source -> reader: that failed transfer's answer itself, where nothing of it is in flight and the Push
+# said it takes it (PushRequest.refusal_notice): signed with the reader's push key, the transfer id,
+# the status's name, its words and trailers (JSON); the reader then sends no call.
+PUSH_REFUSED_TAG = b"kvs7"
 
 
 def done_notification(
@@ -72,8 +77,32 @@ def parse_push_failed(msg: bytes) -> str | None:
     return msg[len(head) :].decode(errors="replace") if msg.startswith(head) else None
 
 
+def push_refused(
+    key: bytes, transfer_id: str, code: str, message: str, trailers: Sequence[tuple[str, str]]
+) -> bytes:
+    body = json.dumps({"transfer": transfer_id, "code": code, "message": message, "trailers": list(trailers)})
+    return signed_notif(PUSH_REFUSED_TAG, key, body.encode())
+
+
+def parse_push_refused(
+    msg: bytes, key_bytes: int
+) -> tuple[bytes, str, str, str, tuple[tuple[str, str], ...]] | None:
+    """(key, transfer id, status name, words, trailers) of a PUSH_REFUSED_TAG notification, or None if
+    `msg` is not a well-formed one."""
+    parsed = parse_signed_notif(PUSH_REFUSED_TAG, msg, key_bytes)
+    if parsed is None:
+        return None
+    try:
+        body = json.loads(parsed[1])
+        trailers = tuple((str(k), str(v)) for k, v in body["trailers"])
+        return parsed[0], str(body["transfer"]), str(body["code"]), str(body["message"]), trailers
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def signed_notif(tag: bytes, key: bytes, body: bytes) -> bytes:
-    """Reader -> source: a serialized request (a Push, an OpenRead), signed with the reader agent's push key."""
+    """Reader -> source: a serialized request (a Push, an OpenRead), signed with the reader agent's push key
+    (and source -> reader: a refusal, PUSH_REFUSED_TAG)."""
     return tag + SEP + key.hex().encode() + SEP + body
 
 
