@@ -216,7 +216,13 @@ def no_transfer_in_flight(*sidecars: SidecarProcess, within_s: float = 5.0) -> N
         if not any(busy.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert not any(busy.values()), busy
+    # A read left open is a race between the two sidecars: their logs say which came first.
+    assert not any(busy.values()), "\n".join(
+        [
+            repr(busy),
+            *(f"--- {sc.name}:\n" + "\n".join(sc.stderr_lines(30)) for sc in sidecars if busy[sc.name]),
+        ]
+    )
 
 
 def metric(port: int, name: str, labels: str = "") -> float:
