@@ -83,7 +83,9 @@ class _PushCall:
         req: peer_pb2.PushRequest,
         halt: Halt,
         reception: Reception | WorkerReception,
+        key: bytes,
     ) -> None:
+        """key: the push key its notification was signed with (empty: it goes by call only)."""
         self.threads = threads
         self.metrics = metrics
         self.link = link
@@ -98,7 +100,7 @@ class _PushCall:
         self.failed = False  # the source said its transfer failed: the call goes now, for the error
         # The source's answer, sent back by notification (a refusal, nothing in flight): no call goes.
         self.refused: PeerCallError | None = None
-        self.key = b""  # the push key its notification was signed with: a refusal sent back carries it
+        self.key = key  # a refusal sent back carries it
 
     @property
     def asked(self) -> bool:
@@ -272,30 +274,30 @@ class StagedReader:
         """A source's failure notice (NIXL thread): the transfer its Push notification started failed;
         that read's call goes now and gets the error. Only from the agent the notification went to."""
         tid = parse_push_failed(msg)
-        held = self._notified.get(tid) if tid is not None else None
-        if held is None or held[0] != agent:
+        push = self._notified_from(agent, tid)
+        if push is None:
             log.debug("failure notice for transfer %s from %s, which no read here waits for", tid, agent)
             return
-        held[1].hurry()
+        push.hurry()
 
     def source_refused(self, agent: str, msg: bytes) -> None:
         """A source's refusal by notification (NIXL thread): the answer the read's call would get, for a
         transfer that failed with nothing in flight. Only from the agent the Push went to, with the key
         it was signed with (NIXL notifications carry no TLS: the key binds it to that source)."""
         parsed = parse_push_refused(msg, KEY_BYTES)
-        held = self._notified.get(parsed[1]) if parsed is not None else None
-        if (
-            parsed is None
-            or held is None
-            or held[0] != agent
-            or not hmac.compare_digest(parsed[0], held[1].key)
-        ):
+        push = self._notified_from(agent, parsed[1]) if parsed is not None else None
+        if parsed is None or push is None or not hmac.compare_digest(parsed[0], push.key):
             log.debug("a refusal by notification from %s, which no read here waits for", agent)
             return
         _, _, code, message, trailers = parsed
-        held[1].answered(
+        push.answered(
             PeerCallError(Code[code] if code in Code.__members__ else Code.UNKNOWN, message, True, trailers)
         )
+
+    def _notified_from(self, agent: str, tid: str | None) -> _PushCall | None:
+        """The Push that went by notification to `agent` as transfer `tid` and still waits, if any."""
+        held = self._notified.get(tid) if tid is not None else None
+        return held[1] if held is not None and held[0] == agent else None
 
     def read(self, want: StagedRead) -> int:
         """Move one (decode rank, source rank) read through the two sidecars' rings; returns bytes written.
@@ -526,8 +528,7 @@ class StagedReader:
             elif first.open_msg is not None:
                 req.open.CopyFrom(first.open_msg)
                 req.open_num_tokens = job.num_tokens
-            push = _PushCall(self._threads, self._metrics, link, req, halt, rx)
-            push.key = key or b""
+            push = _PushCall(self._threads, self._metrics, link, req, halt, rx, key or b"")
             if req.notified:
                 self._notified[tid] = (agent, push)
                 # The request as a NIXL notification: the source's NIXL thread starts the transfer

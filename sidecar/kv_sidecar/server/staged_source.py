@@ -230,9 +230,7 @@ class StagedSource:
         docs/benchmarks.md): tell it now. `ended`: the error, where nothing of the transfer is in flight;
         a reader that takes it (refusal_notice) gets the answer its call would get, and sends none;
         otherwise its call comes for the error (and, mid-transfer, the stop's confirmation)."""
-        key = (
-            self._push_keys.key_of(agent) if isinstance(ended, SidecarError) and req.refusal_notice else None
-        )
+        key = self._push_keys.key_of(agent) if req.refusal_notice else None
         if key and isinstance(ended, SidecarError):
             msg = push_refused(key, req.transfer_id, ended.code.name, ended.message, ended.metadata)
         else:
