@@ -517,7 +517,11 @@ class Node:
         for g in got:
             for code, n in g.get("bad", {}).get("codes", {}).items():
                 bad_codes[code] = bad_codes.get(code, 0) + n
-        bad_untouched = all(g.get("bad", {}).get("untouched", True) for g in got)
+        # verify_batch says (an older tree's engine: pull_batch's answer).
+        bad_untouched = all(
+            c.get("bad_untouched", g.get("bad", {}).get("untouched", True))
+            for g, c in zip(got, checked, strict=True)
+        )
         transfers = _transfers_between(transfers_before, _all_transfers(decoders) if staged else None)
         paths: dict[str, int] = {}
         for g in got:
@@ -534,6 +538,13 @@ class Node:
             wall_s=wall,
             lat_s=[x for g in got for x in g.get("lat", [])],
             cpu={name: 100.0 * (after[name] - before[name]) / HZ / span for name in procs}
+            | {
+                # A decode engine's own count over its pulls: the ticks above also hold its looks at the
+                # failing pulls' blocks before them (an older tree's engine: after them too).
+                f"decode {i}": 100.0 * g["cpu_s"] / max(g["wall_s"], 1e-9)
+                for i, g in enumerate(got)
+                if "cpu_s" in g
+            }
             | {
                 # A sidecar's child processes (device_workers), over the row: a worker started during it
                 # counts from zero, one that exited is not counted.

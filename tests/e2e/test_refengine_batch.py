@@ -43,7 +43,7 @@ def test_a_batch_is_pulled_checked_and_consumed(
     got = decode.send({"cmd": "pull_batch", "items": items, "concurrency": 3, "num_tokens": 16})
     assert got["ok"] and got["paths"] == {"host-nixl": 12} and len(got["lat"]) == 12, got
     checked = decode.send({"cmd": "verify_batch"})
-    assert checked == {"ok": True, "checked": 12, "errors": []}
+    assert checked == {"ok": True, "checked": 12, "errors": [], "bad_untouched": True}
     assert prefill.send({"cmd": "count_events", "kind": "consumed", "expect": 12})["count"] == 12
 
 
@@ -101,10 +101,12 @@ def test_pulls_meant_to_fail_fail_alone_and_are_counted_apart(
         cmd = {"cmd": "pull_batch", "items": items, "concurrency": 2, "num_tokens": 16, "per_call": per_call}
         got = decode.send(cmd)
         assert got["ok"] and len(got["lat"]) == 6, got
-        assert got["bad"] == {"count": 2, "codes": {"NOT_FOUND": 2}, "untouched": got["bad"]["untouched"]}, (
-            got
-        )
-        assert decode.send({"cmd": "verify_batch"}) == {"ok": True, "checked": 6, "errors": []}
+        assert got["bad"] == {"count": 2, "codes": {"NOT_FOUND": 2}}, got
+        assert got["cpu_s"] > 0, got
+        # host-nixl READs ahead of the source's answer: a refused pull may have written its own blocks
+        # (named unfilled), so that is reported, not asserted.
+        checked = decode.send({"cmd": "verify_batch"})
+        assert checked == {"ok": True, "checked": 6, "errors": [], "bad_untouched": checked["bad_untouched"]}
         assert prefill.send({"cmd": "count_events", "kind": "consumed", "expect": 6})["count"] == 6
     # A pull meant to fail that arrives fails the batch.
     fresh = _publish(prefill, 2, "wrong-")

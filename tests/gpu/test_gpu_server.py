@@ -227,14 +227,20 @@ def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(v
         time.sleep(0.05)
         os.kill(worker, signal.SIGKILL)
         res = json.loads(decode.readline(120))
-        assert res["ok"] and res["verified"], (res.get("error"), res.get("errors"))
-        assert sidecar.worker_pids() and sidecar.worker_pids() != [worker], "a new worker"
-        assert any("handshake again and retry once" in line for line in b.stderr_tail), "killed mid-transfer"
+        # Each failure message carries both sidecars' last log lines: this test failed once with no
+        # log to say why (run K, twelfth session).
+        logs = "\n".join(["-- prefill sidecar", *a.stderr_tail, "-- decode sidecar", *b.stderr_tail])
+        assert res["ok"] and res["verified"], (res.get("error"), res.get("errors"), logs)
+        assert sidecar.worker_pids() and sidecar.worker_pids() != [worker], ("a new worker", logs)
+        assert any("handshake again and retry once" in line for line in b.stderr_tail), (
+            "killed mid-transfer",
+            logs,
+        )
         pub = prefill.send(
             {"cmd": "prefill", "request_id": "after", "block_ids": [3, 4], "num_tokens": 30, "seed": 3}
         )
         res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [5, 6], "seed": 3})
-        assert res["ok"] and res["verified"], res
+        assert res["ok"] and res["verified"], (res, "\n".join([*a.stderr_tail, *b.stderr_tail]))
         assert a.alive and b.alive
     finally:
         prefill.stop()

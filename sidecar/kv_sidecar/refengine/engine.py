@@ -23,16 +23,17 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
       -> {"ok": true, "params": [{...}, ..]}   (request prefix+i of block_ids[i], filled before)
   {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S, "start_token": 0}, ..],
    "concurrency": C, "num_tokens": N, "start_token": 0, "start_at": T, "per_call": K}
-      -> {"ok": .., "lat": [..], "wall_s": .., "t_end": .., "paths": {..}, "errors": [..]}
+      -> {"ok": .., "lat": [..], "wall_s": .., "cpu_s": .., "t_end": .., "paths": {..}, "errors": [..]}
       (C threads pull the items in turn, each into blocks no other item shares; with start_at, a
       time.time() on this host, the pulls start then: several engines' batches start together; with
       per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call; an
       item's start_token pulls past a prefix held, the batch's (the same for all) is what verify checks;
-      an item with "expect_error": true must fail: "bad": {"count", "codes", "untouched": whether
-      their blocks kept their bytes, which a failed pull may write: host-nixl's early READ}, and "lat"
-      leaves it out)
-  {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..]}
-      (every byte the last pull_batch's pulls wrote, against their seeds)
+      an item with "expect_error": true must fail: "bad": {"count", "codes"}, and "lat" leaves it out;
+      cpu_s: this process's CPU seconds from the pulls' start to their end, not the checks around them)
+  {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..], "bad_untouched": ..}
+      (every byte the last pull_batch's pulls wrote, against their seeds; bad_untouched: whether the
+      blocks of its items meant to fail kept their bytes, which a failed pull may write: host-nixl's
+      early READ)
   {"cmd": "count_events", "kind": "consumed", "timeout_s": 10, "expect": N}
       -> {"ok": true, "count": n}   (events of that kind taken off the queue, waiting up to
       timeout_s for `expect` of them)
@@ -83,7 +84,9 @@ class RefEngine:
         self.client.wait_ready()
         self.caches: dict[int, ShmKVCache | GpuKVCache] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._batch: tuple[list[dict[str, Any]], list[Any], int] = ([], [], 0)
+        self._batch: tuple[list[dict[str, Any]], list[Any], int, int] = ([], [], 0, 0)
+        # The blocks of the last pull_batch's items meant to fail, and their digests before it.
+        self._bad_before: tuple[list[int], dict[str, str]] = ([], {})
         dtype = getattr(torch, spec.dtype)
         for r in ranks:
             cache: ShmKVCache | GpuKVCache
@@ -325,14 +328,16 @@ class RefEngine:
         workers = [threading.Thread(target=worker) for _ in range(cmd["concurrency"])]
         if "start_at" in cmd:
             time.sleep(max(0.0, cmd["start_at"] - time.time()))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         t_end = time.time()
         self._batch = (items, results, cmd["num_tokens"], cmd.get("start_token", 0))
+        self._bad_before = (bad_blocks, bad_before)
         paths: dict[str, int] = {}
         for res in results:
             paths[res.path or "failed"] = paths.get(res.path or "failed", 0) + 1
@@ -349,16 +354,15 @@ class RefEngine:
         for i in bad:
             if not results[i].ok:
                 codes[results[i].error_code] = codes.get(results[i].error_code, 0) + 1
-        # Reported, not a failure: a failed pull names its blocks unfilled, and may have written them.
-        untouched = not bad or self.digest({"block_ids": bad_blocks})["digests"] == bad_before
         return {
             "ok": not failed,
             "lat": [x for i, x in enumerate(lat) if i not in meant],
             "wall_s": wall,
+            "cpu_s": cpu,
             "t_end": t_end,
             "paths": paths,
             "errors": failed[:20],
-            "bad": {"count": len(bad), "codes": codes, "untouched": untouched},
+            "bad": {"count": len(bad), "codes": codes},
         }
 
     def verify_batch(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -384,7 +388,16 @@ class RefEngine:
             for r, cache in self.caches.items():
                 for ids in lists:
                     errors += check_request(self.spec, r, cache.tensors, ids, logical, start)[:3]
-        return {"ok": not errors, "checked": sum(r.ok for r in results), "errors": errors[:20]}
+        # Reported, not a failure: a failed pull names its blocks unfilled, and may have written them.
+        # Looked at here, not at the batch's end: a load bench reads its processes' CPU in between.
+        bad_blocks, bad_before = self._bad_before
+        untouched = not bad_blocks or self.digest({"block_ids": bad_blocks})["digests"] == bad_before
+        return {
+            "ok": not errors,
+            "checked": sum(r.ok for r in results),
+            "errors": errors[:20],
+            "bad_untouched": untouched,
+        }
 
     def count_events(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Take events of `kind` off the queue (others are dropped), waiting up to timeout_s for `expect`."""
