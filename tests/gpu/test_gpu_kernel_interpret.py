@@ -8,6 +8,7 @@ strides agree with the host executor's strided views.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import kvcases as kc
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from kv_sidecar.execute import gpu_geometry as geo
+from kv_sidecar.plan.blocks import dst_block_count
 from kv_sidecar.plan.spec import K_TRANSPOSED, Layout, PlanError
 
 torch = pytest.importorskip("torch")
@@ -399,3 +401,84 @@ def test_specialization_key_changes_where_triton_specialises() -> None:
     assert key((32, 5, 2**20), pointers=(words.view(torch.int32), words, words, ids, ids)) != base
     assert key((32, 5, 2**20), ROWS=4) != base
     assert key((32, 5, 2**20), num_warps=8) != base
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "block_16_to_32", "gather_2to1"])
+def test_a_batchs_direct_copies_between_two_views_go_as_one_launch(
+    name: str, fresh_gpu: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """local_copies' join of a PullBatch's gpu-direct copies, through the interpreter: the members
+    between the same two views go as one launch and each lands as its own copy would; a member the
+    executor refuses fails alone, with the words it gets alone; two members into one destination block
+    launch one after the other, as they did before joins."""
+    import functools
+
+    from kv_sidecar.dataplane import local_copies
+    from kv_sidecar.dataplane.jobs import Tokens
+    from kv_sidecar.plan.blocks import check_copy
+
+    gpu = fresh_gpu
+    launches: list[int] = []
+    real = gpu.copy_request
+
+    def counted(*args: Any, **kw: Any) -> int:
+        launches.append(1)
+        return real(*args, **{**kw, "interpret": True})
+
+    monkeypatch.setattr(local_copies.gpu, "copy_request", functools.partial(counted))
+    c = kc.case(name)
+    bd = c.dst.block_size
+    r = c.reads[0]
+    src = kc.random_tensors(c.src, 31 + r.src_rank)
+    sview = gpu.gpu_rank_view(c.src, r.src_rank, src, 0)
+    # Whole decode blocks but the last member's, so that the join pads nothing and whole tensors compare.
+    shapes = [(2 * bd, 0), (3 * bd, bd), (bd + 5, 0)]
+    rng = np.random.default_rng(3)
+    src_order = rng.permutation(c.src.num_blocks).tolist()
+    dst_order = rng.permutation(c.dst.num_blocks).tolist()
+    tokens, s_at, d_at = [], 0, 0
+    for n, start in shapes:
+        n_src, n_dst = -(-n // c.src.block_size), dst_block_count(bd, n, start)
+        tokens.append(
+            Tokens(
+                np.array(src_order[s_at : s_at + n_src]), np.array(dst_order[d_at : d_at + n_dst]), n, start
+            )
+        )
+        s_at, d_at = s_at + n_src, d_at + n_dst
+    bad = Tokens(tokens[0].src_blocks, np.array(dst_order[d_at : d_at + 1]), 2 * bd, 0)  # one block short
+
+    def run(members: list[Tokens]) -> tuple[list[torch.Tensor], list[int | BaseException]]:
+        out_t = kc.random_tensors(c.dst, 8)
+        dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out_t, 0)
+        out: list[int | BaseException] = [0] * len(members)
+        launches.clear()
+        local_copies._launch_pair(
+            local_copies._Pair(sview, dview, r.heads, list(range(len(members)))), members, out
+        )
+        return out_t, out
+
+    got, out = run([*tokens, bad])
+    assert len(launches) == 1, "the three good members as one launch"
+    want = kc.random_tensors(c.dst, 8)
+    dview = gpu.gpu_rank_view(c.dst, c.dst_rank, want, 0)
+    for k, t in enumerate(tokens):
+        assert out[k] == real(
+            sview, dview, r.heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token, interpret=True
+        )
+    for g, w in zip(got, want, strict=True):
+        assert kc.bitwise_equal(g, w)
+    assert isinstance(out[3], PlanError)
+    with pytest.raises(PlanError) as alone:
+        check_copy(
+            c.src, r.src_rank, c.dst, c.dst_rank, r.heads, bad.src_blocks, bad.dst_blocks, bad.num_tokens, 0
+        )
+    assert str(out[3]) == str(alone.value)
+    # Two members into one destination block: no join (a block written twice in one launch races).
+    twice = [
+        tokens[0],
+        dataclasses.replace(
+            tokens[1], dst_blocks=np.array([tokens[0].dst_blocks[0], *tokens[1].dst_blocks[1:]])
+        ),
+    ]
+    got, out = run(twice)
+    assert len(launches) == 2 and all(isinstance(o, int) and o > 0 for o in out), out

@@ -466,6 +466,64 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
 
 
 @pytest.mark.parametrize("decode_block", [16, 32])
+def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
+    node: SidecarProcess, decode_block: int
+) -> None:
+    """gpu-direct PullBatch members from one prefill engine into one decode engine: their copies go as
+    one kernel launch (local_copies.copy_gpu_all), and each member lands exact: a partial last block in
+    the middle of the join, one past a prefix, prefill blocks of 16 into decode blocks of 16 or 32. No
+    byte outside the members' blocks changes; a member naming a block out of range fails alone."""
+    n = next(_count)
+    pspec = EngineSpec.from_dict(BASE | {"num_blocks": 64})
+    dspec = EngineSpec.from_dict(BASE | {"block_size": decode_block, "num_blocks": 64})
+    prefill = EngineProcess(node.socket, f"join-p-{n}", pspec, devices=[GPU_A])
+    decode = EngineProcess(node.socket, f"join-d-{n}", dspec, devices=[GPU_B])
+    try:
+        pulls, src_at, dst_at = [], 0, 0
+        for i, (tokens, start) in enumerate([(150, 0), (40, 0), (100, decode_block), (17, 0)]):
+            src = list(range(src_at, src_at + -(-tokens // 16)))
+            src_at += len(src)
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"j{i}",
+                    "block_ids": src,
+                    "num_tokens": tokens,
+                    "seed": n + i,
+                }
+            )
+            assert pub["ok"], pub
+            dst = list(range(dst_at, dst_at + -(-tokens // decode_block) - start // decode_block))
+            dst_at += len(dst) + 1  # a block between members: the padding must not reach it
+            pulls.append({"params": pub["params"], "block_ids": dst, "seed": n + i, "start_token": start})
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "jbad", "block_ids": [60, 61, 62], "num_tokens": 40, "seed": n}
+        )
+        last = dspec.num_blocks  # one past the end
+        bad = {
+            "params": pub["params"],
+            "block_ids": list(range(last - 40 // decode_block, last + 1)),
+            "seed": n,
+        }
+        launches = lambda: sum(  # noqa: E731
+            _metric(node, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton")
+        )
+        before = launches()
+        out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})
+        *good, refused = out["results"]
+        for res in good:
+            assert res["ok"] and res["verified"] and res["path"] == "gpu-direct", res
+        assert refused["error_code"] == "INVALID_ARGUMENT" and str(dspec.num_blocks) in refused["error"], (
+            refused
+        )
+        assert out["untouched_outside"], out["outside_errors"]
+        assert launches() - before == 1, "the four members' copies as one launch"
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("decode_block", [16, 32])
 def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
     pair: tuple[SidecarProcess, SidecarProcess], decode_block: int
 ) -> None:

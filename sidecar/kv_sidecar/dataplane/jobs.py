@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kv_sidecar.dataplane.staged_protocol import member_block_indexes, member_spans
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.plan.state import StateMove
@@ -90,6 +91,35 @@ class Tokens:
     dst_blocks: np.ndarray  # int64
     num_tokens: int
     start_token: int
+
+
+def joinable(tokens: Tokens, src_block_size: int, dst_block_size: int) -> bool:
+    """Whether a request's copy may go as a member of a joined one (join_tokens): it moves at least a
+    token from a destination block boundary, and a destination block holds whole source blocks."""
+    return (
+        dst_block_size % src_block_size == 0
+        and tokens.start_token % dst_block_size == 0
+        and tokens.num_tokens > tokens.start_token
+    )
+
+
+def join_tokens(
+    members: Sequence[Tokens], src_block_size: int, dst_block_size: int
+) -> tuple[Tokens, list[tuple[int, int]]]:
+    """Several requests' copies between the same two ranks as one (each `joinable`): their tokens one
+    after another from token 0, as a staged transfer carries a group's members (member_spans: every
+    member but the last padded to whole destination blocks, its padding the rest of its own last
+    block; member_block_indexes: which of its source blocks it takes). Returns the joined tokens and
+    each member's span (first token in the join, tokens it moves there)."""
+    spans = member_spans([t.num_tokens - t.start_token for t in members], dst_block_size)
+    src, dst = [], []
+    for t, (_, moved) in zip(members, spans, strict=True):
+        src.append(
+            t.src_blocks[member_block_indexes(len(t.src_blocks), t.start_token, moved, src_block_size)]
+        )
+        dst.append(t.dst_blocks[: -(-moved // dst_block_size)])
+    joined = Tokens(np.concatenate(src), np.concatenate(dst), sum(moved for _, moved in spans), 0)
+    return joined, spans
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,8 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kv_sidecar.dataplane import staged_protocol as sp
-from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Halt, Receive, Tokens
+from kv_sidecar.dataplane.jobs import CANCEL_WAIT_S, Halt, Receive, Tokens, join_tokens
 from kv_sidecar.dataplane.plane import DataPlane, Reception, WorkerReception
 from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
@@ -213,13 +211,8 @@ def joined_tokens(jobs: list[PullJob]) -> Tokens:
     (dataplane/jobs.Tokens); staged_protocol.member_block_indexes says which source blocks a read's
     span takes (the source picks the same from its own records)."""
     plan = jobs[0].plan
-    bp, bd = plan.prefill.block_size, plan.decode.block_size
-    spans = moved_spans(jobs, bd)
-    src, dst = [], []
-    for j, (_, moved) in zip(jobs, spans, strict=True):
-        src.append(j.src_blocks[sp.member_block_indexes(len(j.src_blocks), j.start_token, moved, bp)])
-        dst.append(j.dst_blocks[: -(-moved // bd)])
-    return Tokens(np.concatenate(src), np.concatenate(dst), sum(moved for _, moved in spans), 0)
+    joined, _ = join_tokens([j.tokens for j in jobs], plan.prefill.block_size, plan.decode.block_size)
+    return joined
 
 
 def groupable(job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
