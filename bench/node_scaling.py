@@ -980,6 +980,8 @@ def main() -> int:
                 for b in sizes:
                     for p in range(max(pair_counts)):
                         node.run(p + 1, 1, b, 20)
+                        if node.per_call > 1:  # and a batch's own launches (kernels built on first use)
+                            node.run(p + 1, node.per_call, b, 2 * node.per_call)
             for b in sizes:
                 for p in pair_counts:
                     for c in levels:

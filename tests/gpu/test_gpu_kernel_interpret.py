@@ -473,6 +473,12 @@ def test_a_batchs_direct_copies_between_two_views_go_as_one_launch(
             c.src, r.src_rank, c.dst, c.dst_rank, r.heads, bad.src_blocks, bad.dst_blocks, bad.num_tokens, 0
         )
     assert str(out[3]) == str(alone.value)
+    # Joins stop at JOIN_BYTES: two members of two blocks joined, the third launched alone.
+    monkeypatch.setattr(local_copies, "JOIN_BYTES", 4 * gpu.staging_bytes(c.dst, 1))
+    got, out = run(tokens)
+    assert len(launches) == 2 and all(isinstance(o, int) and o > 0 for o in out), out
+    for g, w in zip(got, want, strict=True):
+        assert kc.bitwise_equal(g, w)
     # Two members into one destination block: no join (a block written twice in one launch races).
     twice = [
         tokens[0],

@@ -77,6 +77,13 @@ def copy_gpu(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
     return moved
 
 
+# The most bytes one joined launch moves. Members of 2 MiB joined 16 at a time ran 1.29-1.74x the pulls/s;
+# 16 members of 64 MiB as one 1 GiB launch read over NVLink ran 0.63-0.80x (p50 1.07-1.31x slower), though
+# the same join on one GPU takes 0.61x the GPU time of 16 launches (2x H200, docs/benchmarks.md): where
+# a launch's own cost is small against its bytes, members go alone, as before joins.
+JOIN_BYTES = 64 << 20
+
+
 @dataclass
 class _Pair:
     """The copies' reads between two views (one source rank, one decode rank, the same heads)."""
@@ -90,7 +97,7 @@ class _Pair:
 def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
     """Several copies (a PullBatch's), then one wait per decode GPU for all. Each copy's bytes, or what
     failed it. The reads of several copies between the same two views go as one launch where they
-    may (`_launch_pair`: a lone batch of 16 one-block gpu-direct pulls spent ~0.15 ms a member on its
+    may (`_launch_pair`, up to JOIN_BYTES: a lone batch of 16 one-block gpu-direct pulls spent ~0.15 ms a member on its
     own id upload and launch, 2.9 of its 5.2 ms, on two H200s). A launch that fails fails the copies
     in it, whose other launches still complete before this returns; a failed wait fails every copy."""
     out: list[int | BaseException] = [0] * len(jobs)
@@ -122,6 +129,19 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
     return out
 
 
+def _bounded(items: list[int], sizes: list[int]) -> list[list[int]]:
+    """`items` in order, in runs of at most JOIN_BYTES (an item larger goes alone)."""
+    runs: list[list[int]] = []
+    size = JOIN_BYTES
+    for item, n in zip(items, sizes, strict=True):
+        if size + n > JOIN_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += n
+    return runs
+
+
 def _add(out: list[int | BaseException], k: int, moved: int | BaseException) -> None:
     """A read's outcome into its copy's: bytes add up; the first failure stays."""
     done = out[k]
@@ -132,7 +152,7 @@ def _add(out: list[int | BaseException], k: int, moved: int | BaseException) -> 
 def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseException]) -> None:
     """One pair's reads: those that may be joined (jobs.joinable; each checked alone first, so that a
     bad one fails alone with the words it gets alone; no destination block twice) as one launch over
-    their joined tokens (jobs.join_tokens); the rest one launch each."""
+    their joined tokens (jobs.join_tokens), up to JOIN_BYTES a launch; the rest one launch each."""
     src, dst, heads = pair.src, pair.dst, pair.heads
     bp, bd = src.spec.block_size, dst.spec.block_size
     joined: list[int] = []  # positions in pair.copies
@@ -159,22 +179,25 @@ def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExceptio
             _add(out, k, e)
             continue
         joined.append(i)
-    dst_ids = np.concatenate([tokens[i].dst_blocks for i in joined]) if joined else np.empty(0)
-    if len(joined) > 1 and len(np.unique(dst_ids)) == len(dst_ids):
-        whole, _ = join_tokens([tokens[i] for i in joined], bp, bd)
+    block_bytes = gpu.staging_bytes(dst.spec, 1)
+    for group in _bounded(joined, [block_bytes * len(tokens[i].dst_blocks) for i in joined]):
+        dst_ids = np.concatenate([tokens[i].dst_blocks for i in group])
+        if len(group) < 2 or len(np.unique(dst_ids)) < len(dst_ids):
+            alone.extend(group)
+            continue
+        whole, _ = join_tokens([tokens[i] for i in group], bp, bd)
         try:
             nbytes = gpu.copy_request(
                 src, dst, heads, whole.src_blocks, whole.dst_blocks, whole.num_tokens, 0, synchronize=False
             )
         except Exception as e:
-            for i in joined:
+            for i in group:
                 _add(out, pair.copies[i], e)
-        else:
-            per_token = nbytes // whole.num_tokens
-            for i in joined:
-                _add(out, pair.copies[i], (tokens[i].num_tokens - tokens[i].start_token) * per_token)
-        joined = []
-    for i in [*joined, *alone]:
+            continue
+        per_token = nbytes // whole.num_tokens
+        for i in group:
+            _add(out, pair.copies[i], (tokens[i].num_tokens - tokens[i].start_token) * per_token)
+    for i in alone:
         t = tokens[i]
         try:
             moved: int | BaseException = gpu.copy_request(
