@@ -155,13 +155,14 @@ def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExceptio
     their joined tokens (jobs.join_tokens), up to JOIN_BYTES a launch; the rest one launch each."""
     src, dst, heads = pair.src, pair.dst, pair.heads
     bp, bd = src.spec.block_size, dst.spec.block_size
+    block_bytes = gpu.staging_bytes(dst.spec, 1)
     joined: list[int] = []  # positions in pair.copies
     alone: list[int] = []
     for i, (k, t) in enumerate(zip(pair.copies, tokens, strict=True)):
         if isinstance(out[k], BaseException):
             continue  # another read of this copy failed to launch: launch nothing more of it
-        if len(tokens) == 1 or not joinable(t, bp, bd):
-            alone.append(i)
+        if len(tokens) == 1 or 2 * block_bytes * len(t.dst_blocks) > JOIN_BYTES or not joinable(t, bp, bd):
+            alone.append(i)  # alone, or too large to share a launch with another: as before joins
             continue
         try:
             check_copy(
@@ -179,7 +180,6 @@ def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExceptio
             _add(out, k, e)
             continue
         joined.append(i)
-    block_bytes = gpu.staging_bytes(dst.spec, 1)
     for group in _bounded(joined, [block_bytes * len(tokens[i].dst_blocks) for i in joined]):
         dst_ids = np.concatenate([tokens[i].dst_blocks for i in group])
         if len(group) < 2 or len(np.unique(dst_ids)) < len(dst_ids):
