@@ -20,20 +20,11 @@ import time
 
 import numpy as np
 import torch
+from gpu_latency import MODEL  # the model-shaped rank of the GPU benches
 
 from kv_sidecar.dataplane.jobs import Tokens, join_tokens
 from kv_sidecar.execute import gpu
 from kv_sidecar.plan.spec import EngineSpec
-
-SPEC = {
-    "tp_size": 1,
-    "num_layers": 32,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "dtype": "bfloat16",
-    "block_size": 16,
-    "layout": "flash_attn_nhd",
-}
 
 
 def main() -> None:
@@ -45,7 +36,7 @@ def main() -> None:
     blocks = [int(b) for b in args.blocks.split(",")]
     members = [int(m) for m in args.members.split(",")]
     need = max(blocks) * max(members)
-    spec = EngineSpec.from_dict(SPEC | {"num_blocks": need + 1})
+    spec = EngineSpec.from_dict(MODEL | {"num_blocks": need + 1})
     src_t = [torch.randn(s, dtype=torch.bfloat16, device="cuda:0") for s in spec.rank_tensor_shapes()]
     dst_t = [torch.zeros(s, dtype=torch.bfloat16, device="cuda:0") for s in spec.rank_tensor_shapes()]
     sview = gpu.gpu_rank_view(spec, 0, src_t, 0)
