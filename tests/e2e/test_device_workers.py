@@ -102,3 +102,91 @@ def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Sp
     res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 8})
     assert res["ok"] and res["verified"], res
     assert sc.alive
+
+
+def test_a_pull_batch_through_the_worker_is_exact_and_a_bad_member_fails_alone(spawn: Spawn) -> None:
+    """A PullBatch's copies into one device go to its worker in one message (local_copies.copy_all
+    there): every member exact, one naming a request never published refused alone, no byte outside
+    the members' blocks written."""
+    sc = spawn(SidecarProcess("workers-batch", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(sc.socket, "wb-p", SMALL), lambda: EngineProcess(sc.socket, "wb-d", SMALL)
+    )
+    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    pulls = []
+    for i in range(4):
+        blocks = [3 * i, 3 * i + 1, 3 * i + 2]
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": f"b{i}", "block_ids": blocks, "num_tokens": 40, "seed": i}
+        )
+        assert pub["ok"], pub
+        pulls.append({"params": pub["params"], "block_ids": [b + 20 for b in blocks], "seed": i})
+    gone = {
+        "params": dict(pulls[0]["params"], request_id="never-published"),
+        "block_ids": [40, 41, 42],
+        "seed": 0,
+    }
+    out = decode.send({"cmd": "pull_many", "pulls": [*pulls, gone]})
+    *good, refused = out["results"]
+    for res in good:
+        assert res["ok"] and res["verified"] and res["path"] == "host-direct", res
+    assert refused["error_code"] == "NOT_FOUND" and refused["unfilled_blocks"] == [40, 41, 42], refused
+    assert out["untouched_outside"], out["outside_errors"]
+    assert len(workers_of(sc)) == 1
+
+
+def test_a_worker_killed_mid_batch_fails_every_member_it_held_and_comes_back(spawn: Spawn) -> None:
+    """Both members of a batch go to the worker in one message: killed in the middle, it fails both
+    (UNAVAILABLE, each naming its own blocks), is started again, and the next batch is exact."""
+    sc = spawn(SidecarProcess("workers-batch-kill", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(sc.socket, "bk-p", BIG), lambda: EngineProcess(sc.socket, "bk-d", BIG)
+    )
+    half = LONG // 2
+    pulls = []
+    for i in range(2):
+        src = list(range(i * half, (i + 1) * half))
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": f"long{i}",
+                "block_ids": src,
+                "num_tokens": half * BIG.block_size,
+                "seed": 7 + i,
+            }
+        )
+        assert pub["ok"], pub
+        dst = list(range(BIG.num_blocks - LONG + i * half, BIG.num_blocks - LONG + (i + 1) * half))
+        pulls.append({"params": pub["params"], "block_ids": dst, "seed": 7 + i})
+    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    (worker,) = workers_of(sc)
+    before = cpu_ticks(worker)
+    decode.post({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
+    deadline = time.monotonic() + 30
+    while cpu_ticks(worker) < before + 2:  # copying (1 GiB of memmoves takes far longer than 20 ms)
+        assert time.monotonic() < deadline, "the worker never started the copies"
+        time.sleep(0.002)
+    os.kill(worker, signal.SIGKILL)
+    out = json.loads(decode.readline(120))
+    for res, pull in zip(out["results"], pulls, strict=True):
+        assert not res["ok"], "the copies ended before the kill; make them longer (LONG)"
+        assert res["error_code"] == "UNAVAILABLE" and "data-plane worker of the host died" in res["error"], (
+            res
+        )
+        assert res["unfilled_blocks"] == pull["block_ids"], res
+    wait_for("a new worker", lambda: workers_of(sc) and workers_of(sc) != [worker])
+    again = []
+    for i in range(2):
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": f"after{i}",
+                "block_ids": [2 * i, 2 * i + 1],
+                "num_tokens": 32,
+                "seed": 9 + i,
+            }
+        )
+        again.append({"params": pub["params"], "block_ids": [4 + 2 * i, 5 + 2 * i], "seed": 9 + i})
+    out = decode.send({"cmd": "pull_many", "pulls": again})
+    assert all(r["ok"] and r["verified"] for r in out["results"]), out
+    assert sc.alive

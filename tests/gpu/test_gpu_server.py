@@ -465,14 +465,16 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
             e.stop()
 
 
-@pytest.mark.parametrize("decode_block", [16, 32])
+@pytest.mark.parametrize(("where", "decode_block"), [("node", 16), ("node", 32), ("worker_node", 32)])
 def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
-    node: SidecarProcess, decode_block: int
+    request: pytest.FixtureRequest, where: str, decode_block: int
 ) -> None:
     """gpu-direct PullBatch members from one prefill engine into one decode engine: their copies go as
     one kernel launch (local_copies.copy_gpu_all), and each member lands exact: a partial last block in
     the middle of the join, one past a prefix, prefill blocks of 16 into decode blocks of 16 or 32. No
-    byte outside the members' blocks changes; a member naming a block out of range fails alone."""
+    byte outside the members' blocks changes; a member naming a block out of range fails alone. With
+    device_workers the batch goes to the decode GPU's worker in one message and joins there."""
+    node: SidecarProcess = request.getfixturevalue(where)
     n = next(_count)
     pspec = EngineSpec.from_dict(BASE | {"num_blocks": 64})
     dspec = EngineSpec.from_dict(BASE | {"block_size": decode_block, "num_blocks": 64})
@@ -505,8 +507,13 @@ def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
             "block_ids": list(range(last - 40 // decode_block, last + 1)),
             "seed": n,
         }
+        if where == "worker_node":  # counted in the worker, exposed by the sidecar with its device
+            device = GPU_B.split(":")[1]
+            name, labels = "kvsidecar_worker_gpu_launches_total", f'device="{device}",'
+        else:
+            name, labels = "kvsidecar_gpu_launches_total", ""
         launches = lambda: sum(  # noqa: E731
-            _metric(node, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton")
+            _metric(node, name, f'{{{labels}by="{by}"}}') for by in ("direct", "triton")
         )
         before = launches()
         out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})

@@ -66,6 +66,28 @@ def copy_host(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
     return nbytes
 
 
+def copy_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
+    """Several copies (a PullBatch's), each's bytes or what failed it: those into GPU ranks launched
+    together with one wait per decode GPU (copy_gpu_all), the others one after another. In the
+    sidecar, or in a device's worker process (dataplane/workers.py) for the copies into its device."""
+    out: list[int | BaseException | None] = [None] * len(jobs)
+    on_gpu = [i for i, (job, _) in enumerate(jobs) if job.reads and ranks.is_gpu(job.reads[0].dst)]
+    if on_gpu:
+        try:
+            moved = copy_gpu_all(ranks, [jobs[i] for i in on_gpu])
+        except Exception as e:  # the wait failed: no copy is known to have landed
+            moved = [e] * len(on_gpu)
+        for i, m in zip(on_gpu, moved, strict=True):
+            out[i] = m
+    for i, (job, halt) in enumerate(jobs):
+        if out[i] is None:
+            try:
+                out[i] = copy_host(ranks, job, halt)
+            except Exception as e:
+                out[i] = e
+    return [m if m is not None else RuntimeError("a copy got no outcome") for m in out]
+
+
 def copy_gpu(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
     """Every read, one launch each on the decode GPU's current stream; the copy waits for them once,
     at the end, and the mappings stay held until then, even when a later launch fails. (A stream from

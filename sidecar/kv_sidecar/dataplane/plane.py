@@ -227,34 +227,30 @@ class DataPlane:
         the decode device's worker process where there are workers."""
         if self.workers is not None and self._settings.device_workers and job.reads:
             return self.workers.copy(self._device_of(job.reads[0].dst), job, halt)
-        if self._copies_on_gpu_here(job):
+        if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
 
-    def _copies_on_gpu_here(self, job: LocalCopy) -> bool:
-        """Whether `copy_local` launches this copy on a GPU from this process (not in a worker)."""
-        in_worker = self.workers is not None and self._settings.device_workers
-        return not in_worker and bool(job.reads) and self.ranks.is_gpu(job.reads[0].dst)
-
     def copy_local_all(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
         """Several copies (a PullBatch's), each's bytes or what failed it: on GPUs launched together
-        with one wait per decode GPU; otherwise one after another, as `copy_local` makes each."""
-        out: list[int | BaseException | None] = [None] * len(jobs)
-        on_gpu = [i for i, (job, _) in enumerate(jobs) if self._copies_on_gpu_here(job)]
-        if on_gpu:
-            try:
-                moved = local_copies.copy_gpu_all(self.ranks, [jobs[i] for i in on_gpu])
-            except Exception as e:  # the wait failed: no copy is known to have landed
-                moved = [e] * len(on_gpu)
-            for i, m in zip(on_gpu, moved, strict=True):
-                out[i] = m
-        for i, (job, halt) in enumerate(jobs):
-            if out[i] is None:
-                try:
-                    out[i] = self.copy_local(job, halt)
-                except Exception as e:
-                    out[i] = e
-        return [m if m is not None else RuntimeError("a copy got no outcome") for m in out]
+        with one wait per decode GPU, host ones one after another (local_copies.copy_all); where there
+        are workers, each device's copies in one message to its worker, which does the same."""
+        if self.workers is None or not self._settings.device_workers:
+            return local_copies.copy_all(self.ranks, jobs)
+        out: list[int | BaseException] = [0] * len(jobs)
+        by_device: dict[int, list[int]] = {}
+        for i, (job, _) in enumerate(jobs):
+            try:  # a rank gone since the pull began fails that copy alone
+                if job.reads:
+                    by_device.setdefault(self._device_of(job.reads[0].dst), []).append(i)
+            except Exception as e:
+                out[i] = e
+        # Sent to every worker first, then waited for: devices copy side by side.
+        posted = {d: self.workers.post_copies(d, [jobs[i] for i in idx]) for d, idx in by_device.items()}
+        for device, idx in by_device.items():
+            for i, moved in zip(idx, posted[device].wait(), strict=True):
+                out[i] = moved
+        return out
 
     def copy_state(self, job: StateCopy, halt: Halt) -> int:
         """host-direct of a converted Mamba state block (host ranks only: the caller checked)."""

@@ -5,7 +5,8 @@ One sidecar interpreter serving every GPU of a node is what bounds it under load
 queues every device's copies behind each other. With `device_workers` on, each device's local copies
 (host-direct, gpu-direct) run in a process of their own, with its own interpreter, CUDA context and
 streams. The sidecar hands a worker the ranks' memory as engines sent it and `LocalCopy` jobs, plain
-data over a pipe; the worker maps the memory itself and answers bytes copied or an error.
+data over a pipe (a PullBatch's copies into one device in one message, `post_copies`); the worker maps
+the memory itself and answers bytes copied or an error.
 
 A worker that dies fails the copies it held (UNAVAILABLE, naming the blocks they did not fill) and is
 started again with every rank attached again; the sidecar stays up. A copy that outlives its deadline
@@ -23,8 +24,10 @@ import multiprocessing
 import multiprocessing.connection
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 from kv_sidecar.config import Settings
@@ -81,6 +84,13 @@ def _serve(
             return local_copies.copy_gpu(ranks, job, halt)
         return local_copies.copy_host(ranks, job, halt)
 
+    def copy_all(jobs: list[tuple[LocalCopy, float]]) -> list[tuple[bool, Any]]:
+        """A PullBatch's copies into this device, as the sidecar would make them (GPU ones launched
+        together, local_copies.copy_all): each's bytes or its error, encoded."""
+        halts = [(job, Deadline(d, "the pull's deadline passed during its copy")) for job, d in jobs]
+        moved = local_copies.copy_all(ranks, halts)
+        return [(False, encode_error(m)) if isinstance(m, BaseException) else (True, m) for m in moved]
+
     def attach(key: RankKey, spec: EngineSpec, gpu: bool, memory: Any) -> None:
         if gpu:
             ranks.attach_gpu(key, spec, memory)
@@ -94,6 +104,8 @@ def _serve(
             break
         if kind == "copy":
             pool.submit(run, msg_id, copy, *args)
+        elif kind == "copy_all":
+            pool.submit(run, msg_id, copy_all, *args)
         elif kind == "attach":
             run(msg_id, attach, *args)
         elif kind == "detach":
@@ -292,6 +304,23 @@ class CopyWorker:
                 f"blocks not filled: {_blocks(job)}",
             ) from None
 
+    def post_copies(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> PostedCopies:
+        """Send several copies (a PullBatch's into this device) in one message, without waiting: one
+        hand-off for the batch instead of one per member, and its GPU copies launched together in the
+        worker. A copy already stopped fails alone here."""
+        out: list[int | BaseException] = [0] * len(jobs)
+        sent: list[int] = []
+        deadlines: list[float] = []
+        for i, (_, halt) in enumerate(jobs):
+            try:
+                deadlines.append(time.monotonic() + halt.remaining())
+                sent.append(i)
+            except Exception as e:
+                out[i] = e
+        msg = [(jobs[i][0], d) for i, d in zip(sent, deadlines, strict=True)]
+        fut = self._call("copy_all", None, msg) if msg else None
+        return PostedCopies(self, out, sent, fut, max(deadlines, default=0.0))
+
     def kill(self) -> None:
         """Kill the worker process (it is started again)."""
         proc = self._proc
@@ -310,6 +339,43 @@ class CopyWorker:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+
+
+@dataclass
+class PostedCopies:
+    """Copies sent to a worker in one message (CopyWorker.post_copies), until they are answered."""
+
+    worker: CopyWorker
+    out: list[int | BaseException]  # each copy's outcome: those stopped before sending already in
+    sent: list[int]  # the copies the message holds, by index
+    answer: Future[Any] | None  # None: nothing was sent
+    deadline: float  # the latest of theirs
+
+    def wait(self) -> list[int | BaseException]:
+        """Each copy's bytes or what failed it. A worker that died fails every copy it held
+        (UNAVAILABLE); one still copying KILL_AFTER_S past the last deadline is killed, as for a copy
+        alone: nothing of ours writes into an engine's cache after the pulls answered."""
+        if self.answer is None:
+            return self.out
+        answers: list[tuple[bool, Any]] | None = None
+        failed: BaseException | None = None
+        try:
+            answers = self.answer.result(timeout=max(0.0, self.deadline - time.monotonic()) + KILL_AFTER_S)
+        except FutureTimeout:
+            self.worker.kill()
+            failed = SidecarError(
+                Code.DEADLINE_EXCEEDED,
+                f"the copies did not end {KILL_AFTER_S:.0f} s past their deadline: their worker was restarted",
+            )
+        except Exception as e:  # the worker died with them
+            failed = e
+        for k, i in enumerate(self.sent):
+            if answers is None:
+                self.out[i] = failed if failed is not None else RuntimeError("a copy got no outcome")
+            else:
+                ok, value = answers[k]
+                self.out[i] = int(value) if ok else decode_error(value)
+        return self.out
 
 
 class CopyWorkers:
@@ -350,6 +416,11 @@ class CopyWorkers:
         with self._lock:
             worker = self._get(device)
         return worker.copy(job, halt)
+
+    def post_copies(self, device: int, jobs: Sequence[tuple[LocalCopy, Halt]]) -> PostedCopies:
+        with self._lock:
+            worker = self._get(device)
+        return worker.post_copies(jobs)
 
     def metrics(self, timeout_s: float = 0.5) -> dict[int, list[Family]]:
         """What each worker counts: device -> its families, asked side by side; a worker that does not
@@ -410,10 +481,11 @@ def _died(device: int, exitcode: int | None, job: _Job, closed: bool) -> Sidecar
         return SidecarError(Code.UNAVAILABLE, "the sidecar is shutting down")
     where = "the host" if device == HOST else f"GPU {device}"
     what = "the copy" if job is None or isinstance(job, LocalCopy) else "the staged transfer"
+    # Several copies at once (job None): each pull names its own blocks not filled.
+    blocks = "" if job is None else f"; blocks not filled: {_blocks(job)}"
     return SidecarError(
         Code.UNAVAILABLE,
-        f"the data-plane worker of {where} died (exit code {exitcode}) during {what}; it was "
-        f"restarted; blocks not filled: {_blocks(job)}",
+        f"the data-plane worker of {where} died (exit code {exitcode}) during {what}; it was restarted{blocks}",
     )
 
 
