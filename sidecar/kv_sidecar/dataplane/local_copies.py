@@ -119,30 +119,33 @@ class _Pair:
 def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
     """Several copies (a PullBatch's), then one wait per decode GPU for all. Each copy's bytes, or what
     failed it. The reads of several copies between the same two views go as one launch where they
-    may (`_launch_pair`, up to JOIN_BYTES: a lone batch of 16 one-block gpu-direct pulls spent ~0.15 ms a member on its
-    own id upload and launch, 2.9 of its 5.2 ms, on two H200s). A launch that fails fails the copies
-    in it, whose other launches still complete before this returns; a failed wait fails every copy."""
+    may (`_launch_pair`, up to JOIN_BYTES): a lone batch of 16 one-block gpu-direct pulls spent
+    ~0.15 ms a member on its own id upload and launch, 2.9 of its 5.2 ms, on two H200s. A launch that
+    fails fails the copies in it, whose other launches still complete before this returns; a failed
+    wait fails every copy."""
     out: list[int | BaseException] = [0] * len(jobs)
     devices: set[int] = set()
     with contextlib.ExitStack() as held:
         try:
             pairs: dict[tuple[object, ...], _Pair] = {}
             for k, (job, halt) in enumerate(jobs):
-                try:  # a copy stopped, or whose ranks are gone, fails alone before any of it launches
+                # A copy stopped, or whose ranks are gone (or will not map), fails alone, before any of
+                # it launches.
+                try:
                     halt.remaining()
-                    reads = [(read, ranks.gpu(read.src), ranks.gpu(read.dst)) for read in job.reads]
+                    views = []
+                    for read in job.reads:
+                        src, dst = ranks.gpu(read.src), ranks.gpu(read.dst)
+                        held.enter_context(src.in_use())
+                        held.enter_context(dst.in_use())
+                        views.append((read, dst.device, src.view(dst.device), dst.view(dst.device)))
                 except Exception as e:
                     out[k] = e
                     continue
-                for read, src, dst in reads:
-                    held.enter_context(src.in_use())
-                    held.enter_context(dst.in_use())
-                    dev = dst.device
+                for read, dev, src_view, dst_view in views:
                     devices.add(dev)
                     key = (read.src, read.dst, read.heads, dev)
-                    if key not in pairs:
-                        pairs[key] = _Pair(src.view(dev), dst.view(dev), read.heads, [])
-                    pairs[key].copies.append(k)
+                    pairs.setdefault(key, _Pair(src_view, dst_view, read.heads, [])).copies.append(k)
             for pair in pairs.values():
                 _launch_pair(pair, [jobs[k][0].tokens for k in pair.copies], out)
         finally:
