@@ -20,7 +20,6 @@ from kv_sidecar.dataplane.jobs import Tokens, join_tokens, joinable
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.blocks import blocks_for, dst_block_count
 from kv_sidecar.plan.pair import plan_pair
-from kv_sidecar.plan.spec import Layout
 from tests.plan.plan_oracle import allocate, logical_kv, write_tokens
 from tests.plan.test_copy_properties import HEAD_LAYOUTS, STORAGES, engine
 
@@ -34,9 +33,8 @@ def joined_case(draw: st.DrawFn) -> dict:
         "dtype": draw(st.sampled_from(["float16", "float32", "bfloat16"])),
     }
     heads = 1 if mla else draw(st.sampled_from([1, 2, 4]))
-    layouts = [layout for layout in HEAD_LAYOUTS if layout is not Layout.VLLM_CPU]
-    prefill = draw(engine(common, heads, mla, layouts))
-    decode = draw(engine(common, heads, mla, layouts))
+    prefill = draw(engine(common, heads, mla, HEAD_LAYOUTS))
+    decode = draw(engine(common, heads, mla, HEAD_LAYOUTS))
     bd = prefill.block_size * draw(st.integers(1, 3))  # joinable: a decode block holds whole prefill blocks
     kernel = (
         decode.kernel_block_size if decode.kernel_block_size and bd % decode.kernel_block_size == 0 else None
