@@ -87,6 +87,44 @@ def test_members_of_other_requests_sizes_sources_and_layouts_arrive_bit_exact(
     no_transfer_in_flight(a, b)
 
 
+@pytest.mark.parametrize("source", ["identity", "converted"])
+def test_same_sidecar_members_of_one_engine_go_joined_and_arrive_bit_exact(
+    pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, source: str
+) -> None:
+    """host-direct members from one prefill engine: their copies go joined (local_copies.copy_host_all:
+    whole blocks as one run of memmoves for an identity plan, one executor call over their joined tokens
+    for a converted one). Each lands exact: a partial last block inside the join, one past a prefix;
+    nothing outside the members' blocks written; one naming a request never published fails alone."""
+    _, b = pair
+    tag = f"join-{source}"
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(b.socket, f"{tag}-p", SPEC if source == "identity" else HND),
+        lambda: EngineProcess(b.socket, f"{tag}-d", SPEC),
+    )
+    members = [
+        ([1, 2, 3], 40, [10, 11, 12], 0),
+        ([4], 16, [14], 0),
+        ([5, 6, 7], 48, [17, 18], 16),
+        ([8], 9, [20], 0),
+    ]
+    pulls = []
+    for i, (blocks, tokens, dst, start) in enumerate(members):
+        params = prefilled(prefill, f"{tag}-{i}", blocks, tokens, seed=30 + i)
+        pulls.append({"params": params, "block_ids": dst, "seed": 30 + i, "start_token": start})
+    gone = {
+        "params": dict(pulls[0]["params"], request_id="never-published"),
+        "block_ids": [30, 31, 32],
+        "seed": 30,
+    }
+    out = decode.send({"cmd": "pull_many", "pulls": [*pulls, gone]})
+    *good, refused = out["results"]
+    for res in good:
+        assert res["ok"] and res["verified"] and res["path"] == "host-direct", (res.get("error"), res)
+    assert refused["error_code"] == "NOT_FOUND" and refused["unfilled_blocks"] == [30, 31, 32], refused
+    assert out["untouched_outside"], out["outside_errors"]
+    assert consumed_events(prefill, len(members)) == len(members)
+
+
 def test_a_bad_member_fails_alone_with_the_status_a_lone_pull_gets(
     pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:

@@ -452,9 +452,8 @@ def test_a_batchs_direct_copies_between_two_views_go_as_one_launch(
         dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out_t, 0)
         out: list[int | BaseException] = [0] * len(members)
         launches.clear()
-        local_copies._launch_pair(
-            local_copies._Pair(sview, dview, r.heads, list(range(len(members)))), members, out
-        )
+        pair = local_copies._Pair(sview, dview, r.heads, list(range(len(members))))
+        local_copies._launch_pair(pair, members, out, local_copies._launch_gpu, gpu.staging_bytes(c.dst, 1))
         return out_t, out
 
     got, out = run([*tokens, bad])

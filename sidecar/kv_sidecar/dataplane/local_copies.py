@@ -1,16 +1,17 @@
 """Copies between ranks mapped on this node: host-direct (the host executor, or one memmove per block
 chunk where the plan is the identity) and gpu-direct (one Triton launch per (decode rank, source
 rank) read on the decode GPU, reading the source over NVLink through mappings opened in that GPU's
-context; a PullBatch's reads between the same two ranks joined into one launch). No NIXL: engine
-memory is never registered with it (DESIGN.md section 1).
+context). A PullBatch's reads between the same two ranks go joined: one launch, one executor call,
+or one run of memmoves. No NIXL: engine memory is never registered with it (DESIGN.md section 1).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,13 +80,68 @@ def copy_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list
             moved = [e] * len(on_gpu)
         for i, m in zip(on_gpu, moved, strict=True):
             out[i] = m
-    for i, (job, halt) in enumerate(jobs):
-        if out[i] is None:
-            try:
-                out[i] = copy_host(ranks, job, halt)
-            except Exception as e:
-                out[i] = e
+    on_host = [i for i in range(len(jobs)) if out[i] is None]
+    if on_host:
+        for i, m in zip(on_host, copy_host_all(ranks, [jobs[i] for i in on_host]), strict=True):
+            out[i] = m
     return [m if m is not None else RuntimeError("a copy got no outcome") for m in out]
+
+
+def copy_host_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
+    """Several host copies (a PullBatch's), each's bytes or what failed it. The reads of several copies
+    between the same two ranks go in one call where they may: whole blocks (an identity plan) as one
+    run of memmoves, the others as one executor call over their joined tokens (`_launch_pair`); each
+    executor call costs its own checks and index tables, whatever its size."""
+    out: list[int | BaseException] = [0] * len(jobs)
+    pairs: dict[tuple[object, ...], _Pair] = {}
+    for k, (job, halt) in enumerate(jobs):
+        try:  # a copy stopped, or whose ranks are gone, fails alone before any of it runs
+            halt.remaining()
+            reads = [(read, ranks.host(read.src), ranks.host(read.dst)) for read in job.reads]
+        except Exception as e:
+            out[k] = e
+            continue
+        for read, src, dst in reads:
+            key = (read.src, read.dst, read.heads, job.whole_blocks)
+            views = (src, dst) if job.whole_blocks else (src.view, dst.view)
+            pairs.setdefault(key, _Pair(*views, read.heads, [])).copies.append(k)
+    for key, pair in pairs.items():
+        tokens = [jobs[k][0].tokens for k in pair.copies]
+        if key[-1]:
+            _copy_blocks_pair(pair, tokens, out)
+        else:
+            _launch_pair(pair, tokens, out, copy_request, None)
+    return out
+
+
+def _copy_blocks_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseException]) -> None:
+    """Whole blocks between two host ranks (identity plans): every copy's blocks in one run of memmoves,
+    unless two write one block (then one run each, as before joins)."""
+    src, dst = pair.src, pair.dst
+    runs: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for k, t in zip(pair.copies, tokens, strict=True):
+        if not isinstance(out[k], BaseException):
+            first = t.start_token // src.spec.block_size
+            runs.append((k, t.src_blocks[first : first + len(t.dst_blocks)], t.dst_blocks))
+    dst_ids = np.concatenate([d for _, _, d in runs]) if runs else np.empty(0, dtype=np.int64)
+    if len(runs) > 1 and len(dst_ids) and len(np.unique(dst_ids)) == len(dst_ids):
+        try:
+            per_block = copy_blocks(src, dst, np.concatenate([s for _, s, _ in runs]), dst_ids) // len(
+                dst_ids
+            )
+        except Exception as e:
+            for k, _, _ in runs:
+                _add(out, k, e)
+            return
+        for k, _, d in runs:
+            _add(out, k, per_block * len(d))
+        return
+    for k, s, d in runs:
+        try:
+            moved: int | BaseException = copy_blocks(src, dst, s, d)
+        except Exception as e:
+            moved = e
+        _add(out, k, moved)
 
 
 def copy_gpu(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
@@ -108,10 +164,11 @@ JOIN_BYTES = 64 << 20
 
 @dataclass
 class _Pair:
-    """The copies' reads between two views (one source rank, one decode rank, the same heads)."""
+    """The copies' reads between two ranks (one source rank, one decode rank, the same heads): the
+    executor's views of both (GPU or host), or the host ranks themselves for whole-block copies."""
 
-    src: gpu.GpuRankView
-    dst: gpu.GpuRankView
+    src: Any
+    dst: Any
     heads: tuple[int, int] | None
     copies: list[int]  # indexes of the copies with a read here
 
@@ -147,7 +204,8 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
                     key = (read.src, read.dst, read.heads, dev)
                     pairs.setdefault(key, _Pair(src_view, dst_view, read.heads, [])).copies.append(k)
             for pair in pairs.values():
-                _launch_pair(pair, [jobs[k][0].tokens for k in pair.copies], out)
+                tokens = [jobs[k][0].tokens for k in pair.copies]
+                _launch_pair(pair, tokens, out, _launch_gpu, gpu.staging_bytes(pair.dst.spec, 1))
         finally:
             for dev in devices:  # no kernel of ours may write after the copies return
                 torch.cuda.current_stream(dev).synchronize()
@@ -157,9 +215,9 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
 def _bounded(items: list[int], sizes: list[int]) -> list[list[int]]:
     """`items` in order, in runs of at most JOIN_BYTES (an item larger goes alone)."""
     runs: list[list[int]] = []
-    size = JOIN_BYTES
+    size = 0
     for item, n in zip(items, sizes, strict=True):
-        if size + n > JOIN_BYTES:
+        if not runs or size + n > JOIN_BYTES:
             runs.append([])
             size = 0
         runs[-1].append(item)
@@ -174,19 +232,32 @@ def _add(out: list[int | BaseException], k: int, moved: int | BaseException) -> 
         out[k] = moved if isinstance(moved, BaseException) else done + moved
 
 
-def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseException]) -> None:
+def _launch_gpu(
+    src: Any, dst: Any, heads: Any, src_ids: Any, dst_ids: Any, num_tokens: int, start: int
+) -> int:
+    return gpu.copy_request(src, dst, heads, src_ids, dst_ids, num_tokens, start, synchronize=False)
+
+
+def _launch_pair(
+    pair: _Pair,
+    tokens: list[Tokens],
+    out: list[int | BaseException],
+    copy: Callable[[Any, Any, Any, Any, Any, int, int], int],
+    block_bytes: int | None,
+) -> None:
     """One pair's reads: those that may be joined (jobs.joinable; each checked alone first, so that a
-    bad one fails alone with the words it gets alone; no destination block twice) as one launch over
-    their joined tokens (jobs.join_tokens), up to JOIN_BYTES a launch; the rest one launch each."""
+    bad one fails alone with the words it gets alone; no destination block twice) as one `copy` (a
+    launch, or the host executor's call) over their joined tokens (jobs.join_tokens), up to JOIN_BYTES
+    of `block_bytes` blocks a launch (None: no bound); the rest one `copy` each."""
     src, dst, heads = pair.src, pair.dst, pair.heads
     bp, bd = src.spec.block_size, dst.spec.block_size
-    block_bytes = gpu.staging_bytes(dst.spec, 1)
     joined: list[int] = []  # positions in pair.copies
     alone: list[int] = []
     for i, (k, t) in enumerate(zip(pair.copies, tokens, strict=True)):
         if isinstance(out[k], BaseException):
             continue  # another read of this copy failed to launch: launch nothing more of it
-        if len(tokens) == 1 or 2 * block_bytes * len(t.dst_blocks) > JOIN_BYTES or not joinable(t, bp, bd):
+        too_large = block_bytes is not None and 2 * block_bytes * len(t.dst_blocks) > JOIN_BYTES
+        if len(tokens) == 1 or too_large or not joinable(t, bp, bd):
             alone.append(i)  # alone, or too large to share a launch with another: as before joins
             continue
         try:
@@ -205,16 +276,14 @@ def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExceptio
             _add(out, k, e)
             continue
         joined.append(i)
-    for group in _bounded(joined, [block_bytes * len(tokens[i].dst_blocks) for i in joined]):
+    for group in _bounded(joined, [(block_bytes or 0) * len(tokens[i].dst_blocks) for i in joined]):
         dst_ids = np.concatenate([tokens[i].dst_blocks for i in group])
         if len(group) < 2 or len(np.unique(dst_ids)) < len(dst_ids):
             alone.extend(group)
             continue
         whole, _ = join_tokens([tokens[i] for i in group], bp, bd)
         try:
-            nbytes = gpu.copy_request(
-                src, dst, heads, whole.src_blocks, whole.dst_blocks, whole.num_tokens, 0, synchronize=False
-            )
+            nbytes = copy(src, dst, heads, whole.src_blocks, whole.dst_blocks, whole.num_tokens, 0)
         except Exception as e:
             for i in group:
                 _add(out, pair.copies[i], e)
@@ -225,8 +294,8 @@ def _launch_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExceptio
     for i in alone:
         t = tokens[i]
         try:
-            moved: int | BaseException = gpu.copy_request(
-                src, dst, heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token, synchronize=False
+            moved: int | BaseException = copy(
+                src, dst, heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
             )
         except Exception as e:
             moved = e
