@@ -119,6 +119,19 @@ def prefilled(engine: EngineProcess, request_id: str, blocks: list[int], tokens:
     return pub["params"]
 
 
+def batch_with_one_unpublished(decode: EngineProcess, pulls: list[dict[str, Any]], blocks: list[int]) -> None:
+    """One PullBatch of `pulls` and a member naming a request never published (into `blocks`): every
+    pull of `pulls` arrives exact by host-direct, that one fails alone (NOT_FOUND, `blocks` named
+    unfilled), and no byte outside the members' blocks is written."""
+    gone = {"params": dict(pulls[0]["params"], request_id="never-published"), "block_ids": blocks, "seed": 0}
+    out = decode.send({"cmd": "pull_many", "pulls": [*pulls, gone]})
+    *good, refused = out["results"]
+    for res in good:
+        assert res["ok"] and res["verified"] and res["path"] == "host-direct", (res.get("error"), res)
+    assert refused["error_code"] == "NOT_FOUND" and refused["unfilled_blocks"] == blocks, refused
+    assert out["untouched_outside"], out["outside_errors"]
+
+
 def consumed_events(engine: EngineProcess, expect: int) -> int:
     """How many "consumed" events the engine got, waiting up to 10 s for `expect` of them (taken off
     its queue)."""

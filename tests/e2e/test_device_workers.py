@@ -16,7 +16,7 @@ import time
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks
 
-from .conftest import Spawn, metric, spec_dict, wait_for
+from .conftest import Spawn, batch_with_one_unpublished, metric, spec_dict, wait_for
 
 WORKERS = ["--device-workers", "true"]
 SMALL = EngineSpec.from_dict(spec_dict())
@@ -121,17 +121,7 @@ def test_a_pull_batch_through_the_worker_is_exact_and_a_bad_member_fails_alone(s
         )
         assert pub["ok"], pub
         pulls.append({"params": pub["params"], "block_ids": [b + 20 for b in blocks], "seed": i})
-    gone = {
-        "params": dict(pulls[0]["params"], request_id="never-published"),
-        "block_ids": [40, 41, 42],
-        "seed": 0,
-    }
-    out = decode.send({"cmd": "pull_many", "pulls": [*pulls, gone]})
-    *good, refused = out["results"]
-    for res in good:
-        assert res["ok"] and res["verified"] and res["path"] == "host-direct", res
-    assert refused["error_code"] == "NOT_FOUND" and refused["unfilled_blocks"] == [40, 41, 42], refused
-    assert out["untouched_outside"], out["outside_errors"]
+    batch_with_one_unpublished(decode, pulls, [40, 41, 42])
     assert len(workers_of(sc)) == 1
 
 

@@ -21,6 +21,7 @@ from kv_sidecar_client.lane import ENV_SWITCH, LANE_SUFFIX
 
 from .conftest import (
     Spawn,
+    batch_with_one_unpublished,
     consumed_events,
     frozen,
     in_background,
@@ -111,17 +112,7 @@ def test_same_sidecar_members_of_one_engine_go_joined_and_arrive_bit_exact(
     for i, (blocks, tokens, dst, start) in enumerate(members):
         params = prefilled(prefill, f"{tag}-{i}", blocks, tokens, seed=30 + i)
         pulls.append({"params": params, "block_ids": dst, "seed": 30 + i, "start_token": start})
-    gone = {
-        "params": dict(pulls[0]["params"], request_id="never-published"),
-        "block_ids": [30, 31, 32],
-        "seed": 30,
-    }
-    out = decode.send({"cmd": "pull_many", "pulls": [*pulls, gone]})
-    *good, refused = out["results"]
-    for res in good:
-        assert res["ok"] and res["verified"] and res["path"] == "host-direct", (res.get("error"), res)
-    assert refused["error_code"] == "NOT_FOUND" and refused["unfilled_blocks"] == [30, 31, 32], refused
-    assert out["untouched_outside"], out["outside_errors"]
+    batch_with_one_unpublished(decode, pulls, [30, 31, 32])
     assert consumed_events(prefill, len(members)) == len(members)
 
 
