@@ -126,15 +126,13 @@ def _copy_blocks_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExc
     dst_ids = np.concatenate([d for _, _, d in runs]) if runs else np.empty(0, dtype=np.int64)
     if len(runs) > 1 and len(dst_ids) and len(np.unique(dst_ids)) == len(dst_ids):
         try:
-            per_block = copy_blocks(src, dst, np.concatenate([s for _, s, _ in runs]), dst_ids) // len(
-                dst_ids
-            )
+            nbytes = copy_blocks(src, dst, np.concatenate([s for _, s, _ in runs]), dst_ids)
         except Exception as e:
             for k, _, _ in runs:
                 _add(out, k, e)
             return
         for k, _, d in runs:
-            _add(out, k, per_block * len(d))
+            _add(out, k, nbytes // len(dst_ids) * len(d))  # every block moves the same bytes
         return
     for k, s, d in runs:
         try:
