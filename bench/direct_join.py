@@ -2,19 +2,22 @@
 
 No sidecar: the executor's own calls (execute/gpu.copy_request), timed by the host (launch to the
 end of a stream synchronize) over model-shaped ranks (32 layers, 8 KV heads, head_dim 128, bf16,
-16-token blocks: 2 MiB a block), both on one GPU (the kernel and its launches are what is compared;
-gpu-direct reads its source over NVLink, at a rate this does not show). Each row: `--members` requests of `--blocks`
-blocks, copied as `--members` launches or as one over their joined tokens (dataplane/jobs.join_tokens),
-alternating, `--iters` times each; the median and the GB/s it makes, and each way's first call
-(where Triton compiles or loads a specialization it has not launched before in this process).
+16-token blocks: 2 MiB a block). `--source 1`: the source rank on GPU1 read by the kernel on GPU0
+over NVLink, by address, with peer access enabled between the two primary contexts (as gpu-direct
+reads an engine's memory through its IPC mapping); default both on GPU0. Each row: `--members`
+requests of `--blocks` blocks, copied as `--members` launches or as one over their joined tokens
+(dataplane/jobs.join_tokens), alternating, `--iters` times each; the median and the GB/s it makes,
+and each way's first call (where Triton compiles or loads a specialization it has not launched
+before in this process).
 
-    python bench/direct_join.py                     # 16 members of 1 and of 32 blocks
-    python bench/direct_join.py --blocks 1,8,32 --members 4,16
+    python bench/direct_join.py                     # 16 members of 1 and of 32 blocks, one GPU
+    python bench/direct_join.py --blocks 1,8,32 --members 4,16 --source 1
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -25,6 +28,20 @@ from gpu_latency import MODEL  # the model-shaped rank of the GPU benches
 from kv_sidecar.dataplane.jobs import Tokens, join_tokens
 from kv_sidecar.execute import gpu
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar_client.cuda_ipc import PrimaryContext, check, cuda_driver
+
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def peer_access(reader: int, owner: int) -> None:
+    """Let kernels in `reader`'s primary context read `owner`'s memory by address."""
+    lib = cuda_driver()
+    owner_ctx = ctypes.c_void_p()
+    check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(owner_ctx), owner), "cuDevicePrimaryCtxRetain")
+    with PrimaryContext(reader):
+        code = lib.cuCtxEnablePeerAccess(owner_ctx, 0)
+        if code != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            check(lib, code, "cuCtxEnablePeerAccess")
 
 
 def main() -> None:
@@ -32,19 +49,28 @@ def main() -> None:
     ap.add_argument("--blocks", default="1,32", help="blocks per member (comma-separated)")
     ap.add_argument("--members", default="16", help="members per batch (comma-separated)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--source", type=int, default=0, help="the GPU holding the source rank (the copy runs on GPU0)"
+    )
     args = ap.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     members = [int(m) for m in args.members.split(",")]
     need = max(blocks) * max(members)
     spec = EngineSpec.from_dict(MODEL | {"num_blocks": need + 1})
-    src_t = [torch.randn(s, dtype=torch.bfloat16, device="cuda:0") for s in spec.rank_tensor_shapes()]
+    src_t = [
+        torch.randn(s, dtype=torch.bfloat16, device=f"cuda:{args.source}") for s in spec.rank_tensor_shapes()
+    ]
     dst_t = [torch.zeros(s, dtype=torch.bfloat16, device="cuda:0") for s in spec.rank_tensor_shapes()]
-    sview = gpu.gpu_rank_view(spec, 0, src_t, 0)
+    if args.source != 0:
+        torch.cuda.synchronize(args.source)
+        peer_access(reader=0, owner=args.source)
+    # The source by address in GPU0's context, as the sidecar's mapping of an engine's memory is.
+    sview = gpu.gpu_rank_view(spec, 0, [t.data_ptr() for t in src_t], 0)
     dview = gpu.gpu_rank_view(spec, 0, dst_t, 0)
     heads = (0, spec.num_kv_heads)
     stream = torch.cuda.current_stream(0)
     rng = np.random.default_rng(0)
-    print(f"GPU: {torch.cuda.get_device_name(0)}")
+    print(f"GPU: {torch.cuda.get_device_name(0)}; source rank on cuda:{args.source}, the copy on cuda:0")
     print(
         "| members | blocks each | launch each, ms | joined, ms | joined / each | GB/s each | GB/s joined "
         "| first call each / joined, ms |"
