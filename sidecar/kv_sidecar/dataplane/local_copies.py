@@ -57,14 +57,18 @@ def copy_host(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
         halt.remaining()
         src, dst = ranks.host(read.src), ranks.host(read.dst)
         if job.whole_blocks:  # whole blocks, as host-nixl moves them: no per-token indexing
-            first = t.start_token // src.spec.block_size
-            src_ids = t.src_blocks[first : first + len(t.dst_blocks)]
-            nbytes += copy_blocks(src, dst, src_ids, t.dst_blocks)
+            nbytes += copy_blocks(src, dst, _source_blocks(t, src.spec.block_size), t.dst_blocks)
             continue
         nbytes += copy_request(
             src.view, dst.view, read.heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
         )
     return nbytes
+
+
+def _source_blocks(t: Tokens, block_size: int) -> np.ndarray:
+    """An identity plan's source blocks of the destination blocks of `t`, one for one."""
+    first = t.start_token // block_size
+    return t.src_blocks[first : first + len(t.dst_blocks)]
 
 
 def copy_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
@@ -121,8 +125,7 @@ def _copy_blocks_pair(pair: _Pair, tokens: list[Tokens], out: list[int | BaseExc
     runs: list[tuple[int, np.ndarray, np.ndarray]] = []
     for k, t in zip(pair.copies, tokens, strict=True):
         if not isinstance(out[k], BaseException):
-            first = t.start_token // src.spec.block_size
-            runs.append((k, t.src_blocks[first : first + len(t.dst_blocks)], t.dst_blocks))
+            runs.append((k, _source_blocks(t, src.spec.block_size), t.dst_blocks))
     dst_ids = np.concatenate([d for _, _, d in runs]) if runs else np.empty(0, dtype=np.int64)
     if len(runs) > 1 and len(dst_ids) and len(np.unique(dst_ids)) == len(dst_ids):
         try:

@@ -357,24 +357,27 @@ class PostedCopies:
         alone: nothing of ours writes into an engine's cache after the pulls answered."""
         if self.answer is None:
             return self.out
-        answers: list[tuple[bool, Any]] | None = None
-        failed: BaseException | None = None
         try:
             answers = self.answer.result(timeout=max(0.0, self.deadline - time.monotonic()) + KILL_AFTER_S)
         except FutureTimeout:
             self.worker.kill()
-            failed = SidecarError(
-                Code.DEADLINE_EXCEEDED,
-                f"the copies did not end {KILL_AFTER_S:.0f} s past their deadline: their worker was restarted",
+            return self._failed(
+                SidecarError(
+                    Code.DEADLINE_EXCEEDED,
+                    f"the copies did not end {KILL_AFTER_S:.0f} s past their deadline: their worker was "
+                    "restarted",
+                )
             )
         except Exception as e:  # the worker died with them
-            failed = e
-        for k, i in enumerate(self.sent):
-            if answers is None:
-                self.out[i] = failed if failed is not None else RuntimeError("a copy got no outcome")
-            else:
-                ok, value = answers[k]
-                self.out[i] = int(value) if ok else decode_error(value)
+            return self._failed(e)
+        for i, (ok, value) in zip(self.sent, answers, strict=True):
+            self.out[i] = int(value) if ok else decode_error(value)
+        return self.out
+
+    def _failed(self, e: BaseException) -> list[int | BaseException]:
+        """Every copy the message held failed with `e`."""
+        for i in self.sent:
+            self.out[i] = e
         return self.out
 
 
