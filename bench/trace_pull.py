@@ -186,6 +186,10 @@ BATCH = [
     "kv_sidecar.plan.blocks:check_start",
     "kv_sidecar.plan.blocks:check_pull",
     "kv_sidecar.server.routing:holders_needed",
+    # device_workers: a batch's copies sent to a device's worker and their answer awaited
+    "kv_sidecar.dataplane.plane:DataPlane.copy_local_all",
+    "kv_sidecar.dataplane.workers:CopyWorker.post_copies",
+    "kv_sidecar.dataplane.workers:PostedCopies.wait",
 ]
 # --gpu: inside the copies of a staged transfer (validation, upload, launch templates, the launch).
 GPU_DETAIL = [

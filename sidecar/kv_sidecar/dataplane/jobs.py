@@ -92,6 +92,28 @@ class Tokens:
     num_tokens: int
     start_token: int
 
+    def __reduce__(self) -> tuple[object, tuple[bytes, bytes, int, int]]:
+        """Pickled with its ids as raw bytes: a worker's message (dataplane/workers.py) carries a batch's
+        Tokens, and numpy's own pickling took about two thirds of dumping 16 one-block copies."""
+        return (
+            _tokens,
+            (_raw(self.src_blocks), _raw(self.dst_blocks), self.num_tokens, self.start_token),
+        )
+
+
+def _raw(ids: np.ndarray) -> bytes:
+    return np.ascontiguousarray(ids, dtype=np.int64).tobytes()
+
+
+def _tokens(src: bytes, dst: bytes, num_tokens: int, start_token: int) -> Tokens:
+    # bytearray: the arrays come back writable, as pickled arrays do
+    return Tokens(
+        np.frombuffer(bytearray(src), dtype=np.int64),
+        np.frombuffer(bytearray(dst), dtype=np.int64),
+        num_tokens,
+        start_token,
+    )
+
 
 def joinable(tokens: Tokens, src_block_size: int, dst_block_size: int) -> bool:
     """Whether a request's copy may go as a member of a joined one (join_tokens): it moves at least a
