@@ -52,7 +52,9 @@ def test_host_copies_of_a_batch_go_joined_and_land_as_each_alone(
 ) -> None:
     """Prefill NHD or HND into decode NHD, blocks of 16: whole blocks (identity) or the executor over
     joined tokens (converted). A member past a prefix, the last one's last block partial; one that
-    the executor refuses fails alone with the words it gets alone."""
+    the executor refuses fails alone with the words it gets alone, whichever check refuses it: the
+    counts, a source id the join would not read, or a destination id only the joined copy's check sees
+    (then the join is refused once, and the good members go joined again)."""
     src_spec = EngineSpec.from_dict(BASE | {"block_size": 16, "layout": layout})
     dst_spec = EngineSpec.from_dict(BASE | {"block_size": 16, "layout": "flash_attn_nhd"})
     identity = layout == "flash_attn_nhd"
@@ -77,8 +79,13 @@ def test_host_copies_of_a_batch_go_joined_and_land_as_each_alone(
     tokens = [Tokens(np.array(s), np.array(d), n, start) for s, n, d, start in members]
     read = RankRead(RankKey("d", 0), src.key, (0, 4))
     jobs = [(LocalCopy((read,), t, whole_blocks=identity), _Go()) for t in tokens]
-    if not identity:  # one the executor refuses: a destination list one block short
-        jobs.append((LocalCopy((read,), Tokens(np.array([9, 10]), np.array([25]), 32, 0), False), _Go()))
+    bad = [  # members the executor refuses alone (32 blocks a side)
+        ([9, 10], [25]),  # a destination list one block short
+        ([9, 10], [21, 22, 23]),  # one block too many: a join would take the first two
+        ([9, 10, 99], [26, 27]),  # a source id out of range past those the tokens need
+        ([9], [28, 29]),  # a source list one block short
+        ([9, 10], [30, 40]),  # a destination id out of range: only the joined copy's check sees it
+    ]
 
     def run(jobs: list[Any], joined: bool) -> tuple[list[torch.Tensor], list[int | BaseException]]:
         dst = _rank("d", dst_spec, 2)
@@ -88,14 +95,27 @@ def test_host_copies_of_a_batch_go_joined_and_land_as_each_alone(
             return dst.tensors, local_copies.copy_host_all(ranks, jobs)  # type: ignore[arg-type]
         return dst.tensors, [_alone(ranks, j) for j in jobs]
 
-    got, out = run(jobs, joined=True)
-    assert calls == ["copy_blocks" if identity else "copy_request"], calls  # the four as one call
-    want, each = run(jobs, joined=False)
-    assert out[:4] == each[:4] and all(isinstance(o, int) and o > 0 for o in out[:4]), (out, each)
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
-    if not identity:
-        assert isinstance(out[4], PlanError) and str(out[4]) == str(each[4]), (out[4], each[4])
+    # Converted: the four good members with each bad one (every one once as the batch's first).
+    batches = (
+        [jobs]
+        if identity
+        else [
+            [(LocalCopy((read,), Tokens(np.array(s), np.array(d), 32, 0), False), _Go()), *jobs]
+            for s, d in bad
+        ]
+    )
+    for n, batch in enumerate(batches):
+        got, out = run(batch, joined=True)
+        # The four as one call; the join with the bad destination id is refused once first.
+        refused_join = not identity and bad[n][1] == [30, 40]
+        assert calls == ["copy_blocks" if identity else "copy_request"] * (1 + refused_join), (n, calls)
+        want, each = run(batch, joined=False)
+        good = slice(len(batch) - 4, None)
+        assert out[good] == each[good] and all(isinstance(o, int) and o > 0 for o in out[good]), (out, each)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+        if not identity:
+            assert isinstance(out[0], PlanError) and str(out[0]) == str(each[0]), (n, out[0], each[0])
 
 
 def _alone(ranks: _Ranks, job: tuple[LocalCopy, _Go]) -> int | BaseException:

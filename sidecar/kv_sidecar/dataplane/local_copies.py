@@ -21,8 +21,9 @@ from kv_sidecar.dataplane.ranks import HostRank, MappedRanks
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
 from kv_sidecar.execute.host import copy_request
-from kv_sidecar.plan.blocks import check_copy
+from kv_sidecar.plan.blocks import check_block_ids, check_copy, check_copy_counts
 from kv_sidecar.plan.chunks import descriptors
+from kv_sidecar.plan.spec import PlanError
 
 
 def copy_blocks(src: HostRank, dst: HostRank, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
@@ -246,12 +247,12 @@ def _launch_pair(
     copy: Callable[[Any, Any, Any, Any, Any, int, int], int],
     block_bytes: int | None,
 ) -> None:
-    """One pair's reads: those that may be joined (jobs.joinable; each checked alone first, so that a
-    bad one fails alone with the words it gets alone; no destination block twice) as one `copy` (a
-    launch, or the host executor's call) over their joined tokens (jobs.join_tokens), up to JOIN_BYTES
-    of `block_bytes` blocks a launch (None: no bound); the rest one `copy` each."""
-    src, dst, heads = pair.src, pair.dst, pair.heads
-    bp, bd = src.spec.block_size, dst.spec.block_size
+    """One pair's reads: those that may be joined (jobs.joinable; no destination block twice) as one
+    `copy` (a launch, or the host executor's call) over their joined tokens (jobs.join_tokens), up to
+    JOIN_BYTES of `block_bytes` blocks a launch (None: no bound); the rest one `copy` each. A join the
+    executor refuses (its checks run before anything moves) is taken apart: each member checked alone,
+    so that a bad one fails alone with the words it gets alone, and the others copied alone."""
+    bp, bd = pair.src.spec.block_size, pair.dst.spec.block_size
     joined: list[int] = []  # positions in pair.copies
     alone: list[int] = []
     for i, (k, t) in enumerate(zip(pair.copies, tokens, strict=True)):
@@ -260,44 +261,81 @@ def _launch_pair(
         too_large = block_bytes is not None and 2 * block_bytes * len(t.dst_blocks) > JOIN_BYTES
         if len(tokens) == 1 or too_large or not joinable(t, bp, bd):
             alone.append(i)  # alone, or too large to share a launch with another: as before joins
-            continue
-        try:
-            check_copy(
-                src.spec,
-                src.rank,
-                dst.spec,
-                dst.rank,
-                heads,
-                t.src_blocks,
-                t.dst_blocks,
-                t.num_tokens,
-                t.start_token,
-            )
-        except Exception as e:
-            _add(out, k, e)
-            continue
-        joined.append(i)
+        else:
+            joined.append(i)
     for group in _bounded(joined, [(block_bytes or 0) * len(tokens[i].dst_blocks) for i in joined]):
         dst_ids = np.concatenate([tokens[i].dst_blocks for i in group])
         if len(group) < 2 or len(np.unique(dst_ids)) < len(dst_ids):
             alone.extend(group)
-            continue
-        whole, _ = join_tokens([tokens[i] for i in group], bp, bd)
-        try:
-            nbytes = copy(src, dst, heads, whole.src_blocks, whole.dst_blocks, whole.num_tokens, 0)
-        except Exception as e:
-            for i in group:
-                _add(out, pair.copies[i], e)
-            continue
-        per_token = nbytes // whole.num_tokens
-        for i in group:
-            _add(out, pair.copies[i], (tokens[i].num_tokens - tokens[i].start_token) * per_token)
+        else:
+            alone.extend(_launch_joined(pair, tokens, group, out, copy))
     for i in alone:
         t = tokens[i]
         try:
             moved: int | BaseException = copy(
-                src, dst, heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
+                pair.src, pair.dst, pair.heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
             )
         except Exception as e:
             moved = e
         _add(out, pair.copies[i], moved)
+
+
+def _launch_joined(
+    pair: _Pair,
+    tokens: list[Tokens],
+    group: list[int],
+    out: list[int | BaseException],
+    copy: Callable[[Any, Any, Any, Any, Any, int, int], int],
+    checked: bool = False,
+) -> list[int]:
+    """`group`'s members as one `copy`; returns those to copy alone instead. The ids are checked once
+    for the join: each member's counts alone (integer arithmetic), every member's source ids in one
+    range check, and the joined copy's own check, which sees every member's destination ids (a join
+    that passes these holds no member that alone would be refused). A full check per member cost
+    ~10-20 us, 16 a batch, and the join's own check ran as well. Where any of these refuses, the
+    members are checked alone (`checked` from then on): the bad ones fail with the words they get
+    alone, and the others go joined again, or alone if the join itself is what is refused (too large
+    for one launch). A join that fails once it runs fails its members."""
+    src, dst, heads = pair.src, pair.dst, pair.heads
+    members = [tokens[i] for i in group]
+    try:
+        if not checked:
+            for t in members:
+                check_copy_counts(
+                    src.spec, dst.spec, len(t.src_blocks), len(t.dst_blocks), t.num_tokens, t.start_token
+                )
+            # Ids the join does not read must be in range too, as a member alone would have them.
+            every_src = np.concatenate([t.src_blocks for t in members])
+            check_block_ids("source", every_src, src.spec.num_blocks, unique=False)
+        whole, _ = join_tokens(members, src.spec.block_size, dst.spec.block_size)
+        nbytes = copy(src, dst, heads, whole.src_blocks, whole.dst_blocks, whole.num_tokens, 0)
+    except PlanError:  # refused before anything moved
+        if checked:
+            return group
+        good: list[int] = []
+        for i, t in zip(group, members, strict=True):
+            try:
+                check_copy(
+                    src.spec,
+                    src.rank,
+                    dst.spec,
+                    dst.rank,
+                    heads,
+                    t.src_blocks,
+                    t.dst_blocks,
+                    t.num_tokens,
+                    t.start_token,
+                )
+            except Exception as e:
+                _add(out, pair.copies[i], e)
+            else:
+                good.append(i)
+        return _launch_joined(pair, tokens, good, out, copy, checked=True) if len(good) > 1 else good
+    except Exception as e:
+        for i in group:
+            _add(out, pair.copies[i], e)
+        return []
+    per_token = nbytes // whole.num_tokens
+    for i, t in zip(group, members, strict=True):
+        _add(out, pair.copies[i], (t.num_tokens - t.start_token) * per_token)
+    return []

@@ -239,26 +239,36 @@ def check_copy(
     destination ids may not (a block would be written twice).
     """
     check_copy_pair(src, dst)
-    check_tokens(num_tokens, start_token, dst.block_size)
-    bs, bd = src.block_size, dst.block_size
-    full, tail = blocks_for(num_tokens, bs), len(src_block_range(bs, num_tokens, start_token))
-    if len(src_block_ids) < full and len(src_block_ids) != tail:
-        raise PlanError(
-            f"source block list has {len(src_block_ids)} ids; {num_tokens} tokens from {start_token} "
-            f"at block_size {bs} need {full} (from token 0) or {tail} (from the start token's block)"
-        )
-    want_dst = dst_block_count(bd, num_tokens, start_token)
-    if len(dst_block_ids) != want_dst:
-        raise PlanError(
-            f"destination block list has {len(dst_block_ids)} ids; tokens [{start_token}, {num_tokens}) "
-            f"at block_size {bd} need {want_dst}"
-        )
+    check_copy_counts(src, dst, len(src_block_ids), len(dst_block_ids), num_tokens, start_token)
     check_block_ids("source", src_block_ids, src.num_blocks, unique=False)
     check_block_ids("destination", dst_block_ids, dst.num_blocks)
     s_h0, nh = local_heads(src, src_rank, heads, "source")
     d_h0, _ = local_heads(dst, dst_rank, heads, "destination")
-    src_first = 0 if len(src_block_ids) >= full else start_token // bs
+    src_first = (
+        0 if len(src_block_ids) >= blocks_for(num_tokens, src.block_size) else start_token // src.block_size
+    )
     return CopyShape(src_first, s_h0, d_h0, nh)
+
+
+def check_copy_counts(
+    src: EngineSpec, dst: EngineSpec, n_src: int, n_dst: int, num_tokens: int, start_token: int
+) -> None:
+    """check_copy's checks of the tokens and of how many ids each side has (not of the ids): integer
+    arithmetic only, cheap enough to run per member where a join checks the ids once for all."""
+    check_tokens(num_tokens, start_token, dst.block_size)
+    bs, bd = src.block_size, dst.block_size
+    full, tail = blocks_for(num_tokens, bs), len(src_block_range(bs, num_tokens, start_token))
+    if n_src < full and n_src != tail:
+        raise PlanError(
+            f"source block list has {n_src} ids; {num_tokens} tokens from {start_token} "
+            f"at block_size {bs} need {full} (from token 0) or {tail} (from the start token's block)"
+        )
+    want_dst = dst_block_count(bd, num_tokens, start_token)
+    if n_dst != want_dst:
+        raise PlanError(
+            f"destination block list has {n_dst} ids; tokens [{start_token}, {num_tokens}) "
+            f"at block_size {bd} need {want_dst}"
+        )
 
 
 def check_pull(
