@@ -226,6 +226,9 @@ class EventStream:
                 kind = msg.WhichOneof("kind")
                 if kind == "ready":
                     yield Event("ready")
+                elif kind == "consumed_many":  # several at once, one event each here
+                    for c in msg.consumed_many.requests:
+                        yield Event("consumed", c.request_id, list(c.block_ids))
                 else:
                     body = getattr(msg, kind)
                     yield Event(kind, body.request_id, list(body.block_ids), getattr(body, "reason", ""))
@@ -305,7 +308,9 @@ class SidecarClient:
 
     def events(self, engine_id: str, rank: int, unregister_on_close: bool = True) -> EventStream:
         call = self._stub.Events(
-            engine_pb2.EventsRequest(engine_id=engine_id, rank=rank, unregister_on_close=unregister_on_close)
+            engine_pb2.EventsRequest(
+                engine_id=engine_id, rank=rank, unregister_on_close=unregister_on_close, batched=True
+            )
         )
         return EventStream(call)
 

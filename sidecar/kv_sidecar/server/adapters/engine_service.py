@@ -11,11 +11,41 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.mailbox import Mailbox
 from kv_sidecar.server.adapters.grpc_status import rpc, stream_rpc
 from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, status_pb2
 
 log = logging.getLogger(__name__)
+
+
+# The most "consumed" events one message carries (a PullBatch's members, released together).
+MAX_CONSUMED_PER_MESSAGE = 256
+
+
+def stream_messages(
+    first: engine_pb2.Event | None, events: Mailbox[engine_pb2.Event | None], batched: bool
+) -> list[engine_pb2.Event | None]:
+    """What an Events stream sends for `first` and what is waiting behind it, in order (None: the
+    rank was unregistered, the end). For a stream opened `batched`, "consumed" events already waiting
+    go as one `consumed_many`: each streamed message cost the sidecar ~57 us of CPU, 16 in one ~9 us
+    each (the CPU machine), and a PullBatch's members end together. Waits for nothing more."""
+    if not batched or first is None or first.WhichOneof("kind") != "consumed":
+        return [first]
+    run = [first.consumed]
+    after: list[engine_pb2.Event | None] = []
+    while len(run) < MAX_CONSUMED_PER_MESSAGE:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            break
+        if event is None or event.WhichOneof("kind") != "consumed":
+            after.append(event)  # sent after the run, so that the order holds
+            break
+        run.append(event.consumed)
+    if len(run) == 1:
+        return [first, *after]
+    return [engine_pb2.Event(consumed_many=engine_pb2.RequestsConsumed(requests=run)), *after]
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -71,9 +101,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     event = entry.events.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if event is None:
-                    return  # unregistered
-                yield event
+                for message in stream_messages(event, entry.events, request.batched):
+                    if message is None:
+                        return  # unregistered
+                    yield message
         finally:
             entry.sessions -= 1
             with self._streams_lock:

@@ -26,7 +26,7 @@ from . import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/engine.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"\xa3\x01\n\x13RegisterRankRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12+\n\x07tensors\x18\x04 \x03(\x0b\x32\x1a.kvsidecar.v1.TensorHandle\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\"X\n\x14RegisterRankResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x16\n\x0eleader_address\x18\x03 \x01(\t\"8\n\x15UnregisterRankRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\x18\n\x16UnregisterRankResponse\"M\n\rEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x1b\n\x13unregister_on_close\x18\x03 \x01(\x08\"8\n\x0fRequestConsumed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"5\n\x0cLeaseExpired\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"H\n\x0fRequestReleased\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xbb\x01\n\x05\x45vent\x12\x31\n\x08\x63onsumed\x18\x01 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestConsumedH\x00\x12\x33\n\rlease_expired\x18\x02 \x01(\x0b\x32\x1a.kvsidecar.v1.LeaseExpiredH\x00\x12\x0f\n\x05ready\x18\x03 \x01(\x08H\x00\x12\x31\n\x08released\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestReleasedH\x00\x42\x06\n\x04kind\"\x85\x01\n\x0ePublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\"?\n\x0fPublishResponse\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"\xb7\x01\n\x0bPullRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0bstart_token\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\x05group\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_group\"@\n\x0cPullResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"m\n\x10PullBatchRequest\x12(\n\x05pulls\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullRequest\x12\x17\n\x0fstream_outcomes\x18\x02 \x01(\x08\x12\x16\n\x0egroup_outcomes\x18\x03 \x01(\x08\";\n\x0cPullOutcomes\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullOutcome\"\xd5\x01\n\x0bPullOutcome\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PullResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x39\n\x08trailers\x18\x04 \x03(\x0b\x32\'.kvsidecar.v1.PullOutcome.TrailersEntry\x12\r\n\x05index\x18\x05 \x01(\r\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x11PullBatchResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullOutcome\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x04\"@\n\x10KeepAliveRequest\x12,\n\x06params\x18\x01 \x03(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"3\n\x11KeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"c\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"Y\n\tLaneHello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x16\n\x0emax_call_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07refused\x18\x04 \x01(\t\"\xa4\x01\n\x08LaneCall\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.PullRequestH\x00\x12/\n\x07publish\x18\x02 \x01(\x0b\x32\x1c.kvsidecar.v1.PublishRequestH\x00\x12\x34\n\npull_batch\x18\x03 \x01(\x0b\x32\x1e.kvsidecar.v1.PullBatchRequestH\x00\x42\x06\n\x04\x63\x61ll\"\x9d\x03\n\nLaneAnswer\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PullResponseH\x00\x12\x30\n\x07publish\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.PublishResponseH\x00\x12\x35\n\npull_batch\x18\x06 \x01(\x0b\x32\x1f.kvsidecar.v1.PullBatchResponseH\x00\x12\x31\n\x0cpull_outcome\x18\x07 \x01(\x0b\x32\x19.kvsidecar.v1.PullOutcomeH\x00\x12\x33\n\rpull_outcomes\x18\x08 \x01(\x0b\x32\x1a.kvsidecar.v1.PullOutcomesH\x00\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x38\n\x08trailers\x18\x05 \x03(\x0b\x32&.kvsidecar.v1.LaneAnswer.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06result2\xab\x05\n\rEngineService\x12U\n\x0cRegisterRank\x12!.kvsidecar.v1.RegisterRankRequest\x1a\".kvsidecar.v1.RegisterRankResponse\x12[\n\x0eUnregisterRank\x12#.kvsidecar.v1.UnregisterRankRequest\x1a$.kvsidecar.v1.UnregisterRankResponse\x12<\n\x06\x45vents\x12\x1b.kvsidecar.v1.EventsRequest\x1a\x13.kvsidecar.v1.Event0\x01\x12\x46\n\x07Publish\x12\x1c.kvsidecar.v1.PublishRequest\x1a\x1d.kvsidecar.v1.PublishResponse\x12=\n\x04Pull\x12\x19.kvsidecar.v1.PullRequest\x1a\x1a.kvsidecar.v1.PullResponse\x12L\n\tPullBatch\x12\x1e.kvsidecar.v1.PullBatchRequest\x1a\x1f.kvsidecar.v1.PullBatchResponse\x12L\n\tKeepAlive\x12\x1e.kvsidecar.v1.KeepAliveRequest\x1a\x1f.kvsidecar.v1.KeepAliveResponse\x12@\n\x05\x41\x62ort\x12\x1a.kvsidecar.v1.AbortRequest\x1a\x1b.kvsidecar.v1.AbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/engine.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"\xa3\x01\n\x13RegisterRankRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12+\n\x07tensors\x18\x04 \x03(\x0b\x32\x1a.kvsidecar.v1.TensorHandle\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\"X\n\x14RegisterRankResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x16\n\x0eleader_address\x18\x03 \x01(\t\"8\n\x15UnregisterRankRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\x18\n\x16UnregisterRankResponse\"^\n\rEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x1b\n\x13unregister_on_close\x18\x03 \x01(\x08\x12\x0f\n\x07\x62\x61tched\x18\x04 \x01(\x08\"8\n\x0fRequestConsumed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"5\n\x0cLeaseExpired\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"H\n\x0fRequestReleased\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xf4\x01\n\x05\x45vent\x12\x31\n\x08\x63onsumed\x18\x01 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestConsumedH\x00\x12\x33\n\rlease_expired\x18\x02 \x01(\x0b\x32\x1a.kvsidecar.v1.LeaseExpiredH\x00\x12\x0f\n\x05ready\x18\x03 \x01(\x08H\x00\x12\x31\n\x08released\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestReleasedH\x00\x12\x37\n\rconsumed_many\x18\x05 \x01(\x0b\x32\x1e.kvsidecar.v1.RequestsConsumedH\x00\x42\x06\n\x04kind\"C\n\x10RequestsConsumed\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.kvsidecar.v1.RequestConsumed\"\x85\x01\n\x0ePublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\"?\n\x0fPublishResponse\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"\xb7\x01\n\x0bPullRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0bstart_token\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x12\n\x05group\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_group\"@\n\x0cPullResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"m\n\x10PullBatchRequest\x12(\n\x05pulls\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullRequest\x12\x17\n\x0fstream_outcomes\x18\x02 \x01(\x08\x12\x16\n\x0egroup_outcomes\x18\x03 \x01(\x08\";\n\x0cPullOutcomes\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullOutcome\"\xd5\x01\n\x0bPullOutcome\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PullResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x39\n\x08trailers\x18\x04 \x03(\x0b\x32\'.kvsidecar.v1.PullOutcome.TrailersEntry\x12\r\n\x05index\x18\x05 \x01(\r\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x11PullBatchResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PullOutcome\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x04\"@\n\x10KeepAliveRequest\x12,\n\x06params\x18\x01 \x03(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"3\n\x11KeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"c\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.kvsidecar.v1.TransferParams\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"Y\n\tLaneHello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x16\n\x0emax_call_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07refused\x18\x04 \x01(\t\"\xa4\x01\n\x08LaneCall\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.PullRequestH\x00\x12/\n\x07publish\x18\x02 \x01(\x0b\x32\x1c.kvsidecar.v1.PublishRequestH\x00\x12\x34\n\npull_batch\x18\x03 \x01(\x0b\x32\x1e.kvsidecar.v1.PullBatchRequestH\x00\x42\x06\n\x04\x63\x61ll\"\x9d\x03\n\nLaneAnswer\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PullResponseH\x00\x12\x30\n\x07publish\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.PublishResponseH\x00\x12\x35\n\npull_batch\x18\x06 \x01(\x0b\x32\x1f.kvsidecar.v1.PullBatchResponseH\x00\x12\x31\n\x0cpull_outcome\x18\x07 \x01(\x0b\x32\x19.kvsidecar.v1.PullOutcomeH\x00\x12\x33\n\rpull_outcomes\x18\x08 \x01(\x0b\x32\x1a.kvsidecar.v1.PullOutcomesH\x00\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x38\n\x08trailers\x18\x05 \x03(\x0b\x32&.kvsidecar.v1.LaneAnswer.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06result2\xab\x05\n\rEngineService\x12U\n\x0cRegisterRank\x12!.kvsidecar.v1.RegisterRankRequest\x1a\".kvsidecar.v1.RegisterRankResponse\x12[\n\x0eUnregisterRank\x12#.kvsidecar.v1.UnregisterRankRequest\x1a$.kvsidecar.v1.UnregisterRankResponse\x12<\n\x06\x45vents\x12\x1b.kvsidecar.v1.EventsRequest\x1a\x13.kvsidecar.v1.Event0\x01\x12\x46\n\x07Publish\x12\x1c.kvsidecar.v1.PublishRequest\x1a\x1d.kvsidecar.v1.PublishResponse\x12=\n\x04Pull\x12\x19.kvsidecar.v1.PullRequest\x1a\x1a.kvsidecar.v1.PullResponse\x12L\n\tPullBatch\x12\x1e.kvsidecar.v1.PullBatchRequest\x1a\x1f.kvsidecar.v1.PullBatchResponse\x12L\n\tKeepAlive\x12\x1e.kvsidecar.v1.KeepAliveRequest\x1a\x1f.kvsidecar.v1.KeepAliveResponse\x12@\n\x05\x41\x62ort\x12\x1a.kvsidecar.v1.AbortRequest\x1a\x1b.kvsidecar.v1.AbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,49 +46,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERRANKRESPONSE']._serialized_start=411
   _globals['_UNREGISTERRANKRESPONSE']._serialized_end=435
   _globals['_EVENTSREQUEST']._serialized_start=437
-  _globals['_EVENTSREQUEST']._serialized_end=514
-  _globals['_REQUESTCONSUMED']._serialized_start=516
-  _globals['_REQUESTCONSUMED']._serialized_end=572
-  _globals['_LEASEEXPIRED']._serialized_start=574
-  _globals['_LEASEEXPIRED']._serialized_end=627
-  _globals['_REQUESTRELEASED']._serialized_start=629
-  _globals['_REQUESTRELEASED']._serialized_end=701
-  _globals['_EVENT']._serialized_start=704
-  _globals['_EVENT']._serialized_end=891
-  _globals['_PUBLISHREQUEST']._serialized_start=894
-  _globals['_PUBLISHREQUEST']._serialized_end=1027
-  _globals['_PUBLISHRESPONSE']._serialized_start=1029
-  _globals['_PUBLISHRESPONSE']._serialized_end=1092
-  _globals['_PULLREQUEST']._serialized_start=1095
-  _globals['_PULLREQUEST']._serialized_end=1278
-  _globals['_PULLRESPONSE']._serialized_start=1280
-  _globals['_PULLRESPONSE']._serialized_end=1344
-  _globals['_PULLBATCHREQUEST']._serialized_start=1346
-  _globals['_PULLBATCHREQUEST']._serialized_end=1455
-  _globals['_PULLOUTCOMES']._serialized_start=1457
-  _globals['_PULLOUTCOMES']._serialized_end=1516
-  _globals['_PULLOUTCOME']._serialized_start=1519
-  _globals['_PULLOUTCOME']._serialized_end=1732
-  _globals['_PULLOUTCOME_TRAILERSENTRY']._serialized_start=1685
-  _globals['_PULLOUTCOME_TRAILERSENTRY']._serialized_end=1732
-  _globals['_PULLBATCHRESPONSE']._serialized_start=1734
-  _globals['_PULLBATCHRESPONSE']._serialized_end=1819
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1821
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1885
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1887
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1938
-  _globals['_ABORTREQUEST']._serialized_start=1940
-  _globals['_ABORTREQUEST']._serialized_end=2039
-  _globals['_ABORTRESPONSE']._serialized_start=2041
-  _globals['_ABORTRESPONSE']._serialized_end=2071
-  _globals['_LANEHELLO']._serialized_start=2073
-  _globals['_LANEHELLO']._serialized_end=2162
-  _globals['_LANECALL']._serialized_start=2165
-  _globals['_LANECALL']._serialized_end=2329
-  _globals['_LANEANSWER']._serialized_start=2332
-  _globals['_LANEANSWER']._serialized_end=2745
-  _globals['_LANEANSWER_TRAILERSENTRY']._serialized_start=1685
-  _globals['_LANEANSWER_TRAILERSENTRY']._serialized_end=1732
-  _globals['_ENGINESERVICE']._serialized_start=2748
-  _globals['_ENGINESERVICE']._serialized_end=3431
+  _globals['_EVENTSREQUEST']._serialized_end=531
+  _globals['_REQUESTCONSUMED']._serialized_start=533
+  _globals['_REQUESTCONSUMED']._serialized_end=589
+  _globals['_LEASEEXPIRED']._serialized_start=591
+  _globals['_LEASEEXPIRED']._serialized_end=644
+  _globals['_REQUESTRELEASED']._serialized_start=646
+  _globals['_REQUESTRELEASED']._serialized_end=718
+  _globals['_EVENT']._serialized_start=721
+  _globals['_EVENT']._serialized_end=965
+  _globals['_REQUESTSCONSUMED']._serialized_start=967
+  _globals['_REQUESTSCONSUMED']._serialized_end=1034
+  _globals['_PUBLISHREQUEST']._serialized_start=1037
+  _globals['_PUBLISHREQUEST']._serialized_end=1170
+  _globals['_PUBLISHRESPONSE']._serialized_start=1172
+  _globals['_PUBLISHRESPONSE']._serialized_end=1235
+  _globals['_PULLREQUEST']._serialized_start=1238
+  _globals['_PULLREQUEST']._serialized_end=1421
+  _globals['_PULLRESPONSE']._serialized_start=1423
+  _globals['_PULLRESPONSE']._serialized_end=1487
+  _globals['_PULLBATCHREQUEST']._serialized_start=1489
+  _globals['_PULLBATCHREQUEST']._serialized_end=1598
+  _globals['_PULLOUTCOMES']._serialized_start=1600
+  _globals['_PULLOUTCOMES']._serialized_end=1659
+  _globals['_PULLOUTCOME']._serialized_start=1662
+  _globals['_PULLOUTCOME']._serialized_end=1875
+  _globals['_PULLOUTCOME_TRAILERSENTRY']._serialized_start=1828
+  _globals['_PULLOUTCOME_TRAILERSENTRY']._serialized_end=1875
+  _globals['_PULLBATCHRESPONSE']._serialized_start=1877
+  _globals['_PULLBATCHRESPONSE']._serialized_end=1962
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1964
+  _globals['_KEEPALIVEREQUEST']._serialized_end=2028
+  _globals['_KEEPALIVERESPONSE']._serialized_start=2030
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2081
+  _globals['_ABORTREQUEST']._serialized_start=2083
+  _globals['_ABORTREQUEST']._serialized_end=2182
+  _globals['_ABORTRESPONSE']._serialized_start=2184
+  _globals['_ABORTRESPONSE']._serialized_end=2214
+  _globals['_LANEHELLO']._serialized_start=2216
+  _globals['_LANEHELLO']._serialized_end=2305
+  _globals['_LANECALL']._serialized_start=2308
+  _globals['_LANECALL']._serialized_end=2472
+  _globals['_LANEANSWER']._serialized_start=2475
+  _globals['_LANEANSWER']._serialized_end=2888
+  _globals['_LANEANSWER_TRAILERSENTRY']._serialized_start=1828
+  _globals['_LANEANSWER_TRAILERSENTRY']._serialized_end=1875
+  _globals['_ENGINESERVICE']._serialized_start=2891
+  _globals['_ENGINESERVICE']._serialized_end=3574
 # @@protoc_insertion_point(module_scope)

@@ -45,14 +45,16 @@ class UnregisterRankResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "unregister_on_close")
+    __slots__ = ("engine_id", "rank", "unregister_on_close", "batched")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     UNREGISTER_ON_CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     unregister_on_close: bool
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., unregister_on_close: _Optional[bool] = ...) -> None: ...
+    batched: bool
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., unregister_on_close: _Optional[bool] = ..., batched: _Optional[bool] = ...) -> None: ...
 
 class RequestConsumed(_message.Message):
     __slots__ = ("request_id", "block_ids")
@@ -81,16 +83,24 @@ class RequestReleased(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("consumed", "lease_expired", "ready", "released")
+    __slots__ = ("consumed", "lease_expired", "ready", "released", "consumed_many")
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_MANY_FIELD_NUMBER: _ClassVar[int]
     consumed: RequestConsumed
     lease_expired: LeaseExpired
     ready: bool
     released: RequestReleased
-    def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ..., released: _Optional[_Union[RequestReleased, _Mapping]] = ...) -> None: ...
+    consumed_many: RequestsConsumed
+    def __init__(self, consumed: _Optional[_Union[RequestConsumed, _Mapping]] = ..., lease_expired: _Optional[_Union[LeaseExpired, _Mapping]] = ..., ready: _Optional[bool] = ..., released: _Optional[_Union[RequestReleased, _Mapping]] = ..., consumed_many: _Optional[_Union[RequestsConsumed, _Mapping]] = ...) -> None: ...
+
+class RequestsConsumed(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestConsumed]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestConsumed, _Mapping]]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "lease_ms", "first_token")
