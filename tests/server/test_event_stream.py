@@ -76,3 +76,18 @@ def test_a_run_stops_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
         3,
     ]
     assert _read(sent) == _read(queued)
+
+
+def test_a_run_stops_before_its_bytes_pass_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event names its request's blocks: a run of large ones must stay under what a client takes in
+    one message (4 MiB by default)."""
+    big = [
+        engine_pb2.Event(consumed=engine_pb2.RequestConsumed(request_id=f"r{i}", block_ids=range(1000)))
+        for i in range(5)
+    ]
+    one = big[0].consumed.ByteSize()
+    monkeypatch.setattr(engine_service, "MAX_CONSUMED_BYTES", 2 * one + 10)
+    sent = _drain(big, batched=True)
+    assert all(m is not None and m.ByteSize() <= 2 * one + 20 for m in sent)
+    assert len(sent) < len(big)  # still joined where they fit
+    assert _read(sent) == _read(big)

@@ -19,8 +19,10 @@ from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, s
 log = logging.getLogger(__name__)
 
 
-# The most "consumed" events one message carries (a PullBatch's members, released together).
+# The most "consumed" events one message carries (a PullBatch's members, released together), and the most
+# bytes: an event names the request's blocks, and a client receives at most 4 MiB a message by default.
 MAX_CONSUMED_PER_MESSAGE = 256
+MAX_CONSUMED_BYTES = 1 << 20
 
 
 def stream_messages(
@@ -33,6 +35,7 @@ def stream_messages(
     if not batched or first is None or first.WhichOneof("kind") != "consumed":
         return [first]
     run = [first.consumed]
+    size = first.consumed.ByteSize()
     after: list[engine_pb2.Event | None] = []
     while len(run) < MAX_CONSUMED_PER_MESSAGE:
         try:
@@ -41,6 +44,10 @@ def stream_messages(
             break
         if event is None or event.WhichOneof("kind") != "consumed":
             after.append(event)  # sent after the run, so that the order holds
+            break
+        size += event.consumed.ByteSize()
+        if size > MAX_CONSUMED_BYTES:
+            after.append(event)  # alone, after the run: as large as it was before runs
             break
         run.append(event.consumed)
     if len(run) == 1:
