@@ -249,9 +249,9 @@ def _launch_pair(
 ) -> None:
     """One pair's reads: those that may be joined (jobs.joinable; no destination block twice) as one
     `copy` (a launch, or the host executor's call) over their joined tokens (jobs.join_tokens), up to
-    JOIN_BYTES of `block_bytes` blocks a launch (None: no bound); the rest one `copy` each. A join the
-    executor refuses (its checks run before anything moves) is taken apart: each member checked alone,
-    so that a bad one fails alone with the words it gets alone, and the others copied alone."""
+    JOIN_BYTES of `block_bytes` blocks a launch (None: no bound); the rest one `copy` each. A join that
+    is refused (its checks run before anything moves) is taken apart (`_launch_joined`): a bad member
+    fails alone with the words it gets alone, and the others join again."""
     bp, bd = pair.src.spec.block_size, pair.dst.spec.block_size
     joined: list[int] = []  # positions in pair.copies
     alone: list[int] = []
