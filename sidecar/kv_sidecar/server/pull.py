@@ -429,7 +429,7 @@ class Puller:
             return None
         try:
             return build_job(
-                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+                req, local, remote.plan, p.block_ids, p.num_tokens, cancel, deadline, p.first_token
             )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
@@ -452,7 +452,7 @@ class Puller:
             return None
         try:
             return build_job(
-                req, local, remote.plan, list(p.block_ids), p.num_tokens, cancel, deadline, p.first_token
+                req, local, remote.plan, p.block_ids, p.num_tokens, cancel, deadline, p.first_token
             )
         except (SidecarError, PlanError):
             return None  # the usual path reports it, after OpenRead
@@ -493,7 +493,7 @@ class Puller:
             req,
             local,
             remote.plan,
-            list(opened.block_ids),
+            opened.block_ids,
             opened.num_tokens,
             cancel,
             deadline,

@@ -74,11 +74,23 @@ class PullJob:
         return [self.plan.decode_ranks[e.rank] for e in self.local]
 
 
+# Up to this many ids np.fromiter is the cheaper conversion; beyond, a protobuf repeated field converts
+# in one go with np.array (8,000 ids: ~5 us against ~450 us), a list still with np.fromiter.
+_FEW_IDS = 32
+
+
+def ids_array(values: Sequence[int]) -> np.ndarray:
+    """Block ids as an int64 array, whichever container they came in (a list, a protobuf repeated)."""
+    if len(values) <= _FEW_IDS or isinstance(values, list):
+        return np.fromiter(values, dtype=np.int64, count=len(values))
+    return np.array(values, dtype=np.int64)
+
+
 def build_job(
     req: engine_pb2.PullRequest,
     local: list[RankEntry],
     plan: PairPlan,
-    src_blocks: list[int],
+    src_blocks: Sequence[int],
     num_tokens: int,
     cancel: threading.Event,
     deadline: float,
@@ -88,8 +100,8 @@ def build_job(
     # Block ids arrive as protobuf repeated uint32 (never bools or negatives): as int64 arrays,
     # every later check (the executors validate again) takes the vectorised path. As Python
     # lists, validation was a quarter of a 1 GiB same-node GPU pull (py-spy, 2x H200).
-    src = np.fromiter(src_blocks, dtype=np.int64, count=len(src_blocks))
-    dst = np.fromiter(req.block_ids, dtype=np.int64, count=len(req.block_ids))
+    src = ids_array(src_blocks)
+    dst = ids_array(req.block_ids)
     check_pull(plan, src, num_tokens, dst, req.start_token, first_token)
     if first_token:
         full = source_block_list(src_blocks, first_token, plan.prefill.block_size)
