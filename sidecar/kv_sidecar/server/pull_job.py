@@ -75,7 +75,7 @@ class PullJob:
 
 
 # Up to this many ids np.fromiter is the cheaper conversion; beyond, a protobuf repeated field converts
-# in one go with np.array (8,000 ids: ~5 us against ~450 us), a list still with np.fromiter.
+# in one go with np.array (8,000 ids: 8 us against 620-730 us), a list still with np.fromiter.
 _FEW_IDS = 32
 
 
