@@ -153,9 +153,17 @@ def build_state_job(
 ) -> PullJob:
     """A pull of Mamba group `group`'s state block (its record's one block) into the request's one block."""
     check_state_pull(plan.prefill, plan.decode, group, src_blocks, list(req.block_ids), req.start_token)
-    src = np.asarray(src_blocks, dtype=np.int64)
-    dst = np.asarray(list(req.block_ids), dtype=np.int64)
-    return PullJob(req.params, local, plan, src, dst, req.params.num_tokens, 0, deadline, cancel)
+    return PullJob(
+        req.params,
+        local,
+        plan,
+        ids_array(src_blocks),
+        ids_array(req.block_ids),
+        req.params.num_tokens,
+        0,
+        deadline,
+        cancel,
+    )
 
 
 def state_blocks(job: PullJob, group: int) -> list[StateBlock]:
