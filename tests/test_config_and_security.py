@@ -31,6 +31,7 @@ def test_precedence_flags_env_yaml_defaults(tmp_path: Path) -> None:
         ("tls_client_auth", "optional", "tls_client_auth must be one of require, none"),
         ("drain_timeout_s", "soon", "drain_timeout_s must be a number, got 'soon'"),
         ("engine_lane", "maybe", "engine_lane must be true or false, got 'maybe'"),
+        ("device_workers", "sometimes", "device_workers must be one of auto, true, false; got 'sometimes'"),
         ("engine_workers", "4", "engine_workers must be at least 8, got 4"),
         ("nixl_quiet_poll_ms", "0", "nixl_quiet_poll_ms must be at least 1, got 0"),
         ("open_answer_wait_us", "-1", "open_answer_wait_us must be at least 0, got -1"),
@@ -49,6 +50,16 @@ def test_a_bool_setting_reads_true_and_false_from_any_source(tmp_path: Path) -> 
     assert load_settings({"engine_lane": "False"}, None, {"KV_SIDECAR_ENGINE_LANE": "0"}).engine_lane is False
     assert load_settings({"engine_lane": "yes"}, str(cfg), {}).engine_lane is True
     assert load_settings({}, None, {}).engine_lane is True
+
+
+def test_device_workers_is_auto_by_default_and_reads_a_bool_from_any_source(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("device_workers: true\n")
+    assert load_settings({}, None, {}).device_workers == "auto"
+    assert load_settings({}, str(cfg), {}).device_workers == "true"  # YAML's own bool
+    assert load_settings({}, None, {"KV_SIDECAR_DEVICE_WORKERS": "0"}).device_workers == "false"
+    assert load_settings({"device_workers": "AUTO"}, str(cfg), {}).device_workers == "auto"
+    assert load_settings({"device_workers": "on"}, None, {}).device_workers == "true"
 
 
 def _security(**over: str) -> PeerSecurity:
@@ -125,6 +136,7 @@ def test_help_names_the_new_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--tls-server-name",
         "--drain-timeout-s",
         "--log-format {text,json}",
+        "--device-workers {auto,true,false}",
     ):
         assert flag in text, flag
     assert "grpc.health.v1" in text and "UNAUTHENTICATED" in text and "drains" in text

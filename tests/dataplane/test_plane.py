@@ -26,7 +26,7 @@ from kv_sidecar.dataplane.jobs import (
     ShmTensor,
     Tokens,
 )
-from kv_sidecar.dataplane.plane import DataPlane, member_pieces
+from kv_sidecar.dataplane.plane import DataPlane, copies_in_workers, member_pieces
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.gpu import staging_bytes
 from kv_sidecar.metrics import Metrics
@@ -227,3 +227,23 @@ def test_a_group_takes_the_same_ids_from_each_requests_upload_as_from_its_record
         members.append(SendMember(("e", f"r{r}"), own, indexes[0], len(indexes)))
     uploaded = [torch.tensor(own, dtype=torch.int32) for own in records]
     assert torch.cat(member_pieces(uploaded, members)).tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("setting", "gpus", "gpu", "host"),
+    [
+        ("auto", 0, False, False),
+        ("auto", 2, False, False),
+        ("auto", 3, False, False),
+        ("auto", 4, True, False),  # two GPU pairs: GPU copies in workers, the host's stay here
+        ("auto", 8, True, False),
+        ("true", 0, True, True),
+        (True, 2, True, True),  # a Settings made in code
+        ("false", 8, False, False),
+        (False, 8, False, False),
+    ],
+)
+def test_device_workers_sends_which_copies_to_workers(
+    setting: str | bool, gpus: int, gpu: bool, host: bool
+) -> None:
+    assert copies_in_workers(setting, gpus) == (gpu, host)

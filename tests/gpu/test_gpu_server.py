@@ -77,7 +77,9 @@ _count = iter(range(10**6))
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[SidecarProcess]:
-    s = SidecarProcess("gpu-node", extra=SMALL_RINGS)
+    # Copies in this process on any machine (device_workers=auto moves them to workers on 4 GPUs and
+    # more): these tests count the launches this process makes; worker_node runs the same in workers.
+    s = SidecarProcess("gpu-node", extra=[*SMALL_RINGS, "--device-workers", "false"])
     yield s
     assert s.stop() == 0, "\n".join(s.stderr_tail)
 
@@ -133,6 +135,50 @@ def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, na
     """device_workers: the decode GPU's worker process maps both engines' IPC handles itself and runs
     the copy; exact as the sidecar's own (tests/e2e/test_device_workers.py kills one, host memory)."""
     run_case(worker_node.socket, worker_node.socket, name, "gpu-direct")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="device_workers=auto needs 4 GPUs to act")
+def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_copies_here() -> None:
+    """By default (device_workers=auto) a sidecar that sees 4 GPUs or more runs its gpu-direct copies in
+    the decode GPU's worker process, exact, while host-direct copies stay in the sidecar: no host
+    worker is started."""
+    sc = SidecarProcess("gpu-auto-workers", extra=SMALL_RINGS)
+    engines: list[EngineProcess] = []
+    try:
+        n = next(_count)
+        spec = EngineSpec.from_dict(BASE)
+        host_spec = EngineSpec.from_dict(BASE | {"dtype": "float16"})
+        prefill = EngineProcess(sc.socket, f"auto-p-{n}", spec, devices=[GPU_A])
+        decode = EngineProcess(sc.socket, f"auto-d-{n}", spec, devices=[GPU_B])
+        host_p = EngineProcess(sc.socket, f"auto-hp-{n}", host_spec)
+        host_d = EngineProcess(sc.socket, f"auto-hd-{n}", host_spec)
+        engines = [prefill, decode, host_p, host_d]
+        device = GPU_B.split(":")[1]
+        name, labels = "kvsidecar_worker_gpu_launches_total", f'device="{device}",'
+        launches = lambda: sum(  # noqa: E731
+            _metric(sc, name, f'{{{labels}by="{by}"}}') for by in ("direct", "triton")
+        )
+        before = launches()
+        for p, d, path in ((prefill, decode, "gpu-direct"), (host_p, host_d, "host-direct")):
+            src, dst = list(range(0, 10)), list(range(20, 30))
+            pub = p.send(
+                {"cmd": "prefill", "request_id": "r", "block_ids": src, "num_tokens": NUM_TOKENS, "seed": n}
+            )
+            assert pub["ok"], pub
+            res = d.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n})
+            assert res["ok"] and res["verified"] and res["path"] == path, res
+        assert launches() - before >= 1, "the gpu-direct copy ran in the decode GPU's worker"
+        assert (
+            _metric(sc, "kvsidecar_gpu_launches_total", '{by="direct"}')
+            + _metric(sc, "kvsidecar_gpu_launches_total", '{by="triton"}')
+            == 0
+        ), "no copy launched in the sidecar's own process"
+        # A worker per GPU that holds ranks (each maps every GPU rank), none for the host's copies.
+        assert len(sc.worker_pids()) == 2, sc.worker_pids()
+    finally:
+        for e in engines:
+            e.stop()
+        assert sc.stop() == 0, "\n".join(sc.stderr_tail)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
             type=str if kind is bool else kind,  # load_settings parses true/false
             default=None,
             metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
-            help=f"{Settings.HELP[f.name]} (default: {f.default!r})",
+            help=f"{Settings.HELP[f.name].replace('%', '%%')} (default: {f.default!r})",  # argparse formats it
         )
     p.set_defaults(func=run)
 

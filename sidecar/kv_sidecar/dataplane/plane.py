@@ -10,11 +10,14 @@ error; it never reaches past it. A `DevicePlane` is what a per-GPU worker proces
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from kv_sidecar.config import Settings
 from kv_sidecar.dataplane import local_copies, state_copies
@@ -61,6 +64,25 @@ __all__ = [
     "WorkerReception",
     "WorkerTransmission",
 ]
+
+log = logging.getLogger(__name__)
+
+# device_workers=auto runs GPU copies in workers where the sidecar sees at least this many GPUs: with two
+# GPU pairs gpu-direct batches at 64 MiB moved 1.6-1.7x the GB/s through workers, at 2 MiB 1.1-1.2x,
+# while one pair alone lost 6-13 % to the hand-off (4x H200, docs/benchmarks.md); on two GPUs no gain
+# was measured.
+AUTO_WORKER_GPUS = 4
+
+
+def copies_in_workers(setting: str | bool, gpus: int) -> tuple[bool, bool]:
+    """Which local copies `device_workers` sends to worker processes: (those into GPU ranks, those into
+    host ranks). auto: the GPU ones on a node of AUTO_WORKER_GPUS GPUs or more, never the host's (on
+    the CPU machine a host-direct batch ran 0.58x through a worker)."""
+    if str(setting).lower() == "auto":
+        return gpus >= AUTO_WORKER_GPUS, False
+    on = setting is True or str(setting).lower() == "true"
+    return on, on
+
 
 # Block ids uploaded at Publish, freed when the request's record goes (`forget_ids`), and kept for that
 # many requests at most should the record outlive that (the oldest go first; a gather that finds none
@@ -162,7 +184,18 @@ class DataPlane:
         # Local copies, staged transfers or both in a process per device (dataplane/workers.py), or here.
         self.staged_workers = settings.staged_workers
         staged = (nixl.name, settings) if settings.staged_workers else None
-        self.workers = CopyWorkers(metrics, staged) if settings.device_workers or staged else None
+        gpus = torch.cuda.device_count()
+        self._gpu_in_workers, self._host_in_workers = copies_in_workers(settings.device_workers, gpus)
+        if self._gpu_in_workers or self._host_in_workers:
+            where = "GPU and host" if self._host_in_workers else "GPU"
+            log.info(
+                "device_workers=%s (%d GPUs): %s copies run in worker processes",
+                settings.device_workers,
+                gpus,
+                where,
+            )
+        in_workers = self._gpu_in_workers or self._host_in_workers
+        self.workers = CopyWorkers(metrics, staged) if in_workers or staged else None
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
 
@@ -203,7 +236,7 @@ class DataPlane:
     # -- memory ---------------------------------------------------------------------
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
         memory = self.ranks.attach_host(key, spec, tensors)
-        if self.workers is not None:
+        if self.workers is not None and (self._host_in_workers or self.staged_workers):
             self.workers.attach_host(key, spec, tensors)
         return memory
 
@@ -222,31 +255,46 @@ class DataPlane:
         return self.ranks.gpu(key).device if self.ranks.is_gpu(key) else HOST
 
     # -- jobs -----------------------------------------------------------------------
+    def _in_worker(self, device: int) -> bool:
+        """Whether local copies into `device` run in its worker process (device_workers)."""
+        return self._host_in_workers if device == HOST else self._gpu_in_workers
+
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
         """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
-        the decode device's worker process where there are workers."""
-        if self.workers is not None and self._settings.device_workers and job.reads:
-            return self.workers.copy(self._device_of(job.reads[0].dst), job, halt)
+        the decode device's worker process where device_workers sends it there."""
+        if self.workers is not None and job.reads:
+            device = self._device_of(job.reads[0].dst)
+            if self._in_worker(device):
+                return self.workers.copy(device, job, halt)
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
 
     def copy_local_all(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
         """Several copies (a PullBatch's), each's bytes or what failed it: on GPUs launched together
-        with one wait per decode GPU, host ones one after another (local_copies.copy_all); where there
-        are workers, each device's copies in one message to its worker, which does the same."""
-        if self.workers is None or not self._settings.device_workers:
+        with one wait per decode GPU, host ones one after another (local_copies.copy_all); those that
+        device_workers sends to workers, each device's in one message to its worker, which does the
+        same."""
+        if self.workers is None or not (self._gpu_in_workers or self._host_in_workers):
             return local_copies.copy_all(self.ranks, jobs)
         out: list[int | BaseException] = [0] * len(jobs)
         by_device: dict[int, list[int]] = {}
+        here: list[int] = []
         for i, (job, _) in enumerate(jobs):
             try:  # a rank gone since the pull began fails that copy alone
                 if job.reads:
-                    by_device.setdefault(self._device_of(job.reads[0].dst), []).append(i)
+                    device = self._device_of(job.reads[0].dst)
+                    (by_device.setdefault(device, []) if self._in_worker(device) else here).append(i)
             except Exception as e:
                 out[i] = e
-        # Sent to every worker first, then waited for: devices copy side by side.
+        # Sent to every worker first, then waited for: devices copy side by side, and with this
+        # process's own share.
         posted = {d: self.workers.post_copies(d, [jobs[i] for i in idx]) for d, idx in by_device.items()}
+        if here:
+            for i, moved in zip(
+                here, local_copies.copy_all(self.ranks, [jobs[i] for i in here]), strict=True
+            ):
+                out[i] = moved
         for device, idx in by_device.items():
             for i, moved in zip(idx, posted[device].wait(), strict=True):
                 out[i] = moved
