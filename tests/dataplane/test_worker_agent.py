@@ -41,3 +41,27 @@ def test_a_worker_that_died_hands_out_its_successors_agent_not_its_own() -> None
         assert worker.incarnation == 2
     finally:
         worker.close()
+
+
+def test_a_worker_killed_that_still_reads_alive_hands_out_its_successors_agent() -> None:
+    """A worker SIGKILLed on a GPU may still read as alive while the kernel tears its CUDA context down
+    (our reading of a retried pull failing with NIXL_ERR_REMOTE_DISCONNECT on 4x H200, fifteenth
+    session), so a handshake must not trust the process table. It asks the worker, which cannot answer,
+    and gets the next worker's agent once the death is seen. A stopped worker stands in for a dying one
+    here: alive to `is_alive()`, answering nothing."""
+    worker = CopyWorker(HOST, Metrics(), ("agent-test-alive", Settings(gpu_staging_bytes=4 << 20)))
+    try:
+        name, first = worker.agent()
+        pid = worker.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            handshake = pool.submit(worker.agent)
+            time.sleep(0.3)
+            assert not handshake.done(), "the agent known from before was handed out"
+            os.kill(pid, signal.SIGKILL)
+            again, second = handshake.result(timeout=60)
+        assert again == name and second != first
+        assert worker.incarnation == 2
+    finally:
+        worker.close()

@@ -137,7 +137,6 @@ class CopyWorker:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future[Any], _Job]] = {}
-        self._agent: Future[tuple[str, bytes]] | None = None  # this incarnation's agent and metadata
         self.incarnation = 0  # processes started before this one: what a job ran in is gone once it moved on
         self._ranks: dict[RankKey, _Memory] = {}  # attached again after a restart
         self._closed = False
@@ -158,7 +157,6 @@ class CopyWorker:
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
-        self._agent = None
         self.incarnation += 1
         threading.Thread(target=self._follow, args=(proc, parent), name=f"{name}-follow", daemon=True).start()
         for key, (spec, gpu, memory) in self._ranks.items():
@@ -213,29 +211,32 @@ class CopyWorker:
     def agent(self, timeout_s: float = 60) -> tuple[str, bytes]:
         """The NIXL agent of this worker's staged transfers, and its metadata (its rings registered).
 
-        A worker that died and whose death `_follow` has not seen yet is waited for: its agent is gone,
-        and a peer that handshakes now (a reader whose credits met the dead agent retries at once) must
-        be given the next worker's, not the dead one's still cached."""
+        Asked of the worker each time (a handshake's, rare), never from a cache: a SIGKILLed worker may
+        still read as alive while the kernel tears its CUDA context down, and a peer that handshakes
+        then (a reader whose transfer met the dead agent retries at once) must be given the next
+        worker's agent, not the dead one's. A dead worker does not answer; its death fails the question
+        (`_follow`), and the next worker is asked."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 self._refuse_if_closed()
-                if self._proc is None or self._proc.is_alive():
-                    if self._agent is None:
-                        self._agent = self._post("hello", None)
-                    fut = self._agent
-                    break
+                fut = self._post("hello", None) if self._proc is None or self._proc.is_alive() else None
+            if fut is not None:
+                try:
+                    return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise SidecarError(
+                        Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
+                    ) from None
+                except SidecarError as e:
+                    if e.code is not Code.UNAVAILABLE or self._closed:
+                        raise
+                    # It died before answering: ask the one started in its place.
             if time.monotonic() > deadline:
                 raise SidecarError(
                     Code.UNAVAILABLE, f"the worker of device {self.device} was not started again"
                 )
             time.sleep(0.005)
-        try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            raise SidecarError(
-                Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
-            ) from None
 
     def ask_metrics(self) -> Future[list[Family]] | None:
         """Ask what it counts (`Metrics.worker_families`); None while the sidecar shuts down."""
