@@ -292,17 +292,23 @@ class CopyWorker:
                 self._post("detach", None, key)
 
     def copy(self, job: LocalCopy, halt: Halt) -> int:
-        left = halt.remaining()
-        fut = self._call("copy", job, job, time.monotonic() + left)
+        deadline = time.monotonic() + halt.remaining()
+        fut = self._call("copy", job, job, deadline)
+        return int(self.answer_by(fut, deadline, "the copy", "its", f"; blocks not filled: {_blocks(job)}"))
+
+    def answer_by(self, fut: Future[Any], deadline: float, what: str, owner: str, more: str = "") -> Any:
+        """`fut`'s answer. One still awaited KILL_AFTER_S past `deadline` is stuck: the worker is killed
+        (and started again), since nothing of ours may write into an engine's cache after the pull
+        answered, and DEADLINE_EXCEEDED says so of `what` ("the copy"), whose (`owner`: "its") deadline
+        and worker it was, and `more`."""
         try:
-            return int(fut.result(timeout=left + KILL_AFTER_S))
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()) + KILL_AFTER_S)
         except FutureTimeout:
-            # Stuck past its deadline: nothing may write into the engine's cache after we answer.
             self.kill()
             raise SidecarError(
                 Code.DEADLINE_EXCEEDED,
-                f"the copy did not end {KILL_AFTER_S:.0f} s past its deadline: its worker was restarted; "
-                f"blocks not filled: {_blocks(job)}",
+                f"{what} did not end {KILL_AFTER_S:g} s past {owner} deadline: {owner} worker was restarted"
+                f"{more}",
             ) from None
 
     def post_copies(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> PostedCopies:
@@ -359,17 +365,8 @@ class PostedCopies:
         if self.answer is None:
             return self.out
         try:
-            answers = self.answer.result(timeout=max(0.0, self.deadline - time.monotonic()) + KILL_AFTER_S)
-        except FutureTimeout:
-            self.worker.kill()
-            return self._failed(
-                SidecarError(
-                    Code.DEADLINE_EXCEEDED,
-                    f"the copies did not end {KILL_AFTER_S:.0f} s past their deadline: their worker was "
-                    "restarted",
-                )
-            )
-        except Exception as e:  # the worker died with them
+            answers = self.worker.answer_by(self.answer, self.deadline, "the copies", "their")
+        except Exception as e:  # stuck, or the worker died with them
             return self._failed(e)
         for i, (ok, value) in zip(self.sent, answers, strict=True):
             self.out[i] = int(value) if ok else decode_error(value)
