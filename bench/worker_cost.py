@@ -1,0 +1,112 @@
+"""What device workers cost a GPU node besides their hand-off: the time from an engine's registration
+to its first gpu-direct pull, and the GPU memory of the sidecar's processes, with `device_workers`
+off and on (docs/operations.md, "GPU memory headroom").
+
+For each setting, a fresh sidecar and two reference engines (prefill on GPU0, decode on GPU1, the
+model-shaped rank of bench/node_scaling.py, 64 blocks each): the first pull right after both engines
+registered (a worker starts when the first GPU rank registers, and maps every GPU rank), then 20 more;
+then `nvidia-smi` per process for the sidecar and its children, by GPU. Every pull is verified.
+
+    python bench/worker_cost.py                     # off and on
+    python bench/worker_cost.py --settings auto     # what the default does on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+
+SPEC = EngineSpec(
+    tp_size=1,
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    block_size=16,
+    num_blocks=64,
+    layout="flash_attn_nhd",
+)
+
+
+def _gpu_memory(pids: set[int]) -> dict[str, int]:
+    """MiB each GPU holds for these processes, by GPU index."""
+    uuids = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout
+    index = {u.strip(): i.strip() for i, u in (line.split(",") for line in uuids.splitlines() if line)}
+    apps = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    out: dict[str, int] = {}
+    for line in apps.splitlines():
+        pid, uuid, mib = (f.strip() for f in line.split(","))
+        if int(pid) in pids:
+            gpu = index.get(uuid, uuid)
+            out[gpu] = out.get(gpu, 0) + int(mib)
+    return out
+
+
+def _pull(prefill: EngineProcess, decode: EngineProcess, i: int) -> float:
+    src = [i % 32, 32 + i % 32]
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": f"r{i}", "block_ids": src, "num_tokens": 32, "seed": i}
+    )
+    assert pub["ok"], pub
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [40, 41], "seed": i})
+    assert res["ok"] and res["verified"] and res["path"] == "gpu-direct", res
+    return float(res["wall_s"]) * 1e3  # the engine's pull call, not its checks after
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", default="false,true", help="device_workers values, comma-separated")
+    args = ap.parse_args()
+    gpus = torch.cuda.device_count()
+    assert gpus >= 2, "needs two GPUs"
+    rows = []
+    for setting in args.settings.split(","):
+        sc = SidecarProcess(f"worker-cost-{setting}", extra=["--device-workers", setting])
+        try:
+            t0 = time.perf_counter()
+            prefill = EngineProcess(sc.socket, f"wc-p-{setting}", SPEC, devices=["cuda:0"])
+            decode = EngineProcess(sc.socket, f"wc-d-{setting}", SPEC, devices=["cuda:1"])
+            registered = time.perf_counter() - t0
+            try:
+                first = _pull(prefill, decode, 0)
+                later = statistics.median(_pull(prefill, decode, i) for i in range(1, 21))
+                workers = sc.worker_pids()
+                mine = _gpu_memory({sc.proc.pid})
+                theirs = _gpu_memory(set(workers))
+            finally:
+                prefill.stop()
+                decode.stop()
+        finally:
+            sc.stop()
+        rows.append((setting, registered, first, later, len(workers), mine, theirs))
+    host = os.uname().nodename
+    print(f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), host {host}; 2 MiB blocks, pulls of 2 blocks\n")
+    print(
+        "| device_workers | engines registered, s | first pull, ms | later pulls p50, ms | workers | "
+        "GPU MiB, sidecar process | GPU MiB, its workers |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for setting, registered, first, later, n, mine, theirs in rows:
+        show = lambda m: ", ".join(f"GPU{g} {v}" for g, v in sorted(m.items())) or "-"  # noqa: E731
+        print(
+            f"| {setting} | {registered:.1f} | {first:.1f} | {later:.2f} | {n} | {show(mine)} | {show(theirs)} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
