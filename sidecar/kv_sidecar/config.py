@@ -74,7 +74,8 @@ class Settings:
         "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
         "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "
         "paths still run in the sidecar. auto: the GPU copies, on a node where the sidecar sees at least "
-        "4 GPUs (two GPU pairs and more: 1.6-1.7x the GB/s at 64 MiB there, while one pair loses 6-13 %); "
+        "4 GPUs (two GPU pairs: 1.5-1.7x the GB/s at 64 MiB and 1.1-1.2x the pulls/s at 2 MiB of batches, "
+        "while one pair alone loses 6-24 %); "
         "true: every device's, the host's too (docs/gpu.md, \"Node scaling\")",
         "staged_workers": "run each device's staged transfers (gpu-staged, host-ring: its rings, gathers, "
         "scatters, NIXL WRITEs and credits) in a worker process of its own with its own NIXL agent "

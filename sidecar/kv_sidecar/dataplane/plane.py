@@ -68,9 +68,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # device_workers=auto runs GPU copies in workers where the sidecar sees at least this many GPUs: with two
-# GPU pairs gpu-direct batches at 64 MiB moved 1.6-1.7x the GB/s through workers, at 2 MiB 1.1-1.2x,
-# while one pair alone lost 6-13 % to the hand-off (4x H200, docs/benchmarks.md); on two GPUs no gain
-# was measured.
+# GPU pairs gpu-direct batches at 64 MiB moved 1.5-1.7x the GB/s through workers, at 2 MiB 1.1-1.2x,
+# while one pair alone lost 6-24 % to the hand-off (4x H200, three leases, docs/benchmarks.md); on two
+# GPUs no gain was measured.
 AUTO_WORKER_GPUS = 4
 
 

@@ -220,6 +220,7 @@ class CopyWorker:
         while True:
             with self._lock:
                 self._refuse_if_closed()
+                asked = self.incarnation
                 fut = self._post("hello", None) if self._proc is None or self._proc.is_alive() else None
             if fut is not None:
                 try:
@@ -228,10 +229,11 @@ class CopyWorker:
                     raise SidecarError(
                         Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
                     ) from None
-                except SidecarError as e:
-                    if e.code is not Code.UNAVAILABLE or self._closed:
+                except SidecarError:
+                    # Died before answering (`_follow` starts the next before it fails what the dead
+                    # one held): ask the next. Any other failure is the answer.
+                    if self.incarnation == asked or self._closed:
                         raise
-                    # It died before answering: ask the one started in its place.
             if time.monotonic() > deadline:
                 raise SidecarError(
                     Code.UNAVAILABLE, f"the worker of device {self.device} was not started again"
