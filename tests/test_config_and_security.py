@@ -52,10 +52,10 @@ def test_a_bool_setting_reads_true_and_false_from_any_source(tmp_path: Path) -> 
     assert load_settings({}, None, {}).engine_lane is True
 
 
-def test_device_workers_is_auto_by_default_and_reads_a_bool_from_any_source(tmp_path: Path) -> None:
+def test_device_workers_reads_auto_or_a_bool_from_any_source(tmp_path: Path) -> None:
     cfg = tmp_path / "config.yaml"
     cfg.write_text("device_workers: true\n")
-    assert load_settings({}, None, {}).device_workers == "auto"
+    assert load_settings({}, None, {}).device_workers == "false"
     assert load_settings({}, str(cfg), {}).device_workers == "true"  # YAML's own bool
     assert load_settings({}, None, {"KV_SIDECAR_DEVICE_WORKERS": "0"}).device_workers == "false"
     assert load_settings({"device_workers": "AUTO"}, str(cfg), {}).device_workers == "auto"

@@ -25,7 +25,7 @@ class Settings:
     gpu_staging_slots: int = 4
     host_transfer: str = "read"
     host_read_merge: bool = False
-    device_workers: str = "auto"
+    device_workers: str = "false"
     staged_workers: bool = False
     nixl_busy_poll_us: int = 20
     nixl_quiet_poll_ms: int = 50
@@ -73,10 +73,12 @@ class Settings:
         "device_workers": "run each device's local copies (host-direct, gpu-direct) in a worker process of "
         "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
         "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "
-        "paths still run in the sidecar. auto: the GPU copies, on a node where the sidecar sees at least "
-        "4 GPUs (two GPU pairs: 1.5-1.7x the GB/s at 64 MiB and 1.1-1.2x the pulls/s at 2 MiB of batches, "
-        "while one pair alone loses 6-24 %); "
-        "true: every device's, the host's too (docs/gpu.md, \"Node scaling\")",
+        "paths still run in the sidecar. true: every device's copies; auto: the GPU copies, where the "
+        "sidecar sees at least 4 GPUs (two GPU pairs: 1.5-1.7x the GB/s at 64 MiB and 1.1-1.2x the "
+        "pulls/s at 2 MiB of batches, while one pair alone loses 6-24 %). auto is for a sidecar that "
+        "serves a node's engines: one that sees every GPU of the node but serves one pod's engine "
+        "(deploy/k8s/base) would start a worker, ~1 GiB of GPU memory, per engine GPU for copies it never "
+        'makes (docs/gpu.md, "Node scaling")',
         "staged_workers": "run each device's staged transfers (gpu-staged, host-ring: its rings, gathers, "
         "scatters, NIXL WRITEs and credits) in a worker process of its own with its own NIXL agent "
         "(<sidecar_id>/gpu<N>, <sidecar_id>/host), so that GPUs stop queuing on the sidecar's one "

@@ -77,8 +77,8 @@ _count = iter(range(10**6))
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[SidecarProcess]:
-    # Copies in this process on any machine (device_workers=auto moves them to workers on 4 GPUs and
-    # more): these tests count the launches this process makes; worker_node runs the same in workers.
+    # Copies in this process on any machine, whatever the default: these tests count the launches this
+    # process makes; worker_node runs the same in workers.
     s = SidecarProcess("gpu-node", extra=[*SMALL_RINGS, "--device-workers", "false"])
     yield s
     assert s.stop() == 0, "\n".join(s.stderr_tail)
@@ -139,10 +139,10 @@ def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, na
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="device_workers=auto needs 4 GPUs to act")
 def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_copies_here() -> None:
-    """By default (device_workers=auto) a sidecar that sees 4 GPUs or more runs its gpu-direct copies in
-    the decode GPU's worker process, exact, while host-direct copies stay in the sidecar: no host
-    worker is started."""
-    sc = SidecarProcess("gpu-auto-workers", extra=SMALL_RINGS)
+    """With device_workers=auto a sidecar that sees 4 GPUs or more runs its gpu-direct copies in the
+    decode GPU's worker process, exact, while host-direct copies stay in the sidecar: no host worker
+    is started."""
+    sc = SidecarProcess("gpu-auto-workers", extra=[*SMALL_RINGS, "--device-workers", "auto"])
     engines: list[EngineProcess] = []
     try:
         n = next(_count)
