@@ -15,6 +15,7 @@ import time
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks
+from kv_sidecar_client import SidecarClient
 
 from .conftest import Spawn, batch_with_one_unpublished, metric, spec_dict, wait_for
 
@@ -96,6 +97,13 @@ def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Sp
     # Started again, with both ranks attached again: the next pull (into other blocks) is exact.
     wait_for("a new worker", lambda: workers_of(sc) and workers_of(sc) != [worker])
     assert metric(sc.metrics_port, "kvsidecar_worker_restarts_total", '{device="-1"}') == 1
+    # `kv-sidecar status` names the worker that runs now and counts the restart.
+    with SidecarClient(sc.socket, lane=False) as client:
+        st = client.status()
+    assert st.device_workers == "true"
+    assert [(w.device, w.pid, w.restarts, w.local_copies, w.staged) for w in st.workers] == [
+        (-1, workers_of(sc)[0], 1, True, False)
+    ]
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "after", "block_ids": [0, 1], "num_tokens": 32, "seed": 8}
     )

@@ -73,6 +73,9 @@ def test_staged_pulls_through_workers_are_exact(
     assert res["verified"], res["errors"]  # every byte, and nothing outside the blocks
     for sc, on in ((ps, prefill_workers), (ds, decode_workers)):
         assert len(workers_of(sc)) == (1 if on else 0), "one worker: the host's"
+        with SidecarClient(sc.socket, lane=False) as client:
+            shown = [(w.device, w.pid, w.local_copies, w.staged) for w in client.status().workers]
+        assert shown == ([(-1, workers_of(sc)[0], False, True)] if on else []), shown  # kv-sidecar status
     # Side by side: reads of one rank pair that wait go as one transfer (staged_group_reads).
     pulls = [
         {

@@ -127,6 +127,7 @@ def test_status_command(pulled: tuple[SidecarProcess, SidecarProcess, str]) -> N
     recent = st["recent"]
     assert (recent["pulls"], recent["failed_pulls"], int(recent["bytes"])) == ("2", "1", BYTES)
     assert recent["window_s"] == 60 and recent["busy_s"] > 0
+    assert st["device_workers"] == "false" and st.get("workers", []) == []  # none by default
 
     # Through the peer port: the prefill side saw the decode side's handshake and served one read.
     out = _status_cli("--peer", a.peer_address, "--json")
@@ -141,6 +142,7 @@ def test_status_command(pulled: tuple[SidecarProcess, SidecarProcess, str]) -> N
     assert "obs-d rank 0/1" in text.stdout and f"outgoing {a.peer_address}" in text.stdout
     assert f"engine lane {b.socket}.lane: 1 connections open" in text.stdout
     assert "2 pulls (1 failed), 24.0 KiB" in text.stdout
+    assert "data-plane workers: 0 (device_workers false)" in text.stdout
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_sidecar_goes_on(

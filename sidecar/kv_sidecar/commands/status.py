@@ -107,6 +107,12 @@ def render(st: status_pb2.StatusResponse) -> str:
         f"{window_gbps:.3g} GB/s over the window, {busy_gbps:.3g} GB/s while pulling; "
         f"{r.served_reads} reads served"
     )
+    lines.append(f"data-plane workers: {len(st.workers)} (device_workers {st.device_workers or 'false'})")
+    for w in st.workers:
+        what = " and ".join(x for x, on in (("local copies", w.local_copies), ("staged", w.staged)) if on)
+        where = "host" if w.device < 0 else f"GPU {w.device}"
+        pid = f"pid {w.pid}" if w.pid else "not running"
+        lines.append(f"  {where}: {pid}, {what or 'ranks mapped only'}, restarted {w.restarts} times")
     refused = sum(p.count for p in st.publish_refusals)
     lines.append(
         f"publishes refused: {refused}" + (" (their decode engines compute them)" if refused else "")

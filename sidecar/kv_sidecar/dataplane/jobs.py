@@ -301,3 +301,14 @@ class Send:
 class Sent:
     chunks: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A data-plane worker process as `kv-sidecar status` shows it (dataplane/workers.py)."""
+
+    device: int  # a CUDA ordinal, or HOST
+    pid: int  # 0 while none runs
+    restarts: int  # processes started again after one died
+    local_copies: bool  # runs the local copies into this device (device_workers)
+    staged: bool  # runs this device's staged transfers (staged_workers)

@@ -36,6 +36,7 @@ from kv_sidecar.dataplane.jobs import (
     ShmTensor,
     StateCopy,
     StateRead,
+    WorkerState,
 )
 from kv_sidecar.dataplane.nixl_reads import NixlReads, PostedRead
 from kv_sidecar.dataplane.ranks import MappedRanks
@@ -198,6 +199,15 @@ class DataPlane:
         self.workers = CopyWorkers(metrics, staged) if in_workers or staged else None
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
+
+    def worker_states(self) -> list[WorkerState]:
+        """Each worker process, what it runs, and how often it was started again."""
+        if self.workers is None:
+            return []
+        return [
+            WorkerState(device, pid, restarts, self._in_worker(device), self.staged_workers)
+            for device, pid, restarts in self.workers.processes()
+        ]
 
     def worker_metrics(self) -> dict[int, list[Family]]:
         """What each worker process counts (its rings, WRITEs, failures, launches, NIXL objects), device

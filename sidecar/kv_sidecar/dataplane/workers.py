@@ -441,6 +441,12 @@ class CopyWorkers:
                 continue
         return out
 
+    def processes(self) -> list[tuple[int, int, int]]:
+        """(device, pid or 0, restarts) of each worker, by device."""
+        with self._lock:
+            workers = sorted(self._workers.items())
+        return [(d, w.pid or 0, w.incarnation - 1) for d, w in workers]
+
     def worker(self, device: int) -> CopyWorker | None:
         with self._lock:
             return self._workers.get(device)

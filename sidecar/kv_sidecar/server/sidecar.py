@@ -203,6 +203,7 @@ class Sidecar:
             transfers,
             self.servers.lane_state,
             refusals,
+            lambda: (str(s.device_workers).lower(), plane.worker_states()),
         )
         # Staged transfers' notifications (and OpenRead answers, under the same tag) go to whoever listens
         # for them (the data plane routes the tag: DataPlane); the rest by tag.

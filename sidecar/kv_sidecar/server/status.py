@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from kv_sidecar import __version__
+from kv_sidecar.dataplane.jobs import WorkerState
 from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engines import EngineRegistry
 from kv_sidecar.server.identity import Identity
@@ -17,6 +18,8 @@ from kv_sidecar_client._proto.kvsidecar.v1 import status_pb2
 
 # The engine lane's socket path and open connections ("" and 0 where it is not served).
 LaneState = Callable[[], tuple[str, int]]
+# The device_workers setting, and each data-plane worker process (DataPlane.worker_states).
+WorkersState = Callable[[], tuple[str, list[WorkerState]]]
 
 
 class StatusReport:
@@ -31,6 +34,7 @@ class StatusReport:
         transfers: TransferTracker,
         lane: LaneState,
         refusals: PublishRefusals,
+        workers: WorkersState = lambda: ("false", []),
     ) -> None:
         """security: how the peer API is secured, in words (PeerSecurity.describe)."""
         self._me = identity
@@ -42,6 +46,7 @@ class StatusReport:
         self._transfers = transfers
         self._lane = lane
         self._refusals = refusals
+        self._workers = workers
         self._started_at = time.monotonic()
 
     def build(self) -> status_pb2.StatusResponse:
@@ -71,6 +76,7 @@ class StatusReport:
             for h in self._transfers.incoming_handshakes()
         ]
         recent = self._transfers.recent()
+        device_workers, workers = self._workers()
         return status_pb2.StatusResponse(
             sidecar_id=self._me.sidecar_id,
             version=__version__,
@@ -124,5 +130,16 @@ class StatusReport:
                     last_unix_s=r.last_unix_s,
                 )
                 for r in self._refusals.snapshot()
+            ],
+            device_workers=device_workers,
+            workers=[
+                status_pb2.WorkerStatus(
+                    device=w.device,
+                    pid=w.pid,
+                    restarts=w.restarts,
+                    local_copies=w.local_copies,
+                    staged=w.staged,
+                )
+                for w in workers
             ],
         )

@@ -94,8 +94,22 @@ class PublishRefusal(_message.Message):
     last_unix_s: float
     def __init__(self, engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ..., last_message: _Optional[str] = ..., last_unix_s: _Optional[float] = ...) -> None: ...
 
+class WorkerStatus(_message.Message):
+    __slots__ = ("device", "pid", "restarts", "local_copies", "staged")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_COPIES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    pid: int
+    restarts: int
+    local_copies: bool
+    staged: bool
+    def __init__(self, device: _Optional[int] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., local_copies: _Optional[bool] = ..., staged: _Optional[bool] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals")
+    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals", "device_workers", "workers")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +124,8 @@ class StatusResponse(_message.Message):
     ENGINE_LANE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     version: str
     peer_address: str
@@ -124,4 +140,6 @@ class StatusResponse(_message.Message):
     engine_lane: str
     engine_lane_connections: int
     publish_refusals: _containers.RepeatedCompositeFieldContainer[PublishRefusal]
-    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ..., publish_refusals: _Optional[_Iterable[_Union[PublishRefusal, _Mapping]]] = ...) -> None: ...
+    device_workers: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ..., publish_refusals: _Optional[_Iterable[_Union[PublishRefusal, _Mapping]]] = ..., device_workers: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
