@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+from kv_sidecar.commands.status import render
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks
 from kv_sidecar_client import SidecarClient
@@ -104,6 +105,9 @@ def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Sp
     assert [(w.device, w.pid, w.restarts, w.local_copies, w.staged) for w in st.workers] == [
         (-1, workers_of(sc)[0], 1, True, False)
     ]
+    text = render(st)
+    assert "data-plane workers: 1 (device_workers true)" in text
+    assert f"host: pid {workers_of(sc)[0]}, runs local copies, restarts 1" in text
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "after", "block_ids": [0, 1], "num_tokens": 32, "seed": 8}
     )
