@@ -246,4 +246,4 @@ def test_a_group_takes_the_same_ids_from_each_requests_upload_as_from_its_record
 def test_device_workers_sends_which_copies_to_workers(
     setting: str | bool, gpus: int, gpu: bool, host: bool
 ) -> None:
-    assert copies_in_workers(setting, gpus) == (gpu, host)
+    assert copies_in_workers(setting, lambda: gpus) == (gpu, host)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -75,12 +75,13 @@ log = logging.getLogger(__name__)
 AUTO_WORKER_GPUS = 4
 
 
-def copies_in_workers(setting: str | bool, gpus: int) -> tuple[bool, bool]:
+def copies_in_workers(setting: str | bool, gpus: Callable[[], int]) -> tuple[bool, bool]:
     """Which local copies `device_workers` sends to worker processes: (those into GPU ranks, those into
     host ranks). auto: the GPU ones on a node of AUTO_WORKER_GPUS GPUs or more, never the host's (on
-    the CPU machine a host-direct batch ran 0.58x through a worker)."""
+    the CPU machine a host-direct batch ran 0.58x through a worker). `gpus` counts the GPUs seen,
+    asked only for auto: counting initialises CUDA, which a sidecar need not do at start."""
     if str(setting).lower() == "auto":
-        return gpus >= AUTO_WORKER_GPUS, False
+        return gpus() >= AUTO_WORKER_GPUS, False
     on = setting is True or str(setting).lower() == "true"
     return on, on
 
@@ -185,17 +186,17 @@ class DataPlane:
         # Local copies, staged transfers or both in a process per device (dataplane/workers.py), or here.
         self.staged_workers = settings.staged_workers
         staged = (nixl.name, settings) if settings.staged_workers else None
-        gpus = torch.cuda.device_count()
-        self._gpu_in_workers, self._host_in_workers = copies_in_workers(settings.device_workers, gpus)
-        if self._gpu_in_workers or self._host_in_workers:
-            where = "GPU and host" if self._host_in_workers else "GPU"
+        self._gpu_in_workers, self._host_in_workers = copies_in_workers(
+            settings.device_workers, torch.cuda.device_count
+        )
+        in_workers = self._gpu_in_workers or self._host_in_workers
+        if in_workers:  # counted here only where copies go to workers, once
             log.info(
                 "device_workers=%s (%d GPUs): %s copies run in worker processes",
                 settings.device_workers,
-                gpus,
-                where,
+                torch.cuda.device_count(),
+                "GPU and host" if self._host_in_workers else "GPU",
             )
-        in_workers = self._gpu_in_workers or self._host_in_workers
         self.workers = CopyWorkers(metrics, staged) if in_workers or staged else None
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
