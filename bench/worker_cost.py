@@ -14,26 +14,22 @@ then `nvidia-smi` per process for the sidecar and its children, by GPU. Every pu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
-SPEC = EngineSpec(
-    tp_size=1,
-    num_layers=32,
-    num_kv_heads=8,
-    head_dim=128,
-    dtype="bfloat16",
-    block_size=16,
-    num_blocks=64,
-    layout="flash_attn_nhd",
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import node_scaling
+
+SPEC = dataclasses.replace(node_scaling.GPU_SPEC, num_blocks=64)
 
 
 def _gpu_memory(pids: set[int]) -> dict[str, int]:
