@@ -2,10 +2,12 @@
 to its first gpu-direct pull, and the GPU memory of the sidecar's processes, with `device_workers`
 off and on (docs/operations.md, "GPU memory headroom").
 
-For each setting, a fresh sidecar and two reference engines (prefill on GPU0, decode on GPU1, the
-model-shaped rank of bench/node_scaling.py, 64 blocks each): the first pull right after both engines
-registered (a worker starts when the first GPU rank registers, and maps every GPU rank), then 20 more;
-then `nvidia-smi` per process for the sidecar and its children, by GPU. Every pull is verified.
+For each setting, a fresh sidecar and two reference engines (prefill on GPU0, decode on GPU1, or both
+on GPU0 where there is one; the model-shaped rank of bench/node_scaling.py, 64 blocks each): the first
+pull right after both engines registered (a worker starts when the first GPU rank registers, and maps
+every GPU rank), then 20 more; then `nvidia-smi` per process for the sidecar and its children, by GPU.
+Every pull is verified. Each setting runs twice on its own TRITON_CACHE_DIR: empty (a new pod), then
+filled by the first (a restarted container that kept it).
 
     python bench/worker_cost.py                     # off and on
     python bench/worker_cost.py --settings auto     # what the default does on this machine
@@ -19,7 +21,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,19 +67,29 @@ def _pull(prefill: EngineProcess, decode: EngineProcess, i: int) -> float:
     return float(res["wall_s"]) * 1e3  # the engine's pull call, not its checks after
 
 
+def _runs(settings: list[str]) -> Iterator[tuple[str, str, str]]:
+    """(setting, "empty" or "filled", its Triton cache directory) for each run."""
+    for setting in settings:
+        with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
+            yield setting, "empty", cache
+            yield setting, "filled", cache
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default="false,true", help="device_workers values, comma-separated")
     args = ap.parse_args()
     gpus = torch.cuda.device_count()
-    assert gpus >= 2, "needs two GPUs"
+    assert gpus >= 1, "needs a GPU"
+    decode_gpu = "cuda:1" if gpus >= 2 else "cuda:0"
     rows = []
-    for setting in args.settings.split(","):
-        sc = SidecarProcess(f"worker-cost-{setting}", extra=["--device-workers", setting])
+    for setting, cache_state, cache in _runs(args.settings.split(",")):
+        env = {"TRITON_CACHE_DIR": cache}
+        sc = SidecarProcess(f"worker-cost-{setting}", extra=["--device-workers", setting], env=env)
         try:
             t0 = time.perf_counter()
             prefill = EngineProcess(sc.socket, f"wc-p-{setting}", SPEC, devices=["cuda:0"])
-            decode = EngineProcess(sc.socket, f"wc-d-{setting}", SPEC, devices=["cuda:1"])
+            decode = EngineProcess(sc.socket, f"wc-d-{setting}", SPEC, devices=[decode_gpu])
             registered = time.perf_counter() - t0
             try:
                 first = _pull(prefill, decode, 0)
@@ -88,11 +102,11 @@ def main() -> int:
                 decode.stop()
         finally:
             sc.stop()
-        rows.append((setting, registered, first, later, len(workers), mine, theirs))
+        rows.append((f"{setting}, {cache_state}", registered, first, later, len(workers), mine, theirs))
     host = os.uname().nodename
     print(f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), host {host}; 2 MiB blocks, pulls of 2 blocks\n")
     print(
-        "| device_workers | engines registered, s | first pull, ms | later pulls p50, ms | workers | "
+        "| device_workers, Triton cache | engines registered, s | first pull, ms | later pulls p50, ms | workers | "
         "GPU MiB, sidecar process | GPU MiB, its workers |"
     )
     print("|---|---|---|---|---|---|---|")

@@ -353,6 +353,63 @@ def test_the_sidecar_counts_its_kernel_launches(node: SidecarProcess) -> None:
         assert after["direct"] >= before["direct"] + 2, (before, after)  # the 2nd and 3rd copy at least
 
 
+def test_registration_compiles_the_copy_kernel_so_that_no_pull_waits_for_the_compiler() -> None:
+    """RegisterRank compiles the copy kernel of a homogeneous pairing (execute/gpu.warm_up): the first
+    gpu-direct pull and the first staged pull (the source's gather, the reader's scatter) launch the
+    compiled kernel, as do pulls of other lengths and prefix starts, on which the kernel is not
+    specialised. None goes through Triton, where a compile would happen."""
+    from kv_sidecar.execute import gpu_kernels
+
+    if not triton.__version__.startswith(gpu_kernels.DIRECT_TRITON):
+        pytest.skip(f"Triton {triton.__version__}: every launch goes through Triton")
+    extra = [*SMALL_RINGS, "--device-workers", "false"]
+    a, b = SidecarProcess("warm-prefill", extra=extra), SidecarProcess("warm-decode", extra=extra)
+    engines: list[EngineProcess] = []
+    try:
+        n = next(_count)
+        spec = EngineSpec.from_dict(BASE)
+        remote = EngineProcess(a.socket, f"warm-pr-{n}", spec, devices=[GPU_A])
+        local = EngineProcess(b.socket, f"warm-pl-{n}", spec, devices=[GPU_A])
+        decode = EngineProcess(b.socket, f"warm-d-{n}", spec, devices=[GPU_B])
+        engines = [remote, local, decode]
+        bs = spec.block_size
+        for prefill, path in ((local, "gpu-direct"), (remote, "gpu-staged")):
+            for i, (tokens, start) in enumerate(((NUM_TOKENS, 0), (33, 0), (NUM_TOKENS, 2 * bs), (1, 0))):
+                src = list(range(0, -(-tokens // bs)))
+                dst = list(range(20, 20 + -(-tokens // bs) - start // bs))
+                seed = 100 * n + i
+                pub = prefill.send(
+                    {
+                        "cmd": "prefill",
+                        "request_id": f"r{i}",
+                        "block_ids": src,
+                        "num_tokens": tokens,
+                        "seed": seed,
+                    }
+                )
+                assert pub["ok"], pub
+                res = decode.send(
+                    {
+                        "cmd": "pull",
+                        "params": pub["params"],
+                        "block_ids": dst,
+                        "seed": seed,
+                        "start_token": start,
+                    }
+                )
+                assert res["ok"] and res["verified"] and res["path"] == path, (tokens, start, res)
+        for sc, what in ((b, "gpu-direct copies and scatters"), (a, "gathers")):
+            launches = {
+                by: _metric(sc, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}')
+                for by in ("direct", "triton")
+            }
+            assert launches["triton"] == 0 and launches["direct"] >= 4, (what, launches)
+    finally:
+        for e in engines:
+            e.stop()
+        assert (a.stop(), b.stop()) == (0, 0), "\n".join([*a.stderr_tail, *b.stderr_tail])
+
+
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
     """A sample of the sidecar's /metrics, its labels as exposed (`{kind="x"}`): 0 when absent."""
     return scrape.value(sc.metrics_port, name, **scrape.labels(labels))

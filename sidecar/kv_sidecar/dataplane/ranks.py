@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -115,6 +116,7 @@ class MappedRanks:
             except BaseException:
                 gpu.close()
                 raise
+        _warm_up(key, gpu)
         with self._lock:
             self._gpu[key] = gpu
         # Peers never address a GPU rank's memory (they WRITE into our rings): no regions to tell.
@@ -172,6 +174,28 @@ class MappedRanks:
         for key in keys:
             with contextlib.suppress(Exception):
                 self.detach(key)
+
+
+def _warm_up(key: RankKey, rank: GpuRank) -> None:
+    """Compile the rank's copy kernels at registration rather than at its first pulls, which would wait
+    ~0.5-1.9 s for the compiler (bench/kernel_compiles.py). A failure here is only logged: the first
+    pull compiles again and reports what fails."""
+    from kv_sidecar.execute.gpu import warm_up
+
+    start = time.perf_counter()
+    try:
+        compiled = warm_up(rank.view(rank.device))
+    except Exception:
+        log.warning(
+            "could not compile the GPU copy kernel for engine %r rank %d at registration; its first pull "
+            "will", key.engine_id, key.rank, exc_info=True,
+        )  # fmt: skip
+        return
+    if compiled:
+        log.info(
+            "compiled %d GPU copy kernels for engine %r rank %d (cuda:%d) in %.2f s",
+            compiled, key.engine_id, key.rank, rank.device, time.perf_counter() - start,
+        )  # fmt: skip
 
 
 def _check_disjoint(spec: EngineSpec, tensors: list[tuple[str | bytes, int, tuple[int, ...]]]) -> None:

@@ -21,7 +21,9 @@ loads and stores.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import threading
 from typing import Any
 
 import triton
@@ -30,7 +32,25 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 
-@triton.jit
+# The kernel's int parameters that Triton is told not to specialise on by value (being 1, divisibility
+# by 16), only by width: a pull's prefix start and first blocks would otherwise each compile a kernel
+# for every class they fall in (6 among 18 pulls of a serving mix, 150-600 ms each), and the copy is as
+# fast without (bench/kernel_compiles.py). Not n_chunks: a row count known to be a multiple of 16
+# makes the row mask uniform over groups of rows, which doubles the copy's bandwidth.
+_INTS = (
+    "start_token", "src_first", "dst_first", "src_h0", "dst_h0",
+    "s_kv", "s_n", "s_b", "s_h", "d_kv", "d_n", "d_b", "d_h",
+)  # fmt: skip
+# Nor on the id lists' alignment: a member's ids can be a view into a batch's upload at any offset, and
+# the kernel reads one id per row, never as vectors. (Where this Triton lacks the option, they are.)
+_IDS = ("src_ids", "dst_ids")
+_IDS_ANY_ALIGNMENT = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+_SPECIALISE = {"do_not_specialize": _INTS} | (
+    {"do_not_specialize_on_alignment": _IDS} if _IDS_ANY_ALIGNMENT else {}
+)
+
+
+@triton.jit(**_SPECIALISE)
 def kv_copy_kernel(
     anchor,  # *word: origin of every address below
     src_layers,  # *i64 [layers]: word offset of each source layer's element 0
@@ -130,17 +150,24 @@ def specialization_key(
     pointers: tuple[Any, ...], ints: tuple[int, ...], constexprs: dict[str, int], num_warps: int
 ) -> tuple[Any, ...]:
     """Everything Triton specialises a launch of kv_copy_kernel on: each pointer's dtype and 16-byte
-    alignment; each int's being 1, its width (i32, i64, u64) and its divisibility by 16; the
-    constexprs; num_warps. Two launches with one key run one compiled kernel."""
+    alignment (not the id lists', see _IDS); n_chunks being 1, its width (i32, i64, u64) and its
+    divisibility by 16; the other ints' width only (_INTS); the constexprs; num_warps. Two launches
+    with one key run one compiled kernel."""
+    n_chunks, *others = ints
     return (
-        tuple((p.dtype, p.data_ptr() % 16 == 0) for p in pointers),
         tuple(
-            1 if v == 1 else (0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1, v % 16 == 0)
-            for v in ints
+            (p.dtype, True if i >= _N_POINTERS - len(_IDS) and _IDS_ANY_ALIGNMENT else p.data_ptr() % 16 == 0)
+            for i, p in enumerate(pointers)
         ),
+        1 if n_chunks == 1 else (_width(n_chunks), n_chunks % 16 == 0),
+        tuple(_width(v) for v in others),
         tuple(constexprs[n] for n in _CONSTEXPRS),
         num_warps,
     )
+
+
+def _width(v: int) -> int:
+    return 0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1
 
 
 class Launcher:
@@ -157,8 +184,13 @@ class Launcher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        # Held while Triton may compile (a launch through it, a warm-up): one compile per kernel, not
+        # one per thread that met it first. Launches through Triton on every call (another release, a
+        # hook) take it too: their Python holds the interpreter anyway.
+        self._compiling = threading.Lock()
         self.direct_launches = 0  # launches that skipped Triton's Python (metrics, tests, benchmarks)
         self.triton_launches = 0  # launches through `kernel[grid]`: first ones, hooks, other releases
+        self.warmed = 0  # kernels compiled ahead of their first launch (warm)
         names = tuple(getattr(kv_copy_kernel, "arg_names", ()))
         self._n_ints = len(names) - _N_POINTERS - len(_CONSTEXPRS)
         # The launcher takes the parameters by position: only for the signature this was written for.
@@ -180,7 +212,6 @@ class Launcher:
         num_warps: int,
     ) -> None:
         """Launch on `stream` (a torch.cuda.Stream), with its device current."""
-        import torch
 
         if len(pointers) != _N_POINTERS or len(ints) != self._n_ints:
             raise ValueError(
@@ -194,25 +225,11 @@ class Launcher:
             key = (stream.device_index, specialization_key(pointers, ints, constexprs, num_warps))
             compiled = self._compiled.get(key)
         if compiled is None:
-            self.triton_launches += 1
-            if not self._direct and not self._warned:
-                self._warned = True  # a newer Triton in the image would otherwise cost every launch silently
-                log.warning(
-                    "Triton %s: GPU copies launch through Triton's Python launcher, ~0.1 ms slower per "
-                    'launch than the direct launch kept for Triton %s (docs/gpu.md, "The kernel"); '
-                    'kvsidecar_gpu_launches_total{by="triton"} counts them',
-                    triton.__version__,
-                    " or ".join(v.rstrip(".") for v in DIRECT_TRITON),
-                )
-            # Through Triton, which launches on the current stream: make `stream` current if it is not.
-            current = torch.cuda.current_stream(stream.device) == stream
-            with contextlib.nullcontext() if current else torch.cuda.stream(stream):
-                compiled = kv_copy_kernel[grid](*pointers, *ints, **constexprs, num_warps=num_warps)
-            if direct and compiled is not None:
-                if len(self._compiled) >= _MAX_COMPILED:  # many geometries over time: stay bounded
-                    self._compiled.clear()
-                self._compiled[key] = compiled
-            return
+            with self._compiling:
+                compiled = self._compiled.get(key) if direct else None
+                if compiled is None:
+                    self._through_triton(key, direct, grid, stream, pointers, ints, constexprs, num_warps)
+                    return
         self.direct_launches += 1
         compiled.run(
             grid[0],
@@ -228,6 +245,71 @@ class Launcher:
             *ints,
             *(constexprs[n] for n in _CONSTEXPRS),
         )
+
+    def _through_triton(
+        self,
+        key: tuple[Any, ...],
+        direct: bool,
+        grid: tuple[int, int],
+        stream: Any,
+        pointers: tuple[Any, ...],
+        ints: tuple[int, ...],
+        constexprs: dict[str, int],
+        num_warps: int,
+    ) -> None:
+        """A launch through `kernel[grid]` (compiling if need be), its compiled kernel kept under `key`."""
+        import torch
+
+        self.triton_launches += 1
+        if not self._direct and not self._warned:
+            self._warned = True  # a newer Triton in the image would otherwise cost every launch silently
+            log.warning(
+                "Triton %s: GPU copies launch through Triton's Python launcher, ~0.1 ms slower per "
+                'launch than the direct launch kept for Triton %s (docs/gpu.md, "The kernel"); '
+                'kvsidecar_gpu_launches_total{by="triton"} counts them',
+                triton.__version__,
+                " or ".join(v.rstrip(".") for v in DIRECT_TRITON),
+            )
+        # Through Triton, which launches on the current stream: make `stream` current if it is not.
+        current = torch.cuda.current_stream(stream.device) == stream
+        with contextlib.nullcontext() if current else torch.cuda.stream(stream):
+            compiled = kv_copy_kernel[grid](*pointers, *ints, **constexprs, num_warps=num_warps)
+        if direct and compiled is not None:
+            self._keep(key, compiled)
+
+    def _keep(self, key: tuple[Any, ...], compiled: Any) -> None:
+        if len(self._compiled) >= _MAX_COMPILED:  # many geometries over time: stay bounded
+            self._compiled.clear()
+        self._compiled[key] = compiled
+
+    def warm(
+        self,
+        device: int,
+        pointers: tuple[Any, ...],
+        ints: tuple[int, ...],
+        constexprs: dict[str, int],
+        num_warps: int,
+    ) -> bool:
+        """Compile the kernel a launch with these arguments would run, without launching it, so that
+        the first launch does not wait for the compiler (~0.5 s with Triton's disk cache filled, ~1.3 s
+        without: bench/kernel_compiles.py). True if it was not compiled yet."""
+        import torch
+
+        key = (device, specialization_key(pointers, ints, constexprs, num_warps))
+        with self._compiling:
+            if key in self._compiled:
+                return False
+            with torch.cuda.device(device):
+                compiled = kv_copy_kernel.warmup(
+                    *pointers, *ints, **constexprs, grid=(1, 1), num_warps=num_warps
+                )
+                load = getattr(compiled, "_init_handles", None)
+                if load is not None:  # its module into this device's context now, not at the first launch
+                    load()
+            self.warmed += 1
+            if compiled is not None:  # kept even where launches go through Triton: warmed once
+                self._keep(key, compiled)
+            return True
 
 
 def _no_launch_hooks() -> bool:
