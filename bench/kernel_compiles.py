@@ -10,7 +10,8 @@ its end; "compiled" counts the kernels Triton compiled for it. Variants:
 - as-built: the kernel as the sidecar ships it, warmed as registration warms it (execute/gpu.warm_up)
   unless --no-warm-up;
 - specialised: the same kernel with Triton's default specialisation on every int's value (being 1,
-  divisible by 16) and on the id lists' alignment, as it was built before; every launch through Triton.
+  divisible by 16) and on the id lists' alignment, as the kernel was built until 2026-11-29; every
+  launch through Triton.
 
 Then the kernel alone (GPU time between CUDA events, the stream kept busy ahead of it so that no host
 gap counts) over a 1 GiB copy of whole blocks (a row count that is a multiple of 16) and one token

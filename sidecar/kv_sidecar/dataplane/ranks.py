@@ -177,7 +177,7 @@ class MappedRanks:
 
 
 def _warm_up(key: RankKey, rank: GpuRank) -> None:
-    """Compile the rank's copy kernels at registration rather than at its first pulls, which would wait
+    """Compile the rank's copy kernel at registration rather than at its first pull, which would wait
     ~0.5-1.9 s for the compiler (bench/kernel_compiles.py). A failure here is only logged: the first
     pull compiles again and reports what fails."""
     from kv_sidecar.execute.gpu import warm_up
@@ -193,8 +193,8 @@ def _warm_up(key: RankKey, rank: GpuRank) -> None:
         return
     if compiled:
         log.info(
-            "compiled %d GPU copy kernels for engine %r rank %d (cuda:%d) in %.2f s",
-            compiled, key.engine_id, key.rank, rank.device, time.perf_counter() - start,
+            "compiled the GPU copy kernel for engine %r rank %d (cuda:%d) in %.2f s",
+            key.engine_id, key.rank, rank.device, time.perf_counter() - start,
         )  # fmt: skip
 
 

@@ -419,12 +419,12 @@ def _template(
     return _Template(la, tables, _state.anchor(dev, la.width), ready, la.n_chunks, per_token, interpret)
 
 
-def warm_up(view: GpuRankView) -> int:
-    """Compile the kernels of copies between two ranks shaped like `view` before the first pull needs
-    them: a homogeneous pairing's gpu-direct copies, and the staged gather and scatter between the
-    rank and a ring in its own layout, which specialise the same way; one for row counts that are a
-    multiple of 16 and one for others (gpu_kernels._INTS). Other pairings (another block size, layout
-    or TP) compile at their first pull. Returns how many it compiled (0: they already were)."""
+def warm_up(view: GpuRankView) -> bool:
+    """Compile the kernel of copies between two ranks shaped like `view` before the first pull needs
+    it: a homogeneous pairing's gpu-direct copies, and the staged gather and scatter between the rank
+    and a ring in its own layout, which specialise the same way (gpu_kernels._INTS: not on a pull's
+    length or start). Other pairings (another block size, layout or TP) compile at their first pull.
+    True if it compiled (False: it already was)."""
     from kv_sidecar.execute import gpu_kernels
 
     dev = torch.device("cuda", view.device)
@@ -438,10 +438,7 @@ def warm_up(view: GpuRankView) -> int:
     ids = _state.arange(dev, 1)
     la = tpl.la
     pointers = (tpl.anchor, *tpl.tables, ids, ids)
-    return sum(
-        gpu_kernels.launch.warm(view.device, pointers, (n_chunks, *la.args[1:]), la.constexprs, la.num_warps)
-        for n_chunks in (16, 17)
-    )
+    return gpu_kernels.launch.warm(view.device, pointers, la.args, la.constexprs, la.num_warps)
 
 
 def plan_launch(

@@ -32,13 +32,12 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 
-# The kernel's int parameters that Triton is told not to specialise on by value (being 1, divisibility
-# by 16), only by width: a pull's prefix start and first blocks would otherwise each compile a kernel
-# for every class they fall in (6 among 18 pulls of a serving mix, 150-600 ms each), and the copy is as
-# fast without (bench/kernel_compiles.py). Not n_chunks: a row count known to be a multiple of 16
-# makes the row mask uniform over groups of rows, which doubles the copy's bandwidth.
+# The kernel's int parameters. Triton is told not to specialise on their values (being 1, divisibility
+# by 16), only on their width: a pull's length, prefix start and first blocks would otherwise each
+# compile a kernel for every class they fall in (6 among 18 pulls of a serving mix, 150-600 ms each),
+# and the copy is as fast without (bench/kernel_compiles.py; the row mask below is why).
 _INTS = (
-    "start_token", "src_first", "dst_first", "src_h0", "dst_h0",
+    "n_chunks", "start_token", "src_first", "dst_first", "src_h0", "dst_h0",
     "s_kv", "s_n", "s_b", "s_h", "d_kv", "d_n", "d_b", "d_h",
 )  # fmt: skip
 # Nor on the id lists' alignment: a member's ids can be a view into a batch's upload at any offset, and
@@ -88,11 +87,15 @@ def kv_copy_kernel(
     kv = (plane % NKV).to(tl.int64)  # int64 before any stride product: caches exceed 2**31 words
 
     r = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = r < n_chunks
     chunk = r % NC
     th = r // NC
     head = th % NH
     tok = start_token + th // NH
+    # Rows go token by token (NH * NC a token): a row is live while its token is. Said of the token, the
+    # mask is visibly constant over each token's rows, so that a token's id loads are one, whatever
+    # n_chunks is; said of the row (r < n_chunks), only where n_chunks is a multiple of 16, and the
+    # copy ran at half its bandwidth otherwise (bench/kernel_compiles.py).
+    live = tok < start_token + n_chunks // (NH * NC)
 
     # (kernel block, slot) of each token on each side; ids[0] is logical block number `first`.
     # Written out twice rather than as a helper so the CPU interpreter runs it too.
@@ -150,24 +153,17 @@ def specialization_key(
     pointers: tuple[Any, ...], ints: tuple[int, ...], constexprs: dict[str, int], num_warps: int
 ) -> tuple[Any, ...]:
     """Everything Triton specialises a launch of kv_copy_kernel on: each pointer's dtype and 16-byte
-    alignment (not the id lists', see _IDS); n_chunks being 1, its width (i32, i64, u64) and its
-    divisibility by 16; the other ints' width only (_INTS); the constexprs; num_warps. Two launches
-    with one key run one compiled kernel."""
-    n_chunks, *others = ints
+    alignment (not the id lists', see _IDS); each int's width (i32, i64, u64), not its value (_INTS);
+    the constexprs; num_warps. Two launches with one key run one compiled kernel."""
     return (
         tuple(
             (p.dtype, True if i >= _N_POINTERS - len(_IDS) and _IDS_ANY_ALIGNMENT else p.data_ptr() % 16 == 0)
             for i, p in enumerate(pointers)
         ),
-        1 if n_chunks == 1 else (_width(n_chunks), n_chunks % 16 == 0),
-        tuple(_width(v) for v in others),
+        tuple(0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1 for v in ints),
         tuple(constexprs[n] for n in _CONSTEXPRS),
         num_warps,
     )
-
-
-def _width(v: int) -> int:
-    return 0 if -(2**31) <= v < 2**31 else 2 if v >= 2**63 else 1
 
 
 class Launcher:
