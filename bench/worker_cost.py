@@ -4,8 +4,9 @@ off and on (docs/operations.md, "GPU memory headroom").
 
 For each setting, a fresh sidecar and two reference engines (prefill on GPU0, decode on GPU1, or both
 on GPU0 where there is one; the model-shaped rank of bench/node_scaling.py, 64 blocks each): the first
-pull right after both engines registered (a worker starts when the first GPU rank registers, and maps
-every GPU rank), then 20 more; then `nvidia-smi` per process for the sidecar and its children, by GPU.
+pull right after both engines registered (a worker starts at the first copy into its GPU, which runs in
+the sidecar, as copies do until the worker answered), then 20 more; then the wait until the workers
+answer, 20 pulls through them, and `nvidia-smi` per process for the sidecar and its children, by GPU.
 Every pull is verified. Each setting runs twice on its own TRITON_CACHE_DIR: empty (a new pod), then
 filled by the first (a restarted container that kept it).
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar_client import SidecarClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node_scaling
@@ -67,6 +69,19 @@ def _pull(prefill: EngineProcess, decode: EngineProcess, i: int) -> float:
     return float(res["wall_s"]) * 1e3  # the engine's pull call, not its checks after
 
 
+def _wait_for_workers(sc: SidecarProcess, timeout_s: float = 120) -> float:
+    """Seconds until every worker `kv-sidecar status` lists has answered (a worker starts at the first
+    copy into its GPU; copies run in the sidecar until it answers): 0 without workers."""
+    start = time.monotonic()
+    while True:
+        with SidecarClient(sc.socket, lane=False) as client:
+            workers = client.status().workers
+        if all(w.pid and not w.starting for w in workers):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, "workers did not answer"
+        time.sleep(0.05)
+
+
 def _runs(settings: list[str]) -> Iterator[tuple[str, str, str]]:
     """(setting, "empty" or "filled", its Triton cache directory) for each run."""
     for setting in settings:
@@ -94,6 +109,8 @@ def main() -> int:
             try:
                 first = _pull(prefill, decode, 0)
                 later = statistics.median(_pull(prefill, decode, i) for i in range(1, 21))
+                answered = _wait_for_workers(sc)
+                through = statistics.median(_pull(prefill, decode, i) for i in range(21, 41))
                 workers = sc.worker_pids()
                 mine = _gpu_memory({sc.proc.pid})
                 theirs = _gpu_memory(set(workers))
@@ -102,18 +119,31 @@ def main() -> int:
                 decode.stop()
         finally:
             sc.stop()
-        rows.append((f"{setting}, {cache_state}", registered, first, later, len(workers), mine, theirs))
+        rows.append(
+            (
+                f"{setting}, {cache_state}",
+                registered,
+                first,
+                later,
+                answered,
+                through,
+                len(workers),
+                mine,
+                theirs,
+            )
+        )
     host = os.uname().nodename
     print(f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), host {host}; 2 MiB blocks, pulls of 2 blocks\n")
     print(
-        "| device_workers, Triton cache | engines registered, s | first pull, ms | later pulls p50, ms | workers | "
-        "GPU MiB, sidecar process | GPU MiB, its workers |"
+        "| device_workers, Triton cache | engines registered, s | first pull, ms | next 20 p50, ms | "
+        "workers answering after, s | 20 more p50, ms | workers | GPU MiB, sidecar process | GPU MiB, its workers |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for setting, registered, first, later, n, mine, theirs in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for setting, registered, first, later, answered, through, n, mine, theirs in rows:
         show = lambda m: ", ".join(f"GPU{g} {v}" for g, v in sorted(m.items())) or "-"  # noqa: E731
         print(
-            f"| {setting} | {registered:.1f} | {first:.1f} | {later:.2f} | {n} | {show(mine)} | {show(theirs)} |"
+            f"| {setting} | {registered:.1f} | {first:.1f} | {later:.2f} | {answered:.1f} | {through:.2f} | {n} | "
+            f"{show(mine)} | {show(theirs)} |"
         )
     return 0
 

@@ -1,9 +1,10 @@
 """device_workers: a sidecar's local copies in a worker process per device (dataplane/workers.py).
 
 Real sidecar and engine processes, host memory (host-direct; gpu-direct runs the same worker code on
-GPUs). A pull through the worker is byte-exact; a worker SIGKILLed in the middle of a copy fails that
-pull alone (UNAVAILABLE, naming the blocks not filled), is started again with the ranks attached
-again, the next pull works, and the sidecar stays up.
+GPUs). A device's worker starts at the first local copy into it, which runs in the sidecar, as every
+copy does until the worker answered. A pull through the worker is byte-exact; a worker SIGKILLed in
+the middle of a copy fails that pull alone (UNAVAILABLE, naming the blocks not filled), is started
+again with the ranks attached again, the next pull works, and the sidecar stays up.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 from kv_sidecar.commands.status import render
 from kv_sidecar.plan.spec import EngineSpec
@@ -33,6 +35,24 @@ def workers_of(sidecar: SidecarProcess) -> list[int]:
     return sidecar.worker_pids()
 
 
+def ready_workers(sidecar: SidecarProcess) -> list[int]:
+    """The pids of the workers that `kv-sidecar status` shows started and answering."""
+    with SidecarClient(sidecar.socket, lane=False) as client:
+        return [w.pid for w in client.status().workers if w.pid and not w.starting]
+
+
+def start_the_worker(sidecar: SidecarProcess, prefill: EngineProcess, decode: EngineProcess) -> int:
+    """A first copy (prefill block 0 into decode block 1; it runs in the sidecar) starts the host's
+    worker: its pid once it answered."""
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "first", "block_ids": [0], "num_tokens": 1, "seed": 1}
+    )
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1], "seed": 1})
+    assert res["ok"] and res["verified"], res
+    wait_for("the host worker, answering", lambda: len(ready_workers(sidecar)) == 1)
+    return ready_workers(sidecar)[0]
+
+
 def _pull(
     prefill: EngineProcess, decode: EngineProcess, request_id: str, blocks: list[int], seed: int
 ) -> dict:
@@ -50,12 +70,52 @@ def _pull(
     return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed})
 
 
+def test_the_worker_starts_at_the_first_copy_which_runs_in_the_sidecar_meanwhile(spawn: Spawn) -> None:
+    """Registered engines start no worker: a sidecar that sees devices it copies nothing into holds no
+    process (nor, on a GPU, its memory) for them. The first copy runs in the sidecar and starts the
+    worker, which `kv-sidecar status` shows starting until it answered; later copies run in it."""
+    sc = spawn(SidecarProcess("workers-lazy", extra=WORKERS))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(sc.socket, "wl-p", BIG), lambda: EngineProcess(sc.socket, "wl-d", BIG)
+    )
+    time.sleep(0.5)
+    assert workers_of(sc) == [], "no worker before a copy"
+    with SidecarClient(sc.socket, lane=False) as client:
+        assert list(client.status().workers) == []
+    worker = start_the_worker(sc, prefill, decode)
+    text = render(_status(sc))
+    assert f"host: pid {worker}, runs local copies, restarts 0" in text and "starting" not in text, text
+    # 64 blocks (128 MiB of memmoves): the worker's CPU shows the copy is its.
+    before = cpu_ticks(worker)
+    blocks = list(range(100, 164))
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": "big",
+            "block_ids": blocks,
+            "num_tokens": 64 * BIG.block_size,
+            "seed": 2,
+        }
+    )
+    res = decode.send(
+        {"cmd": "pull", "params": pub["params"], "block_ids": [b + 200 for b in blocks], "seed": 2}
+    )
+    assert res["ok"] and res["verified"], res
+    assert cpu_ticks(worker) >= before + 2, "the copy ran in the worker"
+    assert workers_of(sc) == [worker]
+
+
+def _status(sc: SidecarProcess) -> Any:
+    with SidecarClient(sc.socket, lane=False) as client:
+        return client.status()
+
+
 def test_a_pull_through_the_worker_is_exact(spawn: Spawn) -> None:
     sc = spawn(SidecarProcess("workers", extra=WORKERS))
     prefill, decode = spawn.together(
         lambda: EngineProcess(sc.socket, "w-p", SMALL), lambda: EngineProcess(sc.socket, "w-d", SMALL)
     )
-    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    start_the_worker(sc, prefill, decode)
     for i in range(3):
         res = _pull(prefill, decode, f"r{i}", [3 * i, 3 * i + 1, 3 * i + 2], seed=i)
         assert res["ok"] and res["path"] == "host-direct", res
@@ -78,8 +138,7 @@ def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Sp
         }
     )
     assert pub["ok"], pub
-    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
-    (worker,) = workers_of(sc)
+    worker = start_the_worker(sc, prefill, decode)
     before = cpu_ticks(worker)
     dst = list(range(BIG.num_blocks - LONG, BIG.num_blocks))
     cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 7, "verify": False}
@@ -96,7 +155,7 @@ def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Sp
     assert "data-plane worker of the host died" in res["error"] and "blocks not filled" in res["error"], res
     assert res["unfilled_blocks"] == dst
     # Started again, with both ranks attached again: the next pull (into other blocks) is exact.
-    wait_for("a new worker", lambda: workers_of(sc) and workers_of(sc) != [worker])
+    wait_for("a new worker, answering", lambda: ready_workers(sc) and ready_workers(sc) != [worker])
     assert metric(sc.metrics_port, "kvsidecar_worker_restarts_total", '{device="-1"}') == 1
     # `kv-sidecar status` names the worker that runs now and counts the restart.
     with SidecarClient(sc.socket, lane=False) as client:
@@ -124,7 +183,7 @@ def test_a_pull_batch_through_the_worker_is_exact_and_a_bad_member_fails_alone(s
     prefill, decode = spawn.together(
         lambda: EngineProcess(sc.socket, "wb-p", SMALL), lambda: EngineProcess(sc.socket, "wb-d", SMALL)
     )
-    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
+    start_the_worker(sc, prefill, decode)
     pulls = []
     for i in range(4):
         blocks = [3 * i, 3 * i + 1, 3 * i + 2]
@@ -160,8 +219,7 @@ def test_a_worker_killed_mid_batch_fails_every_member_it_held_and_comes_back(spa
         assert pub["ok"], pub
         dst = list(range(BIG.num_blocks - LONG + i * half, BIG.num_blocks - LONG + (i + 1) * half))
         pulls.append({"params": pub["params"], "block_ids": dst, "seed": 7 + i})
-    wait_for("the host worker", lambda: len(workers_of(sc)) == 1)
-    (worker,) = workers_of(sc)
+    worker = start_the_worker(sc, prefill, decode)
     before = cpu_ticks(worker)
     decode.post({"cmd": "pull_many", "pulls": pulls, "timeout_s": 60})
     deadline = time.monotonic() + 30
@@ -176,7 +234,7 @@ def test_a_worker_killed_mid_batch_fails_every_member_it_held_and_comes_back(spa
             res
         )
         assert res["unfilled_blocks"] == pull["block_ids"], res
-    wait_for("a new worker", lambda: workers_of(sc) and workers_of(sc) != [worker])
+    wait_for("a new worker, answering", lambda: ready_workers(sc) and ready_workers(sc) != [worker])
     again = []
     for i in range(2):
         pub = prefill.send(

@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine import scrape  # noqa: E402
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
-from kv_sidecar_client import params_from_json, params_to_json  # noqa: E402
+from kv_sidecar_client import SidecarClient, params_from_json, params_to_json  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -123,25 +123,47 @@ def test_same_node_kernel_path(node: SidecarProcess, name: str) -> None:
     run_case(node.socket, node.socket, name, "gpu-direct")
 
 
+def answering_workers(sc: SidecarProcess) -> list[int]:
+    """The devices of the sidecar's workers that have started and answered (`kv-sidecar status`)."""
+    with SidecarClient(sc.socket, lane=False) as client:
+        return sorted(w.device for w in client.status().workers if w.pid and not w.starting)
+
+
 @pytest.fixture(scope="module")
 def worker_node() -> Iterator[SidecarProcess]:
     s = SidecarProcess("gpu-workers", extra=[*SMALL_RINGS, "--device-workers", "true"])
+    # A GPU's worker starts at the first copy into it (which runs in the sidecar): copy into both GPUs'
+    # ranks once, and wait for their workers to answer.
+    run_case(s.socket, s.socket, "tp1_to_tp2", "gpu-direct")
+    gpus = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})
+    deadline = time.monotonic() + 120
+    while answering_workers(s) != gpus:
+        assert time.monotonic() < deadline, f"workers answering: {answering_workers(s)}, want {gpus}"
+        time.sleep(0.1)
     yield s
     assert s.stop() == 0, "\n".join(s.stderr_tail)
+
+
+def _own_launches(sc: SidecarProcess) -> float:
+    return sum(_metric(sc, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton"))
 
 
 @pytest.mark.parametrize("name", ["homogeneous", "tp1_to_tp2", "nhd_to_hnd", "block16_to_32"])
 def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, name: str) -> None:
     """device_workers: the decode GPU's worker process maps both engines' IPC handles itself and runs
-    the copy; exact as the sidecar's own (tests/e2e/test_device_workers.py kills one, host memory)."""
+    the copy; exact as the sidecar's own (tests/e2e/test_device_workers.py kills one, host memory).
+    The sidecar launches nothing itself once the workers answer."""
+    before = _own_launches(worker_node)
     run_case(worker_node.socket, worker_node.socket, name, "gpu-direct")
+    assert _own_launches(worker_node) == before, "the copies ran in the workers"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="device_workers=auto needs 4 GPUs to act")
 def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_copies_here() -> None:
     """With device_workers=auto a sidecar that sees 4 GPUs or more runs its gpu-direct copies in the
-    decode GPU's worker process, exact, while host-direct copies stay in the sidecar: no host worker
-    is started."""
+    decode GPU's worker process, exact, once that worker answers (the first copy, which starts it,
+    runs in the sidecar), while host-direct copies stay in the sidecar: no host worker is started, nor
+    one for the prefill GPU, which no copy goes into."""
     sc = SidecarProcess("gpu-auto-workers", extra=[*SMALL_RINGS, "--device-workers", "auto"])
     engines: list[EngineProcess] = []
     try:
@@ -158,23 +180,34 @@ def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_co
         launches = lambda: sum(  # noqa: E731
             _metric(sc, name, f'{{{labels}by="{by}"}}') for by in ("direct", "triton")
         )
-        before = launches()
-        for p, d, path in ((prefill, decode, "gpu-direct"), (host_p, host_d, "host-direct")):
-            src, dst = list(range(0, 10)), list(range(20, 30))
+
+        def pull(p: EngineProcess, d: EngineProcess, path: str, request_id: str, dst: list[int]) -> None:
+            src = list(range(0, 10))
             pub = p.send(
-                {"cmd": "prefill", "request_id": "r", "block_ids": src, "num_tokens": NUM_TOKENS, "seed": n}
+                {
+                    "cmd": "prefill",
+                    "request_id": request_id,
+                    "block_ids": src,
+                    "num_tokens": NUM_TOKENS,
+                    "seed": n,
+                }
             )
             assert pub["ok"], pub
             res = d.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n})
             assert res["ok"] and res["verified"] and res["path"] == path, res
+
+        pull(prefill, decode, "gpu-direct", "first", list(range(10, 20)))  # in the sidecar; starts the worker
+        deadline = time.monotonic() + 120
+        while answering_workers(sc) != [int(device)]:
+            assert time.monotonic() < deadline, answering_workers(sc)
+            time.sleep(0.1)
+        before, own = launches(), _own_launches(sc)
+        for p, d, path in ((prefill, decode, "gpu-direct"), (host_p, host_d, "host-direct")):
+            pull(p, d, path, "r", list(range(20, 30)))
         assert launches() - before >= 1, "the gpu-direct copy ran in the decode GPU's worker"
-        assert (
-            _metric(sc, "kvsidecar_gpu_launches_total", '{by="direct"}')
-            + _metric(sc, "kvsidecar_gpu_launches_total", '{by="triton"}')
-            == 0
-        ), "no copy launched in the sidecar's own process"
-        # A worker per GPU that holds ranks (each maps every GPU rank), none for the host's copies.
-        assert len(sc.worker_pids()) == 2, sc.worker_pids()
+        assert _own_launches(sc) == own, "no copy launched in the sidecar's own process"
+        # One worker: the decode GPU's. None for the prefill GPU, none for the host's copies.
+        assert len(sc.worker_pids()) == 1, sc.worker_pids()
     finally:
         for e in engines:
             e.stop()

@@ -112,7 +112,10 @@ def render(st: status_pb2.StatusResponse) -> str:
         what = " and ".join(x for x, on in (("local copies", w.local_copies), ("staged", w.staged)) if on)
         where = "host" if w.device < 0 else f"GPU {w.device}"
         pid = f"pid {w.pid}" if w.pid else "not running"
-        lines.append(f"  {where}: {pid}, runs {what or 'nothing yet (ranks mapped)'}, restarts {w.restarts}")
+        starting = ", starting (its copies run in the sidecar meanwhile)" if w.starting else ""
+        lines.append(
+            f"  {where}: {pid}, runs {what or 'nothing yet (ranks mapped)'}, restarts {w.restarts}{starting}"
+        )
     refused = sum(p.count for p in st.publish_refusals)
     lines.append(
         f"publishes refused: {refused}" + (" (their decode engines compute them)" if refused else "")

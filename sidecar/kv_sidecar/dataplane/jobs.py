@@ -312,3 +312,4 @@ class WorkerState:
     restarts: int  # processes started again after one died
     local_copies: bool  # runs the local copies into this device (device_workers)
     staged: bool  # runs this device's staged transfers (staged_workers)
+    ready: bool = True  # started, every rank mapped; until then its copies run in the sidecar

@@ -44,7 +44,7 @@ from kv_sidecar.dataplane.receive import Reception
 from kv_sidecar.dataplane.rings import Ring, new_ring, slot_bytes_for
 from kv_sidecar.dataplane.send import Transmission
 from kv_sidecar.dataplane.staged_workers import WorkerReception, WorkerTransmission, receive_in
-from kv_sidecar.dataplane.workers import CopyWorkers
+from kv_sidecar.dataplane.workers import CopyWorker, CopyWorkers
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu, gpu_launch_counts
 from kv_sidecar.metrics import Family, Metrics
@@ -206,8 +206,8 @@ class DataPlane:
         if self.workers is None:
             return []
         return [
-            WorkerState(device, pid, restarts, self._in_worker(device), self.staged_workers)
-            for device, pid, restarts in self.workers.processes()
+            WorkerState(device, pid, restarts, self._in_worker(device), self.staged_workers, ready)
+            for device, pid, restarts, ready in self.workers.processes()
         ]
 
     def worker_metrics(self) -> dict[int, list[Family]]:
@@ -270,13 +270,20 @@ class DataPlane:
         """Whether local copies into `device` run in its worker process (device_workers)."""
         return self._host_in_workers if device == HOST else self._gpu_in_workers
 
+    def _worker_for(self, device: int) -> CopyWorker | None:
+        """The worker that runs local copies into `device` now: None where device_workers keeps them
+        here, and while the device's worker starts (the first copy starts it) or comes back."""
+        if self.workers is None or not self._in_worker(device):
+            return None
+        return self.workers.ready(device)
+
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
         """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
-        the decode device's worker process where device_workers sends it there."""
-        if self.workers is not None and job.reads:
-            device = self._device_of(job.reads[0].dst)
-            if self._in_worker(device):
-                return self.workers.copy(device, job, halt)
+        the decode device's worker process where device_workers sends it there and it is ready."""
+        if job.reads:
+            worker = self._worker_for(self._device_of(job.reads[0].dst))
+            if worker is not None:
+                return worker.copy(job, halt)
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
             return local_copies.copy_gpu(self.ranks, job, halt)
         return local_copies.copy_host(self.ranks, job, halt)
@@ -290,17 +297,24 @@ class DataPlane:
             return local_copies.copy_all(self.ranks, jobs)
         out: list[int | BaseException] = [0] * len(jobs)
         by_device: dict[int, list[int]] = {}
+        workers: dict[int, CopyWorker | None] = {}
         here: list[int] = []
         for i, (job, _) in enumerate(jobs):
             try:  # a rank gone since the pull began fails that copy alone
                 if job.reads:
                     device = self._device_of(job.reads[0].dst)
-                    (by_device.setdefault(device, []) if self._in_worker(device) else here).append(i)
+                    if device not in workers:
+                        workers[device] = self._worker_for(device)
+                    (here if workers[device] is None else by_device.setdefault(device, [])).append(i)
             except Exception as e:
                 out[i] = e
         # Sent to every worker first, then waited for: devices copy side by side, and with this
         # process's own share.
-        posted = {d: self.workers.post_copies(d, [jobs[i] for i in idx]) for d, idx in by_device.items()}
+        posted = {}
+        for d, idx in by_device.items():
+            worker = workers[d]
+            assert worker is not None
+            posted[d] = worker.post_copies([jobs[i] for i in idx])
         if here:
             for i, moved in zip(
                 here, local_copies.copy_all(self.ranks, [jobs[i] for i in here]), strict=True

@@ -18,6 +18,7 @@ staged transfers (dataplane/staged_workers.py); NIXL READs (host-nixl) still run
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -112,6 +113,8 @@ def _serve(
             run(msg_id, ranks.detach, *args)
         elif kind == "metrics":
             run(msg_id, metrics.worker_families)
+        elif kind == "ping":  # answered after every attach before it: the worker has mapped the ranks
+            answer(msg_id, True, None)
         elif kind == "quit":
             break
         elif server is None or not server.handle(kind, msg_id, tuple(args)):
@@ -138,6 +141,7 @@ class CopyWorker:
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future[Any], _Job]] = {}
         self.incarnation = 0  # processes started before this one: what a job ran in is gone once it moved on
+        self._answered = 0  # the incarnation that answered its first ping: started, every rank mapped
         self._ranks: dict[RankKey, _Memory] = {}  # attached again after a restart
         self._closed = False
         self._proc: Any = None
@@ -161,6 +165,19 @@ class CopyWorker:
         threading.Thread(target=self._follow, args=(proc, parent), name=f"{name}-follow", daemon=True).start()
         for key, (spec, gpu, memory) in self._ranks.items():
             self._post("attach", None, key, spec, gpu, memory)
+        self._post("ping", None).add_done_callback(functools.partial(self._pinged, self.incarnation))
+
+    def _pinged(self, incarnation: int, fut: Future[Any]) -> None:
+        if fut.exception() is None:
+            with self._lock:
+                if incarnation == self.incarnation:
+                    self._answered = incarnation
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process now running has started and mapped every rank it was given at its start
+        (its first ping answered): a copy sent now waits for neither."""
+        return self._answered == self.incarnation
 
     def _post(self, kind: str, job: _Job, *args: Any) -> Future[Any]:  # holds self._lock
         return self._post_id(kind, job, *args)[1]
@@ -382,9 +399,13 @@ class PostedCopies:
 
 
 class CopyWorkers:
-    """One `CopyWorker` per device that holds ranks: GPU ranks go to every GPU's worker (a gpu-direct
-    copy on the decode GPU reads the source rank's memory through its own mapping of it), host ranks
-    to the host's."""
+    """One `CopyWorker` per device: GPU ranks go to every GPU's worker (a gpu-direct copy on the decode
+    GPU reads the source rank's memory through its own mapping of it), host ranks to the host's.
+
+    With staged transfers (staged_workers) a device's worker starts when its first rank registers: its
+    NIXL agent is what peers handshake with. Without, it starts at the first local copy into its
+    device (`ready`), so that a sidecar that sees a node's GPUs but copies into few of them (a pod's,
+    deploy/k8s/base) starts no process, and holds no GPU memory, for the others."""
 
     def __init__(self, metrics: Metrics, staged: tuple[str, Settings] | None = None) -> None:
         """staged: (the sidecar's agent name, its settings): each worker also runs its device's staged
@@ -393,37 +414,40 @@ class CopyWorkers:
         self._staged = staged
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
-        self._gpu_ranks: dict[RankKey, _Memory] = {}
+        self._ranks: dict[RankKey, _Memory] = {}  # every rank, for the workers started later
 
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> None:
         with self._lock:
-            self._get(HOST).attach(key, spec, False, tensors)
+            self._ranks[key] = (spec, False, tensors)
+            worker = self._workers.get(HOST)
+            if worker is not None:
+                worker.attach(key, spec, False, tensors)
+            elif self._staged is not None:
+                self._get(HOST)  # maps this rank too
 
     def attach_gpu(self, key: RankKey, spec: EngineSpec, device: int, refs: list[IpcTensorRef]) -> None:
         # Under one lock: a GPU's worker started meanwhile must neither miss this rank nor get it twice.
         with self._lock:
-            self._gpu_ranks[key] = (spec, True, refs)
-            fresh = None if device in self._workers else self._get(device)  # maps this rank too
+            self._ranks[key] = (spec, True, refs)
+            fresh = self._get(device) if self._staged is not None and device not in self._workers else None
             for d, w in self._workers.items():
                 if d != HOST and w is not fresh:
                     w.attach(key, spec, True, refs)
 
     def detach(self, key: RankKey) -> None:
         with self._lock:
-            self._gpu_ranks.pop(key, None)
+            self._ranks.pop(key, None)
             workers = list(self._workers.values())
         for w in workers:
             w.detach(key)
 
-    def copy(self, device: int, job: LocalCopy, halt: Halt) -> int:
+    def ready(self, device: int) -> CopyWorker | None:
+        """The device's worker if it is ready for a copy; else None, and it is started if it was not:
+        the copy runs in the sidecar meanwhile rather than wait for a process to start (seconds, with
+        CUDA) or to come back after it died."""
         with self._lock:
             worker = self._get(device)
-        return worker.copy(job, halt)
-
-    def post_copies(self, device: int, jobs: Sequence[tuple[LocalCopy, Halt]]) -> PostedCopies:
-        with self._lock:
-            worker = self._get(device)
-        return worker.post_copies(jobs)
+        return worker if worker.ready else None
 
     def metrics(self, timeout_s: float = 0.5) -> dict[int, list[Family]]:
         """What each worker counts: device -> its families, asked side by side; a worker that does not
@@ -441,11 +465,11 @@ class CopyWorkers:
                 continue
         return out
 
-    def processes(self) -> list[tuple[int, int, int]]:
-        """(device, pid or 0, restarts) of each worker, by device."""
+    def processes(self) -> list[tuple[int, int, int, bool]]:
+        """(device, pid or 0, restarts, ready) of each worker started, by device."""
         with self._lock:
             workers = sorted(self._workers.items())
-        return [(d, w.pid or 0, w.incarnation - 1) for d, w in workers]
+        return [(d, w.pid or 0, w.incarnation - 1, w.ready) for d, w in workers]
 
     def worker(self, device: int) -> CopyWorker | None:
         with self._lock:
@@ -464,8 +488,8 @@ class CopyWorkers:
                 name, settings = self._staged
                 staged = (f"{name}/host" if device == HOST else f"{name}/gpu{device}", settings)
             w = self._workers[device] = CopyWorker(device, self._metrics, staged)
-            if device != HOST:  # a new GPU's worker maps every GPU rank known
-                for key, (spec, gpu, memory) in self._gpu_ranks.items():
+            for key, (spec, gpu, memory) in self._ranks.items():  # a GPU's every GPU rank; the host's, its
+                if gpu == (device != HOST):
                     w.attach(key, spec, gpu, memory)
         return w
 

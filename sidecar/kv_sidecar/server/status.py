@@ -139,6 +139,7 @@ class StatusReport:
                     restarts=w.restarts,
                     local_copies=w.local_copies,
                     staged=w.staged,
+                    starting=not w.ready,
                 )
                 for w in workers
             ],

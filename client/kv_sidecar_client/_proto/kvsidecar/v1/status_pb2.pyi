@@ -95,18 +95,20 @@ class PublishRefusal(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ..., last_message: _Optional[str] = ..., last_unix_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("device", "pid", "restarts", "local_copies", "staged")
+    __slots__ = ("device", "pid", "restarts", "local_copies", "staged", "starting")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_COPIES_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     device: int
     pid: int
     restarts: int
     local_copies: bool
     staged: bool
-    def __init__(self, device: _Optional[int] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., local_copies: _Optional[bool] = ..., staged: _Optional[bool] = ...) -> None: ...
+    starting: bool
+    def __init__(self, device: _Optional[int] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., local_copies: _Optional[bool] = ..., staged: _Optional[bool] = ..., starting: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals", "device_workers", "workers")
