@@ -180,9 +180,9 @@ class Launcher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[Any, ...], Any] = {}
-        # Held while Triton may compile (a launch through it, a warm-up): one compile per kernel, not
-        # one per thread that met it first. Launches through Triton on every call (another release, a
-        # hook) take it too: their Python holds the interpreter anyway.
+        # Held while Triton compiles a kernel this launcher keeps (a first launch, a warm-up): one
+        # compile per kernel, not one per thread that met it first. Launches through Triton on every
+        # call (another release, a hook) go without it, so that a warm-up holds none of them up.
         self._compiling = threading.Lock()
         self.direct_launches = 0  # launches that skipped Triton's Python (metrics, tests, benchmarks)
         self.triton_launches = 0  # launches through `kernel[grid]`: first ones, hooks, other releases
@@ -208,23 +208,21 @@ class Launcher:
         num_warps: int,
     ) -> None:
         """Launch on `stream` (a torch.cuda.Stream), with its device current."""
-
         if len(pointers) != _N_POINTERS or len(ints) != self._n_ints:
             raise ValueError(
                 f"kv_copy_kernel takes {_N_POINTERS} pointers and {self._n_ints} ints, "
                 f"got {len(pointers)} and {len(ints)}"
             )
-        direct = self._direct and _no_launch_hooks()
-        key: tuple[Any, ...] = ()
-        compiled = None
-        if direct:
-            key = (stream.device_index, specialization_key(pointers, ints, constexprs, num_warps))
-            compiled = self._compiled.get(key)
+        if not (self._direct and _no_launch_hooks()):
+            self._through_triton(None, grid, stream, pointers, ints, constexprs, num_warps)
+            return
+        key = (stream.device_index, specialization_key(pointers, ints, constexprs, num_warps))
+        compiled = self._compiled.get(key)
         if compiled is None:
             with self._compiling:
-                compiled = self._compiled.get(key) if direct else None
+                compiled = self._compiled.get(key)
                 if compiled is None:
-                    self._through_triton(key, direct, grid, stream, pointers, ints, constexprs, num_warps)
+                    self._through_triton(key, grid, stream, pointers, ints, constexprs, num_warps)
                     return
         self.direct_launches += 1
         compiled.run(
@@ -244,8 +242,7 @@ class Launcher:
 
     def _through_triton(
         self,
-        key: tuple[Any, ...],
-        direct: bool,
+        key: tuple[Any, ...] | None,
         grid: tuple[int, int],
         stream: Any,
         pointers: tuple[Any, ...],
@@ -253,7 +250,8 @@ class Launcher:
         constexprs: dict[str, int],
         num_warps: int,
     ) -> None:
-        """A launch through `kernel[grid]` (compiling if need be), its compiled kernel kept under `key`."""
+        """A launch through `kernel[grid]` (compiling if need be), its compiled kernel kept under `key`
+        (None: not kept, every launch goes this way)."""
         import torch
 
         self.triton_launches += 1
@@ -270,7 +268,7 @@ class Launcher:
         current = torch.cuda.current_stream(stream.device) == stream
         with contextlib.nullcontext() if current else torch.cuda.stream(stream):
             compiled = kv_copy_kernel[grid](*pointers, *ints, **constexprs, num_warps=num_warps)
-        if direct and compiled is not None:
+        if key is not None and compiled is not None:
             self._keep(key, compiled)
 
     def _keep(self, key: tuple[Any, ...], compiled: Any) -> None:
