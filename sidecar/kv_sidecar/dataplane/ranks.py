@@ -178,7 +178,7 @@ class MappedRanks:
 
 def _warm_up(key: RankKey, rank: GpuRank) -> None:
     """Compile the rank's copy kernel at registration rather than at its first pull, which would wait
-    ~0.5-1.9 s for the compiler (bench/kernel_compiles.py). A failure here is only logged: the first
+    0.5-2.1 s for the compiler (bench/kernel_compiles.py). A failure here is only logged: the first
     pull compiles again and reports what fails."""
     from kv_sidecar.execute.gpu import warm_up
 

@@ -285,8 +285,8 @@ class Launcher:
         num_warps: int,
     ) -> bool:
         """Compile the kernel a launch with these arguments would run, without launching it, so that
-        the first launch does not wait for the compiler (~0.5 s with Triton's disk cache filled, ~1.3 s
-        without: bench/kernel_compiles.py). True if it was not compiled yet."""
+        the first launch does not wait for the compiler (0.5-0.6 s with Triton's disk cache filled,
+        1.4-2.1 s without, on one H200: bench/kernel_compiles.py). True if it was not compiled yet."""
         import torch
 
         key = (device, specialization_key(pointers, ints, constexprs, num_warps))
