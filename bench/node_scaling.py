@@ -261,6 +261,8 @@ class Row:
     errors: list[str]
     profiled: str = ""  # the profiler that ran on the sidecars: slower, not comparable with other rows
     prefix: int = 0  # blocks of each pull the decode engine holds already (a prefix cache hit)
+    short: int = 0  # tokens each pull's request is short of whole blocks (its last block partial)
+    block_tokens: int = 16  # tokens a block holds
     # Staged transfers the decode sidecar received over the row and the reads they carried (groups:
     # staged_group_reads); None where its tree has no such metric or the path is not staged.
     transfers: tuple[int, int] | None = None
@@ -280,7 +282,13 @@ class Row:
 
     @property
     def gbps(self) -> float:
-        return self.pulls * self.moved * self.block_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
+        return self.pulls * self.pull_bytes / self.wall_s / 1e9 if self.wall_s else 0.0
+
+    @property
+    def pull_bytes(self) -> int:
+        """Bytes each pull moves: its blocks past the prefix, less the tokens its last block lacks."""
+        whole = self.moved * self.block_bytes
+        return whole - whole * self.short // (self.moved * self.block_tokens) if self.short else whole
 
     def pct(self, q: float) -> float:
         xs = sorted(self.lat_s) or [0.0]
@@ -335,13 +343,16 @@ class Node:
         prefix: int = 0,
         split: bool = False,
         bad_every: int = 0,
+        short: int = 0,
     ) -> None:
         """per_call: pulls each decode engine thread sends in one PullBatch call (1: Pull calls); prefix:
         blocks of each pull the decode engine holds already, which it pulls past (start_token); split:
         each GPU pair its own sidecars (what a process per GPU could reach at most), not the node's;
         bad_every N: every Nth pull of a pair names a request its source does not hold, and must fail
-        alone (its blocks unchanged, no "consumed" event)."""
+        alone (its blocks unchanged, no "consumed" event); short: tokens each request is short of whole
+        blocks."""
         self.tree, self.path, self.per_call, self.prefix = tree, path, per_call, prefix
+        self.short = short
         self.bad_every = bad_every
         self.profiler = "cProfile" if env and "KVS_CPU_PROFILE" in env else ""
         self.on_gpu = path.startswith("gpu-")
@@ -401,7 +412,7 @@ class Node:
                         {
                             "cmd": "prefill",
                             "block_ids": ids,
-                            "num_tokens": b * decode_spec.block_size,
+                            "num_tokens": b * decode_spec.block_size - short,  # as they are pulled
                             "seed": seed,
                             "publish": False,
                         },
@@ -424,7 +435,7 @@ class Node:
     ) -> Row:
         self.batches += 1
         pulls = min(pulls, self.capacity(blocks))
-        tokens = blocks * self.spec.block_size
+        tokens = blocks * self.spec.block_size - self.short
         moved, start = blocks - self.prefix, self.prefix * self.spec.block_size
         items: list[list[dict[str, Any]]] = []
         for i in range(pairs):
@@ -576,6 +587,8 @@ class Node:
             errors=errors[:10],
             profiled="py-spy" if profile is not None else self.profiler,
             prefix=self.prefix,
+            short=self.short,
+            block_tokens=self.spec.block_size,
             transfers=transfers,
             bad=bad * pairs,
             bad_codes=bad_codes,
@@ -622,6 +635,8 @@ def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subpro
 def size_label(row: Row) -> str:
     size = row.moved * row.block_bytes
     label = f"{size // MIB} MiB" if size >= MIB else f"{size // 1024} KiB"
+    if row.short:
+        label += f" less {row.short} token{'s' if row.short > 1 else ''}"
     return f"{label} past a {row.prefix}-block prefix" if row.prefix else label
 
 
@@ -805,6 +820,14 @@ def main() -> int:
         "from that token on (this tree only: older reference engines pull from token 0)",
     )
     ap.add_argument(
+        "--short-tokens",
+        type=int,
+        default=0,
+        help="each pull's request this many tokens short of whole blocks (its last block partial), as "
+        "real prompts are: a copy whose row count is not a multiple of 16 ran at half bandwidth until "
+        "2026-11-29 (bench/kernel_compiles.py)",
+    )
+    ap.add_argument(
         "--bad-every",
         type=int,
         default=0,
@@ -891,6 +914,8 @@ def main() -> int:
     pulls = args.pulls or (2048 if kind == "gpu" else 300)
     if args.bad_every == 1 or args.bad_every < 0:
         ap.error("--bad-every needs N >= 2")
+    if not 0 <= args.short_tokens < 16:  # both specs' blocks hold 16 tokens
+        ap.error("--short-tokens must be less than a block's 16 tokens")
     if args.prefix_blocks and (min(sizes) <= args.prefix_blocks or args.baseline or args.baseline_tree):
         ap.error("--prefix-blocks needs pulls of more blocks (--blocks), and runs this tree's variants only")
     places: list[tuple[int, int]] | None = None
@@ -972,6 +997,7 @@ def main() -> int:
                 args.prefix_blocks,
                 split,
                 bad,
+                args.short_tokens,
             )
             for name, env, more, per_call, split, bad in trees
         ]
