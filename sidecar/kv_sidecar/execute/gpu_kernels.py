@@ -14,8 +14,9 @@ Addresses: both sides' memory is imported IPC memory the kernel cannot take as
 typed arguments, so every address is an int64 word offset from one small
 *anchor* tensor the sidecar owns on the copying GPU. The anchor's alignment is
 known to the compiler (Triton specialises 16-byte-aligned pointers) and the
-offsets carry a `multiple_of` hint, which is what lets it emit 16-byte vector
-loads and stores.
+offsets carry a `multiple_of` hint, meant to let it emit 16-byte vector loads
+and stores; the compiler drops it, and the tile moves 4 bytes a thread at a time
+(bench/kernel_codegen.py; docs/gpu.md, "Addresses").
 """
 
 from __future__ import annotations
