@@ -353,8 +353,7 @@ def prepare_request(
     )
     nh, s_h0, d_h0 = shape.num_heads, shape.src_head0, shape.dst_head0
     dev = torch.device("cpu") if interpret else torch.device("cuda", dst.device)
-    key = (dev, src.spec, src.layer_ptrs, dst.spec, dst.layer_ptrs, nh, s_h0, d_h0)
-    tpl = _state.direct(key, lambda: _template(src, dst, nh, s_h0, d_h0, dev, interpret))
+    tpl = _direct_template(src, dst, nh, s_h0, d_h0, dev, interpret)
     n_chunks = (num_tokens - start_token) * tpl.chunks_per_token
     args = (n_chunks, start_token, shape.src_first, start_token // dst.spec.block_size, *tpl.la.args[4:])
     la = replace(tpl.la, n_chunks=n_chunks, args=args)
@@ -400,6 +399,15 @@ def upload_block_ids(block_ids: Sequence[int], device: int) -> torch.Tensor:
     return ids
 
 
+def _direct_template(
+    src: GpuRankView, dst: GpuRankView, nh: int, s_h0: int, d_h0: int, dev: torch.device, interpret: bool
+) -> _Template:
+    """The launch template between two views for these heads, kept per device (what a pull's copy and
+    a registration's warm-up both ask for)."""
+    key = (dev, src.spec, src.layer_ptrs, dst.spec, dst.layer_ptrs, nh, s_h0, d_h0)
+    return _state.direct(key, lambda: _template(src, dst, nh, s_h0, d_h0, dev, interpret))
+
+
 def _template(
     src: GpuRankView, dst: GpuRankView, nh: int, s_h0: int, d_h0: int, dev: torch.device, interpret: bool
 ) -> _Template:
@@ -431,10 +439,7 @@ def warm_up(view: GpuRankView) -> bool:
     spec = view.spec
     first, stop = (0, 1) if spec.is_mla else spec.rank_heads(view.rank)
     nh = stop - first
-    tpl = _state.direct(
-        (dev, spec, view.layer_ptrs, spec, view.layer_ptrs, nh, 0, 0),
-        lambda: _template(view, view, nh, 0, 0, dev, False),
-    )
+    tpl = _direct_template(view, view, nh, 0, 0, dev, False)
     ids = _state.arange(dev, 1)
     la = tpl.la
     pointers = (tpl.anchor, *tpl.tables, ids, ids)
