@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
-from kv_sidecar_client import SidecarClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node_scaling
@@ -70,16 +69,13 @@ def _pull(prefill: EngineProcess, decode: EngineProcess, i: int) -> float:
 
 
 def _wait_for_workers(sc: SidecarProcess, timeout_s: float = 120) -> float:
-    """Seconds until every worker `kv-sidecar status` lists has answered (a worker starts at the first
-    copy into its GPU; copies run in the sidecar until it answers): 0 without workers."""
+    """Seconds until every worker the sidecar started has answered (a worker starts at the first copy
+    into its GPU; copies run in the sidecar until it answers): 0 without workers."""
     start = time.monotonic()
-    while True:
-        with SidecarClient(sc.socket, lane=False) as client:
-            workers = client.status().workers
-        if all(w.pid and not w.starting for w in workers):
-            return time.monotonic() - start
+    while len(sc.answering_workers()) < len(sc.worker_pids()):
         assert time.monotonic() - start < timeout_s, "workers did not answer"
         time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def _runs(settings: list[str]) -> Iterator[tuple[str, str, str]]:

@@ -37,8 +37,7 @@ def workers_of(sidecar: SidecarProcess) -> list[int]:
 
 def ready_workers(sidecar: SidecarProcess) -> list[int]:
     """The pids of the workers that `kv-sidecar status` shows started and answering."""
-    with SidecarClient(sidecar.socket, lane=False) as client:
-        return [w.pid for w in client.status().workers if w.pid and not w.starting]
+    return [pid for _, pid in sidecar.answering_workers()]
 
 
 def start_the_worker(sidecar: SidecarProcess, prefill: EngineProcess, decode: EngineProcess) -> int:

@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine import scrape  # noqa: E402
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
-from kv_sidecar_client import SidecarClient, params_from_json, params_to_json  # noqa: E402
+from kv_sidecar_client import params_from_json, params_to_json  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -125,8 +125,7 @@ def test_same_node_kernel_path(node: SidecarProcess, name: str) -> None:
 
 def answering_workers(sc: SidecarProcess) -> list[int]:
     """The devices of the sidecar's workers that have started and answered (`kv-sidecar status`)."""
-    with SidecarClient(sc.socket, lane=False) as client:
-        return sorted(w.device for w in client.status().workers if w.pid and not w.starting)
+    return [device for device, _ in sc.answering_workers()]
 
 
 @pytest.fixture(scope="module")

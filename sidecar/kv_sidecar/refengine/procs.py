@@ -370,6 +370,15 @@ class SidecarProcess(_Proc):
                     out.append(c)
         return out
 
+    def answering_workers(self) -> list[tuple[int, int]]:
+        """(device, pid) of each data-plane worker that `kv-sidecar status` shows started and answering,
+        by device: a worker starts at the first local copy into its device, and copies run in the
+        sidecar until it answers."""
+        from kv_sidecar_client import SidecarClient
+
+        with SidecarClient(self.socket, lane=False) as client:
+            return sorted((w.device, w.pid) for w in client.status().workers if w.pid and not w.starting)
+
     def stop(self, timeout_s: float = 30) -> int:
         """SIGTERM, and the exit code. A sidecar still running after `timeout_s` is asked for its
         threads' stacks (SIGUSR1, in its stderr: see `hung_on_stop`) and killed."""
