@@ -471,10 +471,6 @@ class CopyWorkers:
             workers = sorted(self._workers.items())
         return [(d, w.pid or 0, w.incarnation - 1, w.ready) for d, w in workers]
 
-    def worker(self, device: int) -> CopyWorker | None:
-        with self._lock:
-            return self._workers.get(device)
-
     def get(self, device: int) -> CopyWorker:
         """The device's worker, started if it is not yet."""
         with self._lock:
