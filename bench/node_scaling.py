@@ -168,11 +168,14 @@ def check_gpu_memory(
 
 def gpu_pairs(count: int, gpus_present: int) -> list[tuple[int, int]]:
     """(prefill GPU, decode GPU) of each pair: disjoint GPUs where there are enough, else the two
-    directions between GPU 0 and 1."""
+    directions between GPU 0 and 1; on a machine of one GPU, one pair within it (the copy crosses no
+    link, so its rows show the control plane's pulls/s, not a link's bandwidth)."""
     if gpus_present >= 2 * count:
         return [(2 * i, 2 * i + 1) for i in range(count)]
     if gpus_present >= 2 and count <= 2:
         return [(0, 1), (1, 0)][:count]
+    if gpus_present == 1 and count == 1:
+        return [(0, 0)]
     raise SystemExit(
         f"{count} GPU pairs need {2 * count} GPUs (or 2 for two pairs); this machine has {gpus_present}"
     )
@@ -764,6 +767,8 @@ def render(rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut
         places_text = (
             "GPU pairs (prefill -> decode): " + ", ".join(f"GPU{p} -> GPU{d}" for p, d in places) + ".  \n"
         )
+        if any(p == d for p, d in places):
+            places_text += "Both engines of a pair on one GPU: no link is crossed, GB/s is not a link's.  \n"
     command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
     body = (
         (f"**Cut short: {len(rows)} rows, the run did not finish.**\n\n" if cut else "")
