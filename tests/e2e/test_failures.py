@@ -21,7 +21,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
-from .conftest import Spawn, metric, spec_dict
+from .conftest import Spawn, frozen, metric, prefilled, spec_dict
 from .events import wait_event
 
 # A long pull: converting NHD -> HND through a staging area of 2 blocks takes one NIXL read per
@@ -222,3 +222,40 @@ def test_garbage_on_the_peer_port_leaves_the_sidecar_serving(
         idle.close()
         prefill.stop()
         decode.stop()
+
+
+def test_a_pull_that_runs_out_of_time_on_a_frozen_peer_says_so_and_keeps_the_handshake(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A peer that answers nothing (SIGSTOP) until the pull's own deadline passes, at the handshake
+    and later at the open: DEADLINE_EXCEEDED naming the peer and the step, not UNAVAILABLE, which
+    would tell the user the peer is down and have the sidecar drop its handshake with a peer that is
+    up. Once the peer runs again, the next pull needs no new handshake."""
+    reader = sidecar_pair[1]
+    far = spawn(SidecarProcess("frozen-peer"))
+    src, dst = spawn.together(
+        lambda: EngineProcess(far.socket, "frz-p", SRC), lambda: EngineProcess(reader.socket, "frz-d", SRC)
+    )
+    pubs = [prefilled(src, f"frz{i}", [1 + 2 * i, 2 + 2 * i], 20, seed=i) for i in range(3)]
+
+    def pull(i: int, timeout_s: float) -> dict[str, object]:
+        cmd = {"cmd": "pull", "params": pubs[i], "block_ids": [20 + 2 * i, 21 + 2 * i], "seed": i}
+        return dst.send(cmd | {"timeout_s": timeout_s}, timeout_s=timeout_s + 30)
+
+    with frozen(far):
+        late = pull(0, 0.5)
+    assert late["error_code"] == "DEADLINE_EXCEEDED", late
+    assert f"waiting for peer sidecar {far.peer_address} (the handshake)" in str(late["error"]), late
+    done = pull(1, 20)
+    assert done["ok"] and done["verified"], done
+    before = metric(reader.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}')
+    assert before >= 1
+    with frozen(far):
+        late = pull(2, 0.5)
+    assert late["error_code"] == "DEADLINE_EXCEEDED", late
+    assert f"waiting for peer sidecar {far.peer_address} (to open request 'frz2')" in str(late["error"]), late
+    assert late["verified"], late["errors"]  # no byte outside the requested blocks changed
+    again = pull(2, 20)
+    assert again["ok"] and again["verified"], again
+    after = metric(reader.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}')
+    assert after == before, "the handshake with a live peer was dropped"

@@ -506,6 +506,13 @@ def test_staged_pull_timing_out_mid_transfer_stops_both_ends(
     try:
         quarantined = _metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}')
         assert prefill.send({"cmd": "randomize", "seed": 3}, timeout_s=120)["ok"]
+        # A first pull between the two engines makes the handshake (which alone may outlast 30 ms on a
+        # loaded machine), so that the deadline below passes with chunks in flight.
+        warm = prefill.send(
+            {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 0}
+        )
+        res = decode.send({"cmd": "pull", "params": warm["params"], "block_ids": [0], "seed": 0})
+        assert res["ok"] and res["verified"], res
         pub = prefill.send(
             {
                 "cmd": "prefill",

@@ -195,18 +195,31 @@ def test_closing_the_links_closes_each_client_and_a_closed_peers_dials_no_more()
 
 
 @pytest.mark.parametrize(
-    ("code", "details", "want", "words"),
+    ("code", "details", "ours", "want", "words"),
     [
-        (Code.UNAVAILABLE, "connection refused", Code.UNAVAILABLE, "is not reachable (the handshake)"),
-        (Code.DEADLINE_EXCEEDED, "deadline", Code.UNAVAILABLE, "is not reachable"),
-        (Code.UNAVAILABLE, "ssl: CERTIFICATE_VERIFY_FAILED", Code.UNAUTHENTICATED, "TLS handshake"),
-        (Code.FAILED_PRECONDITION, "plan mismatch", Code.FAILED_PRECONDITION, "refused the handshake"),
+        (Code.UNAVAILABLE, "connection refused", False, Code.UNAVAILABLE, "is not reachable (the handshake)"),
+        (Code.UNAVAILABLE, "connection refused", True, Code.UNAVAILABLE, "is not reachable (the handshake)"),
+        # A call timed by a fixed limit (a keep-alive): the peer did not answer in time.
+        (Code.DEADLINE_EXCEEDED, "deadline", False, Code.UNAVAILABLE, "is not reachable"),
+        # A call timed by what remained of the pull's deadline: that deadline passed.
+        (
+            Code.DEADLINE_EXCEEDED,
+            "deadline",
+            True,
+            Code.DEADLINE_EXCEEDED,
+            "deadline passed waiting for peer",
+        ),
+        (Code.UNAVAILABLE, "ssl: CERTIFICATE_VERIFY_FAILED", False, Code.UNAUTHENTICATED, "TLS handshake"),
+        (Code.FAILED_PRECONDITION, "plan mismatch", True, Code.FAILED_PRECONDITION, "refused the handshake"),
     ],
 )
-def test_what_a_peers_failure_tells_the_caller(code: Code, details: str, want: Code, words: str) -> None:
-    err = PeerCallError(code, details).explain("10.0.0.2:5000", "the handshake")
+def test_what_a_peers_failure_tells_the_caller(
+    code: Code, details: str, ours: bool, want: Code, words: str
+) -> None:
+    err = PeerCallError(code, details).explain("10.0.0.2:5000", "the handshake", caller_deadline=ours)
     assert err.code is want and words in err.message and "10.0.0.2:5000" in err.message
-    assert peer_error(code, details, "10.0.0.2:5000", "the handshake").message == err.message
+    again = peer_error(code, details, "10.0.0.2:5000", "the handshake", caller_deadline=ours)
+    assert again.message == err.message
 
 
 class NeverAnswers:

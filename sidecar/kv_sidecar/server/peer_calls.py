@@ -37,12 +37,22 @@ class PeerCallError(Exception):
         self.ended = ended
         self.trailers = trailers
 
-    def explain(self, peer: str, what: str) -> SidecarError:
-        return peer_error(self.code, self.details, peer, what)
+    def explain(self, peer: str, what: str, *, caller_deadline: bool = False) -> SidecarError:
+        """`caller_deadline`: the call's timeout was what remained of the caller's own deadline (a
+        pull's), so a DEADLINE_EXCEEDED is that deadline passing, not a peer out of reach."""
+        return peer_error(self.code, self.details, peer, what, caller_deadline=caller_deadline)
 
 
-def peer_error(code: Code, details: str, peer: str, what: str) -> SidecarError:
+def peer_error(
+    code: Code, details: str, peer: str, what: str, *, caller_deadline: bool = False
+) -> SidecarError:
     """What a peer's refusal (a failed call, or a refusal it sent by notification) tells our caller."""
+    if code is Code.DEADLINE_EXCEEDED and caller_deadline:
+        # Not UNAVAILABLE: a pull that retries an unreachable peer, or forgets its handshake with it,
+        # must not do so because its own short deadline ran out while the peer answered.
+        return SidecarError(
+            Code.DEADLINE_EXCEEDED, f"the deadline passed waiting for peer sidecar {peer} ({what}): {details}"
+        )
     if code is Code.UNAVAILABLE and _TLS_FAILURE.search(details or ""):
         # A certificate problem does not heal on retry, unlike a peer that is down.
         return SidecarError(

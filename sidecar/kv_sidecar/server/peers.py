@@ -224,7 +224,8 @@ class Peers:
         on_stop: Callable[[], Exception],
     ) -> tuple[PeerLink, RemoteEngine]:
         """The plan with a peer's engine, from the cache or a handshake; a pull that is stopped meanwhile
-        raises on_stop() at once (it may be waiting behind another pull's handshake to a hung peer)."""
+        raises on_stop() at once (it may be waiting behind another pull's handshake to a hung peer).
+        `timeout_s`: what remains of the pull's deadline (a handshake that outlasts it: DEADLINE_EXCEEDED)."""
         if self._closed:  # a pull still running at shutdown must not dial anew (and hang the exit)
             raise SidecarError(Code.UNAVAILABLE, f"this sidecar is shutting down; not calling {address}")
         link = self.link(address)
@@ -268,7 +269,7 @@ class Peers:
             resp = stoppable(link.client.handshake(req, timeout_s), stop, on_stop)
         except PeerCallError as e:
             metrics.handshakes.labels("error").inc()
-            raise e.explain(link.address, "the handshake") from None
+            raise e.explain(link.address, "the handshake", caller_deadline=True) from None
         if resp.sidecar_id == me:  # never NIXL-read from our own agent
             metrics.handshakes.labels("error").inc()
             raise SidecarError(

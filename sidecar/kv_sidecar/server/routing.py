@@ -244,7 +244,9 @@ class Opening:
                 self._opener.metrics.opens.labels("call").inc()
         except PeerCallError as e:
             self._not_opened(holder)
-            raise e.explain(holder.address, f"to open request {self._req.params.request_id!r}") from None
+            raise e.explain(
+                holder.address, f"to open request {self._req.params.request_id!r}", caller_deadline=True
+            ) from None
         except SidecarError:
             self._not_opened(holder)
             raise
