@@ -21,7 +21,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, together
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
-from .conftest import Spawn, frozen, metric, prefilled, spec_dict
+from .conftest import Spawn, consumed_events, frozen, metric, prefilled, spec_dict
 from .events import wait_event
 
 # A long pull: converting NHD -> HND through a staging area of 2 blocks takes one NIXL read per
@@ -259,3 +259,6 @@ def test_a_pull_that_runs_out_of_time_on_a_frozen_peer_says_so_and_keeps_the_han
     assert again["ok"] and again["verified"], again
     after = metric(reader.metrics_port, "kvsidecar_handshakes_total", '{outcome="ok"}')
     assert after == before, "the handshake with a live peer was dropped"
+    # The source tells its engine at once that both pulled requests may be freed; the stale open the
+    # thawed source answered holds nothing back.
+    assert consumed_events(src, 2) == 2
