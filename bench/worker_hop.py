@@ -25,6 +25,7 @@ import torch
 from kv_sidecar.config import Settings
 from kv_sidecar.dataplane.jobs import LocalCopy, RankKey, RankRead, ShmTensor, Tokens
 from kv_sidecar.dataplane.plane import DataPlane
+from kv_sidecar.dataplane.workers import HOST
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -41,6 +42,17 @@ def _shm(cache: ShmKVCache) -> list[ShmTensor]:
         ShmTensor(cache.name, off, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
         for off, t in zip(cache.offsets, cache.tensors, strict=True)
     ]
+
+
+def _wait_ready(plane: DataPlane, timeout_s: float = 60) -> None:
+    """Until the host's worker answers: until then a copy runs in this process (the first copy only
+    starts the worker), and the row would time no hand-off."""
+    assert plane.workers is not None
+    deadline = time.monotonic() + timeout_s
+    while plane.workers.ready(HOST) is None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the host's worker did not answer within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -82,6 +94,8 @@ def main() -> int:
             times: dict[bool, list[float]] = {False: [], True: []}
             for plane in planes.values():  # warm-up: the worker's start, its first mapping
                 plane.copy_local_all(jobs)
+            _wait_ready(planes[True])
+            planes[True].copy_local_all(jobs)  # the worker's own first copies
             for _ in range(args.iters):
                 for w, plane in planes.items():
                     t0 = time.perf_counter()
