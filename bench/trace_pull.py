@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -191,6 +192,17 @@ BATCH = [
     "kv_sidecar.dataplane.workers:CopyWorker.post_copies",
     "kv_sidecar.dataplane.workers:PostedCopies.wait",
 ]
+# device_workers, a pull's copy through its worker (these spans also run in the worker, as "... worker"):
+# the message out, the copy there, its answer out, the answer taken in (set_result) and awaited.
+WORKER = [
+    "kv_sidecar.dataplane.workers:CopyWorker.copy",
+    "kv_sidecar.dataplane.workers:CopyWorker._post_id",
+    "kv_sidecar.dataplane.workers:CopyWorker.answer_by",
+    "kv_sidecar.dataplane.local_copies:copy_all",
+    "kv_sidecar.dataplane.local_copies:copy_host",
+    "multiprocessing.connection:Connection.send",
+    "concurrent.futures._base:Future.set_result",
+]
 # --gpu: inside the copies of a staged transfer (validation, upload, launch templates, the launch).
 GPU_DETAIL = [
     "kv_sidecar.execute.gpu:StagedCopies.__init__",
@@ -276,10 +288,36 @@ def start(
 def collect(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]]:
     os.kill(sc.proc.pid, signal.SIGUSR2)
     time.sleep(1.0)
+    return _read_spans(path)
+
+
+def _read_spans(path: str) -> list[tuple[str, str, float, float]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
+
+
+def collect_workers(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]]:
+    """The spans of the sidecar's device workers (its child processes), all workers in one list."""
+    children = sc.worker_pids()
+    for pid in children:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR2)
+    if not children:
+        return []
+    time.sleep(1.0)
+    return [r for pid in children for r in _read_spans(f"{path}.worker{pid}")]
+
+
+def wait_for_workers(sc: SidecarProcess, timeout_s: float = 120) -> None:
+    """Until the decode sidecar's workers answer: the first copy starts a device's worker, and copies
+    run in the sidecar until it answers, so that pulls traced before would not go through it."""
+    deadline = time.monotonic() + timeout_s
+    while not sc.worker_pids() or len(sc.answering_workers()) < len(sc.worker_pids()):
+        if time.monotonic() > deadline:
+            raise SystemExit("the decode sidecar's workers did not answer")
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -324,6 +362,7 @@ def main() -> int:
         + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])
         + ((GPU_DIRECT if args.local else GPU_DETAIL) if args.gpu else [])
         + (BATCH if args.batch and k == "decode" else [])
+        + (WORKER if "device-workers" in args.sidecar_args else [])
         for k, v in SPANS.items()
     }
     tree = baseline.export(args.baseline) if args.baseline else None
@@ -388,10 +427,15 @@ def main() -> int:
             for res in results:
                 assert res.ok, res
                 assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
+            if i == 0 and "device-workers" in args.sidecar_args:
+                wait_for_workers(a if args.local else b)
             if i >= 20:
                 calls.append((t0, t1))
             time.sleep(args.idle)  # keep pulls apart, so late spans (notifications) stay on their pull
         spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
+        for k, sc in (("prefill", a), ("decode", b)):  # device_workers: the workers' own spans
+            if in_workers := collect_workers(sc, files[k]):
+                spans[f"{k} worker"] = in_workers
     finally:
         for c in caches:
             c.close()

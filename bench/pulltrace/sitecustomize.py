@@ -4,7 +4,9 @@ Put this directory first on PYTHONPATH and set KV_SIDECAR_TRACE=<file>: once the
 sidecar's modules are imported, the functions named in KV_SIDECAR_TRACE_SPANS
 (module:attr or module:Class.method, comma-separated) are wrapped so that each call
 records (thread, name, start, end) with time.perf_counter(); SIGUSR2 writes the spans
-recorded so far to the file as JSON lines and clears them.
+recorded so far to the file as JSON lines and clears them. A device worker the sidecar
+starts (a spawned process: the environment is inherited) traces the same functions, once
+its own modules are in, into <file>.worker<pid>.
 """
 
 from __future__ import annotations
@@ -64,10 +66,10 @@ def _dump(*_: object) -> None:
             f.write(json.dumps(s) + "\n")
 
 
-def _install() -> None:
+def _install(ready_module: str) -> None:
     targets = [t for t in os.environ.get("KV_SIDECAR_TRACE_SPANS", "").split(",") if t]
-    # Wait for the sidecar to import its server modules (torch and NIXL take seconds), then patch.
-    while "kv_sidecar.server.sidecar" not in sys.modules:
+    # Wait for the process to import its own modules (torch and NIXL take seconds), then patch.
+    while ready_module not in sys.modules:
         time.sleep(0.05)
     time.sleep(0.5)
     for t in targets:
@@ -77,6 +79,10 @@ def _install() -> None:
             print(f"pulltrace: cannot wrap {t}: {e}", file=sys.stderr)
 
 
-if _OUT and "serve" in sys.argv:
+_WORKER = "--multiprocessing-fork" in sys.argv  # a spawned child: of a sidecar, a device worker
+if _OUT and ("serve" in sys.argv or _WORKER):
+    if _WORKER:
+        _OUT = f"{_OUT}.worker{os.getpid()}"
     signal.signal(signal.SIGUSR2, _dump)
-    threading.Thread(target=_install, daemon=True, name="pulltrace").start()
+    ready = "kv_sidecar.dataplane.workers" if _WORKER else "kv_sidecar.server.sidecar"
+    threading.Thread(target=_install, args=(ready,), daemon=True, name="pulltrace").start()
