@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -357,12 +358,14 @@ def main() -> int:
     if args.slots:
         extra += ["--gpu-staging-slots", str(args.slots)]
     extra += shlex.split(args.sidecar_args)
+    # Copies go through device workers (whose spans are then traced too, once they answer).
+    workers_on = re.search(r"--device-workers[= ]true\b", args.sidecar_args) is not None
     spans_of = {
         k: v
         + (STAGED[k] if args.ring or (args.gpu and not args.local) else [])
         + ((GPU_DIRECT if args.local else GPU_DETAIL) if args.gpu else [])
         + (BATCH if args.batch and k == "decode" else [])
-        + (WORKER if "device-workers" in args.sidecar_args else [])
+        + (WORKER if workers_on else [])
         for k, v in SPANS.items()
     }
     tree = baseline.export(args.baseline) if args.baseline else None
@@ -427,7 +430,7 @@ def main() -> int:
             for res in results:
                 assert res.ok, res
                 assert not args.gpu or res.path == ("gpu-direct" if args.local else "gpu-staged"), res.path
-            if i == 0 and "device-workers" in args.sidecar_args:
+            if i == 0 and workers_on:
                 wait_for_workers(a if args.local else b)
             if i >= 20:
                 calls.append((t0, t1))
