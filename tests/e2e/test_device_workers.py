@@ -17,7 +17,7 @@ from typing import Any
 
 from kv_sidecar.commands.status import render
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, side_by_side
 from kv_sidecar_client import SidecarClient
 
 from .conftest import Spawn, batch_with_one_unpublished, metric, spec_dict, wait_for
@@ -29,6 +29,10 @@ BIG = EngineSpec.from_dict(
     spec_dict(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=520, dtype="float16")
 )
 LONG = 512
+# 1 MiB a block, room for three engines' pulls of 8 blocks side by side.
+MID = EngineSpec.from_dict(
+    spec_dict(num_layers=16, num_kv_heads=8, head_dim=128, num_blocks=240, dtype="float16")
+)
 
 
 def workers_of(sidecar: SidecarProcess) -> list[int]:
@@ -120,6 +124,52 @@ def test_a_pull_through_the_worker_is_exact(spawn: Spawn) -> None:
         assert res["ok"] and res["path"] == "host-direct", res
         assert res["verified"], res["errors"]  # every byte, and nothing outside the blocks
     assert len(workers_of(sc)) == 1, "one worker for the host's copies"
+
+
+def test_pulls_of_three_engines_at_once_through_one_worker_are_exact(spawn: Spawn) -> None:
+    """Three decode engines pull side by side through the host's worker, 8 MiB each: a copy that comes
+    in while another runs goes to the worker's pool, one alone runs on the thread that read it; each
+    way every byte lands, and nothing outside the pulled blocks changes."""
+    sc = spawn(SidecarProcess("workers-many", extra=WORKERS))
+    prefill, *decodes = spawn.together(
+        lambda: EngineProcess(sc.socket, "wm-p", MID),
+        *[lambda i=i: EngineProcess(sc.socket, f"wm-d{i}", MID) for i in range(3)],
+    )
+    start_the_worker(sc, prefill, decodes[0])
+    sources = {}
+    for k in range(3):
+        for i in range(4):
+            blocks = list(range(8 + 32 * k + 8 * i, 16 + 32 * k + 8 * i))
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"m{k}-{i}",
+                    "block_ids": blocks,
+                    "num_tokens": len(blocks) * MID.block_size,
+                    "seed": 10 * k + i,
+                }
+            )
+            assert pub["ok"], pub
+            sources[(k, i)] = pub["params"]
+
+    def pulls_of(k: int) -> list[dict]:
+        return [
+            decodes[k].send(
+                {
+                    "cmd": "pull",
+                    "params": sources[(k, i)],
+                    "block_ids": list(range(200 + 8 * i, 208 + 8 * i)),
+                    "seed": 10 * k + i,
+                }
+            )
+            for i in range(4)
+        ]
+
+    for results in side_by_side(*[lambda k=k: pulls_of(k) for k in range(3)]):
+        for res in results:
+            assert res["ok"] and res["path"] == "host-direct", res
+            assert res["verified"], res["errors"]
+    assert len(workers_of(sc)) == 1
 
 
 def test_a_worker_killed_mid_copy_fails_that_pull_alone_and_comes_back(spawn: Spawn) -> None:
