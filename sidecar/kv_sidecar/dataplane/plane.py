@@ -296,32 +296,29 @@ class DataPlane:
         if self.workers is None or not (self._gpu_in_workers or self._host_in_workers):
             return local_copies.copy_all(self.ranks, jobs)
         out: list[int | BaseException] = [0] * len(jobs)
-        by_device: dict[int, list[int]] = {}
-        workers: dict[int, CopyWorker | None] = {}
+        ready: dict[int, CopyWorker | None] = {}  # each device's worker, asked once per batch
+        by_worker: dict[CopyWorker, list[int]] = {}
         here: list[int] = []
         for i, (job, _) in enumerate(jobs):
             try:  # a rank gone since the pull began fails that copy alone
                 if job.reads:
                     device = self._device_of(job.reads[0].dst)
-                    if device not in workers:
-                        workers[device] = self._worker_for(device)
-                    (here if workers[device] is None else by_device.setdefault(device, [])).append(i)
+                    if device not in ready:
+                        ready[device] = self._worker_for(device)
+                    worker = ready[device]
+                    (here if worker is None else by_worker.setdefault(worker, [])).append(i)
             except Exception as e:
                 out[i] = e
         # Sent to every worker first, then waited for: devices copy side by side, and with this
         # process's own share.
-        posted = {}
-        for d, idx in by_device.items():
-            worker = workers[d]
-            assert worker is not None
-            posted[d] = worker.post_copies([jobs[i] for i in idx])
+        posted = [(idx, w.post_copies([jobs[i] for i in idx])) for w, idx in by_worker.items()]
         if here:
             for i, moved in zip(
                 here, local_copies.copy_all(self.ranks, [jobs[i] for i in here]), strict=True
             ):
                 out[i] = moved
-        for device, idx in by_device.items():
-            for i, moved in zip(idx, posted[device].wait(), strict=True):
+        for idx, copies in posted:
+            for i, moved in zip(idx, copies.wait(), strict=True):
                 out[i] = moved
         return out
 
