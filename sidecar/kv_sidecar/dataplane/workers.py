@@ -77,25 +77,27 @@ def _serve(
         except Exception as e:
             answer(msg_id, False, encode_error(e))
 
-    pooled = [0]  # copies handed to the pool and not yet answered
+    pooled = 0  # copies handed to the pool and not yet answered
     pooled_lock = threading.Lock()
 
     def run_pooled(msg_id: int, fn: Any, *args: Any) -> None:
+        nonlocal pooled
         try:
             run(msg_id, fn, *args)
         finally:
             with pooled_lock:
-                pooled[0] -= 1
+                pooled -= 1
 
     def start_copy(msg_id: int, fn: Any, *args: Any) -> None:
         """A copy on this, the reading, thread when no other copy runs and no message waits behind it:
         a lone pull then saves a copy thread's wake-up (0.17-0.2 ms of the ~0.6 a worker added to it on
         an H200, docs/benchmarks.md); else on the pool, side by side with the others while this thread
         reads on."""
+        nonlocal pooled
         with pooled_lock:
-            alone = pooled[0] == 0 and not conn.poll(0)
+            alone = pooled == 0 and not conn.poll(0)
             if not alone:
-                pooled[0] += 1
+                pooled += 1
         if alone:
             run(msg_id, fn, *args)
         else:
