@@ -442,6 +442,29 @@ def test_registration_compiles_the_copy_kernel_so_that_no_pull_waits_for_the_com
         assert (a.stop(), b.stop()) == (0, 0), "\n".join([*a.stderr_tail, *b.stderr_tail])
 
 
+HETEROGENEOUS = ["tp1_to_tp2", "tp2_to_tp1", "nhd_to_hnd", "block16_to_32", "packed_nhd_to_packed_block32"]
+
+
+def test_registration_compiles_the_kernels_of_heterogeneous_pairings_on_the_node() -> None:
+    """Two engines of different TP, layout or block size on one sidecar: registering the second
+    compiles the kernels of their gpu-direct copies, either way (dataplane/ranks._warm_pairs), so that
+    the first pull between them launches a compiled kernel instead of waiting 0.5-2 s for Triton."""
+    from kv_sidecar.execute import gpu_kernels
+
+    if not triton.__version__.startswith(gpu_kernels.DIRECT_TRITON):
+        pytest.skip(f"Triton {triton.__version__}: every launch goes through Triton")
+    node = SidecarProcess("warm-pairs", extra=[*SMALL_RINGS, "--device-workers", "false"])
+    try:
+        for name in HETEROGENEOUS:
+            run_case(node.socket, node.socket, name, "gpu-direct")
+        launches = {
+            by: _metric(node, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton")
+        }
+        assert launches["triton"] == 0 and launches["direct"] >= len(HETEROGENEOUS), launches
+    finally:
+        assert node.stop() == 0, "\n".join(node.stderr_tail)
+
+
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
     """A sample of the sidecar's /metrics, its labels as exposed (`{kind="x"}`): 0 when absent."""
     return scrape.value(sc.metrics_port, name, **scrape.labels(labels))

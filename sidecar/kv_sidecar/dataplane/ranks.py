@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,8 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.host import RankView, rank_view
 from kv_sidecar.memory.shm import ShmMapper
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry, descriptor_table
-from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.plan.pair import PairPlan, plan_pair
+from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar.transport.nixl_driver import NixlDriver
 
 if TYPE_CHECKING:
@@ -55,9 +57,18 @@ class HostRank:
 class MappedRanks:
     """Every rank registered on this node, mapped; thread-safe."""
 
-    def __init__(self, nixl: NixlDriver | None, on_gpu_device: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        nixl: NixlDriver | None,
+        on_gpu_device: Callable[[int], None] | None = None,
+        copies_into: int | None = None,
+    ) -> None:
+        """copies_into: the one GPU this process copies into (a device worker's); None: any of them."""
         self._nixl = nixl
         self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
+        self._copies_into = copies_into
+        # Pairings' kernels compile here, one at a time, after the registration that met them answered.
+        self._warming: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._host: dict[RankKey, HostRank] = {}
         self._gpu: dict[RankKey, GpuRank] = {}
@@ -119,6 +130,12 @@ class MappedRanks:
         _warm_up(key, gpu)
         with self._lock:
             self._gpu[key] = gpu
+            others = [(k, r) for k, r in self._gpu.items() if k.engine_id != key.engine_id]
+            if others and self._warming is None:
+                self._warming = ThreadPoolExecutor(1, thread_name_prefix="kernel-warm")
+            warming = self._warming
+        if warming is not None and others:
+            warming.submit(_warm_pairs, key, gpu, others, self._copies_into)
         # Peers never address a GPU rank's memory (they WRITE into our rings): no regions to tell.
         return RankMemory("VRAM", gpu.device, ())
 
@@ -171,6 +188,9 @@ class MappedRanks:
     def close(self) -> None:
         with self._lock:
             keys = [*self._host, *self._gpu]
+            warming, self._warming = self._warming, None
+        if warming is not None:
+            warming.shutdown(wait=False, cancel_futures=True)
         for key in keys:
             with contextlib.suppress(Exception):
                 self.detach(key)
@@ -224,3 +244,48 @@ def _gone(key: RankKey) -> SidecarError:
         Code.FAILED_PRECONDITION,
         f"engine {key.engine_id!r} rank {key.rank} is not mapped here (it was unregistered during the pull)",
     )
+
+
+def _warm_pairs(
+    key: RankKey, rank: GpuRank, others: list[tuple[RankKey, GpuRank]], copies_into: int | None
+) -> None:
+    """Compile the kernels of gpu-direct copies between a new rank and the other engines' ranks on this
+    node, either engine the prefill, where the pairing specialises another kernel than the ranks' own
+    (another block size, layout or TP: `execute/gpu.warm_copy`), so that its first pull does not wait
+    for the compiler. Pairings that cannot pull from each other are left to their pulls to refuse. A
+    pull that meets a kernel still compiling here waits for it, as it would have compiled it."""
+    from kv_sidecar.execute.gpu import warm_copy
+
+    plans: dict[tuple[EngineSpec, EngineSpec], PairPlan | None] = {}
+    for other_key, other in others:
+        for (pk, prefill), (dk, decode) in (
+            ((other_key, other), (key, rank)),
+            ((key, rank), (other_key, other)),
+        ):
+            if copies_into is not None and decode.device != copies_into:
+                continue  # another device's worker copies into it
+            specs = (prefill.spec, decode.spec)
+            if specs not in plans:
+                try:
+                    plans[specs] = plan_pair(*specs)
+                except PlanError:
+                    plans[specs] = None
+            plan = plans[specs]
+            if plan is None:
+                continue
+            for read in plan.decode_ranks[decode.rank].reads:
+                if read.prefill_rank != prefill.rank:
+                    continue
+                start = time.perf_counter()
+                try:
+                    src, dst = prefill.view(prefill.device), decode.view(decode.device)
+                    compiled = warm_copy(src, dst, read.heads, decode.device)
+                except Exception:  # unregistered meanwhile, or a failure the first pull will report
+                    log.debug("could not compile the kernel of %s -> %s", pk, dk, exc_info=True)
+                    continue
+                if compiled:
+                    log.info(
+                        "compiled the GPU copy kernel from engine %r rank %d into engine %r rank %d "
+                        "(cuda:%d) in %.2f s",
+                        pk.engine_id, pk.rank, dk.engine_id, dk.rank, decode.device, time.perf_counter() - start,
+                    )  # fmt: skip

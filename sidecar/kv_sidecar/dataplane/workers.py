@@ -59,7 +59,8 @@ def _serve(
     `staged` (its agent's name, the settings), the device's staged transfers too (staged_workers.py)."""
     from kv_sidecar.dataplane.ranks import MappedRanks
 
-    ranks = MappedRanks(None)  # no NIXL: neither a local copy nor a staged one registers engine memory
+    # No NIXL: neither a local copy nor a staged one registers engine memory. Copies go into `device` only.
+    ranks = MappedRanks(None, copies_into=None if device == HOST else device)
     # Its own registry: the sidecar counts pulls, bytes and failures from the answers, and asks for the
     # rest (rings, WRITEs, launches, NIXL objects) at each scrape ("metrics").
     metrics = Metrics()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.blocks import check_copy, dst_block_count
+from kv_sidecar.plan.blocks import check_copy, dst_block_count, local_heads
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
 # Bytes moved per program: large enough that each program keeps several 16-byte
@@ -431,19 +431,31 @@ def warm_up(view: GpuRankView) -> bool:
     """Compile the kernel of copies between two ranks shaped like `view` before the first pull needs
     it: a homogeneous pairing's gpu-direct copies, and the staged gather and scatter between the rank
     and a ring in its own layout, which specialise the same way (gpu_kernels._INTS: not on a pull's
-    length or start). Other pairings (another block size, layout or TP) compile at their first pull.
-    True if it compiled (False: it already was)."""
+    length or start). True if it compiled (False: it already was)."""
+    heads = None if view.spec.is_mla else view.spec.rank_heads(view.rank)
+    return warm_copy(view, view, heads, view.device)
+
+
+def warm_copy(src: GpuRankView, dst: GpuRankView, heads: tuple[int, int] | None, device: int) -> bool:
+    """Compile the kernel of copies of global heads `heads` (None: MLA) from rank `src` into rank `dst`
+    on `device` (the destination's), before the first such pull needs it: a pairing of two ranks of
+    different block sizes, layouts or TP compiles a kernel of its own (0.5-2 s, bench/kernel_compiles.py).
+
+    The views may be mapped on any device: the kernel specialises on their specs, the heads and the
+    word width their addresses allow, not on the addresses themselves, and a rank's mapping in
+    another device's context keeps its alignment (CUDA IPC maps whole allocations). True if it
+    compiled (False: it already was)."""
     from kv_sidecar.execute import gpu_kernels
 
-    dev = torch.device("cuda", view.device)
-    spec = view.spec
-    first, stop = (0, 1) if spec.is_mla else spec.rank_heads(view.rank)
-    nh = stop - first
-    tpl = _direct_template(view, view, nh, 0, 0, dev, False)
+    s_h0, nh = local_heads(src.spec, src.rank, heads, "source")
+    d_h0, _ = local_heads(dst.spec, dst.rank, heads, "destination")
+    dev = torch.device("cuda", device)
+    la = plan_launch(src, dst, nh, s_h0, d_h0, 1, 0, 0, 0)
+    # Only the tables' dtype and alignment count here: the destination's stands for both.
+    table = _state.layer_table(dev, la.width, dst.layer_ptrs)
     ids = _state.arange(dev, 1)
-    la = tpl.la
-    pointers = (tpl.anchor, *tpl.tables, ids, ids)
-    return gpu_kernels.launch.warm(view.device, pointers, la.args, la.constexprs, la.num_warps)
+    pointers = (_state.anchor(dev, la.width), table, table, ids, ids)
+    return gpu_kernels.launch.warm(device, pointers, la.args, la.constexprs, la.num_warps)
 
 
 def plan_launch(
