@@ -12,6 +12,8 @@ filled by the first (a restarted container that kept it).
 
     python bench/worker_cost.py                     # off and on
     python bench/worker_cost.py --settings auto     # what the default does on this machine
+    python bench/worker_cost.py --settings false --decode-block-size 32 --settle-s 5
+        # a heterogeneous pairing (decode blocks of 32 tokens), its first pull 5 s after registration
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ def _gpu_memory(pids: set[int]) -> dict[str, int]:
     return out
 
 
-def _pull(prefill: EngineProcess, decode: EngineProcess, i: int) -> float:
+def _pull(prefill: EngineProcess, decode: EngineProcess, i: int, decode_block_size: int) -> float:
     src = [i % 32, 32 + i % 32]
     pub = prefill.send(
         {"cmd": "prefill", "request_id": f"r{i}", "block_ids": src, "num_tokens": 32, "seed": i}
     )
     assert pub["ok"], pub
-    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [40, 41], "seed": i})
+    dst = list(range(40, 40 + -(-32 // decode_block_size)))
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": i})
     assert res["ok"] and res["verified"] and res["path"] == "gpu-direct", res
     return float(res["wall_s"]) * 1e3  # the engine's pull call, not its checks after
 
@@ -89,7 +92,15 @@ def _runs(settings: list[str]) -> Iterator[tuple[str, str, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default="false,true", help="device_workers values, comma-separated")
+    ap.add_argument(
+        "--decode-block-size", type=int, default=SPEC.block_size, help="the decode engine's block size"
+    )
+    ap.add_argument(
+        "--settle-s", type=float, default=0.0, help="wait this long between registration and pulls"
+    )
     args = ap.parse_args()
+    decode_spec = dataclasses.replace(SPEC, block_size=args.decode_block_size)
+    bs = args.decode_block_size
     gpus = torch.cuda.device_count()
     assert gpus >= 1, "needs a GPU"
     decode_gpu = "cuda:1" if gpus >= 2 else "cuda:0"
@@ -100,13 +111,14 @@ def main() -> int:
         try:
             t0 = time.perf_counter()
             prefill = EngineProcess(sc.socket, f"wc-p-{setting}", SPEC, devices=["cuda:0"])
-            decode = EngineProcess(sc.socket, f"wc-d-{setting}", SPEC, devices=[decode_gpu])
+            decode = EngineProcess(sc.socket, f"wc-d-{setting}", decode_spec, devices=[decode_gpu])
             registered = time.perf_counter() - t0
+            time.sleep(args.settle_s)
             try:
-                first = _pull(prefill, decode, 0)
-                later = statistics.median(_pull(prefill, decode, i) for i in range(1, 21))
+                first = _pull(prefill, decode, 0, bs)
+                later = statistics.median(_pull(prefill, decode, i, bs) for i in range(1, 21))
                 answered = _wait_for_workers(sc)
-                through = statistics.median(_pull(prefill, decode, i) for i in range(21, 41))
+                through = statistics.median(_pull(prefill, decode, i, bs) for i in range(21, 41))
                 workers = sc.worker_pids()
                 mine = _gpu_memory({sc.proc.pid})
                 theirs = _gpu_memory(set(workers))
@@ -129,7 +141,10 @@ def main() -> int:
             )
         )
     host = os.uname().nodename
-    print(f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), host {host}; 2 MiB blocks, pulls of 2 blocks\n")
+    print(
+        f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), host {host}; 2 MiB blocks, pulls of 2 blocks; decode "
+        f"blocks of {bs} tokens; first pull {args.settle_s:g} s after registration\n"
+    )
     print(
         "| device_workers, Triton cache | engines registered, s | first pull, ms | next 20 p50, ms | "
         "workers answering after, s | 20 more p50, ms | workers | GPU MiB, sidecar process | GPU MiB, its workers |"

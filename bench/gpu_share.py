@@ -1,0 +1,171 @@
+"""What a copy costs on a GPU that another process is copying on: why one-GPU staged rows are not a link's.
+
+With both engines of a pair on one GPU (bench/node_scaling.py on a one-GPU machine), a staged pull runs its
+gathers in the prefill sidecar's process and its scatters in the decode sidecar's: two CUDA contexts on one
+GPU. Without MPS a GPU runs one context's kernels at a time and switches between them by time slices, so a
+scatter launched while the other sidecar's gathers run may wait for their slice to end. This measures that
+wait with the staged path's shape: one 64 MiB copy (an SM kernel reading and writing 64 MiB, as a gather or
+scatter of a 64 MiB chunk) after an idle millisecond, timed from its launch to its end on the host and by
+CUDA events, 200 times (medians and p90):
+
+  alone               nothing else runs on the GPU
+  other stream        a thread of this process copies back to back on another stream (one context)
+  other process       another process copies back to back (two contexts, as two sidecars on one GPU,
+                      or a sidecar beside an engine's forward passes)
+  memcpy, ...         the same bytes by cudaMemcpyAsync (device to device) instead of an SM kernel, with
+                      the other process's kernels running, and alone
+
+    python bench/gpu_share.py                       # prints the table
+    python bench/gpu_share.py --write               # and writes its section of docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from report import gpus, write_section  # noqa: E402
+
+TITLE = "Copies on a GPU another process copies on (bench/gpu_share.py)"
+CHUNK_BYTES = 64 << 20
+
+
+def _buffers(device: int) -> tuple[object, object]:
+    import torch
+
+    n = CHUNK_BYTES // 2
+    src = torch.ones(n, dtype=torch.bfloat16, device=f"cuda:{device}")
+    return src, torch.empty_like(src)
+
+
+def _copy(src: object, dst: object) -> None:
+    import torch
+
+    torch.mul(src, 1, out=dst)  # an SM kernel, as the copy kernel is (not a copy engine's memcpy)
+
+
+def _memcpy(src: object, dst: object) -> None:
+    dst.copy_(src)  # type: ignore[attr-defined]  # same dtype, contiguous: cudaMemcpyAsync device to device
+
+
+def _busy(device: int, stop: object, started: object) -> None:
+    """Copy back to back on a stream of its own until `stop` is set (a thread, or another process)."""
+    import torch
+
+    torch.cuda.set_device(device)
+    src, dst = _buffers(device)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            _copy(src, dst)
+        stream.synchronize()
+        started.set()  # type: ignore[attr-defined]
+        while not stop.is_set():  # type: ignore[attr-defined]
+            for _ in range(8):
+                _copy(src, dst)
+            stream.synchronize()
+
+
+def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[float], list[float]]:
+    """(host ms from launch to end, GPU ms by events) of `iters` lone copies (`how`), each after `idle_s`."""
+    import torch
+
+    src, dst = _buffers(device)
+    stream = torch.cuda.Stream()
+    walls, gpu = [], []
+    with torch.cuda.stream(stream):
+        for i in range(iters + 10):
+            time.sleep(idle_s)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record(stream)
+            how(src, dst)
+            end.record(stream)
+            end.synchronize()
+            t1 = time.perf_counter()
+            if i >= 10:
+                walls.append((t1 - t0) * 1e3)
+                gpu.append(start.elapsed_time(end))
+    return walls, gpu
+
+
+def _p(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--idle-ms", type=float, default=1.0)
+    ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    args = ap.parse_args()
+    import torch
+
+    torch.cuda.set_device(args.device)
+    idle = args.idle_ms / 1000
+    rows = []
+    for name, how in (
+        *((n, _copy) for n in ("alone", "other stream", "other process")),
+        ("memcpy, other process", _memcpy),
+        ("memcpy, alone", _memcpy),
+    ):
+        stop: object
+        if name.endswith("alone"):
+            walls, gpu = _measure(args.device, args.iters, idle, how)
+        elif name == "other stream":
+            stop, started = threading.Event(), threading.Event()
+            t = threading.Thread(target=_busy, args=(args.device, stop, started), daemon=True)
+            t.start()
+            started.wait(60)
+            walls, gpu = _measure(args.device, args.iters, idle, how)
+            stop.set()
+            t.join()
+        else:
+            ctx = mp.get_context("spawn")
+            stop, started = ctx.Event(), ctx.Event()
+            proc = ctx.Process(target=_busy, args=(args.device, stop, started), daemon=True)
+            proc.start()
+            if not started.wait(120):
+                raise SystemExit("the other process did not start copying")
+            walls, gpu = _measure(args.device, args.iters, idle, how)
+            stop.set()
+            proc.join(60)
+        rows.append((name, walls, gpu))
+    base = statistics.median(rows[0][1])
+    lines = [
+        "| the copy, and what else runs | launch to end, p50 ms | p90 ms | GPU time (events), p50 ms | p90 ms | p50 / alone |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, walls, gpu in rows:
+        lines.append(
+            f"| {name} | {statistics.median(walls):.3f} | {_p(walls, 0.9):.3f} | {statistics.median(gpu):.3f} | "
+            f"{_p(gpu, 0.9):.3f} | {statistics.median(walls) / base:.2f}x |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        cmd = " ".join(["python", "bench/gpu_share.py", *sys.argv[1:]])
+        body = (
+            f"Command: `{cmd}`  \nMachine: {platform.machine()}, {gpus()}  \n"
+            f"Date: {datetime.date.today().isoformat()}  \n\n"
+            f"One 64 MiB copy (an SM kernel reading and writing 64 MiB) after {args.idle_ms:g} ms idle, "
+            f"{args.iters} times, while nothing else, a thread of this process on another stream, or another "
+            f"process copies back to back on the same GPU.\n\n{table}\n"
+        )
+        write_section(HERE.parent / "docs" / "benchmarks.md", TITLE, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
