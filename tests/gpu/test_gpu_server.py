@@ -448,7 +448,7 @@ HETEROGENEOUS = ["tp1_to_tp2", "tp2_to_tp1", "nhd_to_hnd", "block16_to_32", "pac
 def test_registration_compiles_the_kernels_of_heterogeneous_pairings_on_the_node() -> None:
     """Two engines of different TP, layout or block size on one sidecar: registering the second
     compiles the kernels of their gpu-direct copies, either way (dataplane/ranks._warm_pairs), so that
-    the first pull between them launches a compiled kernel instead of waiting 0.5-2 s for Triton."""
+    the first pull between them launches a compiled kernel instead of waiting for Triton to compile it."""
     from kv_sidecar.execute import gpu_kernels
 
     if not triton.__version__.startswith(gpu_kernels.DIRECT_TRITON):

@@ -439,7 +439,8 @@ def warm_up(view: GpuRankView) -> bool:
 def warm_copy(src: GpuRankView, dst: GpuRankView, heads: tuple[int, int] | None, device: int) -> bool:
     """Compile the kernel of copies of global heads `heads` (None: MLA) from rank `src` into rank `dst`
     on `device` (the destination's), before the first such pull needs it: a pairing of two ranks of
-    different block sizes, layouts or TP compiles a kernel of its own (0.5-2 s, bench/kernel_compiles.py).
+    different block sizes, layouts or TP compiles a kernel of its own (0.3 s on one H200 after the process's
+    first compile, with Triton's cache empty: bench/worker_cost.py --decode-block-size 32).
 
     The views may be mapped on any device: the kernel specialises on their specs, the heads and the
     word width their addresses allow, not on the addresses themselves, and a rank's mapping in
