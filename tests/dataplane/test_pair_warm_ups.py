@@ -16,18 +16,8 @@ import pytest
 from kv_sidecar.dataplane import ranks as ranks_mod
 from kv_sidecar.dataplane.jobs import RankKey
 from kv_sidecar.execute import gpu
-from kv_sidecar.plan.spec import EngineSpec
-
-BASE: dict[str, Any] = {
-    "tp_size": 1,
-    "num_layers": 2,
-    "num_kv_heads": 4,
-    "head_dim": 64,
-    "dtype": "bfloat16",
-    "block_size": 16,
-    "num_blocks": 40,
-    "layout": "flash_attn_nhd",
-}
+from kv_sidecar.plan.spec import EngineSpec, Layout
+from tests.gpu.kvcases import spec
 
 
 @dataclass
@@ -69,8 +59,8 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, str, int, Any
 
 
 def test_a_tp2_engine_beside_a_tp1_engine_warms_every_read_both_ways(asked: list[Any]) -> None:
-    one = EngineSpec.from_dict(BASE)
-    two = EngineSpec.from_dict(BASE | {"tp_size": 2, "layout": "flash_attn_hnd"})
+    one = spec()
+    two = spec(tp_size=2, layout=Layout.FLASH_ATTN_HND)
     old = _ranks("p", one, [0])
     new = _ranks("d", two, [1, 0])
     for key, rank in new:
@@ -90,8 +80,7 @@ def test_a_tp2_engine_beside_a_tp1_engine_warms_every_read_both_ways(asked: list
 
 
 def test_a_device_worker_warms_only_the_copies_into_its_device(asked: list[Any]) -> None:
-    one = EngineSpec.from_dict(BASE)
-    two = EngineSpec.from_dict(BASE | {"block_size": 32})
+    one, two = spec(), spec(block_size=32)
     (pk, p), (dk, d) = _ranks("p", one, [0])[0], _ranks("d", two, [1])[0]
     ranks_mod._warm_pairs(dk, d, [(pk, p)], 1)  # type: ignore[arg-type]
     assert asked == [("flash_attn_nhd", 0, "flash_attn_nhd", 0, (0, 4), 1)]  # p -> d only, on device 1
@@ -99,8 +88,7 @@ def test_a_device_worker_warms_only_the_copies_into_its_device(asked: list[Any])
 
 
 def test_engines_that_cannot_pair_warm_nothing(asked: list[Any]) -> None:
-    a = EngineSpec.from_dict(BASE)
-    b = EngineSpec.from_dict(BASE | {"head_dim": 128})  # no pull between them: the pull says why
+    a, b = spec(), spec(head_dim=64)  # no pull between them: the pull says why
     (ak, ar), (bk, br) = _ranks("a", a, [0])[0], _ranks("b", b, [0])[0]
     ranks_mod._warm_pairs(bk, br, [(ak, ar)], None)  # type: ignore[arg-type]
     assert asked == []
