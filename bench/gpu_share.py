@@ -14,9 +14,17 @@ CUDA events, 200 times (medians and p90):
                       or a sidecar beside an engine's forward passes)
   memcpy, ...         the same bytes by cudaMemcpyAsync (device to device) instead of an SM kernel, with
                       the other process's kernels running, and alone
+  other process, matmuls   another process runs bf16 matmuls back to back (8192 x 8192, ~1 ms each), as an
+                      engine's forward passes keep its GPU busy
+
+Under CUDA MPS (a control daemon started for the run: `nvidia-cuda-mps-control -d`) the processes'
+kernels may run side by side; the table says whether MPS was on (`CUDA_MPS_PIPE_DIRECTORY` set and its
+daemon answering).
 
     python bench/gpu_share.py                       # prints the table
     python bench/gpu_share.py --write               # and writes its section of docs/benchmarks.md
+    python bench/gpu_share.py --load matmuls --load-s 60 &   # only the other process's loop, for 60 s:
+                                                    # a busy GPU to time something else beside
 """
 
 from __future__ import annotations
@@ -58,21 +66,33 @@ def _memcpy(src: object, dst: object) -> None:
     dst.copy_(src)  # type: ignore[attr-defined]  # same dtype, contiguous: cudaMemcpyAsync device to device
 
 
-def _busy(device: int, stop: object, started: object) -> None:
-    """Copy back to back on a stream of its own until `stop` is set (a thread, or another process)."""
+def _busy(device: int, stop: object, started: object, work: str = "copies") -> None:
+    """Copies (or matmuls) back to back on a stream of its own until `stop` is set (a thread, or another
+    process)."""
     import torch
 
     torch.cuda.set_device(device)
-    src, dst = _buffers(device)
+    if work == "matmuls":
+        a = torch.ones(8192, 8192, dtype=torch.bfloat16, device=f"cuda:{device}")
+        b, out = torch.ones_like(a), torch.empty_like(a)
+
+        def step() -> None:
+            torch.matmul(a, b, out=out)
+    else:
+        src, dst = _buffers(device)
+
+        def step() -> None:
+            _copy(src, dst)
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(4):
-            _copy(src, dst)
+            step()
         stream.synchronize()
         started.set()  # type: ignore[attr-defined]
         while not stop.is_set():  # type: ignore[attr-defined]
             for _ in range(8):
-                _copy(src, dst)
+                step()
             stream.synchronize()
 
 
@@ -99,6 +119,21 @@ def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[flo
     return walls, gpu
 
 
+def _mps_on() -> bool:
+    """Whether an MPS control daemon answers where this process's CUDA clients would look for it."""
+    import shutil
+    import subprocess
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return False
+    try:
+        out = subprocess.run([control], input="get_server_list\n", capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "Cannot find MPS control daemon" not in out.stdout + out.stderr
+
+
 def _p(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -109,38 +144,51 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--idle-ms", type=float, default=1.0)
     ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    ap.add_argument(
+        "--load", choices=["copies", "matmuls"], help="only run this loop (for --load-s), no table"
+    )
+    ap.add_argument("--load-s", type=float, default=60.0)
     args = ap.parse_args()
     import torch
 
+    if args.load:
+        stop, started = threading.Event(), threading.Event()
+        threading.Timer(args.load_s, stop.set).start()
+        _busy(args.device, stop, started, args.load)
+        return 0
+
     torch.cuda.set_device(args.device)
     idle = args.idle_ms / 1000
+    # (row, how this process copies, what else runs: None, "thread" or "process", the other's work)
+    plan = [
+        ("alone", _copy, None, ""),
+        ("other stream", _copy, "thread", "copies"),
+        ("other process", _copy, "process", "copies"),
+        ("memcpy, other process", _memcpy, "process", "copies"),
+        ("memcpy, alone", _memcpy, None, ""),
+        ("other process, matmuls", _copy, "process", "matmuls"),
+    ]
     rows = []
-    for name, how in (
-        *((n, _copy) for n in ("alone", "other stream", "other process")),
-        ("memcpy, other process", _memcpy),
-        ("memcpy, alone", _memcpy),
-    ):
-        stop: object
-        if name.endswith("alone"):
-            walls, gpu = _measure(args.device, args.iters, idle, how)
-        elif name == "other stream":
+    for name, how, beside, work in plan:
+        stop: Any = None
+        other: Any = None
+        if beside == "thread":
             stop, started = threading.Event(), threading.Event()
-            t = threading.Thread(target=_busy, args=(args.device, stop, started), daemon=True)
-            t.start()
-            started.wait(60)
-            walls, gpu = _measure(args.device, args.iters, idle, how)
-            stop.set()
-            t.join()
-        else:
+            other = threading.Thread(target=_busy, args=(args.device, stop, started, work), daemon=True)
+        elif beside == "process":
             ctx = mp.get_context("spawn")
             stop, started = ctx.Event(), ctx.Event()
-            proc = ctx.Process(target=_busy, args=(args.device, stop, started), daemon=True)
-            proc.start()
+            other = ctx.Process(target=_busy, args=(args.device, stop, started, work), daemon=True)
+        if other is not None:
+            other.start()
             if not started.wait(120):
-                raise SystemExit("the other process did not start copying")
+                raise SystemExit(f"the other {beside} did not start")
+        try:
             walls, gpu = _measure(args.device, args.iters, idle, how)
-            stop.set()
-            proc.join(60)
+        finally:
+            if other is not None:
+                stop.set()
+                other.join(60)
         rows.append((name, walls, gpu))
     base = statistics.median(rows[0][1])
     lines = [
@@ -152,7 +200,9 @@ def main() -> int:
             f"| {name} | {statistics.median(walls):.3f} | {_p(walls, 0.9):.3f} | {statistics.median(gpu):.3f} | "
             f"{_p(gpu, 0.9):.3f} | {statistics.median(walls) / base:.2f}x |"
         )
+    mps = _mps_on()
     table = "\n".join(lines)
+    print(f"CUDA MPS: {'on' if mps else 'off'}")
     print(table)
     if args.write:
         cmd = " ".join(["python", "bench/gpu_share.py", *sys.argv[1:]])
@@ -161,7 +211,8 @@ def main() -> int:
             f"Date: {datetime.date.today().isoformat()}  \n\n"
             f"One 64 MiB copy (an SM kernel reading and writing 64 MiB) after {args.idle_ms:g} ms idle, "
             f"{args.iters} times, while nothing else, a thread of this process on another stream, or another "
-            f"process copies back to back on the same GPU.\n\n{table}\n"
+            f"process copies (or multiplies) back to back on the same GPU; CUDA MPS {'on' if mps else 'off'}."
+            f"\n\n{table}\n"
         )
         write_section(HERE.parent / "docs" / "benchmarks.md", TITLE, body)
     return 0
