@@ -14,8 +14,10 @@ CUDA events, 200 times (medians and p90):
                       or a sidecar beside an engine's forward passes)
   memcpy, ...         the same bytes by cudaMemcpyAsync (device to device) instead of an SM kernel, with
                       the other process's kernels running, and alone
-  other process, matmuls   another process runs bf16 matmuls back to back (8192 x 8192, ~1 ms each), as an
-                      engine's forward passes keep its GPU busy
+  other process, matmuls   another process runs bf16 matmuls back to back (8192 x 8192, ~1.5 ms each):
+                      a GPU an engine keeps busy without a gap
+  other process, decode steps   another process runs decode-step-shaped work: 64 short matmuls (256 x 4096
+                      by 4096 x 4096), a wait for their end, 0.5 ms of host time, again
 
 Under CUDA MPS (a control daemon started for the run: `nvidia-cuda-mps-control -d`) the processes'
 kernels may run side by side; the table says whether MPS was on (`CUDA_MPS_PIPE_DIRECTORY` set and its
@@ -78,6 +80,17 @@ def _busy(device: int, stop: object, started: object, work: str = "copies") -> N
 
         def step() -> None:
             torch.matmul(a, b, out=out)
+    elif work == "decode":
+        # A decode step's shape: 64 short matmuls (256 tokens through 4096 x 4096 weights, tens of us
+        # each), then the host waits for the step's end and schedules the next (0.5 ms).
+        x = torch.ones(256, 4096, dtype=torch.bfloat16, device=f"cuda:{device}")
+        w, y = torch.ones(4096, 4096, dtype=x.dtype, device=x.device), torch.empty_like(x)
+
+        def step() -> None:
+            for _ in range(64):
+                torch.matmul(x, w, out=y)
+            torch.cuda.current_stream().synchronize()
+            time.sleep(0.0005)
     else:
         src, dst = _buffers(device)
 
@@ -167,6 +180,7 @@ def main() -> int:
         ("memcpy, other process", _memcpy, "process", "copies"),
         ("memcpy, alone", _memcpy, None, ""),
         ("other process, matmuls", _copy, "process", "matmuls"),
+        ("other process, decode steps", _copy, "process", "decode"),
     ]
     rows = []
     for name, how, beside, work in plan:

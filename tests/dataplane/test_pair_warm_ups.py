@@ -24,24 +24,31 @@ from tests.gpu.kvcases import spec
 class _View:
     spec: EngineSpec
     rank: int
-    home: int  # the rank's own device
+    home: int  # the GPU whose context imported the rank at registration
     mapped_on: int
 
 
 @dataclass
 class _Rank:
-    """What _warm_pairs reads of a GpuRank: its spec, rank, device, and its view on a device."""
+    """What _warm_pairs reads of a GpuRank: its spec, rank, device, home, and its view on a device."""
 
     spec: EngineSpec
     rank: int
     device: int
+    home: int
 
     def view(self, device: int) -> _View:
-        return _View(self.spec, self.rank, self.device, device)
+        return _View(self.spec, self.rank, self.home, device)
 
 
-def _ranks(engine: str, spec: EngineSpec, devices: list[int]) -> list[tuple[RankKey, _Rank]]:
-    return [(RankKey(engine, r), _Rank(spec, r, devices[r])) for r in range(spec.tp_size)]
+def _ranks(
+    engine: str, spec: EngineSpec, devices: list[int], home: int | None = None
+) -> list[tuple[RankKey, _Rank]]:
+    """The engine's ranks on these devices, imported into their own (or, a worker's, into `home`)."""
+    return [
+        (RankKey(engine, r), _Rank(spec, r, devices[r], devices[r] if home is None else home))
+        for r in range(spec.tp_size)
+    ]
 
 
 @pytest.fixture
@@ -49,7 +56,7 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, str, int, Any
     calls: list[tuple[str, int, str, int, Any, int]] = []
 
     def record(src: _View, dst: _View, heads: Any, device: int) -> bool:
-        # Each view as its rank's own device maps it (no mapping into another context at registration).
+        # Each view as registration imported it (no mapping into another GPU's context here).
         assert src.mapped_on == src.home and dst.mapped_on == dst.home == device
         calls.append((src.spec.layout, src.rank, dst.spec.layout, dst.rank, heads, device))
         return True
@@ -81,7 +88,8 @@ def test_a_tp2_engine_beside_a_tp1_engine_warms_every_read_both_ways(asked: list
 
 def test_a_device_worker_warms_only_the_copies_into_its_device(asked: list[Any]) -> None:
     one, two = spec(), spec(block_size=32)
-    (pk, p), (dk, d) = _ranks("p", one, [0])[0], _ranks("d", two, [1])[0]
+    # In the worker of GPU 1 every rank was imported into GPU 1's context.
+    (pk, p), (dk, d) = _ranks("p", one, [0], home=1)[0], _ranks("d", two, [1], home=1)[0]
     ranks_mod._warm_pairs(dk, d, [(pk, p)], 1)  # type: ignore[arg-type]
     assert asked == [("flash_attn_nhd", 0, "flash_attn_nhd", 0, (0, 4), 1)]  # p -> d only, on device 1
     assert asked[0][5] == d.device

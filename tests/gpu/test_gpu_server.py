@@ -15,6 +15,7 @@ seeded reference and that no byte outside the requested blocks changed.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -155,6 +156,40 @@ def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, na
     before = _own_launches(worker_node)
     run_case(worker_node.socket, worker_node.socket, name, "gpu-direct")
     assert _own_launches(worker_node) == before, "the copies ran in the workers"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: a worker's own and another")
+def test_a_device_worker_holds_gpu_memory_on_its_own_gpu_only(worker_node: SidecarProcess) -> None:
+    """A device worker copies into its GPU only, so it imports every engine rank into that GPU's context
+    (memory/gpu_rank.GpuRank's `home`), not into each rank's own GPU's: a CUDA context on every GPU
+    with a rank would cost each worker GPU memory on all of them (nvidia-smi's processes)."""
+    index = {
+        uuid.strip(): int(i)
+        for i, uuid in (
+            line.split(",")
+            for line in subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()
+            if line
+        )
+    }
+    apps = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    on: dict[int, set[int]] = {}
+    for line in apps.splitlines():
+        pid, uuid = (f.strip() for f in line.split(","))
+        on.setdefault(int(pid), set()).add(index[uuid])
+    workers = worker_node.answering_workers()
+    assert len(workers) == 2, workers
+    for device, pid in workers:
+        assert on.get(pid) == {device}, (device, pid, on.get(pid))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="device_workers=auto needs 4 GPUs to act")

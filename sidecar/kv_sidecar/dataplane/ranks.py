@@ -116,7 +116,7 @@ class MappedRanks:
             spec, [(r.handle, r.offset, spec.rank_tensor_shapes()[i]) for i, r in enumerate(refs)]
         )
         try:
-            gpu = GpuRank(spec, key.rank, refs)
+            gpu = GpuRank(spec, key.rank, refs, home=self._copies_into)
         except CudaIpcError as e:
             raise SidecarError(
                 Code.FAILED_PRECONDITION, f"cannot map rank {key.rank}'s GPU memory: {e}"
@@ -204,7 +204,7 @@ def _warm_up(key: RankKey, rank: GpuRank) -> None:
 
     start = time.perf_counter()
     try:
-        compiled = warm_up(rank.view(rank.device))
+        compiled = warm_up(rank.view(rank.home))  # the GPU this process copies on for it
     except Exception:
         log.warning(
             "could not compile the GPU copy kernel for engine %r rank %d at registration; its first pull "
@@ -214,7 +214,7 @@ def _warm_up(key: RankKey, rank: GpuRank) -> None:
     if compiled:
         log.info(
             "compiled the GPU copy kernel for engine %r rank %d (cuda:%d) in %.2f s",
-            key.engine_id, key.rank, rank.device, time.perf_counter() - start,
+            key.engine_id, key.rank, rank.home, time.perf_counter() - start,
         )  # fmt: skip
 
 
@@ -278,7 +278,7 @@ def _warm_pairs(
                     continue
                 start = time.perf_counter()
                 try:
-                    src, dst = prefill.view(prefill.device), decode.view(decode.device)
+                    src, dst = prefill.view(prefill.home), decode.view(decode.home)
                     compiled = warm_copy(src, dst, read.heads, decode.device)
                 except Exception:  # unregistered meanwhile, or a failure the first pull will report
                     log.debug("could not compile the kernel of %s -> %s", pk, dk, exc_info=True)

@@ -1,7 +1,8 @@
 """One engine rank's KV tensors in GPU memory, mapped over CUDA IPC into whichever GPU copies.
 
 A rank is imported once into its own GPU's context at registration (a bad
-handle fails RegisterRank, not a later pull), and lazily into the context of
+handle fails RegisterRank, not a later pull; a device worker imports it into
+its own GPU's context instead), and lazily into the context of
 any other GPU that runs a copy reading or writing it: a same-node kernel runs
 on the destination GPU and reads the source over NVLink. Closing is deferred
 while a copy still uses the mappings, because unmapping memory a kernel is
@@ -26,8 +27,16 @@ from kv_sidecar_client.cuda_ipc import CudaIpcError
 
 class GpuRank:
     def __init__(
-        self, spec: EngineSpec, rank: int, refs: list[IpcTensorRef], registry: IpcRegistry | None = None
+        self,
+        spec: EngineSpec,
+        rank: int,
+        refs: list[IpcTensorRef],
+        registry: IpcRegistry | None = None,
+        home: int | None = None,
     ) -> None:
+        """home: the GPU whose context imports the rank at registration, its own unless given: a device
+        worker copies on its GPU only, and importing every rank into its own GPU's context would give
+        each worker a CUDA context on every GPU of the node."""
         uuids = {r.device_uuid for r in refs}
         if len(uuids) != 1:
             raise PlanError(f"rank {rank}: its KV tensors must all be on one GPU, got {sorted(uuids)}")
@@ -41,7 +50,8 @@ class GpuRank:
         self._views: dict[int, tuple[GpuRankView, list[ImportedTensor]]] = {}
         self._users = 0
         self._closed = False
-        self.view(self.device)
+        self.home = self.device if home is None else home
+        self.view(self.home)
 
     def view(self, device: int) -> GpuRankView:
         """This rank's tensors as addresses valid in `device`'s primary context."""
