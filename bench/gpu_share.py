@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--idle-ms", type=float, default=1.0)
     ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
     ap.add_argument(
-        "--load", choices=["copies", "matmuls"], help="only run this loop (for --load-s), no table"
+        "--load", choices=["copies", "matmuls", "decode"], help="only run this loop (for --load-s), no table"
     )
     ap.add_argument("--load-s", type=float, default=60.0)
     args = ap.parse_args()
