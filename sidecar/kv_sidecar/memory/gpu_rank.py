@@ -51,7 +51,15 @@ class GpuRank:
         self._users = 0
         self._closed = False
         self.home = self.device if home is None else home
-        self.view(self.home)
+        try:
+            self.view(self.home)
+        except CudaIpcError:
+            if self.home == self.device:
+                raise
+            # No peer access from `home` (GPUs without P2P): import it into its own GPU as before, so that
+            # a copy into `home` fails with the driver's reason rather than as a rank not mapped.
+            self.home = self.device
+            self.view(self.home)
 
     def view(self, device: int) -> GpuRankView:
         """This rank's tensors as addresses valid in `device`'s primary context."""
