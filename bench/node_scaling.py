@@ -768,7 +768,11 @@ def render(rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut
             "GPU pairs (prefill -> decode): " + ", ".join(f"GPU{p} -> GPU{d}" for p, d in places) + ".  \n"
         )
         if any(p == d for p, d in places):
-            places_text += "Both engines of a pair on one GPU: no link is crossed, GB/s is not a link's.  \n"
+            places_text += (
+                "Both engines of a pair on one GPU: no link is crossed, GB/s is not a link's; the two sidecars "
+                "(and device workers) take turns on the GPU by time slices, which staged rows pay "
+                "(bench/gpu_share.py).  \n"
+            )
     command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
     body = (
         (f"**Cut short: {len(rows)} rows, the run did not finish.**\n\n" if cut else "")
