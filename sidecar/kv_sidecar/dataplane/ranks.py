@@ -268,7 +268,10 @@ def _warm_pairs(
             if specs not in plans:
                 try:
                     plans[specs] = plan_pair(*specs)
-                except PlanError:
+                except PlanError:  # engines that cannot pair: their pulls say why
+                    plans[specs] = None
+                except Exception:  # a bug in planning: the pull plans again and reports it
+                    log.debug("could not plan %s -> %s", pk, dk, exc_info=True)
                     plans[specs] = None
             plan = plans[specs]
             if plan is None:
