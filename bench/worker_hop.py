@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from kv_sidecar.config import Settings
-from kv_sidecar.dataplane.jobs import LocalCopy, RankKey, RankRead, ShmTensor, Tokens
+from kv_sidecar.dataplane.jobs import LocalCopy, RankKey, RankRead, Tokens
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.dataplane.workers import HOST
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
+from kv_sidecar.server.engines import shm_tensors
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client.shm import ShmKVCache
 
@@ -35,13 +36,6 @@ from kv_sidecar_client.shm import ShmKVCache
 class _Go:
     def remaining(self) -> float:
         return 60.0
-
-
-def _shm(cache: ShmKVCache) -> list[ShmTensor]:
-    return [
-        ShmTensor(cache.name, off, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
-        for off, t in zip(cache.offsets, cache.tensors, strict=True)
-    ]
 
 
 def _wait_ready(plane: DataPlane, timeout_s: float = 60) -> None:
@@ -83,8 +77,8 @@ def main() -> int:
         ShmKVCache(spec.rank_tensor_shapes(), torch.bfloat16) as dst,
     ):
         for plane in planes.values():
-            plane.attach_host(src_key, spec, _shm(src))
-            plane.attach_host(dst_key, spec, _shm(dst))
+            plane.attach_host(src_key, spec, shm_tensors(src.handles()))
+            plane.attach_host(dst_key, spec, shm_tensors(dst.handles()))
         read = RankRead(dst_key, src_key, (0, spec.num_kv_heads))
         for n in [int(m) for m in args.members.split(",")]:
             jobs = [

@@ -23,7 +23,6 @@ from kv_sidecar.dataplane.jobs import (
     Send,
     SendMember,
     Sent,
-    ShmTensor,
     Tokens,
 )
 from kv_sidecar.dataplane.plane import DataPlane, copies_in_workers, member_pieces
@@ -33,6 +32,7 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import changed_outside, check_request, fill_request, logical_kv
+from kv_sidecar.server.engines import shm_tensors
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client.shm import ShmKVCache
 
@@ -64,13 +64,6 @@ class _Until:
         if left <= 0:
             raise SidecarError(Code.DEADLINE_EXCEEDED, "the test's job timed out")
         return left
-
-
-def _shm(cache: ShmKVCache) -> list[ShmTensor]:
-    return [
-        ShmTensor(cache.name, off, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
-        for off, t in zip(cache.offsets, cache.tensors, strict=True)
-    ]
 
 
 @pytest.fixture
@@ -110,8 +103,8 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
             t.view(torch.uint8).fill_(0xA5)
         before = [t.clone() for t in dst.tensors]
         src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
-        assert src_plane.attach_host(src_key, SRC, _shm(src)).kind == "DRAM"
-        dst_plane.attach_host(dst_key, DST, _shm(dst))
+        assert src_plane.attach_host(src_key, SRC, shm_tensors(src.handles())).kind == "DRAM"
+        dst_plane.attach_host(dst_key, DST, shm_tensors(dst.handles()))
 
         heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
         tid = sp.new_transfer_id()
@@ -172,8 +165,8 @@ def test_a_local_copy_and_its_refusals(planes: tuple[DataPlane, DataPlane]) -> N
         logical = logical_kv(SRC, num_tokens, seed=3)
         fill_request(SRC, 0, src.tensors, src_ids, logical)
         a, b = RankKey("p", 0), RankKey("d", 0)
-        plane.attach_host(a, SRC, _shm(src))
-        plane.attach_host(b, DST, _shm(dst))
+        plane.attach_host(a, SRC, shm_tensors(src.handles()))
+        plane.attach_host(b, DST, shm_tensors(dst.handles()))
         (read,) = plan.decode_ranks[0].reads
         job = LocalCopy(
             (RankRead(b, a, read.heads),),
@@ -196,7 +189,7 @@ def test_a_slot_too_small_for_one_block_is_refused_before_anything_is_taken(
     big = dataclasses.replace(DST, head_dim=1024)  # one block: 2 x 32 x 2 x 1024 x 2 bytes x 2 layers
     with ShmKVCache(big.rank_tensor_shapes(), torch.float16) as dst:
         key = RankKey("big", 0)
-        plane.attach_host(key, big, _shm(dst))
+        plane.attach_host(key, big, shm_tensors(dst.handles()))
         tokens = Tokens(np.asarray([0]), np.asarray([0]), 16, 0)
         with pytest.raises(SidecarError) as info:
             plane.receive(Receive(key, big, (0, 2), tokens, "plane-src", sp.new_transfer_id()), _Until(5))

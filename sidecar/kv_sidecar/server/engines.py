@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,6 +119,11 @@ class RankMemories(Protocol):
     def detach(self, key: RankKey) -> None: ...
 
 
+def shm_tensors(handles: Sequence[common_pb2.TensorHandle]) -> list[ShmTensor]:
+    """A host rank's tensors as its engine registers them (`TensorHandle.shm`), as the data plane maps them."""
+    return [ShmTensor(h.shm.name, h.shm.offset, tuple(h.shape), tuple(h.strides), h.dtype) for h in handles]
+
+
 class EngineRegistry:
     """Thread-safe map of (engine_id, rank) to RankEntry."""
 
@@ -204,10 +210,7 @@ class EngineRegistry:
     def _build_host(
         self, engine_id: str, rank: int, spec: EngineSpec, handles: list[common_pb2.TensorHandle]
     ) -> RankEntry:
-        tensors = [
-            ShmTensor(h.shm.name, h.shm.offset, tuple(h.shape), tuple(h.strides), h.dtype) for h in handles
-        ]
-        memory = self._memory.attach_host(RankKey(engine_id, rank), spec, tensors)
+        memory = self._memory.attach_host(RankKey(engine_id, rank), spec, shm_tensors(handles))
         return RankEntry(engine_id, rank, spec, chunk_geometry(spec), memory)
 
     def _build_gpu(
