@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, gpu_memory_by_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node_scaling
@@ -41,21 +40,11 @@ SPEC = dataclasses.replace(node_scaling.GPU_SPEC, num_blocks=64)
 
 def _gpu_memory(pids: set[int]) -> dict[str, int]:
     """MiB each GPU holds for these processes, by GPU index."""
-    uuids = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True
-    ).stdout
-    index = {u.strip(): i.strip() for i, u in (line.split(",") for line in uuids.splitlines() if line)}
-    apps = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-    ).stdout
     out: dict[str, int] = {}
-    for line in apps.splitlines():
-        pid, uuid, mib = (f.strip() for f in line.split(","))
-        if int(pid) in pids:
-            gpu = index.get(uuid, uuid)
-            out[gpu] = out.get(gpu, 0) + int(mib)
+    for pid, held in gpu_memory_by_process().items():
+        if pid in pids:
+            for gpu, mib in held.items():
+                out[gpu] = out.get(gpu, 0) + mib
     return out
 
 

@@ -15,7 +15,6 @@ seeded reference and that no byte outside the requested blocks changed.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ triton = pytest.importorskip("triton")
 
 from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 from kv_sidecar.refengine import scrape  # noqa: E402
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess  # noqa: E402
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, gpu_memory_by_process  # noqa: E402
 from kv_sidecar_client import params_from_json, params_to_json  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -163,33 +162,11 @@ def test_a_device_worker_holds_gpu_memory_on_its_own_gpu_only(worker_node: Sidec
     """A device worker copies into its GPU only, so it imports every engine rank into that GPU's context
     (memory/gpu_rank.GpuRank's `home`), not into each rank's own GPU's: a CUDA context on every GPU
     with a rank would cost each worker GPU memory on all of them (nvidia-smi's processes)."""
-    index = {
-        uuid.strip(): int(i)
-        for i, uuid in (
-            line.split(",")
-            for line in subprocess.run(
-                ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.splitlines()
-            if line
-        )
-    }
-    apps = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    on: dict[int, set[int]] = {}
-    for line in apps.splitlines():
-        pid, uuid = (f.strip() for f in line.split(","))
-        on.setdefault(int(pid), set()).add(index[uuid])
+    on = {pid: set(held) for pid, held in gpu_memory_by_process().items()}
     workers = worker_node.answering_workers()
     assert len(workers) == 2, workers
     for device, pid in workers:
-        assert on.get(pid) == {device}, (device, pid, on.get(pid))
+        assert on.get(pid) == {str(device)}, (device, pid, on.get(pid))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="device_workers=auto needs 4 GPUs to act")

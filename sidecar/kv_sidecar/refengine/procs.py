@@ -52,6 +52,30 @@ def cpu_ticks(pid: int, tid: int | None = None) -> int:
 P = TypeVar("P", bound="_Proc")
 
 
+def gpu_memory_by_process() -> dict[int, dict[str, int]]:
+    """MiB of GPU memory each process holds, by GPU, as `nvidia-smi` lists its compute processes (a
+    process with a CUDA context on a GPU is listed there): pid -> {GPU index (its UUID where nvidia-smi
+    names no index for it, e.g. a MIG instance): MiB}."""
+    smi = shutil.which("nvidia-smi") or "nvidia-smi"
+    gpus = subprocess.run(
+        [smi, "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True, check=True
+    ).stdout
+    index = {uuid.strip(): i.strip() for i, uuid in (line.split(",") for line in gpus.splitlines() if line)}
+    apps = subprocess.run(
+        [smi, "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    out: dict[int, dict[str, int]] = {}
+    for line in apps.splitlines():
+        pid, uuid, mib = (f.strip() for f in line.split(","))
+        held = out.setdefault(int(pid), {})
+        gpu = index.get(uuid, uuid)
+        held[gpu] = held.get(gpu, 0) + int(mib)
+    return out
+
+
 def together(*makers: Callable[[], P]) -> list[P]:
     """Start several processes at once and wait until every one is ready; their start-up is mostly
     imports on one core each, so two take about the time of one where there are two cores. If any
