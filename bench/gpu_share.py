@@ -132,7 +132,7 @@ def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[flo
     return walls, gpu
 
 
-def _mps_on() -> bool:
+def mps_on() -> bool:
     """Whether an MPS control daemon answers where this process's CUDA clients would look for it."""
     import shutil
     import subprocess
@@ -214,7 +214,7 @@ def main() -> int:
             f"| {name} | {statistics.median(walls):.3f} | {_p(walls, 0.9):.3f} | {statistics.median(gpu):.3f} | "
             f"{_p(gpu, 0.9):.3f} | {statistics.median(walls) / base:.2f}x |"
         )
-    mps = _mps_on()
+    mps = mps_on()
     table = "\n".join(lines)
     print(f"CUDA MPS: {'on' if mps else 'off'}")
     print(table)

@@ -31,6 +31,9 @@ while every other pull arrives exact; pulls, rates and latencies count the other
 column says how the bad ones failed and whether their blocks kept their bytes (a failed pull names its
 blocks unfilled and may have written them: host-nixl READs before the source's open answers,
 server/lease_view.py).
+--beside decode|matmuls keeps every decode GPU busy throughout with another process (bench/gpu_share.py
+--load: decode-step-shaped work, or matmuls back to back), a stand-in for the decode engine's own work,
+which the sidecars' copies take turns with on the GPU unless CUDA MPS is on (the section says which).
 --prefix-blocks K has the decode engine hold the first K blocks of each request already, as a prefix
 cache hit would, and pull only the rest (start_token); sizes and GB/s are then of what moved.
 
@@ -77,6 +80,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks,
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
 import latency
+from gpu_share import mps_on
 from report import gpus, write_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -84,6 +88,7 @@ TITLES = {
     "gpu": "Node scaling, GPU paths (bench/node_scaling.py)",
     "host": "Node scaling, host paths (bench/node_scaling.py)",
 }
+HERE = Path(__file__).resolve().parent
 HZ = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
 # A model-shaped rank: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks = 2 MiB a block. The
@@ -759,7 +764,46 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpus()}, Python {platform.python_version()}"
 
 
-def render(rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut: bool = False) -> str:
+def start_loads(work: str, devices: set[int]) -> list[subprocess.Popen[bytes]]:
+    """A process per decode GPU that keeps it busy as an engine would (`bench/gpu_share.py --load`), for
+    the whole run, its set-up included: the sidecars' copies take turns with it unless MPS is on."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "gpu_share.py"),
+                "--load",
+                work,
+                "--load-s",
+                "86400",
+                "--device",
+                str(d),
+            ]
+        )
+        for d in sorted(devices)
+    ]
+    time.sleep(5)  # their contexts up and their loops running before the first sidecar starts
+    if any(p.poll() is not None for p in procs):
+        raise SystemExit(f"a --beside {work} load exited at its start")
+    return procs
+
+
+def beside_text(work: str, places: list[tuple[int, int]]) -> str:
+    what = {
+        "decode": "decode-step-shaped work (64 short bf16 matmuls, a wait for their end, 0.5 ms of host time)",
+        "matmuls": "8192 x 8192 bf16 matmuls back to back",
+    }[work]
+    gpus_text = ", ".join(f"GPU{d}" for d in sorted({d for _, d in places}))
+    return (
+        f"Beside the pairs: on {gpus_text} another process runs {what} throughout "
+        f"(`bench/gpu_share.py --load {work}`), a stand-in for the decode engine's own work; CUDA MPS "
+        f"{'on' if mps_on() else 'off'}.  \n"
+    )
+
+
+def render(
+    rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut: bool = False, beside: str = ""
+) -> str:
     """The section: command, machine, date, the rows, and the ratios measured side by side."""
     rows = sorted(rows, key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.tree != "this tree"))
     places_text = ""
@@ -773,6 +817,8 @@ def render(rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut
                 "(and device workers) take turns on the GPU by time slices, which staged rows pay "
                 "(bench/gpu_share.py).  \n"
             )
+        if beside:
+            places_text += beside_text(beside, places)
     command = " ".join(["python", "bench/node_scaling.py", *sys.argv[1:]])
     body = (
         (f"**Cut short: {len(rows)} rows, the run did not finish.**\n\n" if cut else "")
@@ -903,6 +949,12 @@ def main() -> int:
         type=Path,
         help="write the section and the rows' JSON into DIR (not into docs/), after every row: a run cut short keeps its rows",
     )
+    ap.add_argument(
+        "--beside",
+        choices=["decode", "matmuls"],
+        help="GPU paths: another process keeps each decode GPU busy throughout (bench/gpu_share.py --load), "
+        "as its engine would; run it under CUDA MPS or not to compare",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--splice", type=Path, help="write this section file into docs/benchmarks.md and exit")
     args = ap.parse_args()
@@ -990,6 +1042,37 @@ def main() -> int:
         ]
     if places is not None and (free := gpu_free_bytes()):
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
+    if args.beside and places is None:
+        ap.error("--beside keeps GPUs busy: GPU paths only")
+    loads = start_loads(args.beside, {d for _, d in places}) if args.beside and places else []
+    try:
+        rows = run_rows(args, paths, trees, places, sizes, pair_counts, levels, pulls, kind)
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+    body = render(rows, kind, places, beside=args.beside or "")
+    print("\n" + body)
+    if args.out:
+        save(args.out, kind, rows, body)
+    elif not args.no_write:
+        write_section(DOCS, TITLES[kind], body)
+    return 0 if all(r.verified and r.consumed == r.pulls for r in rows) else 1
+
+
+def run_rows(
+    args: argparse.Namespace,
+    paths: list[str],
+    trees: list[tuple[str, dict[str, str] | None, list[str], int, bool, int]],
+    places: list[tuple[int, int]] | None,
+    sizes: list[int],
+    pair_counts: list[int],
+    levels: list[int],
+    pulls: int,
+    kind: str,
+) -> list[Row]:
+    """Every row: per path, each tree's sidecars warmed up, then sizes x pairs x pulls in flight, the trees'
+    order alternating from row to row."""
     rows: list[Row] = []
     turn = 0
     for path in paths:
@@ -1028,20 +1111,16 @@ def main() -> int:
                             rows.append(row)
                             print(table([row]).splitlines()[-1], flush=True)
                             if args.out:  # what is done so far survives a run cut short (a time limit)
-                                save(args.out, kind, rows, render(rows, kind, places, cut=True))
+                                save(
+                                    args.out, kind, rows, render(rows, kind, places, True, args.beside or "")
+                                )
                             print(f"  threads (CPU %): {row.threads}", flush=True)
                             if row.errors:
                                 print(f"  errors: {row.errors}", file=sys.stderr, flush=True)
         finally:
             for node in nodes:
                 node.close()
-    body = render(rows, kind, places)
-    print("\n" + body)
-    if args.out:
-        save(args.out, kind, rows, body)
-    elif not args.no_write:
-        write_section(DOCS, TITLES[kind], body)
-    return 0 if all(r.verified and r.consumed == r.pulls for r in rows) else 1
+    return rows
 
 
 if __name__ == "__main__":
