@@ -166,6 +166,13 @@ class Metrics:
             registry=r,
         )
         self.gpu_memory = Gauge("kvsidecar_gpu_memory_bytes", "GPU memory held by the sidecar", registry=r)
+        self.gpu_mps = Gauge(
+            "kvsidecar_gpu_mps",
+            "1 where the sidecar's CUDA contexts on the GPU are clients of CUDA MPS (its copies run beside the "
+            "engines' kernels), 0 where they take turns with them by time slices; per GPU the sidecar serves",
+            ["device"],
+            registry=r,
+        )
         self.ucx_emulation = Counter(
             "kvsidecar_ucx_emulation_detected",
             "Transfers UCX could not do natively while TCP emulation is disabled: failed VRAM WRITEs (source), "

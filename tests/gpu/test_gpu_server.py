@@ -477,6 +477,32 @@ def test_registration_compiles_the_kernels_of_heterogeneous_pairings_on_the_node
         assert node.stop() == 0, "\n".join(node.stderr_tail)
 
 
+def test_the_sidecar_says_whether_its_copies_on_a_gpu_run_under_mps() -> None:
+    """`kvsidecar_gpu_mps{device}`, set when a GPU's first rank registers: 1 where the sidecar's contexts
+    on it are CUDA MPS clients (its copies run beside the engines' kernels), 0 where they take turns
+    with them; and a log line once per GPU. The driver of this process, which reaches the same MPS
+    daemon if any, says which."""
+    from kv_sidecar.memory.cuda_ipc import mps_enabled
+
+    sc = SidecarProcess("gpu-mps", extra=[*SMALL_RINGS, "--device-workers", "false"])
+    try:
+        run_case(sc.socket, sc.socket, "homogeneous", "gpu-direct")
+        devices = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})
+        for device in devices:
+            want = mps_enabled(device)
+            if want is None:
+                pytest.skip("this driver does not say whether a GPU runs under MPS")
+            got = scrape.value(sc.metrics_port, "kvsidecar_gpu_mps", device=str(device))
+            assert got == int(want), (device, got, want)
+        assert scrape.present(sc.metrics_port, "kvsidecar_gpu_mps"), "set, not absent (0 reads as absent)"
+        said = [
+            line for line in sc.stderr_lines(400) if "the sidecar's copies" in line and "CUDA MPS" in line
+        ]
+        assert len(said) == len(devices), said
+    finally:
+        assert sc.stop() == 0, "\n".join(sc.stderr_tail)
+
+
 def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
     """A sample of the sidecar's /metrics, its labels as exposed (`{kind="x"}`): 0 when absent."""
     return scrape.value(sc.metrics_port, name, **scrape.labels(labels))

@@ -47,6 +47,7 @@ from kv_sidecar.dataplane.staged_workers import WorkerReception, WorkerTransmiss
 from kv_sidecar.dataplane.workers import CopyWorker, CopyWorkers
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu, gpu_launch_counts
+from kv_sidecar.memory.cuda_ipc import mps_enabled
 from kv_sidecar.metrics import Family, Metrics
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -179,6 +180,7 @@ class DataPlane:
         )
         self._lock = threading.Lock()
         self._devices: dict[int, DevicePlane] = {}
+        self._seen_gpus: set[int] = set()  # GPUs a rank was mapped on (their MPS state reported once)
         self._uploads: OrderedDict[tuple[str, str], tuple[tuple[int, ...], dict[int, Future[Any]]]] = (
             OrderedDict()
         )
@@ -232,12 +234,36 @@ class DataPlane:
     def _ready_device(self, device: int) -> None:
         """Allocate and register both rings of a GPU before any peer handshakes for its engines (the
         worker's, with staged_workers: its agent's first answer, asked at handshake)."""
+        with self._lock:
+            first = device not in self._seen_gpus
+            self._seen_gpus.add(device)
+        if first:
+            self._report_mps(device)
         if self.staged_workers:
             return
         plane = self.device(device)
         plane.ring("send")
         plane.ring("recv")
         self._metrics.gpu_memory.set(self.gpu_ring_bytes())
+
+    def _report_mps(self, device: int) -> None:
+        """Say once per GPU whether the sidecar's copies on it run beside the engines' kernels (CUDA MPS) or
+        take turns with them (docs/operations.md, "Pulls into a GPU its engine keeps busy")."""
+        try:
+            mps = mps_enabled(device)
+        except Exception:  # the rank mapped, so the driver is there; a failure here only loses the report
+            log.debug("could not ask the driver whether GPU %d runs under MPS", device, exc_info=True)
+            return
+        if mps is None:
+            return  # a driver older than the attribute
+        self._metrics.gpu_mps.labels(str(device)).set(int(mps))
+        log.info(
+            "GPU %d: the sidecar's copies %s",
+            device,
+            "run under CUDA MPS, beside the engines' kernels"
+            if mps
+            else "take turns with other processes' kernels on it (no CUDA MPS): a busy engine slows them",
+        )
 
     def gpu_ring_bytes(self) -> int:
         with self._lock:

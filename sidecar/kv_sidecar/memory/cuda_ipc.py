@@ -49,6 +49,22 @@ def visible_devices() -> dict[str, int]:
     return {device_uuid(i): i for i in range(count.value)}
 
 
+# cuDeviceGetAttribute: whether contexts created on the device are shared through CUDA MPS (CUDA 12.x on).
+CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133
+
+
+def mps_enabled(ordinal: int) -> bool | None:
+    """Whether this process's contexts on GPU `ordinal` are clients of a CUDA MPS server (their kernels
+    then run beside other clients' instead of taking turns by time slices); None where the driver does
+    not know the attribute."""
+    lib = cuda_driver()
+    lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    value = ctypes.c_int()
+    if lib.cuDeviceGetAttribute(ctypes.byref(value), CU_DEVICE_ATTRIBUTE_MPS_ENABLED, ordinal) != 0:
+        return None
+    return bool(value.value)
+
+
 def device_for_uuid(uuid: str) -> int:
     """Driver ordinal (== torch index in this process) of the GPU with this UUID."""
     devices = visible_devices()
