@@ -108,6 +108,7 @@ GAUGES = {
     "kvsidecar_inflight_transfers",
     "kvsidecar_published_requests",
     "kvsidecar_gpu_memory_bytes",
+    "kvsidecar_gpu_mps",
     "kvsidecar_nixl_held",
     "kvsidecar_nixl_release_failures",
     "kvsidecar_worker_nixl_held",
