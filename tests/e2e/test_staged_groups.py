@@ -172,6 +172,52 @@ def test_a_batch_of_reads_goes_as_one_transfer(
     no_transfer_in_flight(a, b)
 
 
+def test_a_batch_whose_transfer_ends_as_a_member_is_aborted_sends_the_others_again_as_one(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """A PullBatch's six reads from one source go as one transfer, and the source hangs (SIGSTOP) with it
+    in flight. Aborting one member's request ends that transfer (its halt is every member's): the aborted
+    member answers CANCELLED while the source still hangs, and the five others go again as one transfer
+    (StagedReader._lead's AGAIN), not one transfer each, which runs once the source does (and has
+    confirmed the end of the first, whose receive slots it takes); they arrive bit-exact."""
+    a, b = ring_pair
+    h = _a_hung_source_and_a_running_one(a, b, spawn, "sab", 396)
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
+    pulls = [
+        BatchPull(
+            params_from_json(prefilled(h.hung, f"ab{i}", src, FULL, seed=640 + i)),
+            [100 + 3 * i + k for k in range(3)],
+        )
+        for i, src in enumerate(sources)
+    ]
+    count, total = f"{READS}_count", f"{READS}_sum"
+    before = (metric(b.metrics_port, count), metric(b.metrics_port, total))
+    with frozen(h.far), SidecarClient(b.socket) as client:
+        members = client.pull_batch_async(h.decode.engine_id, pulls, timeout_s=60)
+        wait_for("the batch's transfer to start", lambda: metric(b.metrics_port, count) > before[0], 10)
+        time.sleep(0.3)  # its Push out, waiting for the hung source
+        assert metric(b.metrics_port, total) - before[1] == 6  # one transfer of all six
+        t0 = time.monotonic()
+        assert client.abort(h.decode.engine_id, "ab0")
+        wait_for("the aborted member to answer", members[0].done, 5)
+        took = time.monotonic() - t0
+        time.sleep(0.3)
+        # They wait for the source: their new transfer's receive slots are the old one's, which come back
+        # once the source confirms that nothing of it is in flight.
+        assert not any(m.done() for m in members[1:])
+    res = members[0].result()
+    assert res.error_code == "CANCELLED" and "aborted by the engine" in res.error, res
+    assert took < 3.5, took
+    for m in members[1:]:
+        assert m.result().ok, m.result()
+    # Two transfers: the six, then the five as one (one by one, it would be six transfers).
+    assert (metric(b.metrics_port, count) - before[0], metric(b.metrics_port, total) - before[1]) == (2, 11)
+    for src, pull in zip(sources[1:], pulls[1:], strict=True):
+        want = h.hung.send({"cmd": "digest", "block_ids": src})["digests"]
+        assert h.decode.send({"cmd": "digest", "block_ids": pull.block_ids})["digests"] == want
+    no_transfer_in_flight(a, b)
+
+
 def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:

@@ -175,10 +175,16 @@ class StagedRead:
 
 
 class _Alone:
-    """A read whose group failed, not for its own fault: it runs again by itself."""
+    """A read whose group failed, not for its own fault: it runs again, by itself (`ALONE`: what failed the
+    group is not known, and a bad read must not fail the others twice), or as one group with the others
+    that may go on (`AGAIN`: the group ended because other reads of it were stopped)."""
+
+    def __init__(self, together: bool) -> None:
+        self.together = together
 
 
-ALONE = _Alone()
+ALONE = _Alone(False)
+AGAIN = _Alone(True)
 
 
 class RefusedMember(SidecarError):
@@ -301,13 +307,16 @@ class StagedReader:
         if not self._groups_it(want):
             return self._transfer(want.remote, want.src_rank, [want])
         key = self._pair(want)
-        me: Waiter[StagedRead, int | _Alone] = Waiter(want)
-        self._groups.enqueue(key, [me])
         lead = functools.partial(self._lead, want.remote, want.src_rank)
-        outcome = self._groups.finish(key, me, lead, want.job.remaining)
-        if isinstance(outcome, _Alone):
-            return self._transfer(want.remote, want.src_rank, [want])
-        return outcome
+        while True:
+            me: Waiter[StagedRead, int | _Alone] = Waiter(want)
+            self._groups.enqueue(key, [me])
+            outcome = self._groups.finish(key, me, lead, want.job.remaining)
+            if not isinstance(outcome, _Alone):
+                return outcome
+            if not outcome.together:
+                return self._transfer(want.remote, want.src_rank, [want])
+            # AGAIN: queued anew, it goes with those of its group that come back while a transfer runs.
 
     def read_all(
         self,
@@ -341,26 +350,32 @@ class StagedReader:
         def finish(key: Hashable, waiters: list[tuple[int, Waiter[StagedRead, int | _Alone]]]) -> None:
             # Queued by the thread that finishes them: a queued read's thread is always running, so a
             # group never waits for a lead that waits for a pool thread.
-            self._groups.enqueue(key, [w for _, w in waiters])
-            ended: list[tuple[int, int | BaseException]] = []
-            for i, waiter in waiters:  # in queue order: a group this thread leads starts with its first
-                if ended and not waiter.settled:  # this thread leads or waits next: what ended goes on first
-                    made(ended)
-                    ended = []
-                want = wants[i]
-                lead = functools.partial(self._lead, want.remote, want.src_rank)
-                try:
-                    outcome = self._groups.finish(key, waiter, lead, want.job.remaining)
-                except Exception as e:
-                    ended.append((i, e))
-                    continue
-                if isinstance(outcome, _Alone):
-                    run = functools.partial(self._transfer, want.remote, want.src_rank, [want])
-                    tasks.append(pool.submit(alone, i, run))
-                else:
-                    ended.append((i, outcome))
-            if ended:
-                made(ended)
+            while waiters:
+                self._groups.enqueue(key, [w for _, w in waiters])
+                ended: list[tuple[int, int | BaseException]] = []
+                again: list[int] = []
+                for i, waiter in waiters:  # in queue order: a group this thread leads starts with its first
+                    if ended and not waiter.settled:  # it leads or waits next: what ended goes on first
+                        made(ended)
+                        ended = []
+                    want = wants[i]
+                    lead = functools.partial(self._lead, want.remote, want.src_rank)
+                    try:
+                        outcome = self._groups.finish(key, waiter, lead, want.job.remaining)
+                    except Exception as e:
+                        ended.append((i, e))
+                        continue
+                    if outcome is AGAIN:
+                        again.append(i)
+                    elif isinstance(outcome, _Alone):
+                        run = functools.partial(self._transfer, want.remote, want.src_rank, [want])
+                        tasks.append(pool.submit(alone, i, run))
+                    else:
+                        ended.append((i, outcome))
+                if ended:
+                    made(ended)  # the stopped reads of a group that goes again answer before it runs
+                # Those whose group ended because others of it were stopped: queued again, as one group.
+                waiters = [(i, Waiter(wants[i])) for i in again]
 
         groups = list(pairs.items())
         finishers = [pool.submit(finish, key, waiters) for key, waiters in groups[1:]]
@@ -401,6 +416,17 @@ class StagedReader:
                 )
                 return self._again(remote, src_rank, reads, e.refused, regroups - 1)
             out: list[int | _Alone | BaseException] = [_stopped(r) or ALONE for r in reads]
+            going = sum(o is ALONE for o in out)
+            if 2 <= going < len(reads):
+                # Reads of it were stopped (aborted, past their deadline), which ends the transfer (the
+                # group's halt is theirs too): the others go again as one transfer, not one each, and the
+                # stopped ones answer now, not after it. Each time, at least one read fewer.
+                log.info(
+                    "a staged transfer of %d reads ended as %d of them were stopped (%s); the %d others go "
+                    "again as one",
+                    len(reads), len(reads) - going, e, going,
+                )  # fmt: skip
+                return [AGAIN if o is ALONE else o for o in out]
             log.info("a staged transfer of %d reads failed (%s); they go again one by one", len(reads), e)
             return out
         # Each read's share of the bytes, by the tokens it moved (its padding included).
