@@ -218,6 +218,64 @@ def test_a_batch_whose_transfer_ends_as_a_member_is_aborted_sends_the_others_aga
     no_transfer_in_flight(a, b)
 
 
+def test_separate_pulls_whose_group_ends_as_one_is_aborted_go_again_together(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
+) -> None:
+    """Separate Pull calls (StagedReader.read), the source hung (SIGSTOP): two run as transfers of their
+    own and four wait, since two transfers of a pair run at once. Aborting the first of the two lets the
+    four start as one group, which waits for receive slots (the two hold them until the source confirms
+    that nothing is in flight). Aborting one of the four ends that group, and the three others re-enter
+    the pair's queue (AGAIN): the first goes at once beside the one still running, the other two wait and
+    go as one: two transfers where one each made three. All arrive bit-exact once the source runs."""
+    a, b = ring_pair
+    h = _a_hung_source_and_a_running_one(a, b, spawn, "sag", 395)
+    ids = [f"ag{i}" for i in range(6)]
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
+    pulls = [
+        BatchPull(
+            params_from_json(prefilled(h.hung, request_id, src, FULL, seed=660 + i)),
+            [100 + 3 * i + k for k in range(3)],
+        )
+        for i, (request_id, src) in enumerate(zip(ids, sources, strict=True))
+    ]
+    count, total = f"{READS}_count", f"{READS}_sum"
+    before = (metric(b.metrics_port, count), metric(b.metrics_port, total))
+    started = lambda n: lambda: metric(b.metrics_port, count) >= before[0] + n  # noqa: E731
+    with frozen(h.far), SidecarClient(b.socket) as client:
+        running = [
+            client.pull_async(p.params, h.decode.engine_id, p.block_ids, timeout_s=60) for p in pulls[:2]
+        ]
+        wait_for("two transfers to start", started(2), 10)
+        waiting = [
+            client.pull_async(p.params, h.decode.engine_id, p.block_ids, timeout_s=60) for p in pulls[2:]
+        ]
+        wait_for("four more to wait", lambda: all(pulls_in_flight(b.socket, r) for r in ids[2:]), 10)
+        time.sleep(0.3)
+        assert client.abort(h.decode.engine_id, ids[0])
+        # Its transfer ended at once and handed the pair's turn to the four; its answer waits for its
+        # CloseRead to the hung source to give up.
+        wait_for("the first aborted pull to answer", running[0].done, 5)
+        time.sleep(0.3)
+        assert metric(b.metrics_port, count) == before[0] + 2  # the four wait for receive slots
+        assert client.abort(h.decode.engine_id, ids[2])
+        wait_for("the aborted one of the four to answer", waiting[0].done, 5)
+        time.sleep(0.3)
+        assert not any(r.done() for r in [running[1], *waiting[1:]])  # they wait for the source
+    results = [r.result() for r in [*running, *waiting]]
+    for i in (0, 2):
+        assert results[i].error_code == "CANCELLED" and "aborted by the engine" in results[i].error, results[
+            i
+        ]
+    for i in (1, 3, 4, 5):
+        assert results[i].ok, results[i]
+    # The two, then the three again in two transfers (one each would make three; the four never started).
+    assert (metric(b.metrics_port, count) - before[0], metric(b.metrics_port, total) - before[1]) == (4, 5)
+    for i in (1, 3, 4, 5):
+        want = h.hung.send({"cmd": "digest", "block_ids": sources[i]})["digests"]
+        assert h.decode.send({"cmd": "digest", "block_ids": pulls[i].block_ids})["digests"] == want
+    no_transfer_in_flight(a, b)
+
+
 def test_a_batch_member_that_must_ask_a_hung_source_first_holds_up_no_other(
     ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn
 ) -> None:
