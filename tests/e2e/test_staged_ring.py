@@ -66,7 +66,10 @@ def rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
             )
             if busy == (0, 0):
                 break
-            assert time.monotonic() < deadline, f"{sc.name}: staging in use / transfers open: {busy}"
+            # Its log goes along: a slot held with nothing open was seen once in a full run (issue 32).
+            assert time.monotonic() < deadline, (
+                f"{sc.name}: staging in use / transfers open: {busy}\n" + "\n".join(sc.stderr_lines(80))
+            )
             time.sleep(0.05)
 
 
