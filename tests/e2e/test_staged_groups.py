@@ -262,10 +262,8 @@ def test_separate_pulls_whose_group_ends_as_one_is_aborted_go_again_together(
         time.sleep(0.3)
         assert not any(r.done() for r in [running[1], *waiting[1:]])  # they wait for the source
     results = [r.result() for r in [*running, *waiting]]
-    for i in (0, 2):
-        assert results[i].error_code == "CANCELLED" and "aborted by the engine" in results[i].error, results[
-            i
-        ]
+    for stopped in (results[0], results[2]):
+        assert stopped.error_code == "CANCELLED" and "aborted by the engine" in stopped.error, stopped
     for i in (1, 3, 4, 5):
         assert results[i].ok, results[i]
     # The two, then the three again in two transfers (one each would make three; the four never started).
