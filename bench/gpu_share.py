@@ -20,8 +20,8 @@ CUDA events, 200 times (medians and p90):
                       by 4096 x 4096), a wait for their end, 0.5 ms of host time, again
 
 Under CUDA MPS (a control daemon started for the run: `nvidia-cuda-mps-control -d`) the processes'
-kernels may run side by side; the table says whether MPS was on (`CUDA_MPS_PIPE_DIRECTORY` set and its
-daemon answering).
+kernels may run side by side; the table says whether MPS was on, as the driver answers for this process's
+contexts (the sidecar's `kvsidecar_gpu_mps` asks the same).
 
     python bench/gpu_share.py                       # prints the table
     python bench/gpu_share.py --write               # and writes its section of docs/benchmarks.md
@@ -132,19 +132,13 @@ def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[flo
     return walls, gpu
 
 
-def mps_on() -> bool:
-    """Whether an MPS control daemon answers where this process's CUDA clients would look for it."""
-    import shutil
-    import subprocess
+def mps_state(device: int) -> str:
+    """ "on" or "off": whether this process's contexts on `device` are CUDA MPS clients, by the driver's
+    answer that the sidecar reports too (`memory/cuda_ipc.mps_enabled`); "unknown" where it gives none."""
+    from kv_sidecar.memory.cuda_ipc import mps_enabled
 
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        return False
-    try:
-        out = subprocess.run([control], input="get_server_list\n", capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "Cannot find MPS control daemon" not in out.stdout + out.stderr
+    mps = mps_enabled(device)
+    return "unknown" if mps is None else "on" if mps else "off"
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -214,9 +208,9 @@ def main() -> int:
             f"| {name} | {statistics.median(walls):.3f} | {_p(walls, 0.9):.3f} | {statistics.median(gpu):.3f} | "
             f"{_p(gpu, 0.9):.3f} | {statistics.median(walls) / base:.2f}x |"
         )
-    mps = mps_on()
+    mps = mps_state(args.device)
     table = "\n".join(lines)
-    print(f"CUDA MPS: {'on' if mps else 'off'}")
+    print(f"CUDA MPS: {mps}")
     print(table)
     if args.write:
         cmd = " ".join(["python", "bench/gpu_share.py", *sys.argv[1:]])
@@ -225,7 +219,7 @@ def main() -> int:
             f"Date: {datetime.date.today().isoformat()}  \n\n"
             f"One 64 MiB copy (an SM kernel reading and writing 64 MiB) after {args.idle_ms:g} ms idle, "
             f"{args.iters} times, while nothing else, a thread of this process on another stream, or another "
-            f"process copies (or multiplies) back to back on the same GPU; CUDA MPS {'on' if mps else 'off'}."
+            f"process copies (or multiplies) back to back on the same GPU; CUDA MPS {mps}."
             f"\n\n{table}\n"
         )
         write_section(HERE.parent / "docs" / "benchmarks.md", TITLE, body)

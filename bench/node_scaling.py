@@ -80,7 +80,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks,
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
 import latency
-from gpu_share import mps_on
+from gpu_share import mps_state
 from report import gpus, write_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -793,11 +793,12 @@ def beside_text(work: str, places: list[tuple[int, int]]) -> str:
         "decode": "decode-step-shaped work (64 short bf16 matmuls, a wait for their end, 0.5 ms of host time)",
         "matmuls": "8192 x 8192 bf16 matmuls back to back",
     }[work]
-    gpus_text = ", ".join(f"GPU{d}" for d in sorted({d for _, d in places}))
+    devices = sorted({d for _, d in places})
+    gpus_text = ", ".join(f"GPU{d}" for d in devices)
     return (
         f"Beside the pairs: on {gpus_text} another process runs {what} throughout "
         f"(`bench/gpu_share.py --load {work}`), a stand-in for the decode engine's own work; CUDA MPS "
-        f"{'on' if mps_on() else 'off'}.  \n"
+        f"{mps_state(devices[0])}.  \n"
     )
 
 
