@@ -36,6 +36,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 # Prefill on one GPU, decode on another; a one-GPU machine runs both on it (every path but NVLink P2P).
 GPU_A, GPU_B = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+GPUS = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})  # the ordinals of the two, once each
 
 # Small rings: 2 slots of 64 KiB per role, so a request moves in several chunks and reuses slots.
 SMALL_RINGS = ["--gpu-staging-bytes", str(256 << 10), "--gpu-staging-slots", "2"]
@@ -134,10 +135,9 @@ def worker_node() -> Iterator[SidecarProcess]:
     # A GPU's worker starts at the first copy into it (which runs in the sidecar): copy into both GPUs'
     # ranks once, and wait for their workers to answer.
     run_case(s.socket, s.socket, "tp1_to_tp2", "gpu-direct")
-    gpus = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})
     deadline = time.monotonic() + 120
-    while answering_workers(s) != gpus:
-        assert time.monotonic() < deadline, f"workers answering: {answering_workers(s)}, want {gpus}"
+    while answering_workers(s) != GPUS:
+        assert time.monotonic() < deadline, f"workers answering: {answering_workers(s)}, want {GPUS}"
         time.sleep(0.1)
     yield s
     assert s.stop() == 0, "\n".join(s.stderr_tail)
@@ -487,8 +487,7 @@ def test_the_sidecar_says_whether_its_copies_on_a_gpu_run_under_mps() -> None:
     sc = SidecarProcess("gpu-mps", extra=[*SMALL_RINGS, "--device-workers", "false"])
     try:
         run_case(sc.socket, sc.socket, "homogeneous", "gpu-direct")
-        devices = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})
-        for device in devices:
+        for device in GPUS:
             want = mps_enabled(device)
             if want is None:
                 pytest.skip("this driver does not say whether a GPU runs under MPS")
@@ -498,7 +497,7 @@ def test_the_sidecar_says_whether_its_copies_on_a_gpu_run_under_mps() -> None:
         said = [
             line for line in sc.stderr_lines(400) if "the sidecar's copies" in line and "CUDA MPS" in line
         ]
-        assert len(said) == len(devices), said
+        assert len(said) == len(GPUS), said
     finally:
         assert sc.stop() == 0, "\n".join(sc.stderr_tail)
 
