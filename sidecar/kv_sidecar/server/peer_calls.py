@@ -43,6 +43,11 @@ class PeerCallError(Exception):
         return peer_error(self.code, self.details, peer, what, caller_deadline=caller_deadline)
 
 
+class PeerUnreachable(SidecarError):
+    """A call that reached no answer from the peer (down, restarting, the connection reset or timed out):
+    the peer's state, not the request's, so every other call to it now would fail the same way."""
+
+
 def peer_error(
     code: Code, details: str, peer: str, what: str, *, caller_deadline: bool = False
 ) -> SidecarError:
@@ -61,7 +66,7 @@ def peer_error(
             f"the certificates: {details}",
         )
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-        return SidecarError(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
+        return PeerUnreachable(Code.UNAVAILABLE, f"peer sidecar {peer} is not reachable ({what}): {details}")
     return SidecarError(code, f"peer sidecar {peer} refused {what}: {details}")
 
 

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_sidecar.dataplane import staged_protocol as sp
@@ -32,7 +32,7 @@ from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.server.engines import RankEntry, spec_to_proto
 from kv_sidecar.server.group_commit import GroupCommit, Waiter
-from kv_sidecar.server.peer_calls import PeerCallError, peer_error
+from kv_sidecar.server.peer_calls import PeerCallError, PeerUnreachable, peer_error
 from kv_sidecar.server.peers import PeerLink, Peers, RemoteEngine
 from kv_sidecar.server.pull_job import PullJob, require_gpu
 from kv_sidecar.server.push_runs import KEY_BYTES
@@ -172,6 +172,7 @@ class StagedRead:
     entry: RankEntry
     src_rank: int
     open_msg: peer_pb2.OpenReadRequest | None = None
+    since: float = field(default_factory=time.monotonic)  # when it was asked for (_UntilLost)
 
 
 class _Alone:
@@ -194,6 +195,29 @@ class RefusedMember(SidecarError):
     def __init__(self, e: SidecarError, refused: dict[int, SidecarError]) -> None:
         super().__init__(e.code, e.message, e.metadata)
         self.refused = refused
+
+
+class _SourceLost(PeerUnreachable):
+    """A transfer that did not start: its source was found out of reach while its reads waited."""
+
+
+class _UntilLost:
+    """A transfer's halt while it waits for receive slots, which also ends it (with what that Push got)
+    once its source's address has been found out of reach (another transfer's Push to it failed so)
+    since its oldest read was asked for. A source that dies keeps its share of the ring until its
+    quarantine passes (SlotPool), and reads of it that waited for those slots, bound to fail, waited
+    that long too."""
+
+    def __init__(
+        self, halt: Halt, lost: dict[str, tuple[float, SidecarError]], address: str, since: float
+    ) -> None:
+        self._halt, self._lost, self._address, self._since = halt, lost, address, since
+
+    def remaining(self) -> float:
+        seen = self._lost.get(self._address)
+        if seen is not None and seen[0] > self._since:
+            raise _SourceLost(seen[1].code, seen[1].message, seen[1].metadata)
+        return self._halt.remaining()
 
 
 class _Halts:
@@ -268,6 +292,9 @@ class StagedReader:
         # Pushes sent as notifications whose transfer runs, by transfer id: a failure notice finds its
         # call there (source_failed). Set and popped by one key each: the GIL keeps the dict whole.
         self._notified: dict[str, tuple[str, _PushCall]] = {}
+        # Source addresses a Push found out of reach, since when and what it got (_UntilLost); gone
+        # again once a transfer from there completes.
+        self._lost: dict[str, tuple[float, SidecarError]] = {}
 
     def source_failed(self, agent: str, msg: bytes) -> None:
         """A source's failure notice (NIXL thread): the transfer its Push notification started failed;
@@ -416,6 +443,14 @@ class StagedReader:
                 )
                 return self._again(remote, src_rank, reads, e.refused, regroups - 1)
             out: list[int | _Alone | BaseException] = [_stopped(r) or ALONE for r in reads]
+            if isinstance(e, PeerUnreachable):
+                # The source is out of reach (its sidecar gone, the connection reset). Sent again one by
+                # one, each read would meet the same, and each transfer that the source cannot confirm
+                # ended keeps its receive slots out of the ring for a while (dataplane/receive.py), so
+                # the reads waited for each other's slots, 10 s a round. Each fails now with it; its pull
+                # handshakes again and retries once, as a lone pull does (Puller._pull_remote_fresh).
+                log.info("a staged transfer of %d reads failed (%s); they fail with it", len(reads), e)
+                return [SidecarError(e.code, e.message, e.metadata) if o is ALONE else o for o in out]
             going = sum(o is ALONE for o in out)
             if 2 <= going < len(reads):
                 # Reads of it were stopped (aborted, past their deadline), which ends the transfer (the
@@ -497,9 +532,11 @@ class StagedReader:
         )
         if from_worker and not in_worker:
             self._nixl.load_remote(sender, sender_md)  # our own agent sends it credits
+        waiting = _UntilLost(halt, self._lost, address, min(r.since for r in reads))
+        waiting.remaining()  # found out of reach while these waited: not even the slots
         rx = self._plane.receive(
             Receive(entry.key, job.plan.decode, heads, tokens, sender, tid, sender_md if in_worker else b""),
-            halt,
+            waiting,
             in_worker,
         )
         if rx is None:
@@ -561,11 +598,14 @@ class StagedReader:
             rx.prepare()  # while the source gathers its first chunk
             nbytes = _receive(halt, rx, push, address, label)
             done = True
+            self._lost.pop(address, None)
             link.staged_read_completed()
             if push.notified:
                 link.notified_push_done(time.monotonic() - push.sent_at)
             return nbytes
         except SidecarError as e:
+            if isinstance(e, PeerUnreachable) and not isinstance(e, _SourceLost):
+                self._lost[address] = (time.monotonic(), e)
             if push is None:
                 raise
             pushed = push  # narrowed, for the description asked only if the error needs it
