@@ -77,7 +77,8 @@ NOTES = (
     "contiguous ids merge into few descriptors, fragmented ones do not). Concurrent rows: C threads, "
     "each pulling its own 32 blocks per round after one warm-up pull; aggregate = bytes of the timed "
     "rounds over their wall time. Staged rings: the sidecars' gpu_staging_bytes / gpu_staging_slots "
-    "(default 512 MiB per GPU: 4 slots of 64 MiB per ring) unless the command says otherwise."
+    "(default 640 MiB per GPU: 5 slots of 64 MiB per ring, at most 4 to one peer; until 2026-11-29 512 MiB, "
+    "4 slots) unless the command says otherwise."
 )
 
 

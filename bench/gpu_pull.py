@@ -59,7 +59,8 @@ NOTES = (
     "a staged row's target is 51 % of the ceiling (57 % with 2 GiB rings: issue 11's 200 and 225 GB/s "
     "on 2x H200), and at least the fragmented in-engine NIXL anchor of the same segment size (a "
     "conversion row is held to the homogeneous anchor, since NIXL cannot convert). Staged rings: default "
-    "gpu_staging_bytes 512 MiB (4 slots of 64 MiB per ring) unless marked 2 GiB (slots as the row says).",
+    "gpu_staging_bytes 640 MiB (5 slots of 64 MiB per ring, at most 4 to one peer; until 2026-11-29 512 MiB, "
+    "4 slots) unless marked 2 GiB (slots as the row says).",
 )
 
 

@@ -21,8 +21,9 @@ class Settings:
     metrics_port: int = 9464
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
-    gpu_staging_bytes: int = 512 << 20
-    gpu_staging_slots: int = 4
+    gpu_staging_bytes: int = 640 << 20
+    gpu_staging_slots: int = 5
+    gpu_staging_reserve: int = 1
     host_transfer: str = "read"
     host_read_merge: bool = False
     device_workers: str = "false"
@@ -63,6 +64,9 @@ class Settings:
         "(half a send ring, half a receive ring; allocated when the first GPU rank registers)",
         "gpu_staging_slots": "slots per staging ring, shared by every transfer on that GPU; a slot holds one "
         "chunk (gather, wire and scatter overlap across slots), so slot size = gpu_staging_bytes / 2 / slots",
+        "gpu_staging_reserve": "slots of each staging ring that no one peer sidecar may hold: they stay free for "
+        "the others, so that a peer that hangs or dies holding slots (until the pull's deadline, or 10 s "
+        "after it was lost) does not stop every other peer's transfers; 0 lets one peer take the whole ring",
         "host_transfer": "host-memory pulls from another sidecar: read (NIXL READs into the engine or into "
         "host staging, converted here) or ring (the GPU staged protocol through host rings sized like the GPU "
         "ones; what CI uses to run it without GPUs)",
@@ -142,6 +146,7 @@ class Settings:
         "nixl_quiet_poll_ms": 1,
         "open_answer_wait_us": 0,
         "leader_wait_ms": 0,
+        "gpu_staging_reserve": 0,
     }
 
     CHOICES = {

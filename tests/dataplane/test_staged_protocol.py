@@ -185,6 +185,73 @@ def test_pool_gives_slots_back_when_the_peer_settles_at_once_if_confirmed_else_a
     assert pool.free == 4 and pool.quarantined == 0
 
 
+def test_one_peer_holds_at_most_all_but_the_reserve_and_the_rest_goes_to_others() -> None:
+    """A peer that hangs or dies keeps what it was given until its transfers end or their quarantine
+    passes: with a reserve it cannot take the whole ring, and a waiter of it holds up no other peer's."""
+    pool = sp.SlotPool(4, reserve=1)
+    assert pool.per_peer == 3
+    hung = pool.acquire(4, forever, "hung")
+    assert len(hung) == 3 and pool.free == 1  # one left for the others
+    more: list[list[int]] = []
+    t = threading.Thread(target=lambda: more.append(pool.acquire(2, forever, "hung")))
+    t.start()  # its share is taken: it waits, though a slot is free
+    while pool.waiting < 1:
+        time.sleep(0.001)
+    other = pool.acquire(4, forever, "live")  # not behind the hung peer's waiter
+    assert len(other) == 1 and pool.held_by("live") == 1 and pool.held_by("hung") == 3
+    pool.release(other)
+    time.sleep(0.1)
+    assert not more  # the free slot is not the hung peer's to take
+    pool.release_later(hung[:1], 0.2)  # quarantined slots still count as its own
+    time.sleep(0.05)
+    assert not more and pool.held_by("hung") == 3
+    t.join(5)  # ... until they come back: then its waiter gets one
+    assert len(more) == 1 and len(more[0]) == 1 and pool.held_by("hung") == 3
+    pool.release(hung[1:])
+    pool.release(more[0])
+    assert pool.free == 4 and pool.held_by("hung") == 0 and pool.waiting == 0
+
+
+def test_a_pool_without_a_reserve_or_of_one_slot_lets_one_peer_take_all() -> None:
+    assert len(sp.SlotPool(4).acquire(4, forever, "p")) == 4
+    assert len(sp.SlotPool(4, reserve=0).acquire(4, forever, "p")) == 4
+    assert len(sp.SlotPool(1, reserve=1).acquire(1, forever, "p")) == 1  # at least one, or none could go
+    assert sp.SlotPool(4, reserve=9).per_peer == 1
+
+
+def test_waiters_of_peers_with_room_go_in_order_past_those_of_peers_at_their_share() -> None:
+    pool = sp.SlotPool(3, reserve=1)
+    a = pool.acquire(2, forever, "a")  # a's share
+    b = pool.acquire(1, forever, "b")  # the ring is full
+    order: list[str] = []
+    got: dict[str, list[int]] = {}
+
+    def take(name: str, peer: str) -> None:
+        got[name] = pool.acquire(1, forever, peer)
+        order.append(name)
+
+    threads = []
+    for name, peer in (("a1", "a"), ("b1", "b"), ("c1", "c")):
+        threads.append(threading.Thread(target=take, args=(name, peer)))
+        threads[-1].start()
+        while pool.waiting < len(threads):
+            time.sleep(0.001)
+    pool.release(b)  # a1 is first but at its share: b1 goes, then c1 once b1's slot comes back
+    while len(order) < 1:
+        time.sleep(0.001)
+    assert order == ["b1"]
+    pool.release(got["b1"])
+    while len(order) < 2:
+        time.sleep(0.001)
+    assert order == ["b1", "c1"]
+    pool.release(a[:1])
+    for t in threads:
+        t.join(5)
+    assert order == ["b1", "c1", "a1"]
+    pool.release(a[1:] + got["a1"] + got["c1"])
+    assert pool.free == 3 and pool.waiting == 0
+
+
 def test_pool_shared_by_many_threads_never_hands_out_a_slot_twice() -> None:
     pool = sp.SlotPool(5)
     owners: dict[int, int] = {}

@@ -6,6 +6,9 @@ put it, each request is "consumed" once, and a request its source refuses fails 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -115,6 +118,17 @@ def _a_hung_source_and_a_running_one(
         for i, src in enumerate(sources)
     ]
     return _HungSource(far, prefill, decode, hung, fine, sources)
+
+
+@contextlib.contextmanager
+def _killed_at_the_end(sidecar: SidecarProcess) -> Iterator[None]:
+    """The sidecar killed (SIGKILL) by the end of the block, however it ends: a stopped one would hold
+    up the test's teardown."""
+    try:
+        yield
+    finally:
+        sidecar.proc.kill()
+        sidecar.proc.wait(5)
 
 
 def _fine_members_exact(h: _HungSource) -> None:
@@ -495,4 +509,77 @@ def test_a_batch_member_whose_source_hangs_holds_up_no_other(
     _fine_members_exact(h)
     # Not `far`: a source thawed after its reader gave up keeps that served read until its release is
     # retried or it goes stale (a lone pull's too; noted on issue 32).
+    no_transfer_in_flight(a, b)
+
+
+@pytest.mark.parametrize("as_batch", [True, False], ids=["batch", "calls"])
+def test_a_source_that_dies_mid_transfer_fails_its_reads_together_and_leaves_room_for_the_others(
+    ring_pair: tuple[SidecarProcess, SidecarProcess], spawn: Spawn, as_batch: bool
+) -> None:
+    """Six reads from one source (a PullBatch's members, or separate Pull calls), enough to want every
+    receive slot of the decode sidecar's ring, and that source's sidecar stops (SIGSTOP) and dies
+    (SIGKILL) with them in flight:
+    - three reads from a live source, sent after them, arrive bit-exact while it hangs: no one peer holds
+      more than all but `gpu_staging_reserve` slots of a ring (SlotPool), so a hung peer cannot hold
+      the whole ring until its pulls' deadline (30 s here);
+    - once it dies, a group's transfer that fails so fails its reads together (StagedReader._lead,
+      PeerUnreachable) and each pull's own retry finds the peer gone: all six fail within seconds,
+      each naming the peer and its unfilled blocks. Sent again one by one, each waited for the receive
+      slots of the one before, which wait out a lost source's quarantine: 10 s a round;
+    - no other block changes, and the decode sidecar pulls on from the live source."""
+    a, _ = ring_pair
+    b = spawn(SidecarProcess(f"groups-die-d{int(as_batch)}", extra=RING, env=ENV))  # its ring its own
+    h = _a_hung_source_and_a_running_one(a, b, spawn, f"sdie{int(as_batch)}", 394)
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
+    doomed = [
+        BatchPull(
+            params_from_json(prefilled(h.hung, f"die{i}", src, FULL, seed=680 + i)),
+            [100 + 3 * i + k for k in range(3)],
+        )
+        for i, src in enumerate(sources)
+    ]
+    timeout_s = 30
+    untouched = [60, 61, 62, 99, 118]  # around the members' blocks: no pull names them
+    kept = h.decode.send({"cmd": "digest", "block_ids": untouched})["digests"]
+    with SidecarClient(b.socket) as client, _killed_at_the_end(h.far):
+        os.kill(h.far.proc.pid, signal.SIGSTOP)
+        if as_batch:
+            members = client.pull_batch_async(h.decode.engine_id, [*doomed, *h.fine], timeout_s=timeout_s)
+        else:
+            members = [
+                client.pull_async(p.params, h.decode.engine_id, p.block_ids, timeout_s=timeout_s)
+                for p in doomed
+            ]
+            wait_for(
+                "the doomed pulls to start",
+                lambda: all(pulls_in_flight(b.socket, f"die{i}") for i in range(6)),
+                10,
+            )
+            time.sleep(0.3)  # their transfers' slots taken, their Pushes out
+            members += [
+                client.pull_async(p.params, h.decode.engine_id, p.block_ids, timeout_s=timeout_s)
+                for p in h.fine
+            ]
+        wait_for("the live source's reads to answer", lambda: all(m.done() for m in members[6:]), 10)
+        assert not any(m.done() for m in members[:6])
+        t0 = time.monotonic()
+        h.far.proc.kill()
+        h.far.proc.wait(5)
+        wait_for("the doomed reads to end", lambda: all(m.done() for m in members[:6]), timeout_s)
+        took = time.monotonic() - t0
+    for m in members[6:]:
+        assert m.result().ok, m.result()
+    for m, pull in zip(members[:6], doomed, strict=True):
+        res = m.result()
+        assert res.error_code == "UNAVAILABLE", res
+        assert h.far.peer_address in res.error, res
+        assert res.unfilled_blocks == pull.block_ids, res
+    assert took < 5, took
+    _fine_members_exact(h)
+    assert h.decode.send({"cmd": "digest", "block_ids": untouched})["digests"] == kept
+    again = prefilled(h.prefill, f"sdie{int(as_batch)}-after", [20, 21, 22], TOKENS, seed=690)
+    res = h.decode.send(
+        {"cmd": "pull", "params": again, "block_ids": [70, 71, 72], "seed": 690}, timeout_s=60
+    )
+    assert res["ok"] and res["verified"], res
     no_transfer_in_flight(a, b)

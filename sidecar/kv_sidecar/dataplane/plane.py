@@ -111,7 +111,13 @@ class DevicePlane:
             if ring is None:
                 s = self._settings
                 ring = new_ring(
-                    self.device, role, s.gpu_staging_bytes, s.gpu_staging_slots, self._nixl, self._metrics
+                    self.device,
+                    role,
+                    s.gpu_staging_bytes,
+                    s.gpu_staging_slots,
+                    self._nixl,
+                    self._metrics,
+                    s.gpu_staging_reserve,
                 )
                 self._rings[role] = ring
             return ring

@@ -119,7 +119,9 @@ class Reception:
         self.nbytes = 0
         t = job.tokens
         try:
-            self._slots = ring.pool.acquire(-(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining)
+            self._slots = ring.pool.acquire(
+                -(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining, job.source_agent
+            )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a receive slot: {ring.pool.describe()}") from None
         per_block = self._per_block

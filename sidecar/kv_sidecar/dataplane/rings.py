@@ -9,7 +9,8 @@ descriptor) into a slot of the reader's receive ring, which scatters from there
 Each GPU has two rings, send and receive, each split into equal slots (`gpu_staging_bytes` / 2 /
 `gpu_staging_slots` bytes). Every transfer on that GPU takes the slots it needs from the ring's
 `SlotPool` and gives them back one by one as its last chunks need fewer, so concurrent transfers
-share a ring. Separate send and receive rings mean two sidecars pulling from each other cannot
+share a ring; no one peer's transfers hold more than all but `gpu_staging_reserve` slots of a ring,
+so a peer that hangs or dies with slots in hand leaves the others some. Separate send and receive rings mean two sidecars pulling from each other cannot
 deadlock: a transfer holds receive slots on one sidecar and send slots on the other, never waits
 for the same pool twice, and slots only wait on local scatters and on the wire.
 
@@ -66,10 +67,17 @@ def slot_bytes_for(total_bytes: int, slots: int) -> int:
 
 
 def new_ring(
-    device: int, role: str, total_bytes: int, slots: int, nixl: NixlDriver, metrics: Metrics
+    device: int,
+    role: str,
+    total_bytes: int,
+    slots: int,
+    nixl: NixlDriver,
+    metrics: Metrics,
+    reserve: int = 0,
 ) -> Ring:
     """Allocate and register one ring of `device` ("send" or "recv": only a receive ring's metadata
-    goes to peers). `total_bytes` is both rings' share: each ring gets half."""
+    goes to peers). `total_bytes` is both rings' share: each ring gets half. `reserve`: slots no one
+    peer may hold (SlotPool)."""
     slots = max(1, slots)
     slot_bytes = slot_bytes_for(total_bytes, slots)
     if slot_bytes <= 0:
@@ -79,7 +87,7 @@ def new_ring(
     mem = "DRAM" if device == HOST else "VRAM"
     key = nixl.register([(buf.data_ptr(), buf.numel(), max(device, 0))], mem_type=mem)
     in_use = metrics.staging_in_use
-    pool = SlotPool(slots, on_change=lambda n, b=slot_bytes: in_use.inc(n * b))
+    pool = SlotPool(slots, on_change=lambda n, b=slot_bytes: in_use.inc(n * b), reserve=reserve)
     ring = Ring(device, buf, slots, slot_bytes, pool, key)
     if role == "recv":
         ring.metadata = nixl.partial_metadata(key)

@@ -179,7 +179,9 @@ class Transmission:
             return Sent(0, 0)
         self._nixl.load_remote(job.reader_agent, job.reader_metadata)
         try:
-            send_slots = ring.pool.acquire(min(len(chunks), len(job.reader_slots) + 1), halt.remaining)
+            send_slots = ring.pool.acquire(
+                min(len(chunks), len(job.reader_slots) + 1), halt.remaining, job.reader_agent
+            )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a send slot: {ring.pool.describe()}") from None
         state = sp.SendState(chunks, send_slots, list(range(len(job.reader_slots))))

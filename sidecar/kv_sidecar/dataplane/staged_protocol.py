@@ -161,15 +161,27 @@ class SlotPool:
     Only the first waiter is woken, and only when it may proceed: with many
     pulls queued on a GPU, waking them all at every release made each take
     the GIL in turn beside the running pulls.
+
+    One peer's transfers hold at most `per_peer` slots together, quarantined
+    ones included (`reserve` fewer than the ring has): slots given to a peer
+    stay its own until it ends the transfer or, if it cannot say, until
+    QUARANTINE_S has passed, so a peer that hangs or dies could otherwise hold
+    the whole ring and stop every other peer's transfers for that long. A
+    waiter whose peer holds its share waits for its own peer's slots and
+    holds up no one behind it.
     """
 
-    def __init__(self, slots: int, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(self, slots: int, on_change: Callable[[int], None] | None = None, reserve: int = 0) -> None:
         if slots < 1:
             raise ValueError("a ring has at least one slot")
         self.slots = slots
+        self.per_peer = max(1, slots - max(0, reserve))
         self._free: deque[int] = deque(range(slots))
         self._lock = threading.Lock()
-        self._waiting: deque[threading.Condition] = deque()  # one per waiter, on `_lock`, in arrival order
+        # One Condition per waiter, on `_lock`, with its peer, in arrival order.
+        self._waiting: deque[tuple[threading.Condition, str]] = deque()
+        self._owner: dict[int, str] = {}  # slot -> the peer it was given to, until it is free again
+        self._held: dict[str, int] = {}  # peer -> slots given to it (quarantined ones too)
         self._on_change = on_change  # called with +n / -n slots in use (metrics)
         self.quarantined = 0  # slots waiting out a delayed release (a transfer that did not confirm its end)
 
@@ -183,6 +195,10 @@ class SlotPool:
         with self._lock:
             return len(self._waiting)
 
+    def held_by(self, peer: str) -> int:
+        with self._lock:
+            return self._held.get(peer, 0)
+
     def describe(self) -> str:
         with self._lock:
             free, waiting = len(self._free), len(self._waiting)
@@ -190,37 +206,55 @@ class SlotPool:
             f"{free} of {self.slots} slots free, {self.quarantined} quarantined, {waiting} transfers waiting"
         )
 
-    def _wake_first(self) -> None:
-        """With `_lock` held: the first waiter looks again if a slot is free for it."""
-        if self._waiting and self._free:
-            self._waiting[0].notify()
+    def _may(self, peer: str) -> bool:
+        """With `_lock` held: whether a transfer of `peer` may take a slot now."""
+        return bool(self._free) and self._held.get(peer, 0) < self.per_peer
 
-    def acquire(self, want: int, remaining: Callable[[], float]) -> list[int]:
-        """Between 1 and `want` slots, in arrival order. `remaining()` returns the seconds left
-        to wait, or raises (deadline, cancellation): that exception propagates."""
+    def _next(self) -> threading.Condition | None:
+        """With `_lock` held: the first waiter that may take a slot now, if any."""
+        for cond, peer in self._waiting:
+            if self._may(peer):
+                return cond
+        return None
+
+    def _wake_first(self) -> None:
+        """With `_lock` held: the first waiter that may proceed looks again."""
+        cond = self._next()
+        if cond is not None:
+            cond.notify()
+
+    def acquire(self, want: int, remaining: Callable[[], float], peer: str = "") -> list[int]:
+        """Between 1 and `want` slots for a transfer of `peer`, in arrival order. `remaining()` returns
+        the seconds left to wait, or raises (deadline, cancellation): that exception propagates."""
         want = max(1, min(want, self.slots))
         with self._lock:
             # Making a Condition cost each pull ~20 us of CPU (bench/slot_pool.py): only one that queues does.
-            if self._waiting or not self._free:
-                self._wait_turn(remaining)
-            got = [self._free.popleft() for _ in range(min(want, len(self._free)))]
+            if not self._may(peer) or self._next() is not None:
+                self._wait_turn(peer, remaining)
+            held = self._held.get(peer, 0)
+            got = [self._free.popleft() for _ in range(min(want, len(self._free), self.per_peer - held))]
+            self._held[peer] = held + len(got)
+            for s in got:
+                self._owner[s] = peer
             self._wake_first()  # slots left over: the next waiter's turn
         if self._on_change is not None:
             self._on_change(len(got))
         return got
 
-    def _wait_turn(self, remaining: Callable[[], float]) -> None:
-        """With `_lock` held: queue until a slot is free and every earlier waiter has been served."""
+    def _wait_turn(self, peer: str, remaining: Callable[[], float]) -> None:
+        """With `_lock` held: queue until a slot is free for `peer` and every earlier waiter that may
+        take one has been served."""
         me = threading.Condition(self._lock)
-        self._waiting.append(me)
+        entry = (me, peer)
+        self._waiting.append(entry)
         try:
-            while not (self._free and self._waiting[0] is me):
+            while self._next() is not me:
                 me.wait(max(0.0, min(remaining(), 0.05)))
         except BaseException:
-            self._waiting.remove(me)
-            self._wake_first()  # it gave up: if it was first, the next one's turn
+            self._waiting.remove(entry)
+            self._wake_first()  # it gave up: if it was next, the next one's turn
             raise
-        self._waiting.popleft()  # `me`, first in line
+        self._waiting.remove(entry)
 
     def release(self, slots: Iterable[int]) -> None:
         slots = list(slots)
@@ -231,6 +265,12 @@ class SlotPool:
                 if not 0 <= s < self.slots or s in self._free:
                     raise ValueError(f"slot {s} released twice or never acquired")
                 self._free.append(s)
+                peer = self._owner.pop(s, "")
+                left = self._held.get(peer, 0) - 1
+                if left > 0:
+                    self._held[peer] = left
+                else:
+                    self._held.pop(peer, None)
             self._wake_first()
         if self._on_change is not None:
             self._on_change(-len(slots))
