@@ -99,6 +99,22 @@ class _HungSource(NamedTuple):
 FULL = 3 * SPEC.block_size  # whole blocks: their digests compare
 
 
+def _whole_block_pulls(
+    source: EngineProcess, ids: list[str], seed: int, first_dst: int
+) -> tuple[list[list[int]], list[BatchPull]]:
+    """Requests `ids` of three whole blocks each published on `source` (blocks 3i..3i+2) and their pulls
+    into three blocks each from `first_dst` on: each request's source blocks and its pull."""
+    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(ids))]
+    pulls = [
+        BatchPull(
+            params_from_json(prefilled(source, request_id, src, FULL, seed=seed + i)),
+            [first_dst + 3 * i + k for k in range(3)],
+        )
+        for i, (request_id, src) in enumerate(zip(ids, sources, strict=True))
+    ]
+    return sources, pulls
+
+
 def _a_hung_source_and_a_running_one(
     a: SidecarProcess, b: SidecarProcess, spawn: Spawn, name: str, seed: int
 ) -> _HungSource:
@@ -109,14 +125,7 @@ def _a_hung_source_and_a_running_one(
     hung = spawn(EngineProcess(far.socket, f"{name}-far", SPEC, env=ENV))
     warm = prefilled(hung, f"{name}-far-warm", [30, 31, 32], TOKENS, seed=seed)
     assert decode.send({"cmd": "pull", "params": warm, "block_ids": [93, 94, 95], "seed": seed})["verified"]
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
-    fine = [
-        BatchPull(
-            params_from_json(prefilled(prefill, f"{name}-fine{i}", src, FULL, seed=seed + 20 + i)),
-            [43 + 3 * i + k for k in range(3)],
-        )
-        for i, src in enumerate(sources)
-    ]
+    sources, fine = _whole_block_pulls(prefill, [f"{name}-fine{i}" for i in range(3)], seed + 20, 43)
     return _HungSource(far, prefill, decode, hung, fine, sources)
 
 
@@ -196,14 +205,7 @@ def test_a_batch_whose_transfer_ends_as_a_member_is_aborted_sends_the_others_aga
     confirmed the end of the first, whose receive slots it takes); they arrive bit-exact."""
     a, b = ring_pair
     h = _a_hung_source_and_a_running_one(a, b, spawn, "sab", 396)
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
-    pulls = [
-        BatchPull(
-            params_from_json(prefilled(h.hung, f"ab{i}", src, FULL, seed=640 + i)),
-            [100 + 3 * i + k for k in range(3)],
-        )
-        for i, src in enumerate(sources)
-    ]
+    sources, pulls = _whole_block_pulls(h.hung, [f"ab{i}" for i in range(6)], 640, 100)
     count, total = f"{READS}_count", f"{READS}_sum"
     before = (metric(b.metrics_port, count), metric(b.metrics_port, total))
     with frozen(h.far), SidecarClient(b.socket) as client:
@@ -244,14 +246,7 @@ def test_separate_pulls_whose_group_ends_as_one_is_aborted_go_again_together(
     a, b = ring_pair
     h = _a_hung_source_and_a_running_one(a, b, spawn, "sag", 395)
     ids = [f"ag{i}" for i in range(6)]
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
-    pulls = [
-        BatchPull(
-            params_from_json(prefilled(h.hung, request_id, src, FULL, seed=660 + i)),
-            [100 + 3 * i + k for k in range(3)],
-        )
-        for i, (request_id, src) in enumerate(zip(ids, sources, strict=True))
-    ]
+    sources, pulls = _whole_block_pulls(h.hung, ids, 660, 100)
     count, total = f"{READS}_count", f"{READS}_sum"
     before = (metric(b.metrics_port, count), metric(b.metrics_port, total))
     started = lambda n: lambda: metric(b.metrics_port, count) >= before[0] + n  # noqa: E731
@@ -530,14 +525,7 @@ def test_a_source_that_dies_mid_transfer_fails_its_reads_together_and_leaves_roo
     a, _ = ring_pair
     b = spawn(SidecarProcess(f"groups-die-d{int(as_batch)}", extra=RING, env=ENV))  # its ring its own
     h = _a_hung_source_and_a_running_one(a, b, spawn, f"sdie{int(as_batch)}", 394)
-    sources = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
-    doomed = [
-        BatchPull(
-            params_from_json(prefilled(h.hung, f"die{i}", src, FULL, seed=680 + i)),
-            [100 + 3 * i + k for k in range(3)],
-        )
-        for i, src in enumerate(sources)
-    ]
+    _, doomed = _whole_block_pulls(h.hung, [f"die{i}" for i in range(6)], 680, 100)
     timeout_s = 30
     untouched = [60, 61, 62, 99, 118]  # around the members' blocks: no pull names them
     kept = h.decode.send({"cmd": "digest", "block_ids": untouched})["digests"]
