@@ -579,9 +579,8 @@ LONG_DST = EngineSpec.from_dict(spec_dict(num_blocks=1000, layout="flash_attn_hn
 ONE_BLOCK_RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 8192), "--gpu-staging-slots", "1"]
 
 
-def _start_long_pull(
-    prefill: EngineProcess, decode: EngineProcess, timeout_s: float, request_id: str = "long", seed: int = 4
-) -> list[int]:
+def _publish_long(prefill: EngineProcess, request_id: str, seed: int) -> dict[str, Any]:
+    """A request of LONG whole blocks published on `prefill`: its params."""
     pub = prefill.send(
         {
             "cmd": "prefill",
@@ -592,11 +591,24 @@ def _start_long_pull(
         }
     )
     assert pub["ok"], pub
-    dst = list(range(999, 999 - LONG, -1))
-    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed, "timeout_s": timeout_s}
+    return pub["params"]
+
+
+def _start_pull(
+    decode: EngineProcess, params: dict[str, Any], dst: list[int], seed: int, timeout_s: float
+) -> None:
+    """A pull sent to `decode` without waiting for its answer (read it with `decode.readline`)."""
+    cmd = {"cmd": "pull", "params": params, "block_ids": dst, "seed": seed, "timeout_s": timeout_s}
     assert decode.proc.stdin is not None
     decode.proc.stdin.write(json.dumps(cmd) + "\n")
     decode.proc.stdin.flush()
+
+
+def _start_long_pull(
+    prefill: EngineProcess, decode: EngineProcess, timeout_s: float, request_id: str = "long", seed: int = 4
+) -> list[int]:
+    dst = list(range(999, 999 - LONG, -1))
+    _start_pull(decode, _publish_long(prefill, request_id, seed), dst, seed, timeout_s)
     return dst
 
 
@@ -928,3 +940,40 @@ def _merged(base: peer_pb2.PushRequest, *more: peer_pb2.PushRequest, **fields: A
     for part in (base, *more, peer_pb2.PushRequest(**fields)):
         out.MergeFrom(part)
     return out
+
+
+def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_another_reader(
+    spawn: Spawn,
+) -> None:
+    """The decode sidecar dies (SIGKILL) with a long pull's chunks in flight. The source stays up; the
+    slots it gave that reader wait out their quarantine, which holds up no other reader (a peer's share
+    of the ring, gpu_staging_reserve); and the request, still held under its lease, is pulled whole and
+    bit-exact by another decode sidecar, as a router retrying the request on another decode instance
+    would, while the quarantine still runs."""
+    rings = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 3 * 8192), "--gpu-staging-slots", "3"]
+    a, b, c = spawn.together(
+        lambda: SidecarProcess("ring-rdie-p", extra=rings, env=ENV),
+        lambda: SidecarProcess("ring-rdie-d", extra=rings, env=ENV),
+        lambda: SidecarProcess("ring-rdie-d2", extra=rings, env=ENV),
+    )
+    prefill, decode, decode2 = spawn.together(
+        lambda: EngineProcess(a.socket, "rdie-p", LONG_SRC),
+        lambda: EngineProcess(b.socket, "rdie-d", LONG_DST),
+        lambda: EngineProcess(c.socket, "rdie-d2", LONG_DST),
+    )
+    _warm_up(prefill, decode)
+    params = _publish_long(prefill, "long", 9)
+    _start_pull(decode, params, list(range(LONG)), 9, 30)
+    _wait_moving(b)
+    b.proc.kill()
+    b.proc.wait(5)
+    t0 = time.monotonic()
+    dst = list(range(999, 999 - LONG, -1))
+    res = decode2.send(
+        {"cmd": "pull", "params": params, "block_ids": dst, "seed": 9, "timeout_s": 30}, timeout_s=60
+    )
+    took = time.monotonic() - t0
+    assert res["ok"] and res["verified"] and res["path"] == "host-ring", res
+    assert took < 8, took  # not after the dead reader's quarantine (10 s)
+    assert a.alive
+    _next_pull_works(prefill, decode2)

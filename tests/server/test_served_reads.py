@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.published import PublishedStore
@@ -129,3 +130,72 @@ def test_the_same_open_twice_counts_its_bytes_once() -> None:
     tracker.begin_serve("p", "r", "d", "peer", [1], 50, "host-nixl")
     (t,) = tracker.inflight()
     assert (t.bytes, t.pending) == (150, {0, 1})
+
+
+def _wired() -> tuple[PublishedStore, TransferTracker, list[int]]:
+    tracker, consumed = TransferTracker(), []
+    store = PublishedStore(
+        lambda _e, rank, _item: consumed.append(rank),
+        lambda _item: None,
+        on_ended=tracker.end_serves,
+        on_taken_over=tracker.serve_failed,
+    )
+    return store, tracker, consumed
+
+
+def test_another_reader_takes_a_request_over_only_once_its_reader_failed() -> None:
+    """One reader per request, so that no engine reads blocks another's "consumed" freed: a second
+    engine is refused while the first reads, and takes the request over once the first's read failed
+    here (its transfer failed: its sidecar died; or it said so), its served read ending as failed. The
+    first's late done notification then changes nothing, and "consumed" follows the new reader."""
+    store, tracker, consumed = _wired()
+    plan = plan_pair(_spec(1), _spec(1))
+    store.publish("p", "r", [3, 4], 20, 30.0)
+    item = store.open_read("p", "r", "d1", plan, [0], 30.0)
+    begin_serve(store, tracker, item, "d1", "peer", [0], 0, "host-ring")
+    with pytest.raises(SidecarError) as info:
+        store.open_read("p", "r", "d2", plan, [0], 30.0)
+    assert (
+        info.value.code is Code.FAILED_PRECONDITION
+        and "already being read by engine 'd1'" in info.value.message
+    )
+    store.read_failed("p", "r", "d2")  # not its reader: nothing changes
+    with pytest.raises(SidecarError):
+        store.open_read("p", "r", "d2", plan, [0], 30.0)
+    store.read_failed("p", "r", "d1")
+    item = store.open_read("p", "r", "d2", plan, [0], 30.0)
+    assert item.reader == "d2" and item.pending == {0: {0}}
+    assert [t.remote_engine for t in tracker.inflight()] == []  # d1's served read ended, failed
+    begin_serve(store, tracker, item, "d2", "peer", [0], 0, "host-ring")
+    with pytest.raises(SidecarError):  # d1, come back, does not take it back: d2 reads
+        store.open_read("p", "r", "d1", plan, [0], 30.0)
+    store.mark_done("p", "r", "d1", 0, [0])  # a stale done of d1
+    assert consumed == [] and len(store) == 1
+    store.mark_done("p", "r", "d2", 0, [0])
+    assert consumed == [0] and len(store) == 0
+
+
+def test_a_reader_that_failed_may_open_again_and_then_holds_the_request() -> None:
+    store, _, _ = _wired()
+    plan = plan_pair(_spec(1), _spec(1))
+    store.publish("p", "r", [3, 4], 20, 30.0)
+    store.open_read("p", "r", "d1", plan, [0], 30.0)
+    store.read_failed("p", "r", "d1")
+    store.open_read("p", "r", "d1", plan, [0], 30.0)  # its retry
+    with pytest.raises(SidecarError):
+        store.open_read("p", "r", "d2", plan, [0], 30.0)
+
+
+def test_no_takeover_once_a_consumed_event_fired() -> None:
+    """A reader of two ranks: one done fired "consumed" for its prefill rank (whose blocks the engine may
+    free), the other failed. Another engine reading now would read freed blocks: it is refused."""
+    store, _, consumed = _wired()
+    plan = plan_pair(_spec(2), _spec(2))
+    store.publish("p", "r", [3, 4], 20, 30.0)
+    store.open_read("p", "r", "d1", plan, [0, 1], 30.0)
+    store.mark_done("p", "r", "d1", 0, [0])
+    assert consumed == [0]
+    store.read_failed("p", "r", "d1")
+    with pytest.raises(SidecarError) as info:
+        store.open_read("p", "r", "d2", plan, [0, 1], 30.0)
+    assert "already being read by engine 'd1'" in info.value.message

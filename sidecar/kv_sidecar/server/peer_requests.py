@@ -151,6 +151,7 @@ class PeerRequests:
             self._transfers.serve_failed(
                 request.engine_id, request.request_id, request.reader_engine_id, request.reader_ranks
             )
+            self._published.read_failed(request.engine_id, request.request_id, request.reader_engine_id)
             log.warning(
                 "reader %s failed to read request %s of engine %s",
                 request.reader_engine_id,

@@ -35,6 +35,11 @@ class Published:
     lease_s: float
     deadline: float  # time.monotonic()
     reader: str | None = None  # decode engine id reading it
+    # The reader's read failed here with none of it left running (its transfer failed, or it said so):
+    # another engine may take the request over, as a router that retries it on another decode
+    # instance does once that reader's sidecar died (`open_read`).
+    reader_failed: bool = False
+    consumed_any: bool = False  # a prefill rank's "consumed" fired: its blocks may be gone
     # Prefill ranks this sidecar tracks; None: all of them. An engine spread over
     # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
     ranks: list[int] | None = None
@@ -82,10 +87,12 @@ class PublishedStore:
         clock: Callable[[], float] = time.monotonic,
         on_ended: Callable[[str, str, str], None] | None = None,
         on_dropped: Callable[[str, str], None] | None = None,
+        on_taken_over: Callable[[str, str, str], None] | None = None,
     ) -> None:
         """on_ended(engine_id, request_id, why): a request ended otherwise than consumed; on_dropped:
-        a request's record is gone, however it ended (both called under this store's lock: they must
-        not call back into the store)."""
+        a request's record is gone, however it ended; on_taken_over(engine_id, request_id, reader):
+        another engine took the request over from `reader`, whose read had failed (all called under
+        this store's lock: they must not call back into the store)."""
         self._lock = threading.Lock()
         self._items: dict[tuple[str, str], Published] = {}
         self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -93,6 +100,7 @@ class PublishedStore:
         self._on_expired = on_expired
         self._on_ended = on_ended
         self._on_dropped = on_dropped
+        self._on_taken_over = on_taken_over
         self._clock = clock
 
     def __len__(self) -> int:
@@ -182,23 +190,45 @@ class PublishedStore:
         ranks: list[int],
         min_hold_s: float,
     ) -> Published:
-        """Start (part of) a read: fix the reader, and hold the lease while it runs."""
+        """Start (part of) a read: fix the reader, and hold the lease while it runs. Another engine
+        takes a request over from a reader whose read failed here (`read_failed`) before any of its
+        "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
+        its router retries it on, not lost until its lease runs out."""
         with self._lock:
             item = self.get_live(engine_id, request_id)
+            taken_from = None
+            if item.reader is not None and item.reader != reader:
+                if not (item.reader_failed and not item.consumed_any):
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"request {request_id!r} is already being read by engine {item.reader!r}",
+                    )
+                taken_from, item.reader = item.reader, None
             if item.reader is None:
                 item.reader = reader
                 held = range(plan.prefill.tp_size) if item.ranks is None else item.ranks
                 item.pending = {p: set(plan.consumers_of(p)) for p in held}
-            elif item.reader != reader:
-                raise SidecarError(
-                    Code.FAILED_PRECONDITION,
-                    f"request {request_id!r} is already being read by engine {item.reader!r}",
-                )
+            item.reader_failed = False  # it reads (again)
             for r in ranks:
                 if not 0 <= r < plan.decode.tp_size:
                     raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
             item.deadline = max(item.deadline, self._clock() + min_hold_s)
+            if taken_from is not None:
+                log.warning(
+                    "request %s of engine %s: engine %s takes it over from engine %s, whose read failed",
+                    request_id, engine_id, reader, taken_from,
+                )  # fmt: skip
+                if self._on_taken_over is not None:
+                    self._on_taken_over(engine_id, request_id, taken_from)
             return item
+
+    def read_failed(self, engine_id: str, request_id: str, reader: str) -> None:
+        """`reader`'s read of the request failed here and nothing of it runs any more: another engine
+        may take the request over (`open_read`); `reader` itself may still open it again."""
+        with self._lock:
+            item = self._items.get((engine_id, request_id))
+            if item is not None and item.reader == reader:
+                item.reader_failed = True
 
     def mark_done(
         self, engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: list[int]
@@ -216,6 +246,7 @@ class PublishedStore:
                 waiting.discard(decode_rank)
                 if not waiting:
                     fired.append(p)
+                    item.consumed_any = True
             if item.pending and all(not w for w in item.pending.values()):
                 self._end((engine_id, request_id), "consumed")
         for p in fired:

@@ -106,7 +106,11 @@ class Sidecar:
         engines = self.engines = EngineRegistry(plane)
         # A request that ends early (released, aborted, expired) ends the reads of it that were open.
         published = self.published = PublishedStore(
-            self._on_consumed, self._on_expired, on_ended=transfers.end_serves, on_dropped=plane.forget_ids
+            self._on_consumed,
+            self._on_expired,
+            on_ended=transfers.end_serves,
+            on_dropped=plane.forget_ids,
+            on_taken_over=transfers.serve_failed,  # the reader it was taken from: its read ends, failed
         )
         metrics.bind_registry(engines.all, lambda: len(published))
         peers = self.peers = Peers(me.sidecar_id, nixl, metrics, grpc_connect(s, self.security))

@@ -340,13 +340,21 @@ class StagedSource:
             sent = tx.run(_PushHalt(what, deadline, stopped, alone))
             return peer_pb2.PushResponse(chunks=sent.chunks, bytes=sent.nbytes)
         except sp.Stopped as e:
+            self._read_failed(req)
             raise SidecarError(Code.CANCELLED, f"push of request {what} stopped: {e}") from None
         except SidecarError as e:
+            self._read_failed(req)
             if e.code is Code.DEADLINE_EXCEEDED:  # its reader times out too, and may not see this answer
                 log.warning("transfer %s to %s: %s", req.transfer_id, req.reader_agent, e.message)
             raise
         finally:
             quiet[0] = tx.quiet
+
+    def _read_failed(self, req: peer_pb2.PushRequest) -> None:
+        """The transfer of the Push's request(s) failed, and no gather of it runs any more: another
+        reader may take them over (PublishedStore.read_failed), e.g. where this reader's sidecar died."""
+        for request_id in [m.request_id for m in req.members] or [req.request_id]:
+            self._published.read_failed(req.engine_id, request_id, req.reader_engine_id)
 
     def _opened(self, req: peer_pb2.PushRequest, request_id: str) -> Published:
         """A request opened before the Push (OpenRead): it must be open for this reader."""
