@@ -977,3 +977,41 @@ def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_anoth
     assert took < 8, took  # not after the dead reader's quarantine (10 s)
     assert a.alive
     _next_pull_works(prefill, decode2)
+
+
+def test_a_hung_reader_leaves_the_source_room_for_other_readers(spawn: Spawn) -> None:
+    """A decode sidecar stops (SIGSTOP) with a long pull's chunks in flight, holding send slots of the
+    source's ring that only its credits or the pull's deadline give back. Another decode sidecar's pull
+    from the same source goes on meanwhile: no one reader holds more than all but
+    `gpu_staging_reserve` slots of the source's send ring."""
+    rings = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 3 * 8192), "--gpu-staging-slots", "3"]
+    a, b, c = spawn.together(
+        lambda: SidecarProcess("ring-rhang-p", extra=rings, env=ENV),
+        lambda: SidecarProcess("ring-rhang-d", extra=rings, env=ENV),
+        lambda: SidecarProcess("ring-rhang-d2", extra=rings, env=ENV),
+    )
+    prefill, decode, decode2 = spawn.together(
+        lambda: EngineProcess(a.socket, "rhang-p", LONG_SRC),
+        lambda: EngineProcess(b.socket, "rhang-d", LONG_DST),
+        lambda: EngineProcess(c.socket, "rhang-d2", LONG_DST),
+    )
+    _warm_up(prefill, decode)
+    _warm_up(prefill, decode2)
+    dst = _start_long_pull(prefill, decode, 8, request_id="hung-reader", seed=12)
+    _wait_moving(b)
+    with frozen(b):
+        time.sleep(0.3)  # the source's gathers fill the send slots the hung reader's credits allow
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "other", "block_ids": [1, 2], "num_tokens": 30, "seed": 13}
+        )
+        t0 = time.monotonic()
+        ok = decode2.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 13}, timeout_s=30
+        )
+        took = time.monotonic() - t0
+        assert ok["ok"] and ok["verified"] and ok["path"] == "host-ring", ok
+        assert took < 4, took  # not after the hung pull's deadline (8 s)
+    res = json.loads(decode.readline(30))  # thawed: the long pull ends, one way or the other
+    assert res["verified"], res["errors"]
+    if not res["ok"]:
+        assert res["unfilled_blocks"] == dst, res
