@@ -57,12 +57,13 @@ def copy_host(ranks: MappedRanks, job: LocalCopy, halt: Halt) -> int:
     for read in job.reads:
         halt.remaining()
         src, dst = ranks.host(read.src), ranks.host(read.dst)
-        if job.whole_blocks:  # whole blocks, as host-nixl moves them: no per-token indexing
-            nbytes += copy_blocks(src, dst, _source_blocks(t, src.spec.block_size), t.dst_blocks)
-            continue
-        nbytes += copy_request(
-            src.view, dst.view, read.heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
-        )
+        with src.in_use(), dst.in_use():  # the source's engine may die meanwhile
+            if job.whole_blocks:  # whole blocks, as host-nixl moves them: no per-token indexing
+                nbytes += copy_blocks(src, dst, _source_blocks(t, src.spec.block_size), t.dst_blocks)
+                continue
+            nbytes += copy_request(
+                src.view, dst.view, read.heads, t.src_blocks, t.dst_blocks, t.num_tokens, t.start_token
+            )
     return nbytes
 
 
@@ -99,23 +100,27 @@ def copy_host_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) ->
     executor call costs its own checks and index tables, whatever its size."""
     out: list[int | BaseException] = [0] * len(jobs)
     pairs: dict[tuple[object, ...], _Pair] = {}
-    for k, (job, halt) in enumerate(jobs):
-        try:  # a copy stopped, or whose ranks are gone, fails alone before any of it runs
-            halt.remaining()
-            reads = [(read, ranks.host(read.src), ranks.host(read.dst)) for read in job.reads]
-        except Exception as e:
-            out[k] = e
-            continue
-        for read, src, dst in reads:
-            key = (read.src, read.dst, read.heads, job.whole_blocks)
-            views = (src, dst) if job.whole_blocks else (src.view, dst.view)
-            pairs.setdefault(key, _Pair(*views, read.heads, [])).copies.append(k)
-    for key, pair in pairs.items():
-        tokens = [jobs[k][0].tokens for k in pair.copies]
-        if key[-1]:
-            _copy_blocks_pair(pair, tokens, out)
-        else:
-            _launch_pair(pair, tokens, out, copy_request, None)
+    with contextlib.ExitStack() as held:  # every rank's memory until the copies end
+        for k, (job, halt) in enumerate(jobs):
+            try:  # a copy stopped, or whose ranks are gone, fails alone before any of it runs
+                halt.remaining()
+                reads = [(read, ranks.host(read.src), ranks.host(read.dst)) for read in job.reads]
+                for _, src, dst in reads:
+                    held.enter_context(src.in_use())
+                    held.enter_context(dst.in_use())
+            except Exception as e:
+                out[k] = e
+                continue
+            for read, src, dst in reads:
+                key = (read.src, read.dst, read.heads, job.whole_blocks)
+                views = (src, dst) if job.whole_blocks else (src.view, dst.view)
+                pairs.setdefault(key, _Pair(*views, read.heads, [])).copies.append(k)
+        for key, pair in pairs.items():
+            tokens = [jobs[k][0].tokens for k in pair.copies]
+            if key[-1]:
+                _copy_blocks_pair(pair, tokens, out)
+            else:
+                _launch_pair(pair, tokens, out, copy_request, None)
     return out
 
 

@@ -8,12 +8,13 @@ GPU ranks never are (DESIGN.md section 1: only the sidecar's own rings are).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,7 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HostRank:
-    """A rank in shared memory: its tensors (views of the mapped segments) and their NIXL registration."""
+    """A rank in shared memory: its tensors (views of the mapped segments) and their NIXL registration.
+
+    A copy that reads or writes its memory holds it (`in_use`): unregistered meanwhile (its engine
+    died), the rank leaves the registry at once, but its memory stays mapped and registered until the
+    last such copy ends. The copies address it by raw pointers, which keep no mapping alive, and a
+    gather reading a segment unmapped under it took the whole sidecar down (SIGSEGV)."""
 
     key: RankKey
     spec: EngineSpec
@@ -48,10 +54,39 @@ class HostRank:
     nixl_key: int | None = None
     local_dlist: int | None = None  # every chunk of this rank, prepared once
     dlist_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _users: int = field(default=0, repr=False)
+    _release: Callable[[], None] | None = field(default=None, repr=False)  # set once closed
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def region_bases(self) -> list[int]:
         return [t.data_ptr() for t in self.tensors]
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the memory for the duration of a copy, even if the rank is unregistered meanwhile."""
+        with self._lock:
+            if self._release is not None:
+                raise _gone(self.key)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                release = self._release if self._users == 0 else None
+            if release is not None:
+                release()
+
+    def close(self, release: Callable[[], None]) -> None:
+        """No new copy may hold it; `release` runs now, or once the last copy holding it ends."""
+        with self._lock:
+            if self._release is not None:
+                return
+            self._release = release
+            now = self._users == 0
+        if now:
+            release()
 
 
 class MappedRanks:
@@ -144,16 +179,19 @@ class MappedRanks:
             host = self._host.pop(key, None)
             gpu = self._gpu.pop(key, None)
         if host is not None:
-            if self._nixl is not None:
-                if host.local_dlist is not None:
-                    self._nixl.release_dlist(host.local_dlist)
-                if host.nixl_key is not None:
-                    self._nixl.deregister(host.nixl_key)
-            host.tensors.clear()
-            for n in host.shm_names:
-                self._shm.release(n)
+            host.close(functools.partial(self._unmap, host))  # deferred while a copy holds it
         if gpu is not None:
             gpu.close()  # deferred while a copy still reads or writes the mappings
+
+    def _unmap(self, host: HostRank) -> None:
+        if self._nixl is not None:
+            if host.local_dlist is not None:
+                self._nixl.release_dlist(host.local_dlist)
+            if host.nixl_key is not None:
+                self._nixl.deregister(host.nixl_key)
+        host.tensors.clear()
+        for n in host.shm_names:
+            self._shm.release(n)
 
     def host(self, key: RankKey) -> HostRank:
         rank = self._host.get(key)

@@ -135,8 +135,8 @@ class Reception:
         self._prefix = sp.prefix(job.transfer_id)
         self._nixl.listen(self._prefix, lambda a, m: self._inbox.put((a, m)))
         try:
-            if ranks.is_gpu(job.dst):
-                self._held.enter_context(ranks.gpu(job.dst).in_use())
+            rank = ranks.gpu(job.dst) if ranks.is_gpu(job.dst) else ranks.host(job.dst)
+            self._held.enter_context(rank.in_use())  # its memory stays until the last scatter ends
         except BaseException:
             self._nixl.unlisten(self._prefix)
             ring.pool.release(self._slots)

@@ -216,6 +216,7 @@ class Transmission:
                 else:
                     ids = np.asarray(job.block_ids, dtype=np.int64)
                     host = self._ranks.host(job.src)
+                    held.enter_context(host.in_use())  # its engine may die meanwhile
                     copies = HostCopies(
                         host.view, job.reader_spec, job.reader_rank, job.heads, ids, ring, True
                     )

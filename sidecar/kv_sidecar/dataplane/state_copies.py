@@ -6,6 +6,7 @@ layouts with blocks outermost (spec validation), so a block of a region is one p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -43,15 +44,17 @@ def copy_state_local(ranks: MappedRanks, job: StateCopy, halt: Halt) -> int:
     b = job.block
     dst = ranks.host(job.dst)
     srcs: dict[int, HostRank] = {q: ranks.host(job.sources[q]) for q in {m.src_rank for m in b.moves}}
-    _check_runs(b.moves, {q: r.geometry.chunk for q, r in srcs.items()}, dst.geometry.chunk)
-    d_pages = _pages(dst.geometry, dst.region_bases, b.dst_block, b.positions, "destination")
-    s_pages = {
-        q: _pages(r.geometry, r.region_bases, b.src_block, b.positions, "source") for q, r in srcs.items()
-    }
-    # Holding the ranks' tensors (srcs, dst) keeps their mappings alive for the copies.
-    for j in range(b.positions):
-        for m in b.moves:
-            ctypes.memmove(d_pages[j] + m.dst, s_pages[m.src_rank][j] + m.src, m.nbytes)
+    with contextlib.ExitStack() as held:  # raw addresses keep no mapping alive: hold the ranks
+        for r in (dst, *srcs.values()):
+            held.enter_context(r.in_use())
+        _check_runs(b.moves, {q: r.geometry.chunk for q, r in srcs.items()}, dst.geometry.chunk)
+        d_pages = _pages(dst.geometry, dst.region_bases, b.dst_block, b.positions, "destination")
+        s_pages = {
+            q: _pages(r.geometry, r.region_bases, b.src_block, b.positions, "source") for q, r in srcs.items()
+        }
+        for j in range(b.positions):
+            for m in b.moves:
+                ctypes.memmove(d_pages[j] + m.dst, s_pages[m.src_rank][j] + m.src, m.nbytes)
     return b.nbytes
 
 
