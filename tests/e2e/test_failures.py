@@ -262,3 +262,40 @@ def test_a_pull_that_runs_out_of_time_on_a_frozen_peer_says_so_and_keeps_the_han
     # The source tells its engine at once that both pulled requests may be freed; the stale open the
     # thawed source answered holds nothing back.
     assert consumed_events(src, 2) == 2
+
+
+def test_prefill_engine_dies_mid_pull(
+    sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
+) -> None:
+    """The prefill engine dies (SIGKILL) while its request is being read. Its sidecar unregisters it
+    and unmaps its memory, the request ends (released), and the read in flight ends with it: the pull
+    completes with the bytes it had or fails naming its unfilled blocks, no byte outside them
+    changes, and both sidecars stay up and serve the next pull."""
+    a, sc = sidecar_pair[0], slow_decode_sidecar
+    prefill = spawn(EngineProcess(a.socket, "pdie-p", SRC))
+    other = spawn(EngineProcess(a.socket, "pdie-p2", SRC))
+    decode = spawn(EngineProcess(sc.socket, "pdie-d", DST))
+    pid = prefill.proc.pid
+    try:
+        reads = metric(sc.metrics_port, READS)
+        dst = _start_long_pull(prefill, decode, timeout_s=60)
+        _wait_transfer_started(sc, reads)
+        prefill.kill()
+        res = json.loads(decode.readline(75))
+        assert res["verified"], res["errors"]  # no byte outside the pulled blocks changed
+        if not res["ok"]:
+            assert res["unfilled_blocks"] == dst, res
+            assert res["wall_s"] < 30, res
+        deadline = time.monotonic() + 15
+        while _mapped(a.proc.pid, f"kvsidecar-{pid}-"):
+            assert time.monotonic() < deadline, "the dead engine's memory is still mapped"
+            time.sleep(0.05)
+        assert a.alive and sc.alive and _serving(f"unix:{a.socket}") and _serving(f"unix:{sc.socket}")
+        pub = other.send(
+            {"cmd": "prefill", "request_id": "after", "block_ids": [8, 9], "num_tokens": 30, "seed": 7}
+        )
+        ok = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1, 2], "seed": 7})
+        assert ok["ok"] and ok["verified"], (ok.get("error_code"), ok.get("error"))
+    finally:
+        for path in glob.glob(f"/dev/shm/kvsidecar-{pid}-*"):  # the dead engine could not clean up
+            os.unlink(path)

@@ -1015,3 +1015,22 @@ def test_a_hung_reader_leaves_the_source_room_for_other_readers(spawn: Spawn) ->
     assert res["verified"], res["errors"]
     if not res["ok"]:
         assert res["unfilled_blocks"] == dst, res
+
+
+def test_a_prefill_engine_that_dies_mid_transfer_ends_its_pull_and_the_source_serves_on(spawn: Spawn) -> None:
+    """The prefill engine dies (SIGKILL) while its sidecar gathers its request's chunks from the engine's
+    memory into the send ring. Its sidecar unregisters it and unmaps that memory once no gather reads
+    it; the pull completes or fails naming its unfilled blocks, no byte outside them changes, and the
+    next pull from another engine on that sidecar arrives."""
+    a, b, prefill, decode = _long_ring_pair(spawn, "pdie")
+    other = spawn(EngineProcess(a.socket, "pdie-p2", LONG_SRC))
+    dst = _start_long_pull(prefill, decode, 30, request_id="pdie", seed=14)
+    _wait_moving(b)
+    prefill.kill()
+    res = json.loads(decode.readline(45))
+    assert res["verified"], res["errors"]
+    if not res["ok"]:
+        assert res["unfilled_blocks"] == dst, res
+    assert a.alive and b.alive
+    _next_pull_works(other, decode)
+    rings_idle(a, b, timeout_s=15)

@@ -118,6 +118,7 @@ class _Inflight:
     started: float
     deadline: float
     release: list[Any] = field(default_factory=list)
+    agent: str = ""  # the remote agent, where known: a failure marks its connection broken
 
 
 def _decoded(name: str | bytes) -> str:
@@ -157,6 +158,11 @@ class NixlDriver:
         self._registrations: dict[int, Any] = {}
         self._next_reg = 0
         self._remotes: set[str] = set()
+        # Agents whose connection a transfer or notification found failed (UCX keeps an endpoint in
+        # error once an operation on it failed, e.g. a READ of memory the peer deregistered meanwhile:
+        # every later READ of that peer's memory then fails): loaded again from scratch the next time
+        # a handshake or a ring's metadata loads them, even with the same metadata.
+        self._broken: set[str] = set()
         self._remote_md: dict[str, set[bytes]] = {}  # metadata blobs load_remote loaded, per agent
         self._full_md: dict[str, bytes] = {}  # the metadata add_remote last loaded, per agent
         # Bumped whenever what NIXL knows of a remote agent changes: NIXL refuses descriptor lists
@@ -293,6 +299,8 @@ class NixlDriver:
             elif state == "PROC":
                 x.future.set_exception(TimeoutError("NIXL transfer did not finish before its deadline"))
             else:
+                if x.agent:
+                    self._broken.add(x.agent)
                 x.future.set_exception(TransferError(f"NIXL transfer failed: {err or state}"))
         self._inflight = still
 
@@ -400,7 +408,11 @@ class NixlDriver:
         against it is released: `generation(name)` tells callers to prepare theirs again."""
 
         def add(a: Any) -> str:
-            if expected_name and self._full_md.get(expected_name) == metadata:
+            if (
+                expected_name
+                and expected_name not in self._broken
+                and self._full_md.get(expected_name) == metadata
+            ):
                 return expected_name
             name, replaced = self._load(a, expected_name, metadata)
             if not replaced and name in self._full_md:  # loaded again with more memory: lists are void
@@ -418,6 +430,10 @@ class NixlDriver:
     def _load(self, a: Any, name: str, metadata: bytes) -> tuple[str, bool]:
         """On the driver thread: load `metadata` (expected to be agent `name`); the agent's name, and
         whether an old agent of that name was replaced."""
+        if name in self._broken and name in self._remotes:
+            self._broken.discard(name)
+            log.info("NIXL agent %s: its connection failed; loading it again", name)
+            return self._replace(a, name, metadata), True
         try:
             return _decoded(a.add_remote_agent(metadata)), False
         except Exception:
@@ -519,9 +535,9 @@ class NixlDriver:
                 remote_idx.astype(np.int32),
                 notif,
             )
-            self._post(a, handle, done, timeout_s)
+            self._post(a, handle, done, timeout_s, self._dlist_agents.get(remote, ""))
 
-        self._submit_async(post, done)
+        self._submit_async(post, done, self._dlist_agents.get(remote, ""))
         return done
 
     def read(
@@ -542,9 +558,9 @@ class NixlDriver:
             lo = a.get_xfer_descs(local, mem_type)
             re_ = a.get_xfer_descs(remote, mem_type)
             handle = a.initialize_xfer("READ", lo, re_, remote_agent, notif)
-            self._post(a, handle, done, timeout_s)
+            self._post(a, handle, done, timeout_s, remote_agent)
 
-        self._submit_async(post, done)
+        self._submit_async(post, done, remote_agent)
         return done
 
     def cancel(self, done: Future[None]) -> None:
@@ -587,6 +603,8 @@ class NixlDriver:
             try:
                 a.send_notif(remote_agent, msg)
             except Exception as e:
+                if isinstance(e, self._disconnected):
+                    self._broken.add(remote_agent)
                 level = logging.DEBUG if only_loaded else logging.WARNING
                 log.log(level, "could not send a NIXL notification to %s: %s", remote_agent, e)
 
@@ -647,7 +665,7 @@ class NixlDriver:
         Partial metadata (one ring each) add up: a peer's rings on several GPUs
         are loaded once each.
         """
-        if metadata in self._remote_md.get(name, ()):
+        if name not in self._broken and metadata in self._remote_md.get(name, ()):
             return
 
         def load(a: Any) -> str:
@@ -686,10 +704,10 @@ class NixlDriver:
         lo = a.get_xfer_descs(local, mem_type)
         re_ = a.get_xfer_descs(remote, mem_type)
         handle = a.initialize_xfer("WRITE", lo, re_, remote_agent, notif)
-        self._post(a, handle, done, timeout_s)
+        self._post(a, handle, done, timeout_s, remote_agent)
         return done
 
-    def _submit_async(self, fn: Callable[[Any], None], done: Future[None]) -> None:
+    def _submit_async(self, fn: Callable[[Any], None], done: Future[None], agent: str = "") -> None:
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
         carrier: Future[None] = Future()
@@ -698,12 +716,15 @@ class NixlDriver:
             try:
                 fn(a)
             except Exception as e:
-                kind = AgentDisconnected if isinstance(e, self._disconnected) else TransferError
+                lost = isinstance(e, self._disconnected)
+                if lost and agent:
+                    self._broken.add(agent)
+                kind = AgentDisconnected if lost else TransferError
                 done.set_exception(kind(f"could not start NIXL transfer: {e}"))
 
         self._queue.put((run, carrier))
 
-    def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float) -> None:
+    def _post(self, a: Any, handle: Any, done: Future[None], timeout_s: float, agent: str = "") -> None:
         now = time.monotonic()
         self._posted += 1
         try:
@@ -719,4 +740,4 @@ class NixlDriver:
             self._release(_Inflight(handle, done, now, now))
             done.set_result(None)
             return
-        self._inflight.append(_Inflight(handle, done, now, now + timeout_s))
+        self._inflight.append(_Inflight(handle, done, now, now + timeout_s, agent=agent))
