@@ -787,3 +787,75 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize("victim", ["prefill-engine", "decode-sidecar"])
+def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) -> None:
+    """A long staged pull between GPUs, and SIGKILL mid-transfer to:
+    - the prefill engine: its sidecar keeps the imported memory until its gathers end; the pull completes
+      or fails naming its unfilled blocks; both sidecars stay up, and the next pull from another prefill
+      engine on that sidecar arrives bit-exact;
+    - the decode sidecar: the prefill sidecar stays up, and another decode sidecar's engine pulls the
+      same request whole and bit-exact (it takes the request over from the dead reader)."""
+    import json
+
+    a = SidecarProcess(f"gpu-die-p-{victim}", extra=SMALL_RINGS)
+    b = SidecarProcess(f"gpu-die-d-{victim}", extra=SMALL_RINGS)
+    c = SidecarProcess(f"gpu-die-d2-{victim}", extra=SMALL_RINGS)
+    spec = EngineSpec.from_dict(BASE | {"num_blocks": 16384})
+    prefill = EngineProcess(a.socket, f"die-p-{victim}", spec, devices=[GPU_A])
+    other = EngineProcess(a.socket, f"die-p2-{victim}", spec, devices=[GPU_A])
+    decode = EngineProcess(b.socket, f"die-d-{victim}", spec, devices=[GPU_B])
+    decode2 = EngineProcess(c.socket, f"die-d2-{victim}", spec, devices=[GPU_B])
+    try:
+        pub = prefill.send(
+            {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 1}
+        )
+        assert decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1], "seed": 1})["verified"]
+        pushes = _pushes(a)
+        blocks = 6000  # 3,000 chunks one slot deep (SMALL_RINGS: a peer holds 1 of 2 slots)
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": "long",
+                "block_ids": list(range(blocks)),
+                "num_tokens": blocks * 16,
+                "seed": 2,
+            }
+        )
+        assert pub["ok"], pub
+        dst = list(range(16384 - blocks, 16384))
+        decode.post({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2, "timeout_s": 60})
+        deadline = time.monotonic() + 30
+        while _pushes(a) <= pushes:
+            assert time.monotonic() < deadline, "the transfer never started"
+            time.sleep(0.002)
+        time.sleep(0.05)
+        logs = lambda: "\n".join(["-- prefill sidecar", *a.stderr_tail, "-- decode sidecar", *b.stderr_tail])  # noqa: E731
+        if victim == "prefill-engine":
+            prefill.kill()
+            res = json.loads(decode.readline(120))
+            assert res["verified"], (res.get("errors"), logs())
+            if not res["ok"]:
+                assert res["unfilled_blocks"] == dst, (res.get("error"), logs())
+            assert a.alive and b.alive, logs()
+            pub2 = other.send(
+                {"cmd": "prefill", "request_id": "after", "block_ids": [3, 4], "num_tokens": 30, "seed": 3}
+            )
+            res = decode.send({"cmd": "pull", "params": pub2["params"], "block_ids": [5, 6], "seed": 3})
+            assert res["ok"] and res["verified"], (res.get("error"), logs())
+        else:
+            b.proc.kill()
+            b.proc.wait(10)
+            res = decode2.send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2, "timeout_s": 60},
+                timeout_s=120,
+            )
+            assert res["ok"] and res["verified"], (res.get("error"), logs())
+            assert a.alive and c.alive, logs()
+    finally:
+        for p in (prefill, other, decode, decode2):
+            p.stop()
+        for s in (a, b, c):
+            if s.alive:
+                s.stop()
