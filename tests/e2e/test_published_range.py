@@ -20,7 +20,7 @@ from .conftest import Spawn, metric, spec_dict
 _ids = itertools.count()
 TOKENS = 200  # a long prompt
 FIRST = 144  # its window's blocks start here (block 9 of 16 tokens): 4 blocks, 56 tokens
-RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(4 << 16), "--gpu-staging-slots", "2"]
+RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(6 << 16), "--gpu-staging-slots", "3"]
 
 
 def _token_bytes(spec: EngineSpec) -> int:

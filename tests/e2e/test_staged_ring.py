@@ -6,8 +6,8 @@ launches on CUDA streams). Real sidecar processes, real NIXL over shared
 memory: the source gathers each chunk into its send ring in the reader's
 layout and WRITEs it into a receive slot the reader granted, with a NIXL
 notification; the reader scatters it and returns the slot by notification.
-The rings are tiny (2 slots of 16 KiB), so every request takes several chunks
-and reuses slots, and concurrent pulls share them.
+The rings are tiny (3 slots of 16 KiB, 2 of them for any one peer), so every
+request takes several chunks and reuses slots, and concurrent pulls share them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from .conftest import metric as conftest_metric
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
-RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(4 * SLOT), "--gpu-staging-slots", "2"]
+# Three slots of SLOT a ring, of which one peer holds two (gpu_staging_reserve 1).
+RING = ["--host-transfer", "ring", "--gpu-staging-bytes", str(6 * SLOT), "--gpu-staging-slots", "3"]
 # The host executor's copies are tiny here; on 2 shared cores torch's thread pool only adds waiting.
 ENV = {"OMP_NUM_THREADS": "1"}
 TOKENS = 75  # 5 blocks of 16: 3 chunks of at most 2 blocks; the last block is partial
@@ -142,8 +143,9 @@ def test_pairings_through_the_ring_are_bit_exact(
 
 
 def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
-    """Six threads pull at once through rings of two slots each way: every pull takes three chunks,
-    so they interleave on the slots; every byte is checked, and the rings end idle."""
+    """Six threads pull at once through rings of two slots each way (a peer's share of three): every
+    pull takes three chunks, so they interleave on the slots; every byte is checked, and the rings
+    end idle."""
     a, b = ring_pair
     spec = EngineSpec.from_dict(spec_dict(num_blocks=64))
     pc, dc = SidecarClient(a.socket), SidecarClient(b.socket)
@@ -942,6 +944,27 @@ def _merged(base: peer_pb2.PushRequest, *more: peer_pb2.PushRequest, **fields: A
     return out
 
 
+def _one_source_two_readers(
+    spawn: Spawn, tag: str
+) -> tuple[SidecarProcess, SidecarProcess, EngineProcess, EngineProcess, EngineProcess]:
+    """A source sidecar and two decode sidecars on rings of 3 one-block slots (a peer holds 2), long
+    engines on them, the first reader warmed up: (source, first reader's sidecar, prefill, decode,
+    decode on the second)."""
+    rings = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 3 * 8192), "--gpu-staging-slots", "3"]
+    a, b, c = spawn.together(
+        lambda: SidecarProcess(f"ring-{tag}-p", extra=rings, env=ENV),
+        lambda: SidecarProcess(f"ring-{tag}-d", extra=rings, env=ENV),
+        lambda: SidecarProcess(f"ring-{tag}-d2", extra=rings, env=ENV),
+    )
+    prefill, decode, decode2 = spawn.together(
+        lambda: EngineProcess(a.socket, f"{tag}-p", LONG_SRC),
+        lambda: EngineProcess(b.socket, f"{tag}-d", LONG_DST),
+        lambda: EngineProcess(c.socket, f"{tag}-d2", LONG_DST),
+    )
+    _warm_up(prefill, decode)
+    return a, b, prefill, decode, decode2
+
+
 def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_another_reader(
     spawn: Spawn,
 ) -> None:
@@ -950,18 +973,7 @@ def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_anoth
     of the ring, gpu_staging_reserve); and the request, still held under its lease, is pulled whole and
     bit-exact by another decode sidecar, as a router retrying the request on another decode instance
     would, while the quarantine still runs."""
-    rings = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 3 * 8192), "--gpu-staging-slots", "3"]
-    a, b, c = spawn.together(
-        lambda: SidecarProcess("ring-rdie-p", extra=rings, env=ENV),
-        lambda: SidecarProcess("ring-rdie-d", extra=rings, env=ENV),
-        lambda: SidecarProcess("ring-rdie-d2", extra=rings, env=ENV),
-    )
-    prefill, decode, decode2 = spawn.together(
-        lambda: EngineProcess(a.socket, "rdie-p", LONG_SRC),
-        lambda: EngineProcess(b.socket, "rdie-d", LONG_DST),
-        lambda: EngineProcess(c.socket, "rdie-d2", LONG_DST),
-    )
-    _warm_up(prefill, decode)
+    a, b, prefill, decode, decode2 = _one_source_two_readers(spawn, "rdie")
     params = _publish_long(prefill, "long", 9)
     _start_pull(decode, params, list(range(LONG)), 9, 30)
     _wait_moving(b)
@@ -984,18 +996,7 @@ def test_a_hung_reader_leaves_the_source_room_for_other_readers(spawn: Spawn) ->
     source's ring that only its credits or the pull's deadline give back. Another decode sidecar's pull
     from the same source goes on meanwhile: no one reader holds more than all but
     `gpu_staging_reserve` slots of the source's send ring."""
-    rings = ["--host-transfer", "ring", "--gpu-staging-bytes", str(2 * 3 * 8192), "--gpu-staging-slots", "3"]
-    a, b, c = spawn.together(
-        lambda: SidecarProcess("ring-rhang-p", extra=rings, env=ENV),
-        lambda: SidecarProcess("ring-rhang-d", extra=rings, env=ENV),
-        lambda: SidecarProcess("ring-rhang-d2", extra=rings, env=ENV),
-    )
-    prefill, decode, decode2 = spawn.together(
-        lambda: EngineProcess(a.socket, "rhang-p", LONG_SRC),
-        lambda: EngineProcess(b.socket, "rhang-d", LONG_DST),
-        lambda: EngineProcess(c.socket, "rhang-d2", LONG_DST),
-    )
-    _warm_up(prefill, decode)
+    _, b, prefill, decode, decode2 = _one_source_two_readers(spawn, "rhang")
     _warm_up(prefill, decode2)
     dst = _start_long_pull(prefill, decode, 8, request_id="hung-reader", seed=12)
     _wait_moving(b)

@@ -38,8 +38,9 @@ if not torch.cuda.is_available():
 GPU_A, GPU_B = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
 GPUS = sorted({int(g.split(":")[1]) for g in (GPU_A, GPU_B)})  # the ordinals of the two, once each
 
-# Small rings: 2 slots of 64 KiB per role, so a request moves in several chunks and reuses slots.
-SMALL_RINGS = ["--gpu-staging-bytes", str(256 << 10), "--gpu-staging-slots", "2"]
+# Small rings: 3 slots of 64 KiB per role, 2 of them for any one peer (gpu_staging_reserve), so a
+# request moves in several chunks and reuses slots.
+SMALL_RINGS = ["--gpu-staging-bytes", str(384 << 10), "--gpu-staging-slots", "3"]
 BASE: dict[str, Any] = {
     "tp_size": 1,
     "num_layers": 2,
@@ -296,25 +297,7 @@ def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(v
         assert res["ok"] and res["verified"], res
         sidecar = b if victim == "decode" else a
         (worker,) = sidecar.worker_pids()
-        pushes = _pushes(a)
-        blocks = 16000
-        pub = prefill.send(
-            {
-                "cmd": "prefill",
-                "request_id": "long",
-                "block_ids": list(range(blocks)),
-                "num_tokens": blocks * 16,
-                "seed": 2,
-            }
-        )
-        assert pub["ok"], pub
-        dst = list(range(16384 - blocks, 16384))
-        decode.post({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2})
-        deadline = time.monotonic() + 30
-        while _pushes(a) <= pushes:
-            assert time.monotonic() < deadline, "the transfer never started"
-            time.sleep(0.002)
-        time.sleep(0.05)
+        _long_staged_pull(a, prefill, decode, 16000)
         os.kill(worker, signal.SIGKILL)
         res = json.loads(decode.readline(120))
         # Each failure message carries both sidecars' last log lines: this test failed once with no
@@ -507,6 +490,38 @@ def _metric(sc: SidecarProcess, name: str, labels: str = "") -> float:
     return scrape.value(sc.metrics_port, name, **scrape.labels(labels))
 
 
+def _long_staged_pull(
+    source: SidecarProcess,
+    prefill: EngineProcess,
+    decode: EngineProcess,
+    blocks: int,
+    timeout_s: float | None = None,
+) -> tuple[dict[str, Any], list[int]]:
+    """A request of `blocks` blocks published (seed 2) and its pull sent into the last blocks of the decode
+    engine's 16,384, returning once its transfer has run 50 ms (its answer: `decode.readline`); the
+    request's params and the pull's blocks."""
+    pushes = _pushes(source)
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": "long",
+            "block_ids": list(range(blocks)),
+            "num_tokens": blocks * 16,
+            "seed": 2,
+        }
+    )
+    assert pub["ok"], pub
+    dst = list(range(16384 - blocks, 16384))
+    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2}
+    decode.post(cmd | ({"timeout_s": timeout_s} if timeout_s else {}))
+    deadline = time.monotonic() + 30
+    while _pushes(source) <= pushes:
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.002)
+    time.sleep(0.05)
+    return pub["params"], dst
+
+
 def _pushes(source: SidecarProcess) -> float:
     """Staged transfers the source sidecar has started (by the reader's notification or its call)."""
     return sum(
@@ -530,8 +545,9 @@ def _rings_idle(*sidecars: SidecarProcess, timeout_s: float = 10) -> None:
 
 
 def test_concurrent_staged_pulls_share_the_rings(pair: tuple[SidecarProcess, SidecarProcess]) -> None:
-    """Four engine pairs pull at once through rings of two 64 KiB slots each way (every request takes
-    several chunks): the pulls interleave on the slots, and every one is bit-exact."""
+    """Four engine pairs pull at once through two 64 KiB slots of each ring, a peer's share of three
+    (every request takes several chunks): the pulls interleave on the slots, and every one is
+    bit-exact."""
     a, b = pair
     _rings_idle(a, b)
     errors: list[str] = []
@@ -736,8 +752,8 @@ def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
 def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
     pair: tuple[SidecarProcess, SidecarProcess], decode_block: int
 ) -> None:
-    """Sixteen gpu-staged pulls of one prefill engine in one PullBatch, through rings of two 64 KiB slots:
-    reads that wait while two transfers run go as one transfer of several requests (PushRequest.members,
+    """Sixteen gpu-staged pulls of one prefill engine in one PullBatch, through two 64 KiB slots of each
+    ring: reads that wait while two transfers run go as one transfer of several requests (PushRequest.members,
     server/staged_reader.py), whose chunks cross from one request into the next; every other one pulls
     past a one-block prefix (PushMember.start_token), and the decode engine keeps blocks of 16 tokens
     like the prefill engine or of 32 (a member's padding then reaches past its last source block).
@@ -812,25 +828,8 @@ def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) ->
             {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 1}
         )
         assert decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1], "seed": 1})["verified"]
-        pushes = _pushes(a)
-        blocks = 6000  # 3,000 chunks one slot deep (SMALL_RINGS: a peer holds 1 of 2 slots)
-        pub = prefill.send(
-            {
-                "cmd": "prefill",
-                "request_id": "long",
-                "block_ids": list(range(blocks)),
-                "num_tokens": blocks * 16,
-                "seed": 2,
-            }
-        )
-        assert pub["ok"], pub
-        dst = list(range(16384 - blocks, 16384))
-        decode.post({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2, "timeout_s": 60})
-        deadline = time.monotonic() + 30
-        while _pushes(a) <= pushes:
-            assert time.monotonic() < deadline, "the transfer never started"
-            time.sleep(0.002)
-        time.sleep(0.05)
+        # 3,000 two-block chunks through a peer's 2 slots of SMALL_RINGS
+        params, dst = _long_staged_pull(a, prefill, decode, 6000, timeout_s=60)
         logs = lambda: "\n".join(["-- prefill sidecar", *a.stderr_tail, "-- decode sidecar", *b.stderr_tail])  # noqa: E731
         if victim == "prefill-engine":
             prefill.kill()
@@ -848,7 +847,7 @@ def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) ->
             b.proc.kill()
             b.proc.wait(10)
             res = decode2.send(
-                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 2, "timeout_s": 60},
+                {"cmd": "pull", "params": params, "block_ids": dst, "seed": 2, "timeout_s": 60},
                 timeout_s=120,
             )
             assert res["ok"] and res["verified"], (res.get("error"), logs())
