@@ -42,6 +42,7 @@ from kv_sidecar_client.shm import ShmKVCache
 
 from .conftest import SLEEPY_WHEN_QUIET, Spawn, agent_handshake, frozen, pulls_after_quiet_spells, spec_dict
 from .conftest import metric as conftest_metric
+from .events import wait_event
 from .test_hetero_matrix import CASES as MATRIX
 
 SLOT = 16 << 10  # two blocks of the base spec (2 layers x K/V x 16 tokens x 4 heads x 16 x fp16)
@@ -1035,3 +1036,24 @@ def test_a_prefill_engine_that_dies_mid_transfer_ends_its_pull_and_the_source_se
     assert a.alive and b.alive
     _next_pull_works(other, decode)
     rings_idle(a, b, timeout_s=15)
+
+
+def test_a_decode_engine_that_dies_mid_transfer_releases_its_request_and_both_sidecars_serve_on(
+    spawn: Spawn,
+) -> None:
+    """The decode engine dies (SIGKILL) while its long pull's chunks arrive: its sidecar stops the pull
+    and unregisters it, keeping its memory mapped until the scatters into it end; the source is told
+    that the reader is gone for good ("released" at once, not after the lease); both rings come back
+    (the source confirms that nothing is in flight: no quarantine); and another decode engine's pull
+    through the same two sidecars arrives."""
+    a, b, prefill, decode = _long_ring_pair(spawn, "ddie")
+    decode2 = spawn(EngineProcess(b.socket, "ddie-d2", LONG_DST))
+    _start_long_pull(prefill, decode, 30, request_id="ddie", seed=15)
+    _wait_moving(b)
+    decode.kill()
+    ev = wait_event(prefill, "released", "ddie", timeout_s=15)
+    assert ev["block_ids"] == list(range(LONG))
+    rings_idle(a, b, timeout_s=5)
+    assert metric(b, "kvsidecar_failures_total", '{reason="staging_quarantined"}') == 0
+    assert a.alive and b.alive
+    _next_pull_works(prefill, decode2)
