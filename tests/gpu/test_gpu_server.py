@@ -805,12 +805,15 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
         decode.stop()
 
 
-@pytest.mark.parametrize("victim", ["prefill-engine", "decode-sidecar"])
+@pytest.mark.parametrize("victim", ["prefill-engine", "decode-engine", "decode-sidecar"])
 def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) -> None:
     """A long staged pull between GPUs, and SIGKILL mid-transfer to:
     - the prefill engine: its sidecar keeps the imported memory until its gathers end; the pull completes
       or fails naming its unfilled blocks; both sidecars stay up, and the next pull from another prefill
       engine on that sidecar arrives bit-exact;
+    - the decode engine, whose memory the decode sidecar scatters into: the prefill engine hears
+      "released" at once, both sidecars stay up (no fault in their CUDA contexts), and another decode
+      engine on the same sidecar pulls the next request bit-exact;
     - the decode sidecar: the prefill sidecar stays up, and another decode sidecar's engine pulls the
       same request whole and bit-exact (it takes the request over from the dead reader)."""
     import json
@@ -843,6 +846,31 @@ def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) ->
             )
             res = decode.send({"cmd": "pull", "params": pub2["params"], "block_ids": [5, 6], "seed": 3})
             assert res["ok"] and res["verified"], (res.get("error"), logs())
+        elif victim == "decode-engine":
+            decode.kill()
+            deadline = time.monotonic() + 30
+            while True:  # the prefill engine's events: "released" for the request, at once
+                ev = prefill.send({"cmd": "next_event", "timeout_s": max(0.1, deadline - time.monotonic())})
+                assert ev["ok"], ("no event for the request", logs())
+                if ev.get("request_id") == "long":
+                    break
+            assert ev["kind"] == "released", (ev, logs())
+            assert a.alive and b.alive, logs()
+            later = EngineProcess(b.socket, f"die-d3-{victim}", spec, devices=[GPU_B])
+            try:
+                pub2 = prefill.send(
+                    {
+                        "cmd": "prefill",
+                        "request_id": "after",
+                        "block_ids": [3, 4],
+                        "num_tokens": 30,
+                        "seed": 3,
+                    }
+                )
+                res = later.send({"cmd": "pull", "params": pub2["params"], "block_ids": [5, 6], "seed": 3})
+                assert res["ok"] and res["verified"], (res.get("error"), logs())
+            finally:
+                later.stop()
         else:
             b.proc.kill()
             b.proc.wait(10)
