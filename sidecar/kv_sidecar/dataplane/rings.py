@@ -10,9 +10,10 @@ Each GPU has two rings, send and receive, each split into equal slots (`gpu_stag
 `gpu_staging_slots` bytes). Every transfer on that GPU takes the slots it needs from the ring's
 `SlotPool` and gives them back one by one as its last chunks need fewer, so concurrent transfers
 share a ring; no one peer's transfers hold more than all but `gpu_staging_reserve` slots of a ring,
-so a peer that hangs or dies with slots in hand leaves the others some. Separate send and receive rings mean two sidecars pulling from each other cannot
-deadlock: a transfer holds receive slots on one sidecar and send slots on the other, never waits
-for the same pool twice, and slots only wait on local scatters and on the wire.
+so a peer that hangs or dies with slots in hand leaves the others some. Separate send and receive
+rings mean two sidecars pulling from each other cannot deadlock: a transfer holds receive slots on
+one sidecar and send slots on the other, never waits for the same pool twice, and slots only wait
+on local scatters and on the wire.
 
 With `host_transfer: ring`, host-memory pulls run the same protocol through one pair of host rings
 of the same size (device `HOST`).
