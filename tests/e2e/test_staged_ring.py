@@ -973,7 +973,8 @@ def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_anoth
     slots it gave that reader wait out their quarantine, which holds up no other reader (a peer's share
     of the ring, gpu_staging_reserve); and the request, still held under its lease, is pulled whole and
     bit-exact by another decode sidecar, as a router retrying the request on another decode instance
-    would, while the quarantine still runs."""
+    would, while the quarantine still runs (refused, FAILED_PRECONDITION, only until the source has
+    seen its transfer to the dead reader fail: at once here, where the connection is reset)."""
     a, b, prefill, decode, decode2 = _one_source_two_readers(spawn, "rdie")
     params = _publish_long(prefill, "long", 9)
     _start_pull(decode, params, list(range(LONG)), 9, 30)
@@ -982,12 +983,17 @@ def test_a_reader_sidecar_killed_mid_transfer_leaves_the_request_whole_for_anoth
     b.proc.wait(5)
     t0 = time.monotonic()
     dst = list(range(999, 999 - LONG, -1))
-    res = decode2.send(
-        {"cmd": "pull", "params": params, "block_ids": dst, "seed": 9, "timeout_s": 30}, timeout_s=60
-    )
+    while True:  # as a router retries: refused only until the source has seen its transfer to b fail
+        res = decode2.send(
+            {"cmd": "pull", "params": params, "block_ids": dst, "seed": 9, "timeout_s": 30}, timeout_s=60
+        )
+        if res["ok"] or "already being read" not in res["error"] or time.monotonic() - t0 > 5:
+            break
+        time.sleep(0.1)
     took = time.monotonic() - t0
     assert res["ok"] and res["verified"] and res["path"] == "host-ring", res
     assert took < 8, took  # not after the dead reader's quarantine (10 s)
+    assert metric(a, "kvsidecar_failures_total", '{reason="read_taken_over"}') == 1
     assert a.alive
     _next_pull_works(prefill, decode2)
 

@@ -874,10 +874,15 @@ def test_a_peer_that_dies_mid_staged_transfer_loses_nothing_else(victim: str) ->
         else:
             b.proc.kill()
             b.proc.wait(10)
-            res = decode2.send(
-                {"cmd": "pull", "params": params, "block_ids": dst, "seed": 2, "timeout_s": 60},
-                timeout_s=120,
-            )
+            t0 = time.monotonic()
+            while True:  # as a router retries: refused only until the source has seen its transfer fail
+                res = decode2.send(
+                    {"cmd": "pull", "params": params, "block_ids": dst, "seed": 2, "timeout_s": 60},
+                    timeout_s=120,
+                )
+                if res["ok"] or "already being read" not in res["error"] or time.monotonic() - t0 > 10:
+                    break
+                time.sleep(0.1)
             assert res["ok"] and res["verified"], (res.get("error"), logs())
             assert a.alive and c.alive, logs()
     finally:

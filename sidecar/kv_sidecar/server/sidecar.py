@@ -110,7 +110,7 @@ class Sidecar:
             self._on_expired,
             on_ended=transfers.end_serves,
             on_dropped=plane.forget_ids,
-            on_taken_over=transfers.serve_failed,  # the reader it was taken from: its read ends, failed
+            on_taken_over=self._on_taken_over,
         )
         metrics.bind_registry(engines.all, lambda: len(published))
         peers = self.peers = Peers(me.sidecar_id, nixl, metrics, grpc_connect(s, self.security))
@@ -322,6 +322,11 @@ class Sidecar:
             consumed=engine_pb2.RequestConsumed(request_id=item.request_id, block_ids=item.block_ids)
         )
         self._rank_event(engine_id, rank, ev)
+
+    def _on_taken_over(self, engine_id: str, request_id: str, reader: str) -> None:
+        """Another engine took a request over from `reader`, whose read failed: that read ends, failed."""
+        self.metrics.failures.labels("read_taken_over").inc()
+        self.transfers.serve_failed(engine_id, request_id, reader)
 
     def _on_expired(self, item: Published) -> None:
         self.metrics.lease_expiries.inc()
