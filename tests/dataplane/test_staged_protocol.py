@@ -212,6 +212,13 @@ def test_one_peer_holds_at_most_all_but_the_reserve_and_the_rest_goes_to_others(
     assert pool.free == 4 and pool.held_by("hung") == 0 and pool.waiting == 0
 
 
+def test_a_staged_workers_agent_counts_as_its_sidecar() -> None:
+    assert sp.peer_of("kvs-a1") == "kvs-a1"
+    assert sp.peer_of("kvs-a1/gpu3") == sp.peer_of("kvs-a1/gpu12") == sp.peer_of("kvs-a1/host") == "kvs-a1"
+    assert sp.peer_of("team/kvs-a1/gpu0") == "team/kvs-a1"  # a sidecar_id may hold a slash itself
+    assert sp.peer_of("kvs-a1/gpux") == "kvs-a1/gpux"
+
+
 def test_a_pool_without_a_reserve_or_of_one_slot_lets_one_peer_take_all() -> None:
     assert len(sp.SlotPool(4).acquire(4, forever, "p")) == 4
     assert len(sp.SlotPool(4, reserve=0).acquire(4, forever, "p")) == 4

@@ -120,7 +120,7 @@ class Reception:
         t = job.tokens
         try:
             self._slots = ring.pool.acquire(
-                -(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining, job.source_agent
+                -(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining, sp.peer_of(job.source_agent)
             )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a receive slot: {ring.pool.describe()}") from None

@@ -180,7 +180,7 @@ class Transmission:
         self._nixl.load_remote(job.reader_agent, job.reader_metadata)
         try:
             send_slots = ring.pool.acquire(
-                min(len(chunks), len(job.reader_slots) + 1), halt.remaining, job.reader_agent
+                min(len(chunks), len(job.reader_slots) + 1), halt.remaining, sp.peer_of(job.reader_agent)
             )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a send slot: {ring.pool.describe()}") from None

@@ -22,6 +22,7 @@ takes the state's lock.
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 from collections import deque
@@ -145,6 +146,16 @@ def blocks_in(block_size: int, t0: int, t1: int) -> int:
 
 
 # -- slots ---------------------------------------------------------------------------------
+_WORKER_AGENT = re.compile(r"/(gpu\d+|host)$")
+
+
+def peer_of(agent: str) -> str:
+    """The sidecar a NIXL agent speaks for, as a ring's slots are shared out (SlotPool): a staged
+    worker's agent (<sidecar_id>/gpu<N>, <sidecar_id>/host) is its sidecar's, so that a source node
+    of several GPUs that hangs holds one peer's share of a ring, not one per GPU."""
+    return _WORKER_AGENT.sub("", agent)
+
+
 def _after(delay_s: float, fn: Callable[[], None]) -> None:
     timer = threading.Timer(delay_s, fn)
     timer.daemon = True
