@@ -521,6 +521,7 @@ class NixlDriver:
     ) -> Future[None]:
         """READ remote descriptors into local ones, by indices into prepared lists."""
         done: Future[None] = Future()
+        agent = self._dlist_agents.get(remote, "")  # fixed for the list: a reload drops the list instead
 
         def post(a: Any) -> None:
             if remote not in self._dlists:
@@ -535,9 +536,9 @@ class NixlDriver:
                 remote_idx.astype(np.int32),
                 notif,
             )
-            self._post(a, handle, done, timeout_s, self._dlist_agents.get(remote, ""))
+            self._post(a, handle, done, timeout_s, agent)
 
-        self._submit_async(post, done, self._dlist_agents.get(remote, ""))
+        self._submit_async(post, done, agent)
         return done
 
     def read(
