@@ -10,13 +10,16 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kv_sidecar.execute import host as host_executor
 from kv_sidecar.execute.host import RankView, copy_request, rank_view
 from kv_sidecar.plan.blocks import (
     blocks_for,
@@ -75,8 +78,8 @@ def pull_case(draw: st.DrawFn, pinned: Layout | None = None) -> dict:
     start_token = decode.block_size * draw(st.integers(0, num_tokens // decode.block_size))
     n_src = blocks_for(num_tokens, prefill.block_size)
     n_dst = dst_block_count(decode.block_size, num_tokens, start_token)
-    src_ids = draw(st.permutations(range(prefill.num_blocks)))[:n_src]
-    dst_ids = draw(st.permutations(range(decode.num_blocks)))[:n_dst]
+    src_ids = draw(block_ids(prefill.num_blocks, n_src))
+    dst_ids = draw(block_ids(decode.num_blocks, n_dst))
     return {
         "prefill": prefill,
         "decode": decode,
@@ -89,7 +92,26 @@ def pull_case(draw: st.DrawFn, pinned: Layout | None = None) -> dict:
         # Move the request in rounds of this many tokens (a multiple of the decode block size), or at once.
         "round": decode.block_size * draw(st.integers(1, 4)) if draw(st.booleans()) else None,
         "seed": draw(st.integers(0, 2**32 - 1)),
+        # The executor's choice between strided runs and one indexed copy (None: its own), forced either way.
+        "runs": draw(st.sampled_from([None, True, False])),
     }
+
+
+@st.composite
+def block_ids(draw: st.DrawFn, num_blocks: int, n: int) -> list[int]:
+    """n distinct block ids: scattered, or consecutive (as an allocator often hands them out), so that
+    runs of tokens cross from one block into the next."""
+    if n and draw(st.booleans()):
+        first = draw(st.integers(0, num_blocks - n))
+        return list(range(first, first + n))
+    return draw(st.permutations(range(num_blocks)))[:n]
+
+
+def copy_strategy(runs: bool | None) -> contextlib.AbstractContextManager[object]:
+    """The executor left to choose (None), or made to copy by runs (True) or by one indexed copy (False)."""
+    if runs is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(host_executor, "_runs_pay", lambda *_: runs)
 
 
 def check_plan_shape(plan: PairPlan) -> None:
@@ -199,7 +221,8 @@ def check_pull_case(case: dict) -> None:
                     src, ids = staged(prefill, read.prefill_rank, src_tensors, src_ids, needed, form)
                 else:  # the whole request's ids, even when this round needs fewer
                     src, ids = rank_view(prefill, read.prefill_rank, src_tensors), src_ids
-                moved += copy_request(src, dst, read.heads, ids, round_dst, t1, t0)
+                with copy_strategy(case["runs"]):
+                    moved += copy_request(src, dst, read.heads, ids, round_dst, t1, t0)
         for got, want in zip(dst_cache.arrays(), expected, strict=True):
             np.testing.assert_array_equal(got, want)
         per_token = decode.num_layers * (1 if decode.is_mla else 2) * decode.heads_per_rank * decode.head_dim
@@ -223,7 +246,7 @@ def windowed_case(draw: st.DrawFn) -> dict:
         "first_token": first,
         "start_token": start,
         "held": case["src_ids"][first // bp :],
-        "dst_ids": draw(st.permutations(range(decode.num_blocks)))[: dst_block_count(bd, n, start)],
+        "dst_ids": draw(block_ids(decode.num_blocks, dst_block_count(bd, n, start))),
     }
 
 
@@ -259,6 +282,7 @@ def test_windowed_pull_reads_only_the_published_range(case: dict) -> None:
         dst = rank_view(decode, rank_plan.rank, dst_cache.as_spec_dtype(decode))
         for read in rank_plan.reads:
             src = rank_view(prefill, read.prefill_rank, sources[read.prefill_rank].as_spec_dtype(prefill))
-            copy_request(src, dst, read.heads, src_ids, dst_ids, n, start)
+            with copy_strategy(case["runs"]):
+                copy_request(src, dst, read.heads, src_ids, dst_ids, n, start)
         for got, want in zip(dst_cache.arrays(), expected, strict=True):
             np.testing.assert_array_equal(got, want)

@@ -7,11 +7,13 @@ import itertools
 import re
 from collections import Counter
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kv_sidecar.execute import host as host_executor
 from kv_sidecar.execute.host import copy_request, rank_view
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
@@ -154,20 +156,71 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("cross_layer", [False, True])
-def test_one_gather_and_one_index_put_whatever_the_block_count(cross_layer: bool) -> None:
-    s = spec(tp_size=1, num_blocks=40, cross_layer=cross_layer)
+def ops_of(*args: Any) -> Counter[str]:
+    """The aten ops of one copy_request(*args)."""
+    with OpCounter() as counter:
+        copy_request(*args)
+    return counter.ops
+
+
+def fused_rank(s: EngineSpec, fill: float = 0.0) -> Any:
+    """A rank whose per-layer tensors lie back to back in one allocation: one fused view of all layers."""
     shape, layers = s.rank_tensor_shapes()[0], len(s.rank_tensor_shapes())
     size = torch.Size(shape).numel()
-    big = torch.zeros(layers * size, dtype=torch.float16)  # per-layer tensors back to back: one fused view
-    src = rank_view(s, 0, [big[i * size : (i + 1) * size].view(shape) for i in range(layers)])
-    dst = rank_view(s, 0, tensors(s))
-    counts = []
+    big = torch.full((layers * size,), fill, dtype=getattr(torch, s.dtype))
+    return rank_view(s, 0, [big[i * size : (i + 1) * size].view(shape) for i in range(layers)])
+
+
+def test_blocks_that_follow_each_other_on_both_sides_move_as_one_strided_copy() -> None:
+    """Per layer, a block's tokens follow the block before it in memory (a layer-major layout), so the
+    blocks of a request allocated in a row are one run. (A cross-layer cache keeps every layer of a block
+    together: there a run ends with each block.)"""
+    s = spec(tp_size=1, num_blocks=40)
+    src, dst = fused_rank(s, 1.0), fused_rank(s)
     for blocks in (1, 30):
+        ops = ops_of(src, dst, (0, 4), list(range(blocks)), list(range(5, 5 + blocks)), blocks * 4)
+        assert ops["copy_"] == 1 and ops["index_put_"] == 0  # no per-block work, no element-wise indexing
+    got, want = dst.layers[0], src.layers[0]  # as same-width ints
+    assert torch.equal(got[:, :, 5:35], want[:, :, :30])
+    assert not got[:, :, :5].any() and not got[:, :, 35:].any()
+
+
+def test_scattered_model_sized_blocks_move_a_strided_copy_each() -> None:
+    """Blocks of a model's size (here 192 KiB) move faster as a copy each than element by element."""
+    s = spec(tp_size=1, num_blocks=40, num_kv_heads=8, head_dim=128, block_size=16)
+    src = fused_rank(s)
+    for layer in src.layers[0]:
+        layer.copy_(torch.randint(-(2**15), 2**15, layer.shape, dtype=torch.int16))
+    dst, want = fused_rank(s), fused_rank(s)
+    src_ids, dst_ids = list(range(0, 30, 3)), list(range(29, 9, -2))
+    ops = ops_of(src, dst, (0, 8), src_ids, dst_ids, 10 * 16)
+    assert ops["copy_"] == 10 and ops["index_put_"] == 0
+    with mock.patch.object(host_executor, "_runs_pay", lambda *_: False):  # the indexed copy, as reference
+        assert ops_of(src, want, (0, 8), src_ids, dst_ids, 10 * 16)["index_put_"] == 1
+    assert torch.equal(dst.layers[0], want.layers[0])
+
+
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_many_short_runs_move_as_one_gather_and_one_index_put(cross_layer: bool) -> None:
+    """Tiny blocks scattered: one call per run would cost more than the indexed copy, whose work does
+    not grow with the block count."""
+    s = spec(tp_size=1, num_blocks=40, cross_layer=cross_layer)
+    src, dst = fused_rank(s), fused_rank(s)
+    counts = []
+    for blocks in (10, 30):
         ids = list(range(blocks))
-        with OpCounter() as counter:
-            copy_request(src, dst if cross_layer else src, (0, 4), ids, ids[::-1], blocks * 4)
-        counts.append(counter.ops)
-    assert counts[0] == counts[1]  # no per-block work
-    assert counts[0]["index_put_"] == 1
-    assert counts[0]["index"] == 3  # block-id lookups for src and dst, then the one gather
+        counts.append(ops_of(src, dst, (0, 4), ids, ids[::-1], blocks * 4))
+    assert counts[0] == counts[1]
+    assert counts[0]["index_put_"] == 1 and counts[0]["copy_"] == 0
+
+
+def test_a_rank_copied_into_itself_reads_every_block_before_it_writes() -> None:
+    """Blocks shifted by one within one rank: copied run by run, a block would be read after it was
+    written; the one gather reads all first."""
+    s = spec(tp_size=1, num_blocks=40, num_kv_heads=8, head_dim=128, block_size=16)
+    rank = fused_rank(s)
+    view = rank.layers[0]
+    for b in range(5):
+        view[:, :, b] = b + 1
+    copy_request(rank, rank, (0, 8), [0, 1, 2, 3], [1, 2, 3, 4], 4 * 16)
+    assert [int(view[0, 0, b, 0, 0, 0]) for b in range(5)] == [1, 1, 2, 3, 4]

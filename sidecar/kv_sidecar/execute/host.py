@@ -4,11 +4,18 @@ Every rank's tensors are seen through one canonical strided view
 `[layer, kv, kernel_block, token_in_kernel_block, local_head, dim]` (kv and
 head have size 1 for MLA), built from the layout table in the spec. A copy is
 then token-level: tokens [start_token, num_tokens) are mapped to
-(kernel block, slot) on each side by vectorised index arithmetic, gathered
-from the source with one advanced index, and written into the destination
-with one index_put. Layout, block size (any ratio), kernel block size,
-cross-layer and head slicing all reduce to that index arithmetic and strides,
-and nothing outside the addressed token slots and heads is ever written.
+(kernel block, slot) on each side by vectorised index arithmetic. Layout,
+block size (any ratio), kernel block size, cross-layer and head slicing all
+reduce to that index arithmetic and strides, and nothing outside the
+addressed token slots and heads is ever written.
+
+The tokens then move as *runs*: tokens that follow each other in memory on
+both sides (a kernel block's slots; consecutive kernel blocks too where a
+side's view lets its blocks and slots be one axis) go as one strided
+`copy_`. Torch's CPU advanced indexing moves an element at a time (~2 GB/s
+here against ~20 GB/s for a strided copy, bench/host_copy.py), so runs are
+taken unless there are so many short ones that the calls cost more: then one
+advanced-index gather and index_put move them all.
 
 Tensors are viewed as same-width integers: the copy is bitwise (NaN payloads
 survive) and works for dtypes CPU indexing lacks kernels for (float8).
@@ -20,6 +27,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kv_sidecar.plan.blocks import check_copy
@@ -151,17 +159,6 @@ def _stack_equally_spaced(views: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
-def _slots(
-    block_ids: Sequence[int], first_pos: int, spec: EngineSpec, tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel block, slot in kernel block) of each token; block_ids[0] holds block number first_pos."""
-    ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=tokens.device)
-    in_block = tokens % spec.block_size
-    logical = ids[tokens // spec.block_size - first_pos]
-    kernel_block = logical * spec.kernel_blocks_per_block + in_block // spec.physical_block_size
-    return kernel_block, in_block % spec.physical_block_size
-
-
 def copy_request(
     src: RankView,
     dst: RankView,
@@ -182,20 +179,108 @@ def copy_request(
         return 0
     src_heads = slice(shape.src_head0, shape.src_head0 + shape.num_heads)
     dst_heads = slice(shape.dst_head0, shape.dst_head0 + shape.num_heads)
-    bd = dst.spec.block_size
-    src_first = shape.src_first
-    src_tokens = torch.arange(start_token, num_tokens, device=src.device)
-    dst_tokens = torch.arange(start_token, num_tokens, device=dst.device)
-    s_block, s_slot = _slots(src_block_ids, src_first, src.spec, src_tokens)
-    d_block, d_slot = _slots(dst_block_ids, start_token // bd, dst.spec, dst_tokens)
-
+    tokens = np.arange(start_token, num_tokens, dtype=np.int64)
+    s_at = _slots(src_block_ids, shape.src_first, src.spec, tokens)
+    d_at = _slots(dst_block_ids, start_token // dst.spec.block_size, dst.spec, tokens)
+    pairs = _layer_pairs(src, dst)
+    if any(s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr() for s, d in pairs):
+        # One storage on both sides (a rank copied into itself): runs written in turn could read what an
+        # earlier run wrote, where a gather reads everything first.
+        return _copy_indexed(pairs, (*s_at, src_heads), (*d_at, dst_heads), dst.spec.element_size)
+    s_axes = [_token_axis(v) for v, _ in pairs]
+    d_axes = [_token_axis(v) for _, v in pairs]
+    runs = _runs(
+        _rows(s_at, src.spec.physical_block_size, all(a is not None for a in s_axes)),
+        _rows(d_at, dst.spec.physical_block_size, all(a is not None for a in d_axes)),
+    )
+    token_bytes = sum(d.shape[0] * d.shape[1] * d.shape[-1] for _, d in pairs) * shape.num_heads
+    if not _runs_pay(len(runs), len(pairs), len(tokens) * token_bytes * dst.spec.element_size):
+        return _copy_indexed(pairs, (*s_at, src_heads), (*d_at, dst_heads), dst.spec.element_size)
     written = 0
-    for s_view, d_view in _layer_pairs(src, dst):
+    for (s_view, d_view), s_axis, d_axis in zip(pairs, s_axes, d_axes, strict=True):
+        for i, n in runs:
+            data = _run(s_view, s_axis, int(s_at[0][i]), int(s_at[1][i]), n, src_heads)
+            _run(d_view, d_axis, int(d_at[0][i]), int(d_at[1][i]), n, dst_heads).copy_(data)
+            written += data.numel()
+    return written * dst.spec.element_size
+
+
+# What a strided copy_ call and an advanced-index copy cost on the host (bench/host_copy.py): a run costs
+# a call, the indexed copy a few calls and its bytes at element-at-a-time speed.
+_RUN_CALL_S = 6e-6
+_INDEXED_CALL_S = 20e-6
+_INDEXED_BYTES_PER_S = 2e9
+
+
+def _runs_pay(runs: int, pairs: int, nbytes: int) -> bool:
+    """Whether `runs` strided copies per (layer, plane) pair beat one advanced-index copy per pair."""
+    return runs * pairs * _RUN_CALL_S <= pairs * _INDEXED_CALL_S + nbytes / _INDEXED_BYTES_PER_S
+
+
+def _slots(
+    block_ids: Sequence[int], first_pos: int, spec: EngineSpec, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel block, slot in kernel block) of each token; block_ids[0] holds block number first_pos."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    in_block = tokens % spec.block_size
+    logical = ids[tokens // spec.block_size - first_pos]
+    kernel_block = logical * spec.kernel_blocks_per_block + in_block // spec.physical_block_size
+    return kernel_block, in_block % spec.physical_block_size
+
+
+def _token_axis(view: torch.Tensor) -> torch.Tensor | None:
+    """A canonical view `[L, K, N, B, H, D]` as `[L, K, N*B, H, D]` where its kernel blocks follow each
+    other in memory (N's stride is B slots), so that a run may cross from one kernel block into the
+    next; None where they do not (heads between the slots, a transposed plane)."""
+    if view.shape[2] > 1 and view.stride(2) != view.shape[3] * view.stride(3):
+        return None
+    shape = (*view.shape[:2], view.shape[2] * view.shape[3], *view.shape[4:])
+    strides = (*view.stride()[:2], *view.stride()[3:])
+    return view.as_strided(shape, strides, view.storage_offset())
+
+
+def _rows(at: tuple[np.ndarray, np.ndarray], kernel_block_size: int, joined: bool) -> np.ndarray:
+    """Each token's row on one side: consecutive rows are consecutive in memory. Where the kernel blocks
+    are not one axis (`joined` False), a block's rows are spaced one apart from the next block's, so that
+    no run crosses a kernel block."""
+    block, slot = at
+    return block * (kernel_block_size + (0 if joined else 1)) + slot
+
+
+def _runs(s_rows: np.ndarray, d_rows: np.ndarray) -> list[tuple[int, int]]:
+    """(first token index, length) of each run of tokens that follow each other on both sides."""
+    breaks = np.flatnonzero((np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(s_rows)]))
+    return list(zip(starts.tolist(), (ends - starts).tolist(), strict=True))
+
+
+def _run(
+    view: torch.Tensor, axis: torch.Tensor | None, block: int, slot: int, n: int, heads: slice
+) -> torch.Tensor:
+    """`[L, K, n, H, D]`: n tokens from (kernel block, slot) on, through the joined axis if there is one."""
+    if axis is not None:
+        row = block * view.shape[3] + slot
+        return axis[:, :, row : row + n, heads]
+    return view[:, :, block, slot : slot + n, heads]
+
+
+def _copy_indexed(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    src_at: tuple[np.ndarray, np.ndarray, slice],
+    dst_at: tuple[np.ndarray, np.ndarray, slice],
+    element_size: int,
+) -> int:
+    """Every token at once: one advanced-index gather and one index_put per (layer, plane) pair."""
+    s_block, s_slot, s_heads = (torch.from_numpy(src_at[0]), torch.from_numpy(src_at[1]), src_at[2])
+    d_block, d_slot, d_heads = (torch.from_numpy(dst_at[0]), torch.from_numpy(dst_at[1]), dst_at[2])
+    written = 0
+    for s_view, d_view in pairs:
         # [L, K, T, H, D]: the two advanced indices are adjacent, so T lands in their place.
-        data = s_view[:, :, s_block, s_slot, src_heads]
-        d_view[:, :, d_block, d_slot, dst_heads] = data.to(d_view.device)
-        written += data.numel() * dst.spec.element_size
-    return written
+        data = s_view[:, :, s_block.to(s_view.device), s_slot.to(s_view.device), s_heads]
+        d_view[:, :, d_block.to(d_view.device), d_slot.to(d_view.device), d_heads] = data.to(d_view.device)
+        written += data.numel()
+    return written * element_size
 
 
 def _layer_pairs(src: RankView, dst: RankView) -> list[tuple[torch.Tensor, torch.Tensor]]:
