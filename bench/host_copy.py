@@ -8,7 +8,7 @@ torch's CPU kernels do an element at a time. This bench times both on host ranks
 one process, the two alternating call by call, and prints a table (written to docs/benchmarks.md
 unless --no-write):
 
-    python bench/host_copy.py [--iters 50] [--threads 1] [--no-write]
+    python bench/host_copy.py [--iters 50] [--threads N] [--no-write]
 
 "runs where they pay" is what the sidecar does; "indexed always" is the executor's copy before runs
 (one gather and one index_put per layer pair), forced. Each row's bytes are checked equal between the
@@ -176,11 +176,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
-        "--threads", type=int, default=1, help="torch's intra-op threads (a sidecar's default: all)"
+        "--threads", type=int, default=0, help="torch's intra-op threads (default: torch's, as a sidecar)"
     )
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     lines = [
         "| copy | bytes | runs per layer pair | the executor takes | this tree, ms | runs forced, ms "
@@ -199,7 +200,7 @@ def main() -> int:
     body = "\n".join(
         [
             f"Command: `{cmd.strip()}`  ",
-            f"Machine: {platform.machine()}, {gpus()}, torch {torch.__version__}, {a.threads} intra-op "
+            f"Machine: {platform.machine()}, {gpus()}, torch {torch.__version__}, {torch.get_num_threads()} intra-op "
             f"thread(s), Python {platform.python_version()}  ",
             f"Date: {datetime.date.today().isoformat()}  ",
             "",
