@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +24,7 @@ import torch
 from kv_sidecar.dataplane.jobs import HOST, IpcTensorRef, RankKey, RankMemory, ShmTensor
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.host import RankView, rank_view
+from kv_sidecar.memory.held import HeldMemory
 from kv_sidecar.memory.shm import ShmMapper
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry, descriptor_table
 from kv_sidecar.plan.pair import PairPlan, plan_pair
@@ -54,39 +55,22 @@ class HostRank:
     nixl_key: int | None = None
     local_dlist: int | None = None  # every chunk of this rank, prepared once
     dlist_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _users: int = field(default=0, repr=False)
-    _release: Callable[[], None] | None = field(default=None, repr=False)  # set once closed
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    held: HeldMemory = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.held = HeldMemory(functools.partial(_gone, self.key))
 
     @property
     def region_bases(self) -> list[int]:
         return [t.data_ptr() for t in self.tensors]
 
-    @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
+    def in_use(self) -> contextlib.AbstractContextManager[None]:
         """Hold the memory for the duration of a copy, even if the rank is unregistered meanwhile."""
-        with self._lock:
-            if self._release is not None:
-                raise _gone(self.key)
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                release = self._release if self._users == 0 else None
-            if release is not None:
-                release()
+        return self.held.hold()
 
     def close(self, release: Callable[[], None]) -> None:
         """No new copy may hold it; `release` runs now, or once the last copy holding it ends."""
-        with self._lock:
-            if self._release is not None:
-                return
-            self._release = release
-            now = self._users == 0
-        if now:
-            release()
+        self.held.close(release)
 
 
 class MappedRanks:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -21,6 +20,7 @@ from kv_sidecar.dataplane.jobs import IpcTensorRef
 from kv_sidecar.execute import gpu_geometry as geo
 from kv_sidecar.execute.gpu import GpuRankView, gpu_rank_view
 from kv_sidecar.memory.cuda_ipc import ImportedTensor, IpcRegistry, default_registry, device_for_uuid
+from kv_sidecar.memory.held import HeldMemory
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 from kv_sidecar_client.cuda_ipc import CudaIpcError
 
@@ -48,8 +48,7 @@ class GpuRank:
         self._registry = registry or default_registry()
         self._lock = threading.Lock()
         self._views: dict[int, tuple[GpuRankView, list[ImportedTensor]]] = {}
-        self._users = 0
-        self._closed = False
+        self._held = HeldMemory(self._unregistered, self._lock)  # its lock guards `_views` too
         self.home = self.device if home is None else home
         try:
             self.view(self.home)
@@ -64,8 +63,8 @@ class GpuRank:
     def view(self, device: int) -> GpuRankView:
         """This rank's tensors as addresses valid in `device`'s primary context."""
         with self._lock:
-            if self._closed:
-                raise PlanError(f"rank {self.rank} was unregistered")
+            if self._held.closed:
+                raise self._unregistered()
             known = self._views.get(device)
             if known is not None:
                 return known[0]
@@ -85,30 +84,16 @@ class GpuRank:
             self._views[device] = (view, imported)
             return view
 
-    @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
+    def in_use(self) -> contextlib.AbstractContextManager[None]:
         """Hold the mappings open for the duration of a copy, even if the rank is unregistered meanwhile."""
-        with self._lock:
-            if self._closed:
-                raise PlanError(f"rank {self.rank} was unregistered")
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                release = self._closed and self._users == 0
-            if release:
-                self._release_all()
+        return self._held.hold()
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            release = self._users == 0
-        if release:
-            self._release_all()
+        """No new copy; the mappings are released now, or once the last copy holding them ends."""
+        self._held.close(self._release_all)
+
+    def _unregistered(self) -> PlanError:
+        return PlanError(f"rank {self.rank} was unregistered")
 
     def _release_all(self) -> None:
         with self._lock:
