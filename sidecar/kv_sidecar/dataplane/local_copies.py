@@ -11,12 +11,12 @@ import contextlib
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from kv_sidecar.dataplane.jobs import Halt, LocalCopy, Tokens, join_tokens, joinable
+from kv_sidecar.dataplane.jobs import Halt, LocalCopy, RankKey, Tokens, join_tokens, joinable
 from kv_sidecar.dataplane.ranks import HostRank, MappedRanks
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute import gpu
@@ -100,14 +100,15 @@ def copy_host_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) ->
     executor call costs its own checks and index tables, whatever its size."""
     out: list[int | BaseException] = [0] * len(jobs)
     pairs: dict[tuple[object, ...], _Pair] = {}
-    with contextlib.ExitStack() as held:  # every rank's memory until the copies end
+    with contextlib.ExitStack() as stack:  # every rank's memory until the copies end
+        hold = _Holds(stack)
         for k, (job, halt) in enumerate(jobs):
             try:  # a copy stopped, or whose ranks are gone, fails alone before any of it runs
                 halt.remaining()
                 reads = [(read, ranks.host(read.src), ranks.host(read.dst)) for read in job.reads]
-                for _, src, dst in reads:
-                    held.enter_context(src.in_use())
-                    held.enter_context(dst.in_use())
+                for read, src, dst in reads:
+                    hold(read.src, src)
+                    hold(read.dst, dst)
             except Exception as e:
                 out[k] = e
                 continue
@@ -189,7 +190,8 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
     wait fails every copy."""
     out: list[int | BaseException] = [0] * len(jobs)
     devices: set[int] = set()
-    with contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as stack:
+        hold = _Holds(stack)
         try:
             pairs: dict[tuple[object, ...], _Pair] = {}
             for k, (job, halt) in enumerate(jobs):
@@ -200,8 +202,8 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
                     views = []
                     for read in job.reads:
                         src, dst = ranks.gpu(read.src), ranks.gpu(read.dst)
-                        held.enter_context(src.in_use())
-                        held.enter_context(dst.in_use())
+                        hold(read.src, src)
+                        hold(read.dst, dst)
                         views.append((read, dst.device, src.view(dst.device), dst.view(dst.device)))
                 except Exception as e:
                     out[k] = e
@@ -217,6 +219,24 @@ def copy_gpu_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) -> 
             for dev in devices:  # no kernel of ours may write after the copies return
                 torch.cuda.current_stream(dev).synchronize()
     return out
+
+
+class _Holdable(Protocol):
+    def in_use(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class _Holds:
+    """Holds each rank that several copies use once, until `stack` closes (not once per copy: a
+    PullBatch of 16 reads the same two ranks 16 times)."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._held: set[RankKey] = set()
+
+    def __call__(self, key: RankKey, rank: _Holdable) -> None:
+        if key not in self._held:
+            self._stack.enter_context(rank.in_use())  # fails for a rank unregistered meanwhile
+            self._held.add(key)
 
 
 def _bounded(items: list[int], sizes: list[int]) -> list[list[int]]:
