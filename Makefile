@@ -43,6 +43,7 @@ image-smoke: setup image-cpu  ## two sidecar containers from the CPU image, prov
 lint: setup
 	$(BIN)/ruff check sidecar client tests scripts bench examples
 	$(BIN)/ruff format --check sidecar client tests scripts bench examples
+	$(BIN)/mypy
 
 protos: setup  ## regenerate client/kv_sidecar_client/_proto from protos/
 	$(BIN)/python scripts/gen_protos.py

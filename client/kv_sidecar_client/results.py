@@ -138,7 +138,10 @@ def batch_failed(code: str, message: str, blocks: list[list[int]]) -> list[PullR
 class PendingPull(Protocol):
     """A pull in flight, however it was sent."""
 
-    done_at: float  # time.monotonic() when its answer was seen; 0 before
+    @property
+    def done_at(self) -> float:
+        """time.monotonic() when its answer was seen; 0 before."""
+        ...
 
     def done(self) -> bool: ...
 

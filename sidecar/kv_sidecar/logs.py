@@ -90,7 +90,7 @@ class TextFormatter(logging.Formatter):
             second = int(record.created)
             text = time.strftime(self.default_time_format, self.converter(record.created))
             self._second = (second, text)  # one assignment: another thread sees the old pair or the new
-        return self.default_msec_format % (text, record.msecs)
+        return (self.default_msec_format or "%s,%03d") % (text, record.msecs)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -116,7 +116,7 @@ class _Deferred(logging.handlers.QueueHandler):
         return record
 
 
-class _Batched(logging.StreamHandler):  # type: ignore[type-arg]
+class _Batched(logging.StreamHandler):
     """Formats each record as it comes and writes them in one go when the writer runs dry, or every
     `_BATCH` records: one write and flush per batch, not per record."""
 
@@ -150,10 +150,14 @@ class _Writer(logging.handlers.QueueListener):
     the GIL (to format and write) just as the pull that logged is answering, which cost ~0.1 ms of a
     0.5 ms same-sidecar pull (bench/trace_pull.py --local, log level INFO against WARNING)."""
 
+    def __init__(self, records: queue.SimpleQueue[logging.LogRecord], *handlers: logging.Handler) -> None:
+        super().__init__(records, *handlers)
+        self._records = records  # as itself: the base class knows only that it takes records
+
     def dequeue(self, block: bool) -> logging.LogRecord:
         while True:
             try:
-                return self.queue.get_nowait()  # type: ignore[no-any-return]
+                return self._records.get_nowait()
             except queue.Empty:
                 if not block:
                     raise
@@ -187,7 +191,7 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     # A busy sidecar makes a record per transfer, thousands a second, and neither format prints the
     # caller's file and line, thread or process: skip collecting them (the logging HOWTO's
     # "Optimization"; 33 -> 27 us a record here, writer included).
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = _Batched(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -47,7 +48,7 @@ Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 class OkPull(NamedTuple):
     """A path's series that a pull which ended well moves."""
 
-    count: Counter
+    pulls: Counter  # not `count`, which a tuple has already
     bytes: Counter
     duration: Histogram
     throughput: Histogram
@@ -236,7 +237,7 @@ class Metrics:
 
     def bind_nixl(self, counts: Callable[[], dict[str, int]]) -> None:
         for kind in ("registrations", "dlists", "remote_agents", "transfers_open"):
-            self.nixl_held.labels(kind).set_function(lambda k=kind: counts()[k])
+            self.nixl_held.labels(kind).set_function(functools.partial(_count_of, counts, kind))
         self.nixl_release_failures.set_function(lambda: counts()["release_failures"])
 
 
@@ -284,3 +285,7 @@ class _WorkerMetrics(Collector):
 
 def _worker_name(name: str) -> str:
     return "kvsidecar_worker_" + name.removeprefix("kvsidecar_")
+
+
+def _count_of(counts: Callable[[], dict[str, int]], kind: str) -> int:
+    return counts()[kind]

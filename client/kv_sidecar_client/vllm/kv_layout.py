@@ -25,6 +25,7 @@ Pure: torch tensors and callables in, plain data out; no vLLM import.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ def describe(
         for i, write in enumerate(writers):
             if write is None:
                 continue
-            got = _probe_page_order(layers[i], write, info, layout, lambda r, i=i: refuse(r, i))
+            got = _probe_page_order(layers[i], write, info, layout, functools.partial(refuse, layer=i))
             if found is not None and got != found[0]:
                 raise refuse(f"its kernel writes {got} pages, {names[found[1]]}'s kernel {found[0]}", i)
             found = found or (got, i)

@@ -353,7 +353,7 @@ class SidecarScheduler:
                 self._release(p, "served from the decode prefix cache")
             return
         orders = []
-        groups = self.groups or [None] * len(plist)
+        groups: Sequence[KVGroup | None] = self.groups or [None] * len(plist)
         for g, (group, params, (block_ids, num_cached_blocks, num_null_blocks)) in enumerate(
             zip(groups, plist, tables, strict=True)
         ):

@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-sidecar demo: {e}", file=sys.stderr)
         failed = True
     finally:
-        for e in engines:
-            e.stop()
+        for engine in engines:
+            engine.stop()
         codes = [s.stop() for s in sidecars]
         if any(codes):
             print(f"sidecar exit codes {codes}", file=sys.stderr)

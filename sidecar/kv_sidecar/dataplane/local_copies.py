@@ -114,11 +114,14 @@ def copy_host_all(ranks: MappedRanks, jobs: Sequence[tuple[LocalCopy, Halt]]) ->
                 continue
             for read, src, dst in reads:
                 key = (read.src, read.dst, read.heads, job.whole_blocks)
-                views = (src, dst) if job.whole_blocks else (src.view, dst.view)
-                pairs.setdefault(key, _Pair(*views, read.heads, [])).copies.append(k)
-        for key, pair in pairs.items():
+                if job.whole_blocks:
+                    pair = _Pair(src, dst, read.heads, [])
+                else:
+                    pair = _Pair(src.view, dst.view, read.heads, [])
+                pairs.setdefault(key, pair).copies.append(k)
+        for (*_, whole_blocks), pair in pairs.items():
             tokens = [jobs[k][0].tokens for k in pair.copies]
-            if key[-1]:
+            if whole_blocks:
                 _copy_blocks_pair(pair, tokens, out)
             else:
                 _launch_pair(pair, tokens, out, copy_request, None)

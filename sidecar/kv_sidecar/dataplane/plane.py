@@ -187,7 +187,7 @@ class DataPlane:
         self._lock = threading.Lock()
         self._devices: dict[int, DevicePlane] = {}
         self._seen_gpus: set[int] = set()  # GPUs a rank was mapped on (their MPS state reported once)
-        self._uploads: OrderedDict[tuple[str, str], tuple[tuple[int, ...], dict[int, Future[Any]]]] = (
+        self._uploads: OrderedDict[tuple[str, str], tuple[Sequence[int], dict[int, Future[Any]]]] = (
             OrderedDict()
         )
         self._uploader: ThreadPoolExecutor | None = None

@@ -171,23 +171,22 @@ class Reception:
         job, t, ring = self._job, self._job.tokens, self._ring
         if self._ranks.is_gpu(job.dst):
             dst = self._ranks.gpu(job.dst)
-            copies: GpuCopies | HostCopies = GpuCopies(
-                gpu.StagedCopies(
-                    dst.view(dst.device),
-                    job.spec,
-                    job.dst.rank,
-                    job.heads,
-                    t.dst_blocks,
-                    t.num_tokens,
-                    t.start_token,
-                    into_staging=False,
-                )
+            staged = gpu.StagedCopies(
+                dst.view(dst.device),
+                job.spec,
+                job.dst.rank,
+                job.heads,
+                t.dst_blocks,
+                t.num_tokens,
+                t.start_token,
+                into_staging=False,
             )
             # The first chunk's launch template, before its notification: it lands in the first slot
             # offered, as large as a slot holds (a source with smaller slots sends smaller chunks,
             # whose template is then computed on arrival).
             t1 = min(t.num_tokens, t.start_token + self._blocks_per_slot * job.spec.block_size)
-            copies.staged.prepare(t.start_token, t1, ring.slot_address(self._slots[0]))
+            staged.prepare(t.start_token, t1, ring.slot_address(self._slots[0]))
+            copies: GpuCopies | HostCopies = GpuCopies(staged)
         else:
             host = HostCopies(
                 self._ranks.host(job.dst).view, job.spec, job.dst.rank, job.heads, t.dst_blocks, ring, False

@@ -88,7 +88,7 @@ def new_ring(
     mem = "DRAM" if device == HOST else "VRAM"
     key = nixl.register([(buf.data_ptr(), buf.numel(), max(device, 0))], mem_type=mem)
     in_use = metrics.staging_in_use
-    pool = SlotPool(slots, on_change=lambda n, b=slot_bytes: in_use.inc(n * b), reserve=reserve)
+    pool = SlotPool(slots, on_change=lambda n: in_use.inc(n * slot_bytes), reserve=reserve)
     ring = Ring(device, buf, slots, slot_bytes, pool, key)
     if role == "recv":
         ring.metadata = nixl.partial_metadata(key)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kv_sidecar.execute import gpu_geometry as geo
-from kv_sidecar.plan.blocks import check_copy, dst_block_count, local_heads
+from kv_sidecar.plan.blocks import BlockIds, check_copy, dst_block_count, local_heads
 from kv_sidecar.plan.spec import EngineSpec, PlanError
 
 # Bytes moved per program: large enough that each program keeps several 16-byte
@@ -250,8 +250,8 @@ def copy_request(
     src: GpuRankView,
     dst: GpuRankView,
     heads: tuple[int, int] | None,
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     num_tokens: int,
     start_token: int = 0,
     *,
@@ -330,8 +330,8 @@ def prepare_request(
     src: GpuRankView,
     dst: GpuRankView,
     heads: tuple[int, int] | None,
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     num_tokens: int,
     start_token: int = 0,
     *,
@@ -366,7 +366,7 @@ def prepare_request(
 
 
 def _upload_ids(
-    src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dev: torch.device, stream: Any
+    src_block_ids: BlockIds, dst_block_ids: BlockIds, dev: torch.device, stream: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both id lists as int32 on `dev`, in one copy uploaded on `stream`; the destination's start
     16-byte aligned so that the launch specialises the same way. A pageable copy: through torch's
@@ -387,7 +387,7 @@ def _upload_ids(
     return ids[:n_src], ids[d0:]
 
 
-def upload_block_ids(block_ids: Sequence[int], device: int) -> torch.Tensor:
+def upload_block_ids(block_ids: BlockIds, device: int) -> torch.Tensor:
     """A request's block ids as int32 on a GPU, ready for any stream: uploaded ahead of a transfer
     (a published request, before its reader asks), off the transfer's critical path. On a side stream
     of its own, waited for here: the caller is a background thread."""
@@ -546,7 +546,7 @@ class StagedCopies:
         staging_spec: EngineSpec,
         staging_rank: int,
         heads: tuple[int, int] | None,
-        engine_block_ids: Sequence[int],
+        engine_block_ids: BlockIds,
         num_tokens: int,
         start_token: int = 0,
         *,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_sidecar.plan.blocks import check_copy
+from kv_sidecar.plan.blocks import BlockIds, check_copy
 from kv_sidecar.plan.spec import K_TRANSPOSED, EngineSpec, PlanError, kv_in_last_dim, tensor_dims
 
 CANONICAL = "LKNBHD"  # layer, K/V, kernel block, token in kernel block, local head, dim
@@ -163,8 +163,8 @@ def copy_request(
     src: RankView,
     dst: RankView,
     heads: tuple[int, int] | None,
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     num_tokens: int,
     start_token: int = 0,
 ) -> int:
@@ -218,7 +218,7 @@ def _runs_pay(runs: int, pairs: int, nbytes: int) -> bool:
 
 
 def _slots(
-    block_ids: Sequence[int], first_pos: int, spec: EngineSpec, tokens: np.ndarray
+    block_ids: BlockIds, first_pos: int, spec: EngineSpec, tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(kernel block, slot in kernel block) of each token; block_ids[0] holds block number first_pos."""
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

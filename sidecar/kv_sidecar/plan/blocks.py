@@ -27,6 +27,10 @@ import numpy as np
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import MUST_MATCH, EngineSpec, PlanError
 
+# Block ids as the checks and executors take them: a list, or an int array (how a pull carries them,
+# server/pull_job.ids_array: every check then takes the vectorised path).
+BlockIds = Sequence[int] | np.ndarray
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks of `block_size` needed to hold `num_tokens` tokens."""
@@ -51,7 +55,7 @@ def published_block_count(num_tokens: int, first_token: int, block_size: int) ->
 
 
 def check_published(
-    what: str, block_ids: Sequence[int], num_tokens: int, first_token: int, block_size: int, num_blocks: int
+    what: str, block_ids: BlockIds, num_tokens: int, first_token: int, block_size: int, num_blocks: int
 ) -> None:
     """A published range: `block_ids` hold tokens [first_token, num_tokens) at `block_size`, each once.
 
@@ -79,7 +83,7 @@ def check_published(
     check_block_ids(what, block_ids, num_blocks)
 
 
-def source_block_list(block_ids: Sequence[int], first_token: int, block_size: int) -> list[int]:
+def source_block_list(block_ids: BlockIds, first_token: int, block_size: int) -> list[int]:
     """The full form (one id per block position from token 0) of blocks holding [first_token, ...).
 
     The positions before first_token get the first held id as a placeholder: a valid id, so that
@@ -102,7 +106,7 @@ def check_start(start_token: int, first_token: int, num_tokens: int) -> None:
         )
 
 
-def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool = True) -> None:
+def check_block_ids(what: str, ids: BlockIds, num_blocks: int, unique: bool = True) -> None:
     """Every id in [0, num_blocks) and, if `unique`, none repeated (a repeat would be written twice)."""
     if _ids_ok(ids, num_blocks, unique):
         return
@@ -123,7 +127,7 @@ def check_block_ids(what: str, ids: Sequence[int], num_blocks: int, unique: bool
 _FEW_IDS = 64
 
 
-def _ids_ok(ids: Sequence[int], num_blocks: int, unique: bool) -> bool:
+def _ids_ok(ids: BlockIds, num_blocks: int, unique: bool) -> bool:
     """Vectorised fast path: a request has thousands of ids; the loop above only finds the culprit.
     Its cost must follow the request, not the cache: engines have 10^5 blocks and more."""
     if isinstance(ids, np.ndarray):
@@ -162,7 +166,7 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     try:
-        return operator.index(value)  # type: ignore[call-overload]
+        return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
 
@@ -220,8 +224,8 @@ def check_copy(
     dst: EngineSpec,
     dst_rank: int,
     heads: tuple[int, int] | None,
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     num_tokens: int,
     start_token: int = 0,
 ) -> CopyShape:
@@ -273,9 +277,9 @@ def check_copy_counts(
 
 def check_pull(
     plan: PairPlan,
-    src_block_ids: Sequence[int],
+    src_block_ids: BlockIds,
     num_tokens: int,
-    dst_block_ids: Sequence[int],
+    dst_block_ids: BlockIds,
     start_token: int = 0,
     first_token: int = 0,
 ) -> None:
@@ -311,7 +315,7 @@ def check_pull(
 
 
 def needed_src_blocks(
-    plan: PairPlan, src_block_ids: Sequence[int], num_tokens: int, start_token: int = 0
+    plan: PairPlan, src_block_ids: BlockIds, num_tokens: int, start_token: int = 0
 ) -> list[int]:
     """Positions in `src_block_ids` of the blocks holding tokens [start_token, num_tokens).
 

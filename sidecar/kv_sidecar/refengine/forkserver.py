@@ -74,9 +74,10 @@ def _run_child(request: dict[str, object], fds: list[int]) -> int:
         os.dup2(fd, target)
         os.close(fd)
     # Fresh stdio objects: the server's may hold buffered data, and point at its own pipes.
-    sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (lives as long as the process)
-    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # (typeshed calls sys.__stdin__ and the others Final; the child replaces them on purpose)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)  # type: ignore[misc]  # noqa: SIM115 (lives as long as the process)
+    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # type: ignore[misc]  # noqa: SIM115
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # type: ignore[misc]  # noqa: SIM115
     env = {str(k): str(v) for k, v in dict(request["env"]).items()}  # type: ignore[call-overload]
     os.environ.clear()
     os.environ.update(env)
@@ -133,11 +134,11 @@ def serve(path: str) -> int:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn = watching.pop(pid, None)
-            if conn is not None:
+            waiter = watching.pop(pid, None)
+            if waiter is not None:
                 with contextlib.suppress(OSError):  # else the client is gone: nobody waits for this exit
-                    conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                conn.close()
+                    waiter.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                waiter.close()
     server.close()
     return 0
 

@@ -169,7 +169,7 @@ class ForkedProcess:
                 raise ProcessError(f"the fork server went away before {self.args[2]}'s exit was known")
             self._buf += more
         line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)  # type: ignore[no-any-return]
+        return json.loads(line)
 
     def _collect(self, timeout_s: float | None) -> None:
         """Take the exit message if it comes within `timeout_s`; the caller holds the lock."""
@@ -416,7 +416,7 @@ class SidecarProcess(_Proc):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(2)  # faulthandler writes from its signal handler, GIL or not
                 self.kill()
-        return self.proc.returncode
+        return self.proc.wait()  # ended by now (waited for above, or killed): its code at once
 
 
 class EngineProcess(_Proc):

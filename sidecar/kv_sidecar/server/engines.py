@@ -105,7 +105,8 @@ class RankEntry:
         """NIXL's name for where the rank lives."""
         return self.memory.kind
 
-    def emit(self, event: engine_pb2.Event) -> None:
+    def emit(self, event: engine_pb2.Event | None) -> None:
+        """An event for the rank's event streams; None ends them (the rank is unregistered)."""
         self.events.put(event)
 
 

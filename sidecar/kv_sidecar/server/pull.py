@@ -256,7 +256,7 @@ class Puller:
             ) from None
         elapsed = time.perf_counter() - start
         ok = self._metrics.pull_ok(path)
-        ok.count.inc()
+        ok.pulls.inc()
         ok.bytes.inc(nbytes)
         ok.duration.observe(elapsed)
         ok.throughput.observe(nbytes / elapsed if elapsed > 0 else 0)

@@ -112,7 +112,7 @@ def repeated_members(pulls: list[engine_pb2.PullRequest]) -> dict[int, int]:
     return out
 
 
-def failed(e: BaseException, index: int) -> engine_pb2.PullOutcome:
+def failed(e: Exception, index: int) -> engine_pb2.PullOutcome:
     err = as_sidecar_error(e)
     return engine_pb2.PullOutcome(
         code=err.code.name, message=err.message, trailers=dict(err.metadata), index=index
@@ -171,7 +171,7 @@ class PullBatches:
         streamed = on_outcome is not None
         for i, j in repeated_members(pulls).items():
             p = pulls[i]
-            outcomes[i] = failed(
+            refused = failed(
                 SidecarError(
                     Code.INVALID_ARGUMENT,
                     f"pulls[{i}] pulls request {p.params.request_id!r} of engine {p.params.engine_id!r} into "
@@ -179,7 +179,8 @@ class PullBatches:
                 ),
                 i,
             )
-            told([outcomes[i]])
+            outcomes[i] = refused
+            told([refused])
         # Members that wait for nothing but their moves as one unit on this thread; others from another
         # sidecar side by side on the pool. Without the unit, copies on this node are CPU work: one
         # after another here, while those on the pool wait.
@@ -201,8 +202,12 @@ class PullBatches:
                 outcomes[i] = self._member(i, pulls[i], hangup, later, told, streamed)
         for i, fut in waiting:
             outcomes[i] = fut.result()
+        answered = [
+            o if o is not None else failed(RuntimeError("the member got no outcome"), i)
+            for i, o in enumerate(outcomes)
+        ]
         return engine_pb2.PullBatchResponse(
-            outcomes=outcomes, duration_us=int((time.perf_counter() - start) * 1e6)
+            outcomes=answered, duration_us=int((time.perf_counter() - start) * 1e6)
         )
 
     def _together_run(

@@ -55,4 +55,4 @@ def run_steps(steps: Steps[R], move: Callable[[Want], int], start: Callable[[], 
             else:
                 want = steps.send(moved)
     except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+        return done.value

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -224,7 +224,7 @@ class NixlDriver:
             try:
                 item = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
             except queue.Empty:
-                item = ()  # type: ignore[assignment]
+                item = ()
             if item is None:
                 return
             if item is _WAKE:
@@ -284,12 +284,11 @@ class NixlDriver:
         now = time.monotonic()
         still: list[_Inflight] = []
         for x in self._inflight:
+            err: Exception | None = None
             try:
                 state = self._agent.check_xfer_state(x.handle)
             except Exception as e:
                 state, err = "ERR", e
-            else:
-                err = None
             if state == "PROC" and now < x.deadline:
                 still.append(x)
                 continue
@@ -464,7 +463,7 @@ class NixlDriver:
                 except Exception:
                     log.debug("could not release a list prepared against %s", name, exc_info=True)
 
-    def register(self, regions: list[tuple[int, int, int]], mem_type: str = "DRAM") -> int:
+    def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str = "DRAM") -> int:
         """Register (address, length, device) regions; returns a key for deregister."""
 
         def reg(a: Any) -> int:
