@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -224,3 +225,14 @@ def test_a_rank_copied_into_itself_reads_every_block_before_it_writes() -> None:
         view[:, :, b] = b + 1
     copy_request(rank, rank, (0, 8), [0, 1, 2, 3], [1, 2, 3, 4], 4 * 16)
     assert [int(view[0, 0, b, 0, 0, 0]) for b in range(5)] == [1, 1, 2, 3, 4]
+
+
+def test_runs_break_where_either_side_stops_following_on() -> None:
+    """Tokens 0-5: the source's kernel blocks 4, 5 (one axis, 2 slots each: rows 8-11) then 9; the
+    destination's 0 and 1 apart (3 slots each, not one axis: no run crosses its block)."""
+    s_rows = host_executor._rows((np.array([4, 4, 5, 5, 9, 9]), np.array([0, 1, 0, 1, 0, 1])), 2, True)
+    d_rows = host_executor._rows((np.array([0, 0, 0, 1, 1, 1]), np.array([0, 1, 2, 0, 1, 2])), 3, False)
+    assert s_rows.tolist() == [8, 9, 10, 11, 18, 19]
+    assert d_rows.tolist() == [0, 1, 2, 4, 5, 6]
+    # Breaks: before token 3 (the destination changes block), before token 4 (the source jumps).
+    assert host_executor._runs(s_rows, d_rows) == [(0, 3), (3, 1), (4, 2)]
