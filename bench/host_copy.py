@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "client"), str(ROOT / "bench")]
+import latency  # noqa: E402
 from report import gpus, write_section  # noqa: E402
 
 from kv_sidecar.execute import host  # noqa: E402
@@ -41,17 +42,9 @@ from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
 
 SECTION = "Host copies by runs (bench/host_copy.py)"
 
-# node_scaling.py's host rank: 4 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks (256 KiB).
-MODEL = EngineSpec(
-    tp_size=1,
-    num_layers=4,
-    num_kv_heads=8,
-    head_dim=128,
-    dtype="bfloat16",
-    block_size=16,
-    num_blocks=320,
-    layout="flash_attn_nhd",
-)
+# bench/latency.py's one-block rank, node_scaling.py's host rank: 4 layers, 8 KV heads, head_dim 128, bf16,
+# 16-token blocks (256 KiB a block); 320 blocks, room for every case's scattered ids.
+MODEL = dataclasses.replace(latency.SPEC, num_blocks=320)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,30 +58,39 @@ class Case:
     fused: bool = True  # a rank's layers back to back in one allocation (else one tensor each, apart)
 
 
-def _with(spec: EngineSpec, **over: Any) -> EngineSpec:
-    return dataclasses.replace(spec, **over)
-
-
 CASES = [
     Case("1 block", MODEL, MODEL, 1, False),
     Case("16 blocks in a row", MODEL, MODEL, 16, False),
     Case("16 blocks scattered", MODEL, MODEL, 16, True),
     Case("256 blocks scattered", MODEL, MODEL, 256, True),
     Case("16 blocks scattered, layers apart", MODEL, MODEL, 16, True, fused=False),
-    Case("16 blocks, 16 -> 32-token blocks", MODEL, _with(MODEL, block_size=32, num_blocks=160), 16, True),
-    Case("16 blocks, NHD -> HND", MODEL, _with(MODEL, layout="flash_attn_hnd"), 16, True),
     Case(
-        "16 blocks, vllm_cpu 16 -> 32-token blocks",
-        _with(MODEL, layout="vllm_cpu"),
-        _with(MODEL, layout="vllm_cpu", block_size=32, num_blocks=160),
+        "16 blocks, 16 -> 32-token blocks",
+        MODEL,
+        dataclasses.replace(MODEL, block_size=32, num_blocks=160),
         16,
         True,
     ),
-    Case("16 blocks, TP 1 -> 2 (half the heads)", MODEL, _with(MODEL, tp_size=2), 16, True, heads=(0, 4)),
+    Case("16 blocks, NHD -> HND", MODEL, dataclasses.replace(MODEL, layout="flash_attn_hnd"), 16, True),
+    Case(
+        "16 blocks, vllm_cpu 16 -> 32-token blocks",
+        dataclasses.replace(MODEL, layout="vllm_cpu"),
+        dataclasses.replace(MODEL, layout="vllm_cpu", block_size=32, num_blocks=160),
+        16,
+        True,
+    ),
+    Case(
+        "16 blocks, TP 1 -> 2 (half the heads)",
+        MODEL,
+        dataclasses.replace(MODEL, tp_size=2),
+        16,
+        True,
+        heads=(0, 4),
+    ),
     Case(
         "48 one-token blocks, 1 head of 8 (tiny)",
-        _with(MODEL, num_layers=1, num_kv_heads=1, head_dim=8, block_size=1),
-        _with(MODEL, num_layers=1, num_kv_heads=1, head_dim=8, block_size=1),
+        dataclasses.replace(MODEL, num_layers=1, num_kv_heads=1, head_dim=8, block_size=1),
+        dataclasses.replace(MODEL, num_layers=1, num_kv_heads=1, head_dim=8, block_size=1),
         48,
         True,
         heads=(0, 1),
