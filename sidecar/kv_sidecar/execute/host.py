@@ -272,13 +272,14 @@ def _copy_indexed(
     element_size: int,
 ) -> int:
     """Every token at once: one advanced-index gather and one index_put per (layer, plane) pair."""
-    s_block, s_slot, s_heads = (torch.from_numpy(src_at[0]), torch.from_numpy(src_at[1]), src_at[2])
-    d_block, d_slot, d_heads = (torch.from_numpy(dst_at[0]), torch.from_numpy(dst_at[1]), dst_at[2])
+    s_dev, d_dev = pairs[0][0].device, pairs[0][1].device  # each side's views share one device
+    s_block, s_slot = (torch.from_numpy(a).to(s_dev) for a in src_at[:2])
+    d_block, d_slot = (torch.from_numpy(a).to(d_dev) for a in dst_at[:2])
     written = 0
     for s_view, d_view in pairs:
         # [L, K, T, H, D]: the two advanced indices are adjacent, so T lands in their place.
-        data = s_view[:, :, s_block.to(s_view.device), s_slot.to(s_view.device), s_heads]
-        d_view[:, :, d_block.to(d_view.device), d_slot.to(d_view.device), d_heads] = data.to(d_view.device)
+        data = s_view[:, :, s_block, s_slot, src_at[2]]
+        d_view[:, :, d_block, d_slot, dst_at[2]] = data.to(d_dev)
         written += data.numel()
     return written * element_size
 
