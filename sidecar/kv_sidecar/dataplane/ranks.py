@@ -55,10 +55,10 @@ class HostRank:
     nixl_key: int | None = None
     local_dlist: int | None = None  # every chunk of this rank, prepared once
     dlist_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    held: HeldMemory = field(init=False, repr=False)
+    _held: HeldMemory = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.held = HeldMemory(functools.partial(_gone, self.key))
+        self._held = HeldMemory(functools.partial(_gone, self.key))
 
     @property
     def region_bases(self) -> list[int]:
@@ -66,11 +66,11 @@ class HostRank:
 
     def in_use(self) -> contextlib.AbstractContextManager[None]:
         """Hold the memory for the duration of a copy, even if the rank is unregistered meanwhile."""
-        return self.held.hold()
+        return self._held.hold()
 
     def close(self, release: Callable[[], None]) -> None:
         """No new copy may hold it; `release` runs now, or once the last copy holding it ends."""
-        self.held.close(release)
+        self._held.close(release)
 
 
 class MappedRanks:
