@@ -283,13 +283,17 @@ class Sidecar:
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stop.set()
-        self.servers.stop(grace_s)
-        self.peers.close()
+        self.drain.begin()  # peers' new reads refused meanwhile, as in a drain
+        self.servers.stop_engine_side(grace_s)
         self.engines.close()
         self.nixl.stop()  # deregisters the GPU rings before their memory goes
         self.push_threads.close()
         self.engine_calls.close()
         self.plane.close()
+        self.peers.close()
+        # Last: a source that finds this port refusing takes our engines' reads over (gone_readers.py),
+        # which is sound only once nothing here can READ (the NIXL agent, the workers' agents) any more.
+        self.servers.stop_peer_side(grace_s)
         log.info("sidecar %s stopped", self.sidecar_id)
 
     def wait(self) -> None:

@@ -141,6 +141,11 @@ class Servers:
             hs.set(name, status)
 
     def stop(self, grace_s: float) -> None:
+        self.stop_engine_side(grace_s)
+        self.stop_peer_side(grace_s)
+
+    def stop_engine_side(self, grace_s: float) -> None:
+        """Everything but the peer port, which stays open until `stop_peer_side`."""
         if self._http is not None:
             # Its loop looks for a shutdown only every 0.5 s: it ends (and closes its port) on its own
             # thread, while the rest stops and the process exits, instead of adding 0.5 s to each stop.
@@ -149,11 +154,15 @@ class Servers:
             hs.enter_graceful_shutdown()
         if self.lane is not None:
             self.lane.stop()
-        for ev in [srv.stop(grace_s) for srv in (self._engine, self._peer)]:
-            ev.wait(grace_s + 1)
+        self._engine.stop(grace_s).wait(grace_s + 1)
         sock = self._settings.engine_socket
         if os.path.exists(sock):
             os.unlink(sock)
+
+    def stop_peer_side(self, grace_s: float) -> None:
+        """Closes the peer port: a peer that finds it refusing may take this sidecar's reads over
+        (server/gone_readers.py), so the composition root calls this once nothing here reads any more."""
+        self._peer.stop(grace_s).wait(grace_s + 1)
 
 
 def _close_http(httpd: Any) -> None:
