@@ -32,6 +32,7 @@ class Settings:
     nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
     open_answer_wait_us: int = 2000
+    reader_probe_ms: int = 500
     lease_ms: int = 30_000
     leader_wait_ms: int = 10_000
     pull_timeout_ms: int = 30_000
@@ -102,6 +103,13 @@ class Settings:
         "open_answer_wait_us": "how long a reader waits for the answer to an OpenRead sent as a notification "
         "before it makes the call too and takes whichever answer comes first: longer spares the source "
         "duplicate opens where notifications are slow (a loaded host), shorter bounds what a lost one costs",
+        "reader_probe_ms": "when an engine asks for a request that another engine's read holds, and that "
+        "read did not fail here, how long this sidecar waits to learn whether the other reader's sidecar "
+        "still runs, dialing its peer address: a port that refuses, or another sidecar answering there, "
+        "proves it gone and the asking engine takes the request over (a decode sidecar that died mid-read "
+        "over host_transfer: read, whose one-sided READs the source never sees fail); no answer in time "
+        "proves nothing. 0: never ask (a request stays its reader's until its lease ends). Set 0 where a "
+        "firewall between sidecars rejects connections rather than dropping them",
         "lease_ms": "default lease of published blocks, in milliseconds",
         "leader_wait_ms": "how long a rank registering here under another sidecar's lead waits for that leader "
         "to hold a rank of the engine (an engine's ranks start together; the leader's may register second)",
@@ -145,6 +153,7 @@ class Settings:
         "staged_group_reads": 1,
         "nixl_quiet_poll_ms": 1,
         "open_answer_wait_us": 0,
+        "reader_probe_ms": 0,
         "leader_wait_ms": 0,
         "gpu_staging_reserve": 0,
     }

@@ -171,9 +171,7 @@ def test_keep_alive_checks_every_params_before_calling_anyone() -> None:
 
 def test_a_failed_pull_closes_its_reads_on_every_holder_even_when_one_is_down() -> None:
     w = World({("10.0.0.2:5000", "close_read"): PeerCallError(Code.UNAVAILABLE, "down")})
-    opener = Opener(
-        ME.sidecar_id, w.peers, NotifiedOpens(False, 0.002, w.peers, w.nixl, w.metrics), w.metrics
-    )
+    opener = Opener(ME, w.peers, NotifiedOpens(False, 0.002, w.peers, w.nixl, w.metrics), w.metrics)
     holders = [Holder("a", "10.0.0.2:5000", "a"), Holder("b", "10.0.0.3:5000", "b")]
     req = engine_pb2.PullRequest(engine_id="d", params=params())
     opener.close_reads(holders, req, [0, 1], failed=True)

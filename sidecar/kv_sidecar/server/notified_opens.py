@@ -32,7 +32,7 @@ from kv_sidecar.server.drain import Drain, draining_message
 from kv_sidecar.server.peer_calls import PeerFuture, peer_error
 from kv_sidecar.server.peers import BACKOFF_S, MISSES_TO_BACK_OFF, Holder, PeerLink, Peers
 from kv_sidecar.server.push_runs import PushKeys, PushRuns
-from kv_sidecar.server.reads import SourceReads
+from kv_sidecar.server.reads import ProbeFirst, SourceReads
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import OPEN_TAG, SEP, signed_notif
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
@@ -81,7 +81,10 @@ class OpenAnswers:
         try:
             if self._drain.draining:
                 raise SidecarError(Code.UNAVAILABLE, draining_message(OPEN_READ))
-            reply.response.CopyFrom(self._reads.open_read(req, peer))
+            reply.response.CopyFrom(self._reads.open_read(req, peer, probe=False))
+        except ProbeFirst:
+            log.debug("OpenRead notification from %s left to its call: its request's reader is probed", agent)
+            return
         except Exception as e:
             err = handler_error(e)
             reply.code, reply.message = int(err.code), err.message

@@ -35,10 +35,14 @@ class Published:
     lease_s: float
     deadline: float  # time.monotonic()
     reader: str | None = None  # decode engine id reading it
-    # The reader's read failed here with none of it left running (its transfer failed, or it said so):
-    # another engine may take the request over, as a router that retries it on another decode
-    # instance does once that reader's sidecar died (`open_read`).
-    reader_failed: bool = False
+    # The sidecars that opened it for the reader: sidecar id -> its peer address ("" where it sent
+    # none), where server/gone_readers.py asks whether they still run.
+    reader_sidecars: dict[str, str] = field(default_factory=dict)
+    # Why nothing of the reader's read runs any more ("" while it may): its read failed here (its
+    # transfer failed, or it said so), or each of its sidecars is proven gone. Another engine may then
+    # take the request over, as a router that retries it on another decode instance does once that
+    # reader's sidecar died (`open_read`).
+    reader_failed: str = ""
     consumed_any: bool = False  # a prefill rank's "consumed" fired: its blocks may be gone
     # Prefill ranks this sidecar tracks; None: all of them. An engine spread over
     # several sidecars (docs/multinode.md) is tracked by each for its own ranks.
@@ -77,6 +81,18 @@ class Published:
 
 # Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
 EventSink = Callable[[str, int, "Published"], None]
+
+
+class ReadByAnother(SidecarError):
+    """Refused: another engine reads the request, and nothing says that its read ended. `sidecars`: that
+    reader's sidecars as `Published.reader_sidecars` had them, for `reader_gone`."""
+
+    def __init__(self, request_id: str, reader: str, sidecars: dict[str, str]) -> None:
+        super().__init__(
+            Code.FAILED_PRECONDITION, f"request {request_id!r} is already being read by engine {reader!r}"
+        )
+        self.reader = reader
+        self.sidecars = sidecars
 
 
 class PublishedStore:
@@ -189,34 +205,37 @@ class PublishedStore:
         plan: PairPlan,
         ranks: list[int],
         min_hold_s: float,
+        reader_sidecar: str = "",
+        reader_address: str = "",
     ) -> Published:
-        """Start (part of) a read: fix the reader, and hold the lease while it runs. Another engine
-        takes a request over from a reader whose read failed here (`read_failed`) before any of its
+        """Start (part of) a read: fix the reader, and hold the lease while it runs. `reader_sidecar`
+        opens it for the reader, and answers at `reader_address`. Another engine takes a request over
+        from a reader whose read ended here (`read_failed`, `reader_gone`) before any of its
         "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
-        its router retries it on, not lost until its lease runs out."""
+        its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
         with self._lock:
             item = self.get_live(engine_id, request_id)
             taken_from = None
             if item.reader is not None and item.reader != reader:
                 if not (item.reader_failed and not item.consumed_any):
-                    raise SidecarError(
-                        Code.FAILED_PRECONDITION,
-                        f"request {request_id!r} is already being read by engine {item.reader!r}",
-                    )
-                taken_from, item.reader = item.reader, None
+                    raise ReadByAnother(request_id, item.reader, dict(item.reader_sidecars))
+                taken_from, why, item.reader = item.reader, item.reader_failed, None
             if item.reader is None:
                 item.reader = reader
+                item.reader_sidecars = {}
                 held = range(plan.prefill.tp_size) if item.ranks is None else item.ranks
                 item.pending = {p: set(plan.consumers_of(p)) for p in held}
-            item.reader_failed = False  # it reads (again)
+            item.reader_failed = ""  # it reads (again)
+            if reader_sidecar:
+                item.reader_sidecars[reader_sidecar] = reader_address
             for r in ranks:
                 if not 0 <= r < plan.decode.tp_size:
                     raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
             item.deadline = max(item.deadline, self._clock() + min_hold_s)
             if taken_from is not None:
                 log.warning(
-                    "request %s of engine %s: engine %s takes it over from engine %s, whose read failed",
-                    request_id, engine_id, reader, taken_from,
+                    "request %s of engine %s: engine %s takes it over from engine %s, %s",
+                    request_id, engine_id, reader, taken_from, why,
                 )  # fmt: skip
                 if self._on_taken_over is not None:
                     self._on_taken_over(engine_id, request_id, taken_from)
@@ -228,7 +247,18 @@ class PublishedStore:
         with self._lock:
             item = self._items.get((engine_id, request_id))
             if item is not None and item.reader == reader:
-                item.reader_failed = True
+                item.reader_failed = "whose read failed"
+
+    def reader_gone(
+        self, engine_id: str, request_id: str, reader: str, sidecars: dict[str, str], why: str
+    ) -> None:
+        """Every one of `sidecars`, `reader`'s sidecars as a ReadByAnother named them, is proven gone
+        (`why`): nothing of its read runs any more. Nothing changes where the reader or its sidecars
+        changed since (it opened again meanwhile, from a sidecar that runs)."""
+        with self._lock:
+            item = self._items.get((engine_id, request_id))
+            if item is not None and item.reader == reader and item.reader_sidecars == sidecars:
+                item.reader_failed = why
 
     def mark_done(
         self, engine_id: str, request_id: str, reader: str, decode_rank: int, prefill_ranks: list[int]

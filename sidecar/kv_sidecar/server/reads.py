@@ -18,8 +18,9 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
+from kv_sidecar.server.gone_readers import GoneReaders, Seen
 from kv_sidecar.server.peers import cached_plan
-from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
 from kv_sidecar.server.transfers import TransferTracker
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar.transport.notifications import parse_done_batch, parse_done_notification
@@ -78,6 +79,11 @@ def begin_serve(
         transfers.end_serves(item.engine_id, item.request_id, why)
 
 
+class ProbeFirst(SidecarError):
+    """An open that only a probe of the reader's sidecars could decide, on a thread that must not wait
+    for one: the OpenRead call that the reader makes when no answer came decides it."""
+
+
 class SourceReads:
     """Opens of requests published here, for their readers (OpenRead, its notification, a staged Push)."""
 
@@ -90,7 +96,9 @@ class SourceReads:
         plans: ReadPlans,
         pull_timeout_s: float,
         metrics: Metrics,
+        gone: GoneReaders,
     ) -> None:
+        self._gone = gone
         self._engines = engines
         self._published = published
         self._transfers = transfers
@@ -99,16 +107,37 @@ class SourceReads:
         self._pull_timeout_s = pull_timeout_s
         self._metrics = metrics
 
-    def open_read(self, request: peer_pb2.OpenReadRequest, peer: str) -> peer_pb2.OpenReadResponse:
-        """OpenRead, however it came: the plan it names, the open, and what the reader is told."""
+    def open_read(
+        self, request: peer_pb2.OpenReadRequest, peer: str, probe: bool = True
+    ) -> peer_pb2.OpenReadResponse:
+        """OpenRead, however it came: the plan it names, the open, and what the reader is told. A request
+        that another engine reads is taken over where that reader's sidecars are proven gone
+        (server/gone_readers.py); probe False (the NIXL thread, which must not wait for a peer): only
+        where that is known already, else ProbeFirst."""
         plan = self.plans.resolve(request, self._engines.spec)
         path = "host-nixl" if plan.is_identity() else "host-nixl-staged"
-        item = self.open_for_reader(request, plan, peer, path)
+        try:
+            item = self.open_for_reader(request, plan, peer, path)
+        except ReadByAnother as e:
+            self._prove_gone(request, e, probe)
+            item = self.open_for_reader(request, plan, peer, path)
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
             num_tokens=item.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
             first_token=item.first_token,
+        )
+
+    def _prove_gone(self, request: peer_pb2.OpenReadRequest, refused: ReadByAnother, probe: bool) -> None:
+        """Marks the request's reader gone where its sidecars are proven so; else raises the refusal,
+        saying what was seen."""
+        probed = self._gone.verdict(refused.sidecars, probe)
+        if probed is None:
+            raise ProbeFirst(refused.code, refused.message)
+        if probed.seen is not Seen.GONE:
+            raise SidecarError(refused.code, f"{refused.message} ({probed.detail})")
+        self._published.reader_gone(
+            request.engine_id, request.request_id, refused.reader, refused.sidecars, probed.detail
         )
 
     def open_for_reader(
@@ -128,6 +157,8 @@ class SourceReads:
             plan,
             list(request.reader_ranks),
             self._pull_timeout_s,
+            request.sidecar_id,
+            request.reader_address,
         )
         served = item.readers_here(plan, list(request.reader_ranks))
         if served:

@@ -19,6 +19,7 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import DecodeRankPlan
 from kv_sidecar.server.engines import spec_to_proto
+from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.notified_opens import NotifiedOpens
 from kv_sidecar.server.peer_calls import PeerCallError, PeerFuture
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
@@ -121,8 +122,8 @@ CLOSE_TIMEOUT_S = 2.0
 class Opener:
     """The reader's opens and closes of a request on the sidecars that hold its source ranks."""
 
-    def __init__(self, sidecar_id: str, peers: Peers, notified: NotifiedOpens, metrics: Metrics) -> None:
-        self.sidecar_id = sidecar_id
+    def __init__(self, me: Identity, peers: Peers, notified: NotifiedOpens, metrics: Metrics) -> None:
+        self.me = me
         self.peers = peers
         self.notified = notified
         self.metrics = metrics
@@ -142,7 +143,9 @@ class Opener:
         """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
         if remote.open_template is None:  # what every open of this engine pair says (~20-40 us to build)
             remote.open_template = peer_pb2.OpenReadRequest(
-                sidecar_id=self.sidecar_id,
+                sidecar_id=self.me.sidecar_id,
+                # Where the source may ask whether this sidecar still runs (server/gone_readers.py).
+                reader_address=self.me.peer_address,
                 plan_hash=remote.plan.hash(),
                 reader_spec=spec_to_proto(remote.plan.decode),
             )

@@ -17,12 +17,13 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.engine_lane import EngineLane
 from kv_sidecar.server.adapters.engine_service import EngineServicer
-from kv_sidecar.server.adapters.peer_client import grpc_connect
+from kv_sidecar.server.adapters.peer_client import grpc_connect, probe_sidecar
 from kv_sidecar.server.adapters.peer_service import PeerServicer
 from kv_sidecar.server.adapters.servers import Servers
 from kv_sidecar.server.drain import Drain
 from kv_sidecar.server.engine_calls import EngineCalls
 from kv_sidecar.server.engines import EngineRegistry
+from kv_sidecar.server.gone_readers import GoneReaders
 from kv_sidecar.server.identity import Identity, advertised_address, sidecar_id
 from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
@@ -120,7 +121,8 @@ class Sidecar:
         releases = Releases(me.sidecar_id, published, engines, membership, peers, lease_view)
         pull_timeout_s = s.pull_timeout_ms / 1000
         refusals = PublishRefusals(metrics)
-        reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics)
+        gone = GoneReaders(probe_sidecar(s, self.security), s.reader_probe_ms / 1000)
+        reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics, gone)
         staged_source = StagedSource(
             engines,
             published,
@@ -136,7 +138,7 @@ class Sidecar:
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(
-            me.sidecar_id,
+            me,
             peers,
             NotifiedOpens(notified, s.open_answer_wait_us / 1e6, peers, nixl, metrics),
             metrics,

@@ -6,6 +6,7 @@ when nothing of the transfer is in flight any more; here the reader's side reads
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,9 @@ from kv_sidecar.config import Settings
 from kv_sidecar.errors import Code
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.grpc_status import from_grpc
+from kv_sidecar.server.gone_readers import Probe, Probed, Seen
 from kv_sidecar.server.peer_calls import Connect, PeerCallError, PeerClient, PeerFuture
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
 # Trailing metadata of a Push answer given while nothing of its transfer is in flight.
 PUSH_ENDED = ("kvsidecar-push-ended", "1")
@@ -106,6 +108,39 @@ def message_limits(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
+
+
+def probe_sidecar(settings: Settings, security: PeerSecurity) -> Probe:
+    """Whether sidecar `sidecar_id` still runs at `address` (server/gone_readers.py): a TCP connect,
+    which a port nothing listens on refuses, then the Status call, which names who answers there. A
+    new channel each time, not the peer's: a probe must see the port as it is now, and is rare."""
+    opts = message_limits(settings)
+    metadata = security.call_metadata()
+
+    def probe(sidecar_id: str, address: str, timeout_s: float) -> Probed:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                pass
+        except ConnectionRefusedError:
+            return Probed(Seen.GONE, "its port refuses connections")
+        except (OSError, ValueError) as e:
+            return Probed(Seen.UNKNOWN, f"no connection within {timeout_s:g} s: {e}")
+        channel = security.channel(address, opts)
+        try:
+            status = peer_pb2_grpc.PeerServiceStub(channel).Status(
+                status_pb2.StatusRequest(), timeout=timeout_s, metadata=metadata
+            )
+        except grpc.RpcError as e:
+            err = call_error(e)
+            return Probed(Seen.UNKNOWN, f"its Status call failed within {timeout_s:g} s: {err.code.name}")
+        finally:
+            channel.close()
+        if status.sidecar_id != sidecar_id:
+            return Probed(Seen.GONE, f"sidecar {status.sidecar_id} answers there now")
+        return Probed(Seen.RUNS, "it answers")
+
+    return probe
 
 
 def grpc_connect(settings: Settings, security: PeerSecurity) -> Connect:

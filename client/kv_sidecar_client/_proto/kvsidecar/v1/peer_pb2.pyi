@@ -97,7 +97,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_members_v2: _Optional[bool] = ..., staged_workers: _Optional[bool] = ..., done_batches: _Optional[bool] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
-    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id")
+    __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id", "reader_address")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class OpenReadRequest(_message.Message):
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     READER_SPEC_FIELD_NUMBER: _ClassVar[int]
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     engine_id: str
     request_id: str
@@ -114,7 +115,8 @@ class OpenReadRequest(_message.Message):
     plan_hash: str
     reader_spec: _common_pb2.EngineSpec
     reply_id: str
-    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reply_id: _Optional[str] = ...) -> None: ...
+    reader_address: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reply_id: _Optional[str] = ..., reader_address: _Optional[str] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
     __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token")

@@ -1,0 +1,176 @@
+"""A decode sidecar that dies mid-read over plain NIXL READs (host_transfer: read) leaves its request to
+another reader at once, not after the lease: the source, asked by another engine, dials the dead
+reader's sidecar and finds its port refusing (server/gone_readers.py). A reader that is only stopped
+keeps its request. The probe itself is tested against real processes and ports."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kv_sidecar.config import Settings
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.security import PeerSecurity
+from kv_sidecar.server.adapters.peer_client import probe_sidecar
+from kv_sidecar.server.gone_readers import Probe, Seen
+
+from .conftest import Spawn, consumed_events, frozen, logged, metric, spec_dict
+from .events import no_event
+
+# A long pull, as in test_failures.py: another layout through 2 blocks of host staging, one READ round
+# per block (~3 s here), so that the reader's sidecar dies with the request open and unread.
+BLOCKS = 1920
+SRC = EngineSpec.from_dict(spec_dict(num_blocks=2048))
+DST = EngineSpec.from_dict(spec_dict(num_blocks=2048, layout="flash_attn_hnd"))
+STAGING_BYTES = 2 * SRC.num_layers * 2 * SRC.block_size * SRC.num_kv_heads * SRC.head_dim * 2
+READS = "kvsidecar_nixl_descriptors_per_transfer_count"  # one sample per conversion round's READ
+TAKEN_OVER = ("kvsidecar_failures_total", '{reason="read_taken_over"}')
+
+
+@pytest.fixture(scope="module")
+def probe() -> Probe:
+    s = Settings()
+    return probe_sidecar(s, PeerSecurity.from_settings(s))
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A port that accepts connections (the kernel's backlog) and never says a word."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield sock
+    sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_probe_tells_a_running_sidecar_from_a_gone_one(
+    probe: Probe, spawn: Spawn, listener: socket.socket
+) -> None:
+    sc = spawn(SidecarProcess("probed"))
+    assert probe(sc.sidecar_id, sc.peer_address, 2.0).seen is Seen.RUNS
+    replaced = probe("kvs-an-earlier-one", sc.peer_address, 2.0)  # the port is another sidecar's now
+    assert replaced.seen is Seen.GONE and sc.sidecar_id in replaced.detail
+    refused = probe("kvs-x", f"127.0.0.1:{_free_port()}", 2.0)
+    assert refused.seen is Seen.GONE and "refuses" in refused.detail
+    silent = probe("kvs-x", f"127.0.0.1:{listener.getsockname()[1]}", 0.3)
+    assert silent.seen is Seen.UNKNOWN, silent  # connected, but no one answers: proves nothing
+    with frozen(sc):  # alive, answering nothing
+        t0 = time.monotonic()
+        stopped = probe(sc.sidecar_id, sc.peer_address, 0.3)
+        assert stopped.seen is Seen.UNKNOWN and time.monotonic() - t0 < 2, stopped
+    assert probe(sc.sidecar_id, "no-such-host.invalid:1", 0.3).seen is Seen.UNKNOWN
+
+
+def _reader_sidecar(spawn: Spawn, name: str) -> SidecarProcess:
+    return spawn(SidecarProcess(name, extra=["--staging-bytes", str(STAGING_BYTES)]))
+
+
+def _start_long_pull(
+    prefill: EngineProcess, decode: EngineProcess, request_id: str, seed: int
+) -> dict[str, object]:
+    """Publish BLOCKS blocks; send the decode engine its pull without waiting for the answer."""
+    pub = prefill.send(
+        {
+            "cmd": "prefill",
+            "request_id": request_id,
+            "block_ids": list(range(BLOCKS)),
+            "num_tokens": BLOCKS * SRC.block_size,
+            "seed": seed,
+        }
+    )
+    assert pub["ok"], pub
+    dst = list(range(DST.num_blocks - 1, DST.num_blocks - 1 - BLOCKS, -1))
+    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed, "timeout_s": 30}
+    assert decode.proc.stdin is not None
+    decode.proc.stdin.write(json.dumps(cmd) + "\n")
+    decode.proc.stdin.flush()
+    return dict(pub["params"])
+
+
+def _wait_reading(reader: SidecarProcess, reads_before: float) -> None:
+    """Until the reader's sidecar has READ a round or two: the request is open at the source."""
+    deadline = time.monotonic() + 30
+    while metric(reader.metrics_port, READS) < reads_before + 2:
+        assert time.monotonic() < deadline, "the long pull never started reading"
+        time.sleep(0.01)
+
+
+def _pull_again(decode: EngineProcess, params: dict[str, object], seed: int) -> dict[str, object]:
+    dst = list(range(BLOCKS))
+    return decode.send(
+        {"cmd": "pull", "params": params, "block_ids": dst, "seed": seed, "timeout_s": 30}, timeout_s=60
+    )
+
+
+def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_at_once(spawn: Spawn) -> None:
+    """The decode sidecar dies (SIGKILL) mid-read. The source never sees its one-sided READs fail, but
+    the next engine that asks for the request makes it dial the dead reader's sidecar: its port refuses,
+    so that engine takes the request over and pulls it whole and exact, long before the 30 s lease; the
+    prefill engine gets exactly one "consumed" event, the new reader's. The new reader has pulled from
+    that source before, so its open goes as a NIXL notification first, which the source's NIXL thread
+    leaves unanswered rather than wait for the probe: the reader's OpenRead call decides it."""
+    a = spawn(SidecarProcess("gone-src"))
+    b = _reader_sidecar(spawn, "gone-b")
+    c = _reader_sidecar(spawn, "gone-c")
+    prefill = spawn(EngineProcess(a.socket, "gone-p", SRC))
+    decode = spawn(EngineProcess(b.socket, "gone-d1", DST))
+    decode2 = spawn(EngineProcess(c.socket, "gone-d2", DST))
+    warm = prefill.send(
+        {"cmd": "prefill", "request_id": "warm", "block_ids": [1, 2], "num_tokens": 30, "seed": 20}
+    )
+    ok = decode2.send({"cmd": "pull", "params": warm["params"], "block_ids": [5, 6], "seed": 20})
+    assert ok["ok"] and ok["verified"], ok
+    assert consumed_events(prefill, 1) == 1
+    reads = metric(b.metrics_port, READS)
+    params = _start_long_pull(prefill, decode, "long", 21)
+    _wait_reading(b, reads)
+    b.proc.kill()
+    b.proc.wait(5)
+    t0 = time.monotonic()
+    res = _pull_again(decode2, params, 21)
+    took = time.monotonic() - t0
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl-staged", res
+    assert took < 10, took  # not after the lease (30 s)
+    assert metric(a.metrics_port, *TAKEN_OVER) == 1
+    assert logged(a, "takes it over from engine gone-d1, whose sidecar is gone")
+    assert logged(a, "refuses connections")
+    assert metric(c.metrics_port, "kvsidecar_peer_opens_total", '{by="call_after_notification"}') == 1
+    assert consumed_events(prefill, 1) == 1
+    no_event(prefill, "long", wait_s=0.5)
+    assert a.alive and c.alive
+
+
+def test_a_stopped_reader_sidecar_keeps_its_request(spawn: Spawn) -> None:
+    """The decode sidecar stops (SIGSTOP) mid-read: alive, it may READ again once it runs, so the
+    source, which gets no answer from it, gives the request to no one else (FAILED_PRECONDITION, saying
+    why); once it runs again its pull completes, exact."""
+    a = spawn(SidecarProcess("stop-src", extra=["--reader-probe-ms", "300"]))
+    b = _reader_sidecar(spawn, "stop-b")
+    c = _reader_sidecar(spawn, "stop-c")
+    prefill = spawn(EngineProcess(a.socket, "stop-p", SRC))
+    decode = spawn(EngineProcess(b.socket, "stop-d1", DST))
+    decode2 = spawn(EngineProcess(c.socket, "stop-d2", DST))
+    reads = metric(b.metrics_port, READS)
+    params = _start_long_pull(prefill, decode, "long", 22)
+    _wait_reading(b, reads)
+    with frozen(b):
+        res = _pull_again(decode2, params, 22)
+        assert not res["ok"] and res["error_code"] == "FAILED_PRECONDITION", res
+        assert "already being read by engine 'stop-d1'" in str(res["error"]), res
+        assert b.sidecar_id in str(res["error"]) and "Status call failed" in str(res["error"]), res
+        assert res["verified"], res  # no byte of its blocks changed
+    first = json.loads(decode.readline(60))
+    assert first["ok"] and first["verified"], first
+    assert metric(a.metrics_port, *TAKEN_OVER) == 0
+    assert consumed_events(prefill, 1) == 1
