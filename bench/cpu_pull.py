@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,17 @@ def memcpy_gbps(nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+@dataclass
+class PairPulls:
+    """One pair of sidecars' pulls in a case: the times of all but the first (s), and what they moved."""
+
+    server: list[float] = field(default_factory=list)  # the decode sidecar's pull duration
+    wall: list[float] = field(default_factory=list)  # the decode engine's, around its Pull
+    verified: bool = True  # the first pull's destination blocks
+    path: str = ""
+    bytes: int = 0
+
+
 def run_case(
     pairs: list[tuple[SidecarProcess, SidecarProcess]],
     label: str,
@@ -105,7 +117,7 @@ def run_case(
     pspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | pover)
     dspec = EngineSpec.from_dict(BASE | {"block_size": block, "num_blocks": 2 * nblocks} | dover)
     engines: list[tuple[EngineProcess, EngineProcess]] = []
-    out = [{"server": [], "wall": [], "verified": True, "path": "", "bytes": 0} for _ in pairs]
+    out = [PairPulls() for _ in pairs]
     try:
         for k, (ps, ds) in enumerate(pairs):
             name = f"{label}-{request_bytes}-{segment}-{k}"
@@ -143,11 +155,11 @@ def run_case(
                 for _ in range(pspec.tp_size):
                     prefill.send({"cmd": "next_event", "timeout_s": 30})
                 if i == 0:
-                    r["verified"] = res["verified"]
+                    r.verified = res["verified"]
                 if i:  # the first pull pays for the handshake and connection set-up
-                    r["server"].append(res["duration_s"])
-                    r["wall"].append(res["wall_s"])
-                r["path"], r["bytes"] = res["path"], res["bytes"]
+                    r.server.append(res["duration_s"])
+                    r.wall.append(res["wall_s"])
+                r.path, r.bytes = res["path"], res["bytes"]
     finally:
         for prefill, decode in engines:
             prefill.stop()
@@ -157,12 +169,12 @@ def run_case(
             "label": label,
             "request": request_bytes,
             "segment": segment,
-            "path": r["path"],
-            "bytes": r["bytes"],
-            "server_gbps": r["bytes"] / statistics.median(r["server"]) / 1e9,
-            "wall_gbps": r["bytes"] / statistics.median(r["wall"]) / 1e9,
-            "p50_ms": statistics.median(r["wall"]) * 1e3,
-            "verified": r["verified"],
+            "path": r.path,
+            "bytes": r.bytes,
+            "server_gbps": r.bytes / statistics.median(r.server) / 1e9,
+            "wall_gbps": r.bytes / statistics.median(r.wall) / 1e9,
+            "p50_ms": statistics.median(r.wall) * 1e3,
+            "verified": r.verified,
         }
         for r in out
     ]

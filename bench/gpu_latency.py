@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 SECTION = "## GPU pull latency and concurrency (bench/gpu_latency.py)"
 MIB = 1 << 20
-MODEL = {
+MODEL: dict[str, Any] = {
     "tp_size": 1,
     "num_layers": 32,
     "num_kv_heads": 8,

@@ -112,7 +112,7 @@ def configs() -> list[Config]:
     return out
 
 
-def _events_ms(fn: Callable[[], None], device: int, iters: int, warmup: int) -> list[float]:
+def _events_ms(fn: Callable[[], object], device: int, iters: int, warmup: int) -> list[float]:
     import torch
 
     for _ in range(warmup):

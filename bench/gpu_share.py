@@ -39,8 +39,13 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -50,7 +55,17 @@ TITLE = "Copies on a GPU another process copies on (bench/gpu_share.py)"
 CHUNK_BYTES = 64 << 20
 
 
-def _buffers(device: int) -> tuple[object, object]:
+class _Flag(Protocol):
+    """A threading.Event or a multiprocessing one: `_busy`'s stop and started, in a thread or a process."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+def _buffers(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     n = CHUNK_BYTES // 2
@@ -58,17 +73,17 @@ def _buffers(device: int) -> tuple[object, object]:
     return src, torch.empty_like(src)
 
 
-def _copy(src: object, dst: object) -> None:
+def _copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     import torch
 
     torch.mul(src, 1, out=dst)  # an SM kernel, as the copy kernel is (not a copy engine's memcpy)
 
 
-def _memcpy(src: object, dst: object) -> None:
-    dst.copy_(src)  # type: ignore[attr-defined]  # same dtype, contiguous: cudaMemcpyAsync device to device
+def _memcpy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src)  # same dtype, contiguous: cudaMemcpyAsync device to device
 
 
-def _busy(device: int, stop: object, started: object, work: str = "copies") -> None:
+def _busy(device: int, stop: _Flag, started: _Flag, work: str = "copies") -> None:
     """Copies (or matmuls) back to back on a stream of its own until `stop` is set (a thread, or another
     process)."""
     import torch
@@ -102,14 +117,16 @@ def _busy(device: int, stop: object, started: object, work: str = "copies") -> N
         for _ in range(4):
             step()
         stream.synchronize()
-        started.set()  # type: ignore[attr-defined]
-        while not stop.is_set():  # type: ignore[attr-defined]
+        started.set()
+        while not stop.is_set():
             for _ in range(8):
                 step()
             stream.synchronize()
 
 
-def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[float], list[float]]:
+def _measure(
+    device: int, iters: int, idle_s: float, how: Callable[[torch.Tensor, torch.Tensor], None]
+) -> tuple[list[float], list[float]]:
     """(host ms from launch to end, GPU ms by events) of `iters` lone copies (`how`), each after `idle_s`."""
     import torch
 
@@ -130,6 +147,25 @@ def _measure(device: int, iters: int, idle_s: float, how: Any) -> tuple[list[flo
                 walls.append((t1 - t0) * 1e3)
                 gpu.append(start.elapsed_time(end))
     return walls, gpu
+
+
+def _start_beside(beside: str, device: int, work: str) -> tuple[_Flag, threading.Thread | BaseProcess]:
+    """`_busy` doing `work` in a thread of this process or in another process (`beside`), started and
+    running: its stop flag, and the thread or process."""
+    stop: _Flag
+    started: _Flag
+    other: threading.Thread | BaseProcess
+    if beside == "thread":
+        stop, started = threading.Event(), threading.Event()
+        other = threading.Thread(target=_busy, args=(device, stop, started, work), daemon=True)
+    else:  # "process"
+        ctx = mp.get_context("spawn")
+        stop, started = ctx.Event(), ctx.Event()
+        other = ctx.Process(target=_busy, args=(device, stop, started, work), daemon=True)
+    other.start()
+    if not started.wait(120):
+        raise SystemExit(f"the other {beside} did not start")
+    return stop, other
 
 
 def mps_state(device: int) -> str:
@@ -178,25 +214,14 @@ def main() -> int:
     ]
     rows = []
     for name, how, beside, work in plan:
-        stop: Any = None
-        other: Any = None
-        if beside == "thread":
-            stop, started = threading.Event(), threading.Event()
-            other = threading.Thread(target=_busy, args=(args.device, stop, started, work), daemon=True)
-        elif beside == "process":
-            ctx = mp.get_context("spawn")
-            stop, started = ctx.Event(), ctx.Event()
-            other = ctx.Process(target=_busy, args=(args.device, stop, started, work), daemon=True)
-        if other is not None:
-            other.start()
-            if not started.wait(120):
-                raise SystemExit(f"the other {beside} did not start")
+        other = None if beside is None else _start_beside(beside, args.device, work)
         try:
             walls, gpu = _measure(args.device, args.iters, idle, how)
         finally:
             if other is not None:
-                stop.set()
-                other.join(60)
+                other_stop, other_runs = other
+                other_stop.set()
+                other_runs.join(60)
         rows.append((name, walls, gpu))
     base = statistics.median(rows[0][1])
     lines = [

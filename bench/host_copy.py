@@ -38,7 +38,7 @@ import latency  # noqa: E402
 from report import gpus, write_section  # noqa: E402
 
 from kv_sidecar.execute import host  # noqa: E402
-from kv_sidecar.plan.spec import EngineSpec  # noqa: E402
+from kv_sidecar.plan.spec import EngineSpec, Layout  # noqa: E402
 
 SECTION = "Host copies by runs (bench/host_copy.py)"
 
@@ -71,11 +71,11 @@ CASES = [
         16,
         True,
     ),
-    Case("16 blocks, NHD -> HND", MODEL, dataclasses.replace(MODEL, layout="flash_attn_hnd"), 16, True),
+    Case("16 blocks, NHD -> HND", MODEL, dataclasses.replace(MODEL, layout=Layout.FLASH_ATTN_HND), 16, True),
     Case(
         "16 blocks, vllm_cpu 16 -> 32-token blocks",
-        dataclasses.replace(MODEL, layout="vllm_cpu"),
-        dataclasses.replace(MODEL, layout="vllm_cpu", block_size=32, num_blocks=160),
+        dataclasses.replace(MODEL, layout=Layout.VLLM_CPU),
+        dataclasses.replace(MODEL, layout=Layout.VLLM_CPU, block_size=32, num_blocks=160),
         16,
         True,
     ),

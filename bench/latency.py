@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -269,7 +270,7 @@ def main() -> int:
                 mib = n * rank_block_bytes(SPEC) / MIB
                 for name, xs in zip(
                     wide_names,
-                    interleaved(wide, lambda p, n=n, order=order: p.remote_blocks(n, order), args.iters),
+                    interleaved(wide, partial(Pair.remote_blocks, n=n, order=order), args.iters),
                     strict=True,
                 ):
                     rows.append(

@@ -135,11 +135,11 @@ def main() -> int:
     add("set-up + 2 launches + sync (whole)", first_launch)
     rows.append(("GpuCopies.launch, first of a transfer", statistics.median(firsts) * 1e6))
     rows.append(("GpuCopies.launch, same chunk again", statistics.median(agains) * 1e6))
-    c = staged(True)
-    add("_template (a new slot or size)", lambda: c._template(n, slot))
-    tpl = c._template(n, slot)
+    sc = staged(True)
+    add("_template (a new slot or size)", lambda: sc._template(n, slot))
+    tpl = sc._template(n, slot)
     la = tpl.la
-    tids = (c._ids, c._stage_ids)
+    tids = (sc._ids, sc._stage_ids)
     kargs = (n * spec.block_size * la.constexprs["NH"] * la.constexprs["NC"], 0, 0, 0, *la.args[4:])
     grid = (-(-kargs[0] // la.rows), la.planes)
     from kv_sidecar.execute import gpu_kernels

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -122,10 +123,10 @@ def measure(chunk: int, num_blocks: int, sizes: list[int], iters: int) -> None:
         for n in sizes:
             ids = np.arange(8, 8 + n)
             ways: dict[str, Callable[[], tuple[int, list[float]]]] = {
-                "prepared": lambda ids=ids: prepared(ids),
-                "prepared, reversed": lambda ids=ids: prepared(ids[::-1]),
-                "merged": lambda ids=ids: built(ids, True),
-                "per-block": lambda ids=ids: built(ids, False),
+                "prepared": partial(prepared, ids),
+                "prepared, reversed": partial(prepared, ids[::-1]),
+                "merged": partial(built, ids, True),
+                "per-block": partial(built, ids, False),
             }
             samples: dict[str, list[np.ndarray]] = {w: [] for w in ways}
             counts: dict[str, int] = {}

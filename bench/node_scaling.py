@@ -408,9 +408,9 @@ class Node:
 
         makers = []
         for i, (p, d) in enumerate(places):
-            a, b = self.pair_sidecars[i]
-            makers.append(lambda i=i, p=p, a=a: engine(a.socket, f"p{i}-{tag}", prefill_spec, p))
-            makers.append(lambda i=i, d=d, b=b: engine(b.socket, f"d{i}-{tag}", decode_spec, d))
+            sa, sb = self.pair_sidecars[i]
+            makers.append(lambda i=i, p=p, sa=sa: engine(sa.socket, f"p{i}-{tag}", prefill_spec, p))
+            makers.append(lambda i=i, d=d, sb=sb: engine(sb.socket, f"d{i}-{tag}", decode_spec, d))
         engines = together(*makers)
         self.prefill, self.decode = engines[0::2], engines[1::2]
         for pe in self.prefill:

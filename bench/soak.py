@@ -236,7 +236,9 @@ def one_pull(
     return Record(w.kind, w.blocks, True, not good, t1 - t0, t2 - t1, res.duration_s, res.bytes)
 
 
-def idle_latency(sidecar: SidecarProcess, w: Worker, engines, clients, n: int) -> dict[str, list[float]]:
+def idle_latency(
+    sidecar: SidecarProcess, w: Worker, engines: dict[str, Engine], clients: list[SidecarClient], n: int
+) -> dict[str, list[float]]:
     """Before load: a bare gRPC round trip (Health.Check) on the engine socket next to one-block pulls."""
     ch = grpc.insecure_channel(f"unix:{sidecar.socket}")
     stub = health_pb2_grpc.HealthStub(ch)
@@ -305,12 +307,12 @@ def main() -> int:
         # Warm-up: first contact of every (reader, source) pair, staging allocation, prepped dlists.
         seen = set()
         for w in workers:
-            key = (w.src_engine, w.dst_engine)
-            if key not in seen:
-                seen.add(key)
+            pair = (w.src_engine, w.dst_engine)
+            if pair not in seen:
+                seen.add(pair)
                 r = one_pull(w, f"warm-{w.k}", engines, clients, args.pull_timeout_s)
                 if not r.ok or r.corrupt:
-                    raise RuntimeError(f"warm-up pull {key} failed: {r}")
+                    raise RuntimeError(f"warm-up pull {pair} failed: {r}")
         one_block = next(w for w in workers if w.kind == "nixl" and w.blocks == 1)
         idle = idle_latency(sidecars[one_block.dst], one_block, engines, clients, 200)
         time.sleep(2)
@@ -353,8 +355,8 @@ def main() -> int:
             p_start = time.monotonic()
             deadline = p_start + phase_s
             threads = [threading.Thread(target=run, args=(w, deadline, phase), daemon=True) for w in workers]
-            for t in threads:
-                t.start()
+            for th in threads:
+                th.start()
             next_sample = p_start + args.sample_s
             while any(t.is_alive() for t in threads):
                 time.sleep(0.5)
@@ -401,8 +403,8 @@ def main() -> int:
             e.close()
         for c in clients:
             c.close()
-        for s in sidecars:
-            s.stop()
+        for sc in sidecars:
+            sc.stop()
 
     # -- report -------------------------------------------------------------------------------
     done = [r for r in records if r.ok]
@@ -450,9 +452,9 @@ def main() -> int:
         cells = []
         for i in range(3):
             peak = max(x[2][i].get(key, 0) for x in samples)
-            a, w, b = (x[i].get(key, float("nan")) for x in (first, ref, last))
+            a, ref_v, b = (x[i].get(key, float("nan")) for x in (first, ref, last))
             cells.append(
-                f"{fmt.format(a)} / {fmt.format(w)} / {fmt.format(peak)} / {fmt.format(b)} ({b - w:+.0f})"
+                f"{fmt.format(a)} / {fmt.format(ref_v)} / {fmt.format(peak)} / {fmt.format(b)} ({b - ref_v:+.0f})"
             )
         res_rows.append(f"| {label} | " + " | ".join(cells) + " |")
     resources = (

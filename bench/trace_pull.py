@@ -296,7 +296,7 @@ def _read_spans(path: str) -> list[tuple[str, str, float, float]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
+        return [tuple(json.loads(line)) for line in f]
 
 
 def collect_workers(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]]:

@@ -99,7 +99,7 @@ ABOUT = __doc__.split("\n\n    .venv")[0].split("\n\n", 1)[1].strip()
 TITLE = "P/D through vLLM's API servers: aggregated, NixlConnector, kv-sidecar (bench/vllm_pd.py)"
 ALL_MODES = ("aggregated", "NixlConnector", "kv-sidecar", "kv-sidecar-batch")
 DEFAULT_MODES = ALL_MODES[:3]
-MODES = DEFAULT_MODES  # those of this run (--modes)
+MODES: tuple[str, ...] = DEFAULT_MODES  # those of this run (--modes)
 SIDECAR_MODES = {"kv-sidecar": "k", "kv-sidecar-batch": "b"}  # mode -> its servers' key
 IDLE_S = 5.0
 BLOCK = 32
@@ -198,10 +198,10 @@ class Stack:
             c["xfer_n"] = metric(d, "vllm:nixl_xfer_time_seconds_count")
             c["bytes"] = metric(d, "vllm:nixl_bytes_transferred_sum")
             c["desc"] = metric(d, "vllm:nixl_num_descriptors_sum")
-        if self.mode == "kv-sidecar-batch":
-            c["batch_pulls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_sum")
-            c["batch_calls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_count")
-        if self.sidecar_metrics is not None:
+        if self.sidecar_metrics is not None:  # the kv-sidecar modes (Bench._start sets it for each)
+            if self.mode == "kv-sidecar-batch":
+                c["batch_pulls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_sum")
+                c["batch_calls"] = metric(self.sidecar_metrics, "kvsidecar_pull_batch_pulls_count")
             c["xfer"] = metric(self.sidecar_metrics, "kvsidecar_pull_duration_seconds_sum")
             c["xfer_n"] = metric(self.sidecar_metrics, "kvsidecar_pull_duration_seconds_count")
             c["bytes"] = metric(self.sidecar_metrics, "kvsidecar_pull_bytes_total")
@@ -248,11 +248,16 @@ class Bench:
         longest = max(args.lengths) + args.max_tokens
         # Room for one burst of the longest prompt, with blocks to spare (a hybrid model's groups round up).
         kv_bytes = max(max(args.concurrency, 1) * (longest + 4 * BLOCK) * kv_per_token(cfg), 64 << 20)
+        cores = os.cpu_count()
+        if cores is None:
+            raise RuntimeError(
+                "os.cpu_count() does not know this machine's cores: cannot bind the servers' threads"
+            )
         server_kw: dict[str, Any] = {
             # vLLM's CPU auto-binding gives an engine without a connector one OpenMP thread on 2 cores (it
             # keeps a core for the engine core process, and one more with a connector, which here leaves
             # it nothing to keep and so both): bind every server's threads alike.
-            "env": {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"},
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"},
             "hybrid": self.hybrid,
             "max_model_len": longest,
             "kv_cache_bytes": kv_bytes,
@@ -306,27 +311,27 @@ class Bench:
             wait_http(f"http://127.0.0.1:{port}/health", proc, 900)
         print(f"{name}: {len(servers)} servers up in {time.monotonic() - t0:.0f} s", flush=True)
 
-        def tree(*procs: subprocess.Popen[bytes]) -> list[psutil.Process]:
+        def tree(*pids: int) -> list[psutil.Process]:
             out = []
-            for p in procs:
-                ps = psutil.Process(p.pid)
+            for pid in pids:
+                ps = psutil.Process(pid)
                 out += [ps, *ps.children(recursive=True)]  # the API server, its engine core and worker
             return out
 
         def pd(r: str) -> dict[str, Any]:
             (pp, pport), (dp, dport), (rp, rport) = servers[f"{r}p"], servers[f"{r}d"], routers[r]
-            procs = {"prefill server": tree(pp), "decode server": tree(dp), "router": tree(rp)}
+            procs = {"prefill server": tree(pp.pid), "decode server": tree(dp.pid), "router": tree(rp.pid)}
             return {"port": rport, "decode_port": dport, "prefill_port": pport, "procs": procs}
 
         self.stacks = {}
         if "aggregated" in MODES:
             agg, port = servers["agg"]
-            self.stacks["aggregated"] = Stack("aggregated", port, port, procs={"server": tree(agg)})
+            self.stacks["aggregated"] = Stack("aggregated", port, port, procs={"server": tree(agg.pid)})
         if "NixlConnector" in MODES:
             self.stacks["NixlConnector"] = Stack("NixlConnector", **pd("n"))
         for mode, (sp, sd) in pairs.items():
             st = self.stacks[mode] = Stack(mode, sidecar_metrics=sd.metrics_port, **pd(SIDECAR_MODES[mode]))
-            st.procs["sidecars"] = tree(sp.proc, sd.proc)
+            st.procs["sidecars"] = tree(sp.proc.pid, sd.proc.pid)
         # Every stack once (NixlConnector's first request also makes its handshake), then each stack's CPU
         # while nothing is asked of it: a process that polls costs the machine's other stacks too.
         for mode in MODES:

@@ -27,7 +27,7 @@ from kv_sidecar.dataplane.jobs import LocalCopy, RankKey, RankRead, Tokens
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.dataplane.workers import HOST
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
+from kv_sidecar.plan.spec import EngineSpec, Layout, rank_block_bytes
 from kv_sidecar.server.engines import shm_tensors
 from kv_sidecar.transport.nixl_driver import NixlDriver
 from kv_sidecar_client.shm import ShmKVCache
@@ -65,11 +65,14 @@ def main() -> int:
         dtype="bfloat16",
         block_size=16,
         num_blocks=64,
-        layout="flash_attn_nhd",
+        layout=Layout.FLASH_ATTN_NHD,
     )
     nixl = NixlDriver("worker-hop")
     nixl.start()
-    planes = {w: DataPlane(replace(Settings(), device_workers=w), nixl, Metrics()) for w in (False, True)}
+    planes = {
+        w: DataPlane(replace(Settings(), device_workers="true" if w else "false"), nixl, Metrics())
+        for w in (False, True)
+    }
     src_key, dst_key = RankKey("p", 0), RankKey("d", 0)
     rows = []
     with (

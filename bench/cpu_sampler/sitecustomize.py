@@ -65,7 +65,7 @@ def _start(prefix: str) -> None:
             current = list(profiles)
         for prof in current:
             prof.snapshot_stats()  # reads the entries without disabling the thread's profile
-            for func, (cc, nc, tt, ct, callers) in prof.stats.items():  # type: ignore[attr-defined]
+            for func, (cc, nc, tt, ct, callers) in prof.stats.items():
                 if func in merged:
                     a = merged[func]
                     joined = dict(a[4])
