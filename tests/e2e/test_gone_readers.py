@@ -17,7 +17,7 @@ from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.peer_client import probe_sidecar
-from kv_sidecar.server.gone_readers import Probe, Seen
+from kv_sidecar.server.gone_readers import Probe, ReaderSidecar, Seen
 
 from .conftest import Spawn, consumed_events, frozen, logged, metric, spec_dict
 from .events import no_event
@@ -54,22 +54,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _from_here(address: str) -> ReaderSidecar:
+    """A sidecar answering at `address` whose calls came from this machine's loopback (as they do here)."""
+    return ReaderSidecar(address, "ipv4:127.0.0.1:40000")
+
+
 def test_the_probe_tells_a_running_sidecar_from_a_gone_one(
     probe: Probe, spawn: Spawn, listener: socket.socket
 ) -> None:
     sc = spawn(SidecarProcess("probed"))
-    assert probe(sc.sidecar_id, sc.peer_address, 2.0).seen is Seen.RUNS
-    replaced = probe("kvs-an-earlier-one", sc.peer_address, 2.0)  # the port is another sidecar's now
+    assert probe(sc.sidecar_id, _from_here(sc.peer_address), 2.0).seen is Seen.RUNS
+    port = sc.peer_address.rpartition(":")[2]
+    assert probe(sc.sidecar_id, _from_here(f"localhost:{port}"), 2.0).seen is Seen.RUNS  # loopback is one
+    replaced = probe("kvs-an-earlier-one", _from_here(sc.peer_address), 2.0)  # the port is another's now
     assert replaced.seen is Seen.GONE and sc.sidecar_id in replaced.detail
-    refused = probe("kvs-x", f"127.0.0.1:{_free_port()}", 2.0)
+    refused = probe("kvs-x", _from_here(f"127.0.0.1:{_free_port()}"), 2.0)
     assert refused.seen is Seen.GONE and "refuses" in refused.detail
-    silent = probe("kvs-x", f"127.0.0.1:{listener.getsockname()[1]}", 0.3)
+    silent = probe("kvs-x", _from_here(f"127.0.0.1:{listener.getsockname()[1]}"), 0.3)
     assert silent.seen is Seen.UNKNOWN, silent  # connected, but no one answers: proves nothing
     with frozen(sc):  # alive, answering nothing
         t0 = time.monotonic()
-        stopped = probe(sc.sidecar_id, sc.peer_address, 0.3)
+        stopped = probe(sc.sidecar_id, _from_here(sc.peer_address), 0.3)
         assert stopped.seen is Seen.UNKNOWN and time.monotonic() - t0 < 2, stopped
-    assert probe(sc.sidecar_id, "no-such-host.invalid:1", 0.3).seen is Seen.UNKNOWN
+    assert probe(sc.sidecar_id, _from_here("no-such-host.invalid:1"), 0.3).seen is Seen.UNKNOWN
+
+
+def test_the_probe_asks_only_where_the_readers_calls_came_from(probe: Probe) -> None:
+    """A refusing port proves a reader gone only if that address is the reader's own: one that names
+    another host than its calls came from (a Service in front of several sidecars, a stale name) is
+    not asked, however it would answer."""
+    closed = f"127.0.0.1:{_free_port()}"
+    elsewhere = probe("kvs-x", ReaderSidecar(closed, "ipv4:10.1.2.3:40000"), 2.0)
+    assert elsewhere.seen is Seen.UNKNOWN, elsewhere
+    assert "resolves to 127.0.0.1 but its calls came from 10.1.2.3" in elsewhere.detail
+    for calls_from in ("unix:/run/x.sock", ""):
+        assert probe("kvs-x", ReaderSidecar(closed, calls_from), 2.0).seen is Seen.UNKNOWN
+    assert probe("kvs-x", ReaderSidecar(closed, "ipv6:[::ffff:127.0.0.1]:40000"), 2.0).seen is Seen.GONE
 
 
 def _reader_sidecar(spawn: Spawn, name: str) -> SidecarProcess:
@@ -113,13 +133,18 @@ def _pull_again(decode: EngineProcess, params: dict[str, object], seed: int) -> 
     )
 
 
-def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_at_once(spawn: Spawn) -> None:
+@pytest.mark.parametrize("after", ["killed", "restarted"])
+def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_at_once(
+    spawn: Spawn, after: str
+) -> None:
     """The decode sidecar dies (SIGKILL) mid-read. The source never sees its one-sided READs fail, but
-    the next engine that asks for the request makes it dial the dead reader's sidecar: its port refuses,
-    so that engine takes the request over and pulls it whole and exact, long before the 30 s lease; the
-    prefill engine gets exactly one "consumed" event, the new reader's. The new reader has pulled from
-    that source before, so its open goes as a NIXL notification first, which the source's NIXL thread
-    leaves unanswered rather than wait for the probe: the reader's OpenRead call decides it."""
+    the next engine that asks for the request makes it dial the dead reader's sidecar: its port refuses
+    (killed), or another sidecar answers there (restarted on the same port, as a crashed container of a
+    pod comes back at the pod's address), so that engine takes the request over and pulls it whole and
+    exact, long before the 30 s lease; the prefill engine gets exactly one "consumed" event, the new
+    reader's. The new reader has pulled from that source before, so its open goes as a NIXL notification
+    first, which the source's NIXL thread leaves unanswered rather than wait for the probe: the reader's
+    OpenRead call decides it."""
     a = spawn(SidecarProcess("gone-src"))
     b = _reader_sidecar(spawn, "gone-b")
     c = _reader_sidecar(spawn, "gone-c")
@@ -137,6 +162,10 @@ def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_a
     _wait_reading(b, reads)
     b.proc.kill()
     b.proc.wait(5)
+    if after == "restarted":
+        port = b.peer_address.rpartition(":")[2]
+        again = spawn(SidecarProcess("gone-b-again", extra=["--peer-port", port]))
+        assert again.peer_address == b.peer_address
     t0 = time.monotonic()
     res = _pull_again(decode2, params, 21)
     took = time.monotonic() - t0
@@ -144,7 +173,7 @@ def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_a
     assert took < 10, took  # not after the lease (30 s)
     assert metric(a.metrics_port, *TAKEN_OVER) == 1
     assert logged(a, "takes it over from engine gone-d1, whose sidecar is gone")
-    assert logged(a, "refuses connections")
+    assert logged(a, "refuses connections" if after == "killed" else "answers there now")
     assert metric(c.metrics_port, "kvsidecar_peer_opens_total", '{by="call_after_notification"}') == 1
     assert consumed_events(prefill, 1) == 1
     no_event(prefill, "long", wait_s=0.5)

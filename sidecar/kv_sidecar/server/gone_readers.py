@@ -2,7 +2,9 @@
 sidecar died mid-read where the source sees no transfer fail (`host_transfer: read`: one-sided NIXL
 READs, which the reader's sidecar posts; its engine reads nothing itself).
 
-A sidecar is proven gone when its peer address refuses connections (nothing listens there: the process
+A sidecar is asked only at the address it sent, and only where that address is where its calls came
+from (the address a Service in front of several sidecars, or a stale name, would have a live reader
+judged by another sidecar's port). It is proven gone when that address refuses connections (nothing listens there: the process
 that held the port exited, and its NIXL agent with it; the sidecar closes that port only after its
 data plane stopped, server/sidecar.py `stop`), or when another sidecar answers there (the port is
 another process's now). A sidecar that does not answer in time (hung, stopped, cut off) proves nothing:
@@ -33,13 +35,20 @@ class Seen(enum.Enum):
     UNKNOWN = "unknown"  # no answer in time, or no way to ask
 
 
+class ReaderSidecar(NamedTuple):
+    """Where one sidecar of a reader said it answers, and where its calls to this sidecar came from."""
+
+    address: str  # its peer address ("" where it sent none: a reader from before reader_address)
+    calls_from: str  # the transport's name for the other end of its open (a gRPC peer: "ipv4:10.0.0.5:43120")
+
+
 class Probed(NamedTuple):
     seen: Seen
     detail: str  # what was seen, for the log and the refusal's message
 
 
-# (sidecar id, its peer address, timeout in seconds) -> what a probe saw.
-Probe = Callable[[str, str, float], Probed]
+# (sidecar id, where it answers and calls from, timeout in seconds) -> what a probe saw.
+Probe = Callable[[str, ReaderSidecar, float], Probed]
 
 
 class GoneReaders:
@@ -54,8 +63,8 @@ class GoneReaders:
         self._gone: OrderedDict[str, str] = OrderedDict()  # sidecar id -> how it was proven gone
         self._recent: dict[str, tuple[float, Probed]] = {}  # sidecar id -> (when, what was seen)
 
-    def verdict(self, sidecars: dict[str, str], probe: bool = True) -> Probed | None:
-        """GONE where every one of `sidecars` (sidecar id -> peer address) is proven gone, its detail
+    def verdict(self, sidecars: dict[str, ReaderSidecar], probe: bool = True) -> Probed | None:
+        """GONE where every one of `sidecars` (sidecar id -> where) is proven gone, its detail
         naming each; else what stops it (one that runs or did not answer, or no address to ask at).
         probe False: only what is known without asking a sidecar now; None where that is not enough."""
         if self._probe is None:
@@ -63,18 +72,18 @@ class GoneReaders:
         if not sidecars:
             return Probed(Seen.UNKNOWN, "no sidecar of the reader is known")
         gone: list[str] = []
-        for sidecar_id, address in sidecars.items():
-            if not address:
+        for sidecar_id, where in sidecars.items():
+            if not where.address:
                 return Probed(Seen.UNKNOWN, f"its sidecar {sidecar_id} sent no address to ask it at")
-            probed = self._seen(sidecar_id, address, probe)
+            probed = self._seen(sidecar_id, where, probe)
             if probed is None:
                 return None
             if probed.seen is not Seen.GONE:
-                return Probed(probed.seen, f"its sidecar {sidecar_id} at {address}: {probed.detail}")
-            gone.append(f"{sidecar_id} at {address} ({probed.detail})")
+                return Probed(probed.seen, f"its sidecar {sidecar_id} at {where.address}: {probed.detail}")
+            gone.append(f"{sidecar_id} at {where.address} ({probed.detail})")
         return Probed(Seen.GONE, "whose sidecar is gone: " + "; ".join(gone))
 
-    def _seen(self, sidecar_id: str, address: str, probe: bool) -> Probed | None:
+    def _seen(self, sidecar_id: str, where: ReaderSidecar, probe: bool) -> Probed | None:
         now = self._clock()
         with self._lock:
             why = self._gone.get(sidecar_id)
@@ -86,7 +95,7 @@ class GoneReaders:
         if not probe:
             return None
         assert self._probe is not None
-        probed = self._probe(sidecar_id, address, self._timeout_s)
+        probed = self._probe(sidecar_id, where, self._timeout_s)
         with self._lock:
             if probed.seen is Seen.GONE:
                 self._recent.pop(sidecar_id, None)

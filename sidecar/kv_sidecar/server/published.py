@@ -20,6 +20,7 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.blocks import check_start, source_block_list
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import PlanError
+from kv_sidecar.server.gone_readers import ReaderSidecar
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,9 @@ class Published:
     lease_s: float
     deadline: float  # time.monotonic()
     reader: str | None = None  # decode engine id reading it
-    # The sidecars that opened it for the reader: sidecar id -> its peer address ("" where it sent
-    # none), where server/gone_readers.py asks whether they still run.
-    reader_sidecars: dict[str, str] = field(default_factory=dict)
+    # The sidecars that opened it for the reader: sidecar id -> where it answers and its calls came
+    # from, for server/gone_readers.py to ask whether they still run.
+    reader_sidecars: dict[str, ReaderSidecar] = field(default_factory=dict)
     # Why nothing of the reader's read runs any more ("" while it may): its read failed here (its
     # transfer failed, or it said so), or each of its sidecars is proven gone. Another engine may then
     # take the request over, as a router that retries it on another decode instance does once that
@@ -87,7 +88,7 @@ class ReadByAnother(SidecarError):
     """Refused: another engine reads the request, and nothing says that its read ended. `sidecars`: that
     reader's sidecars as `Published.reader_sidecars` had them, for `reader_gone`."""
 
-    def __init__(self, request_id: str, reader: str, sidecars: dict[str, str]) -> None:
+    def __init__(self, request_id: str, reader: str, sidecars: dict[str, ReaderSidecar]) -> None:
         super().__init__(
             Code.FAILED_PRECONDITION, f"request {request_id!r} is already being read by engine {reader!r}"
         )
@@ -206,10 +207,10 @@ class PublishedStore:
         ranks: list[int],
         min_hold_s: float,
         reader_sidecar: str = "",
-        reader_address: str = "",
+        reader_at: ReaderSidecar | None = None,
     ) -> Published:
         """Start (part of) a read: fix the reader, and hold the lease while it runs. `reader_sidecar`
-        opens it for the reader, and answers at `reader_address`. Another engine takes a request over
+        opens it for the reader, answering and calling from `reader_at`. Another engine takes a request over
         from a reader whose read ended here (`read_failed`, `reader_gone`) before any of its
         "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
         its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
@@ -227,7 +228,7 @@ class PublishedStore:
                 item.pending = {p: set(plan.consumers_of(p)) for p in held}
             item.reader_failed = ""  # it reads (again)
             if reader_sidecar:
-                item.reader_sidecars[reader_sidecar] = reader_address
+                item.reader_sidecars[reader_sidecar] = reader_at or ReaderSidecar("", "")
             for r in ranks:
                 if not 0 <= r < plan.decode.tp_size:
                     raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
@@ -250,7 +251,7 @@ class PublishedStore:
                 item.reader_failed = "whose read failed"
 
     def reader_gone(
-        self, engine_id: str, request_id: str, reader: str, sidecars: dict[str, str], why: str
+        self, engine_id: str, request_id: str, reader: str, sidecars: dict[str, ReaderSidecar], why: str
     ) -> None:
         """Every one of `sidecars`, `reader`'s sidecars as a ReadByAnother named them, is proven gone
         (`why`): nothing of its read runs any more. Nothing changes where the reader or its sidecars

@@ -18,7 +18,7 @@ from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
-from kv_sidecar.server.gone_readers import GoneReaders, Seen
+from kv_sidecar.server.gone_readers import GoneReaders, ReaderSidecar, Seen
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
 from kv_sidecar.server.transfers import TransferTracker
@@ -158,7 +158,7 @@ class SourceReads:
             list(request.reader_ranks),
             self._pull_timeout_s,
             request.sidecar_id,
-            request.reader_address,
+            ReaderSidecar(request.reader_address, peer),
         )
         served = item.readers_here(plan, list(request.reader_ranks))
         if served:

@@ -6,6 +6,7 @@ when nothing of the transfer is in flight any more; here the reader's side reads
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from kv_sidecar.config import Settings
 from kv_sidecar.errors import Code
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.grpc_status import from_grpc
-from kv_sidecar.server.gone_readers import Probe, Probed, Seen
+from kv_sidecar.server.gone_readers import Probe, Probed, ReaderSidecar, Seen
 from kv_sidecar.server.peer_calls import Connect, PeerCallError, PeerClient, PeerFuture
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc, status_pb2
 
@@ -111,22 +112,30 @@ def message_limits(settings: Settings) -> list[tuple[str, int]]:
 
 
 def probe_sidecar(settings: Settings, security: PeerSecurity) -> Probe:
-    """Whether sidecar `sidecar_id` still runs at `address` (server/gone_readers.py): a TCP connect,
-    which a port nothing listens on refuses, then the Status call, which names who answers there. A
-    new channel each time, not the peer's: a probe must see the port as it is now, and is rare."""
+    """Whether sidecar `sidecar_id` still runs where it said it answers (server/gone_readers.py): only
+    where that address names the one host its calls came from; then a TCP connect, which a port nothing
+    listens on refuses, then the Status call, which names who answers there. A new channel each time,
+    not the peer's: a probe must see the port as it is now, and is rare."""
     opts = message_limits(settings)
     metadata = security.call_metadata()
 
-    def probe(sidecar_id: str, address: str, timeout_s: float) -> Probed:
-        host, _, port = address.rpartition(":")
+    def probe(sidecar_id: str, where: ReaderSidecar, timeout_s: float) -> Probed:
+        host, _, port = where.address.rpartition(":")
+        host = host.strip("[]")
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            mismatch = _not_where_calls_came_from(host, int(port), where.calls_from)
+        except (OSError, ValueError) as e:
+            return Probed(Seen.UNKNOWN, f"its address does not resolve: {e}")
+        if mismatch:
+            return Probed(Seen.UNKNOWN, mismatch)
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
                 pass
         except ConnectionRefusedError:
             return Probed(Seen.GONE, "its port refuses connections")
-        except (OSError, ValueError) as e:
+        except OSError as e:
             return Probed(Seen.UNKNOWN, f"no connection within {timeout_s:g} s: {e}")
-        channel = security.channel(address, opts)
+        channel = security.channel(where.address, opts)
         try:
             status = peer_pb2_grpc.PeerServiceStub(channel).Status(
                 status_pb2.StatusRequest(), timeout=timeout_s, metadata=metadata
@@ -141,6 +150,29 @@ def probe_sidecar(settings: Settings, security: PeerSecurity) -> Probe:
         return Probed(Seen.RUNS, "it answers")
 
     return probe
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(text.split("%", 1)[0])  # a zone index is not part of the address
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
+
+
+def _not_where_calls_came_from(host: str, port: int, calls_from: str) -> str:
+    """Why the address (host, port) may not be the sidecar whose calls came from gRPC peer `calls_from`
+    ("ipv4:10.0.0.5:43120", "ipv6:[fd00::5]:43120"); "" where it is: the host resolves to that IP alone
+    (loopback addresses counting as one)."""
+    kind, _, rest = calls_from.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return f"its calls came from {calls_from or 'nowhere known'}, not over TCP"
+    came = _ip(rest.rpartition(":")[0].strip("[]"))
+    names = {_ip(str(info[4][0])) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    if came.is_loopback and names and all(n.is_loopback for n in names):
+        return ""
+    if names != {came}:
+        shown = ", ".join(sorted(str(n) for n in names))
+        return f"its address resolves to {shown} but its calls came from {came}: not asked there"
+    return ""
 
 
 def grpc_connect(settings: Settings, security: PeerSecurity) -> Connect:
