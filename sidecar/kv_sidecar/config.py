@@ -105,7 +105,8 @@ class Settings:
         "duplicate opens where notifications are slow (a loaded host), shorter bounds what a lost one costs",
         "reader_probe_ms": "when an engine asks for a request that another engine's read holds, and that "
         "read did not fail here, how long this sidecar waits to learn whether the other reader's sidecar "
-        "still runs, dialing its peer address: a port that refuses, or another sidecar answering there, "
+        "still runs, dialing its peer address (only where it resolves to the one host that reader's calls "
+        "came from): a port that refuses, or another sidecar answering there, "
         "proves it gone and the asking engine takes the request over (a decode sidecar that died mid-read "
         "over host_transfer: read, whose one-sided READs the source never sees fail); no answer in time "
         "proves nothing. 0: never ask (a request stays its reader's until its lease ends). Set 0 where a "

@@ -3,14 +3,14 @@ sidecar died mid-read where the source sees no transfer fail (`host_transfer: re
 READs, which the reader's sidecar posts; its engine reads nothing itself).
 
 A sidecar is asked only at the address it sent, and only where that address is where its calls came
-from (the address a Service in front of several sidecars, or a stale name, would have a live reader
-judged by another sidecar's port). It is proven gone when that address refuses connections (nothing listens there: the process
-that held the port exited, and its NIXL agent with it; the sidecar closes that port only after its
-data plane stopped, server/sidecar.py `stop`), or when another sidecar answers there (the port is
-another process's now). A sidecar that does not answer in time (hung, stopped, cut off) proves nothing:
-it may still READ blocks that the new reader's "consumed" event lets the prefill engine reuse. The probe
-itself (a TCP connect, then the peer Status call) is an adapter's: adapters/peer_client.py
-`probe_sidecar`.
+from (the address of a Service in front of several sidecars, or a stale name, would have a live reader
+judged by another sidecar's port). It is proven gone when that address refuses connections (nothing
+listens there: the process that held the port exited, and its NIXL agent with it; the sidecar closes
+that port only after its data plane stopped, server/sidecar.py `stop`), or when another sidecar
+answers there (the port is another process's now). A sidecar that does not answer in time (hung,
+stopped, cut off) proves nothing: it may still READ blocks that the new reader's "consumed" event lets
+the prefill engine reuse. The probe itself (a TCP connect, then the peer Status call) is an adapter's:
+adapters/peer_client.py `probe_sidecar`.
 """
 
 from __future__ import annotations

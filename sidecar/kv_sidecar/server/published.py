@@ -210,9 +210,9 @@ class PublishedStore:
         reader_at: ReaderSidecar | None = None,
     ) -> Published:
         """Start (part of) a read: fix the reader, and hold the lease while it runs. `reader_sidecar`
-        opens it for the reader, answering and calling from `reader_at`. Another engine takes a request over
-        from a reader whose read ended here (`read_failed`, `reader_gone`) before any of its
-        "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
+        opens it for the reader, answering and calling from `reader_at`. Another engine takes a
+        request over from a reader whose read ended here (`read_failed`, `reader_gone`) before any of
+        its "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
         its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
         with self._lock:
             item = self.get_live(engine_id, request_id)

@@ -125,7 +125,7 @@ def probe_sidecar(settings: Settings, security: PeerSecurity) -> Probe:
         try:
             mismatch = _not_where_calls_came_from(host, int(port), where.calls_from)
         except (OSError, ValueError) as e:
-            return Probed(Seen.UNKNOWN, f"its address does not resolve: {e}")
+            return Probed(Seen.UNKNOWN, f"its address, or where its calls came from, cannot be read: {e}")
         if mismatch:
             return Probed(Seen.UNKNOWN, mismatch)
         try:
