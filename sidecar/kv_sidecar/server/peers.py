@@ -208,10 +208,23 @@ class Peers:
                 self._links[address] = link
             return link
 
-    def known_engine(self, address: str, engine_id: str, reader_engine: str) -> RemoteEngine | None:
-        """The cached handshake with the peer's engine, if any (a pull from it need not wait for one)."""
+    def known_engine(
+        self, address: str, engine_id: str, reader_engine: str, sidecar_id: str = ""
+    ) -> RemoteEngine | None:
+        """The cached handshake with the peer's engine, if any (a pull from it need not wait for one).
+        `sidecar_id`: the sidecar that published what is pulled (its params say); a handshake made with
+        another sidecar at that address is stale (the peer restarted: its agent, memory and plans are
+        another process's), and dropped."""
         link = self._links.get(address)  # a dict read: no lock, no link made
-        return None if link is None else link.engines.get((engine_id, reader_engine))
+        known = None if link is None else link.engines.get((engine_id, reader_engine))
+        if known is not None and sidecar_id and known.sidecar_id != sidecar_id:
+            log.info(
+                "peer sidecar %s is %s now, not %s: handshaking with it again",
+                address, sidecar_id, known.sidecar_id,
+            )  # fmt: skip
+            self.forget_engine(address, engine_id, reader_engine)
+            return None
+        return known
 
     def remote_engine(
         self,

@@ -209,7 +209,7 @@ class Puller:
         p = req.params
         if p.sidecar_id == self._sidecar_id:
             return True
-        remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
+        remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id)
         # GPU sources always stage; host ones only with host_transfer: ring (else NIXL READs, posted early)
         return remote is not None and (remote.memory_kind == "VRAM" or self._host_ring)
 
@@ -326,7 +326,7 @@ class Puller:
         opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
-            known = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id)
+            known = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id)
             if known is not None and known.plan.decode == local[0].spec:
                 remote = known  # the cached handshake, as remote_engine would return it, without its locks
             else:
@@ -340,6 +340,13 @@ class Puller:
                     cancel,
                     lambda: stopped_error(cancel, p.request_id),
                 )
+                if p.sidecar_id and remote.sidecar_id != p.sidecar_id:
+                    raise SidecarError(
+                        Code.NOT_FOUND,
+                        f"request {p.request_id!r} was published by sidecar {p.sidecar_id}, but "
+                        f"{p.sidecar_address} is sidecar {remote.sidecar_id} now (the other restarted, or "
+                        f"moved): the request is gone with it; prefill it again",
+                    )
             # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
             holders = list(
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
