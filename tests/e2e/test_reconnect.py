@@ -152,3 +152,8 @@ def test_pulls_go_on_after_a_sidecar_restarts_at_its_address(
         res = running["decode"].send({"cmd": "pull", "params": before_params, "block_ids": [6, 7], "seed": 0})
         assert not res["ok"] and res["error_code"] == "NOT_FOUND", res
         assert "was published by sidecar" in res["error"] and "is sidecar" in res["error"], res
+        # ... and so for an engine on the sidecar now at that address (a router's retry there).
+        here = spawn(EngineProcess(sidecars["prefill"].socket, f"restart2-h-{transfer}", SPEC))
+        res = here.send({"cmd": "pull", "params": before_params, "block_ids": [6, 7], "seed": 0})
+        assert not res["ok"] and res["error_code"] == "NOT_FOUND", res
+        assert "(this one) now" in res["error"], res

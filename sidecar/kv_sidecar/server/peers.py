@@ -235,10 +235,13 @@ class Peers:
         timeout_s: float,
         stop: threading.Event,
         on_stop: Callable[[], Exception],
+        publisher: str = "",
     ) -> tuple[PeerLink, RemoteEngine]:
         """The plan with a peer's engine, from the cache or a handshake; a pull that is stopped meanwhile
         raises on_stop() at once (it may be waiting behind another pull's handshake to a hung peer).
-        `timeout_s`: what remains of the pull's deadline (a handshake that outlasts it: DEADLINE_EXCEEDED)."""
+        `timeout_s`: what remains of the pull's deadline (a handshake that outlasts it: DEADLINE_EXCEEDED).
+        `publisher`: the sidecar that published what is pulled, where known (its params say): one that
+        another sidecar replaced at `address` took the request with it (NOT_FOUND, saying so)."""
         if self._closed:  # a pull still running at shutdown must not dial anew (and hang the exit)
             raise SidecarError(Code.UNAVAILABLE, f"this sidecar is shutting down; not calling {address}")
         link = self.link(address)
@@ -250,7 +253,9 @@ class Peers:
             known = link.engines.get(key)
             if known is not None and known.plan.decode == reader_spec:
                 return link, known
-            remote = self._handshake(link, engine_id, reader_engine, reader_spec, timeout_s, stop, on_stop)
+            remote = self._handshake(
+                link, engine_id, reader_engine, reader_spec, timeout_s, stop, on_stop, publisher
+            )
             if remote.complete():  # else ask again next time: more ranks may have registered
                 link.engines[key] = remote
             return link, remote
@@ -266,6 +271,7 @@ class Peers:
         timeout_s: float,
         stop: threading.Event,
         on_stop: Callable[[], Exception],
+        publisher: str = "",
     ) -> RemoteEngine:
         me, nixl, metrics = self._sidecar_id, self._nixl, self._metrics
         start = time.perf_counter()
@@ -283,6 +289,14 @@ class Peers:
         except PeerCallError as e:
             metrics.handshakes.labels("error").inc()
             raise e.explain(link.address, "the handshake", caller_deadline=True) from None
+        if publisher and resp.sidecar_id != publisher:  # before the next check: it may be this sidecar
+            metrics.handshakes.labels("error").inc()
+            raise SidecarError(
+                Code.NOT_FOUND,
+                f"the request was published by sidecar {publisher}, but {link.address} is sidecar "
+                f"{resp.sidecar_id}{' (this one)' if resp.sidecar_id == me else ''} now: the other restarted "
+                f"or moved, and the request is gone with it; prefill it again",
+            )
         if resp.sidecar_id == me:  # never NIXL-read from our own agent
             metrics.handshakes.labels("error").inc()
             raise SidecarError(

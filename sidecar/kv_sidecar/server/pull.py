@@ -339,14 +339,8 @@ class Puller:
                     max(0.001, deadline - time.monotonic()),
                     cancel,
                     lambda: stopped_error(cancel, p.request_id),
+                    p.sidecar_id,
                 )
-                if p.sidecar_id and remote.sidecar_id != p.sidecar_id:
-                    raise SidecarError(
-                        Code.NOT_FOUND,
-                        f"request {p.request_id!r} was published by sidecar {p.sidecar_id}, but "
-                        f"{p.sidecar_address} is sidecar {remote.sidecar_id} now (the other restarted, or "
-                        f"moved): the request is gone with it; prefill it again",
-                    )
             # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
             holders = list(
                 holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
