@@ -1,0 +1,410 @@
+"""Pulls under failures: sidecars and engines killed, stopped and restarted while pulls run.
+
+"A bad request or a dead peer gives a clear error and loses nothing" (issue 32's target 7, under
+failures rather than load). Three `kv-sidecar serve` processes on loopback, each with a prefill engine
+P<i> and a decode engine D<i> (reference engines, each its own process, caches in shared memory); D1
+holds another layout (host-nixl-staged: READs into staging, converted), and S2 reads with
+`host_transfer: ring` (host-ring: the staged protocol). One worker thread per decode engine loops:
+publish a request on a prefill engine of another sidecar (or its own: host-direct), pull it, check the
+outcome. Meanwhile a chaos thread, every 1-3 s, does one of:
+
+  kill-sidecar    SIGKILL a sidecar, then start it again on the same ports, and its two engines
+                  (as a pod's restart)
+  stop-sidecar    SIGSTOP a sidecar for 0.3-2 s, then SIGCONT
+  kill-decode     SIGKILL a decode engine mid-pull, then start it again
+  kill-prefill    SIGKILL a prefill engine, then start it again
+
+Every outcome is checked, and whatever breaks a rule is a fault:
+  - a pull that succeeds: every byte of the request exact, no byte outside its blocks changed (the
+    engine checks both);
+  - a pull that fails: a status of the expected set (UNAVAILABLE, DEADLINE_EXCEEDED, NOT_FOUND,
+    FAILED_PRECONDITION, CANCELLED, ABORTED) with a message, its unfilled blocks among those asked
+    for, and no byte outside them changed;
+  - the engine answers within the pull's timeout and a margin (a pull never hangs);
+  - a sidecar the chaos thread did not kill is alive throughout.
+A pull that failed is pulled again once by another decode engine, as a router's retry on another
+decode instance would; its outcome is counted (it must obey the same rules). Once the chaos stops,
+one pull between every two sidecars must succeed within a few tries (recovery).
+
+    python bench/chaos.py                  # 3 minutes; writes its section of docs/benchmarks.md
+    python bench/chaos.py --seconds 30 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import platform
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.procs import EngineProcess, ProcessError, SidecarProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
+
+TITLE = "Pulls under failures (bench/chaos.py)"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BASE: dict[str, Any] = {
+    "tp_size": 1,
+    "num_layers": 2,
+    "num_kv_heads": 4,
+    "head_dim": 32,
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "num_blocks": 1024,
+    "layout": "flash_attn_nhd",
+}
+SRC = EngineSpec.from_dict(BASE)
+DSTS = [SRC, EngineSpec.from_dict(BASE | {"layout": "flash_attn_hnd"}), SRC]
+SIDECAR_ARGS = [[], [], ["--host-transfer", "ring"]]
+EXPECTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "NOT_FOUND", "FAILED_PRECONDITION", "CANCELLED", "ABORTED"}
+PULL_TIMEOUT_S = 3.0
+ANSWER_MARGIN_S = 15.0  # an engine's answer later than the pull's timeout by this much is a hang
+SIZES = (1, 8, 64, 256)  # blocks of 16 KiB; 256 long enough to be cut midway now and then
+# Block regions: a worker's in every prefill engine, its own pulls' in its decode engine, and another
+# engine's retries' there (a retry runs while that engine's own worker waits for its lock).
+SRC_REGION, RETRY_BASE = 300, 512
+ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill")
+
+
+class Engine:
+    """One engine process behind a lock (its commands run one at a time), replaced when restarted."""
+
+    def __init__(self, make: Callable[[], EngineProcess]) -> None:
+        self.make = make  # starts it on its node's sidecar as the node has it now
+        self.lock = threading.Lock()
+        self.proc = make()
+        self.killed_at = 0.0  # when the chaos thread last killed it (its command then fails: expected)
+
+    def send(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self.lock:
+            return self.proc.send(cmd, timeout_s)
+
+    def restart(self) -> None:
+        """Under the lock: a new process (the old one killed first, if it still runs)."""
+        self.proc.kill()
+        self.proc = self.make()
+
+
+@dataclass
+class Node:
+    """A sidecar and its two engines (P<i>, D<i>), which start on whichever sidecar the node has."""
+
+    index: int
+    sidecar: SidecarProcess
+    down: threading.Event = field(default_factory=threading.Event)  # set while killed or stopped
+    prefill: Engine = field(init=False)
+    decode: Engine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill = Engine(lambda: EngineProcess(self.sidecar.socket, f"P{self.index}", SRC))
+        self.decode = Engine(lambda: EngineProcess(self.sidecar.socket, f"D{self.index}", DSTS[self.index]))
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    retries: collections.Counter[str] = field(default_factory=collections.Counter)
+    actions: collections.Counter[str] = field(default_factory=collections.Counter)
+    faults: list[str] = field(default_factory=list)
+    said: dict[str, str] = field(default_factory=dict)  # a failure's status -> the first message of it
+
+    def fault(self, what: str) -> None:
+        with self.lock:
+            self.faults.append(what)
+        print(f"FAULT: {what}", flush=True)
+
+
+def _outcome(res: dict[str, Any]) -> str:
+    return f"ok ({res['path']})" if res["ok"] else str(res.get("error_code"))
+
+
+def check(res: dict[str, Any], blocks: list[int], what: str, tally: Tally) -> None:
+    """The rules a pull's outcome obeys, whatever failed around it."""
+    if res["ok"]:
+        if not res.get("verified"):
+            tally.fault(f"{what}: succeeded with wrong bytes: {res.get('errors')}")
+        return
+    code = res.get("error_code")
+    if code not in EXPECTED or not res.get("error"):
+        tally.fault(f"{what}: failed with {code}: {res.get('error')!r}")
+    if not set(res.get("unfilled_blocks") or ()) <= set(blocks):
+        tally.fault(f"{what}: names blocks it was not asked to fill: {res.get('unfilled_blocks')}")
+    if res.get("verified") is False:
+        tally.fault(f"{what}: a failed pull changed bytes outside its blocks: {res.get('errors')}")
+
+
+class Chaos:
+    def __init__(self, nodes: list[Node], tally: Tally, seed: int) -> None:
+        self.nodes = nodes
+        self.tally = tally
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(1.0, 3.0)):
+            action = self.rng.choice(ACTIONS)
+            node = self.rng.choice(self.nodes)
+            with self.tally.lock:
+                self.tally.actions[action] += 1
+            print(f"chaos: {action} on node {node.index}", flush=True)
+            if action == "kill-sidecar":
+                self._kill_sidecar(node)
+            elif action == "stop-sidecar":
+                node.down.set()
+                os.kill(node.sidecar.proc.pid, signal.SIGSTOP)
+                time.sleep(self.rng.uniform(0.3, 2.0))
+                os.kill(node.sidecar.proc.pid, signal.SIGCONT)
+                node.down.clear()
+            else:
+                engine = node.decode if action == "kill-decode" else node.prefill
+                engine.killed_at = time.monotonic()
+                engine.proc.kill()  # mid-command, perhaps: its worker expects that
+                with engine.lock:
+                    engine.restart()
+
+    def _kill_sidecar(self, node: Node) -> None:
+        node.down.set()
+        node.prefill.killed_at = node.decode.killed_at = time.monotonic()
+        sc = node.sidecar
+        sc.proc.kill()
+        sc.proc.wait(10)
+        port = sc.peer_address.rpartition(":")[2]
+        with node.prefill.lock, node.decode.lock:  # their commands end: their sidecar is gone
+            node.prefill.proc.kill()
+            node.decode.proc.kill()
+            node.sidecar = SidecarProcess(
+                f"chaos-s{node.index}", extra=[*SIDECAR_ARGS[node.index], "--peer-port", port]
+            )
+            for engine in (node.prefill, node.decode):
+                engine.restart()
+        node.down.clear()
+
+
+class Worker:
+    """Pulls into one decode engine, from the prefill engines of every node, until stopped."""
+
+    def __init__(self, j: int, nodes: list[Node], tally: Tally, rng: random.Random, stop: threading.Event):
+        self.j, self.nodes, self.tally, self.rng, self.stop = j, nodes, tally, rng, stop
+        self.count = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.once()
+            except Exception as e:  # the bench's own trouble: counted, and the loop goes on
+                self.tally.fault(f"worker {self.j}: {type(e).__name__}: {e}")
+                time.sleep(0.2)
+
+    def once(self) -> None:
+        self.count += 1
+        i = self.rng.randrange(len(self.nodes))
+        n = self.rng.choice(SIZES)
+        src = self.nodes[i].prefill
+        rid, seed = f"w{self.j}-{self.count}", self.j * 1_000_000 + self.count
+        src_blocks = [SRC_REGION * self.j + b for b in range(n)]
+        t0 = time.monotonic()
+        try:
+            pub = src.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": src_blocks, "num_tokens": n * 16 - 3,
+                 "seed": seed},
+                timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S,
+            )  # fmt: skip
+        except (ProcessError, OSError):  # no answer, or its stdin closed: it died
+            self._engine_died(src, t0, f"prefill on node {i}")
+            return
+        if not pub.get("ok"):
+            with self.tally.lock:
+                self.tally.outcomes[f"publish refused ({pub.get('error_code')})"] += 1
+            return
+        dst = self.nodes[self.j].decode
+        blocks = list(range(n))
+        res = self._pull(dst, pub["params"], blocks, seed, f"pull {rid} node {i} -> {self.j}", t0)
+        if res is None or res["ok"]:
+            return
+        # As a router retries on another decode instance: the request may be taken over, or is gone.
+        k = self.rng.choice([k for k in range(len(self.nodes)) if k != self.j])
+        self._pull(
+            self.nodes[k].decode, pub["params"], [RETRY_BASE + b for b in range(n)], seed,
+            f"retry of {rid} on node {k}", time.monotonic(), retry=True,
+        )  # fmt: skip
+
+    def _pull(
+        self,
+        engine: Engine,
+        params: dict[str, Any],
+        blocks: list[int],
+        seed: int,
+        what: str,
+        t0: float,
+        retry: bool = False,
+    ) -> dict[str, Any] | None:
+        try:
+            res = engine.send(
+                {
+                    "cmd": "pull",
+                    "params": params,
+                    "block_ids": blocks,
+                    "seed": seed,
+                    "timeout_s": PULL_TIMEOUT_S,
+                },
+                timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S,
+            )
+        except (ProcessError, OSError):
+            self._engine_died(engine, t0, what)
+            return None
+        check(res, blocks, what, self.tally)
+        with self.tally.lock:
+            (self.tally.retries if retry else self.tally.outcomes)[_outcome(res)] += 1
+            if not res["ok"]:
+                self.tally.said.setdefault(
+                    f"{res.get('error_code')}{' (retry)' if retry else ''}", res["error"]
+                )
+        return res
+
+    def _engine_died(self, engine: Engine, t0: float, what: str) -> None:
+        """An engine gave no answer: expected where the chaos thread killed it (or its sidecar) since."""
+        if engine.killed_at >= t0 - 0.5:
+            with self.tally.lock:
+                self.tally.outcomes["engine killed mid-command"] += 1
+            deadline = time.monotonic() + 60
+            while not engine.proc.alive and time.monotonic() < deadline:  # its restart, first
+                time.sleep(0.05)
+            return
+        self.tally.fault(f"{what}: the engine gave no answer within {PULL_TIMEOUT_S + ANSWER_MARGIN_S:g} s")
+
+
+def recover(nodes: list[Node], tally: Tally) -> list[str]:
+    """One pull between every two nodes once the chaos stopped: each must succeed within a few tries."""
+    rows = []
+    for i, src in enumerate(nodes):
+        for j, dst in enumerate(nodes):
+            ok, tries, res = False, 0, {}
+            deadline = time.monotonic() + 20
+            while not ok and time.monotonic() < deadline:
+                tries += 1
+                rid = f"recover-{i}-{j}-{tries}"
+                pub = src.prefill.send(
+                    {
+                        "cmd": "prefill",
+                        "request_id": rid,
+                        "block_ids": [1000, 1001],
+                        "num_tokens": 29,
+                        "seed": tries,
+                    },
+                    timeout_s=30,
+                )
+                if not pub.get("ok"):
+                    time.sleep(0.5)
+                    continue
+                res = dst.decode.send(
+                    {"cmd": "pull", "params": pub["params"], "block_ids": [1000, 1001], "seed": tries},
+                    timeout_s=60,
+                )
+                check(res, [1000, 1001], f"recovery pull {i} -> {j}", tally)
+                ok = bool(res["ok"] and res.get("verified"))
+                if not ok:
+                    time.sleep(0.5)
+            if not ok:
+                tally.fault(f"recovery pull {i} -> {j} never succeeded: {res}")
+            rows.append(
+                f"{i} -> {j}: {'ok' if ok else 'FAILED'} after {tries} tries ({res.get('path', '-')})"
+            )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=180)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    tally = Tally()
+    nodes = [Node(i, SidecarProcess(f"chaos-s{i}", extra=SIDECAR_ARGS[i])) for i in range(3)]
+    chaos = Chaos(nodes, tally, args.seed)
+    stop = threading.Event()
+    workers = [Worker(j, nodes, tally, random.Random(rng.random()), stop) for j in range(len(nodes))]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    chaos_thread = threading.Thread(target=chaos.run, daemon=True)
+    chaos_thread.start()
+    watch = threading.Thread(target=_watch, args=(nodes, tally, stop), daemon=True)
+    watch.start()
+    time.sleep(args.seconds)
+    chaos.stop.set()
+    chaos_thread.join(60)
+    stop.set()
+    for t in threads:
+        t.join(PULL_TIMEOUT_S * 2 + ANSWER_MARGIN_S * 2)
+    wall = time.monotonic() - t0
+    rows = recover(nodes, tally)
+    codes = []
+    for node in nodes:
+        for engine in (node.prefill, node.decode):
+            engine.proc.stop()
+        codes.append(node.sidecar.stop(30))
+    if any(codes):
+        tally.fault(f"sidecar exit codes at the end: {codes} (0 expected)")
+    body = _section(args, wall, tally, rows)
+    print(body)
+    if not args.no_write:
+        report.write_section(DOCS, TITLE, body)
+    return 1 if tally.faults else 0
+
+
+def _watch(nodes: list[Node], tally: Tally, stop: threading.Event) -> None:
+    """A sidecar that dies when the chaos thread did not kill it is a fault."""
+    while not stop.wait(0.2):
+        for node in nodes:
+            sc = node.sidecar
+            if not sc.alive and not node.down.is_set():
+                tally.fault(f"sidecar of node {node.index} died by itself: {sc.proc.poll()}")
+                node.down.set()  # reported once; a restart by the chaos thread clears it
+
+
+def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str]) -> str:
+    cmd = "python bench/chaos.py" + ("" if args.seconds == 180 else f" --seconds {args.seconds:g}")
+    lines = [
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {report.gpus()}, Python "
+        f"{platform.python_version()}  ",
+        f"Date: {datetime.date.today().isoformat()}; {wall:.0f} s of pulls under failures, seed {args.seed}",
+        "",
+        "What the chaos thread did: " + ", ".join(f"{a} {tally.actions[a]}" for a in ACTIONS),
+        "",
+        "| outcome | pulls | retries on another decode engine |",
+        "|---|---|---|",
+    ]
+    keys = sorted(set(tally.outcomes) | set(tally.retries), key=lambda k: (not k.startswith("ok"), k))
+    lines += [f"| {k} | {tally.outcomes.get(k, 0)} | {tally.retries.get(k, 0)} |" for k in keys]
+    lines += ["", "What the failures said (the first of each kind):", ""]
+    lines += [f"- {k}: `{v}`" for k, v in sorted(tally.said.items())]
+    lines += [
+        "",
+        "Recovery once the chaos stopped (one pull between every two sidecars): " + "; ".join(rows),
+        "",
+    ]
+    lines.append(
+        f"Faults: {len(tally.faults)}"
+        + ("" if not tally.faults else ":\n" + "\n".join(f"- {f}" for f in tally.faults[:20]))
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
