@@ -5,8 +5,9 @@ failures rather than load). Three `kv-sidecar serve` processes on loopback, each
 P<i> and a decode engine D<i> (reference engines, each its own process, caches in shared memory); D1
 holds another layout (host-nixl-staged: READs into staging, converted), and S2 reads with
 `host_transfer: ring` (host-ring: the staged protocol). One worker thread per decode engine loops:
-publish a request on a prefill engine of another sidecar (or its own: host-direct), pull it, check the
-outcome. Meanwhile a chaos thread, every 1-3 s, does one of:
+publish a request on a random node's prefill engine (its own: host-direct), pull it, check the outcome;
+two times in five, 2-4 such requests pulled in one PullBatch call, whose members must each obey the
+rules below, and which as a whole must write nowhere but its members' blocks. Meanwhile a chaos thread, every 1-3 s, does one of:
 
   kill-sidecar    SIGKILL a sidecar, then start it again on the same ports, and its two engines
                   (as a pod's restart)
@@ -117,6 +118,7 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
+    batched: collections.Counter[str] = field(default_factory=collections.Counter)  # PullBatch members
     actions: collections.Counter[str] = field(default_factory=collections.Counter)
     faults: list[str] = field(default_factory=list)
     said: dict[str, str] = field(default_factory=dict)  # a failure's status -> the first message of it
@@ -209,37 +211,86 @@ class Worker:
                 time.sleep(0.2)
 
     def once(self) -> None:
+        """One pull, or (two times in five) a PullBatch of 2-4 members, each from a random node."""
+        batch = self.rng.random() < 0.4
+        members = self.rng.randrange(2, 5) if batch else 1
+        pulls = []
+        for m in range(members):
+            pub = self._publish(m, SIZES[:3] if batch else SIZES)
+            if pub is not None:
+                pulls.append(pub)
+        if not pulls:
+            return
+        dst = self.nodes[self.j].decode
+        t0 = time.monotonic()
+        if batch:
+            outcomes = self._pull_batch(dst, pulls, t0)
+        else:
+            p = pulls[0]
+            outcomes = [self._pull(dst, p["params"], p["block_ids"], p["seed"], p["what"], t0)]
+        for p, res in zip(pulls, outcomes, strict=True):
+            if res is None or res["ok"]:
+                continue
+            # As a router retries on another decode instance: the request may be taken over, or is gone.
+            k = self.rng.choice([k for k in range(len(self.nodes)) if k != self.j])
+            self._pull(
+                self.nodes[k].decode, p["params"], [RETRY_BASE + b for b in p["block_ids"]], p["seed"],
+                f"retry of {p['what']} on node {k}", time.monotonic(), retry=True,
+            )  # fmt: skip
+
+    def _publish(self, m: int, sizes: tuple[int, ...]) -> dict[str, Any] | None:
+        """A request of a random node's prefill engine for member `m` (blocks of its own on both sides):
+        its params, blocks to pull into, seed and name; None where the publish failed."""
         self.count += 1
         i = self.rng.randrange(len(self.nodes))
-        n = self.rng.choice(SIZES)
+        n = self.rng.choice(sizes)
         src = self.nodes[i].prefill
         rid, seed = f"w{self.j}-{self.count}", self.j * 1_000_000 + self.count
-        src_blocks = [SRC_REGION * self.j + b for b in range(n)]
+        first = SRC_REGION * self.j + 64 * m  # a batch's members (at most 64 blocks each) side by side
         t0 = time.monotonic()
         try:
             pub = src.send(
-                {"cmd": "prefill", "request_id": rid, "block_ids": src_blocks, "num_tokens": n * 16 - 3,
-                 "seed": seed},
+                {"cmd": "prefill", "request_id": rid, "block_ids": list(range(first, first + n)),
+                 "num_tokens": n * 16 - 3, "seed": seed},
                 timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S,
             )  # fmt: skip
         except (ProcessError, OSError):  # no answer, or its stdin closed: it died
             self._engine_died(src, t0, f"prefill on node {i}")
-            return
+            return None
         if not pub.get("ok"):
             with self.tally.lock:
                 self.tally.outcomes[f"publish refused ({pub.get('error_code')})"] += 1
-            return
-        dst = self.nodes[self.j].decode
-        blocks = list(range(n))
-        res = self._pull(dst, pub["params"], blocks, seed, f"pull {rid} node {i} -> {self.j}", t0)
-        if res is None or res["ok"]:
-            return
-        # As a router retries on another decode instance: the request may be taken over, or is gone.
-        k = self.rng.choice([k for k in range(len(self.nodes)) if k != self.j])
-        self._pull(
-            self.nodes[k].decode, pub["params"], [RETRY_BASE + b for b in range(n)], seed,
-            f"retry of {rid} on node {k}", time.monotonic(), retry=True,
-        )  # fmt: skip
+            return None
+        blocks = list(range(64 * m, 64 * m + n))
+        return {
+            "params": pub["params"],
+            "block_ids": blocks,
+            "seed": seed,
+            "what": f"{rid} node {i} -> {self.j}",
+        }
+
+    def _pull_batch(
+        self, engine: Engine, pulls: list[dict[str, Any]], t0: float
+    ) -> list[dict[str, Any] | None]:
+        """One PullBatch of `pulls`: each member checked as a pull is, and nothing outside them written."""
+        try:
+            res = engine.send(
+                {"cmd": "pull_many", "timeout_s": PULL_TIMEOUT_S,
+                 "pulls": [{k: p[k] for k in ("params", "block_ids", "seed")} for p in pulls]},
+                timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S,
+            )  # fmt: skip
+        except (ProcessError, OSError):
+            self._engine_died(engine, t0, f"PullBatch of {[p['what'] for p in pulls]}")
+            return [None] * len(pulls)
+        if "results" not in res:  # the call itself refused
+            self.tally.fault(f"PullBatch of {len(pulls)} refused whole: {res}")
+            return [None] * len(pulls)
+        if not res["untouched_outside"]:
+            self.tally.fault(f"a PullBatch wrote outside its members' blocks: {res['outside_errors']}")
+        for p, one in zip(pulls, res["results"], strict=True):
+            one.setdefault("verified", True)  # a failed member's outside check is the batch's, above
+            self._count(one, p["block_ids"], f"batch member {p['what']}", batched=True)
+        return list(res["results"])
 
     def _pull(
         self,
@@ -265,14 +316,18 @@ class Worker:
         except (ProcessError, OSError):
             self._engine_died(engine, t0, what)
             return None
-        check(res, blocks, what, self.tally)
-        with self.tally.lock:
-            (self.tally.retries if retry else self.tally.outcomes)[_outcome(res)] += 1
-            if not res["ok"]:
-                self.tally.said.setdefault(
-                    f"{res.get('error_code')}{' (retry)' if retry else ''}", res["error"]
-                )
+        self._count(res, blocks, what, retry=retry)
         return res
+
+    def _count(
+        self, res: dict[str, Any], blocks: list[int], what: str, retry: bool = False, batched: bool = False
+    ) -> None:
+        check(res, blocks, what, self.tally)
+        kind = "retries" if retry else "batched" if batched else "outcomes"
+        with self.tally.lock:
+            getattr(self.tally, kind)[_outcome(res)] += 1
+            if not res["ok"]:
+                self.tally.said.setdefault(f"{res.get('error_code')} ({kind})", res["error"])
 
     def _engine_died(self, engine: Engine, t0: float, what: str) -> None:
         """An engine gave no answer: expected where the chaos thread killed it (or its sidecar) since."""
@@ -387,11 +442,17 @@ def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str
         "",
         "What the chaos thread did: " + ", ".join(f"{a} {tally.actions[a]}" for a in ACTIONS),
         "",
-        "| outcome | pulls | retries on another decode engine |",
-        "|---|---|---|",
+        "| outcome | pulls | members of PullBatches | retries on another decode engine |",
+        "|---|---|---|---|",
     ]
-    keys = sorted(set(tally.outcomes) | set(tally.retries), key=lambda k: (not k.startswith("ok"), k))
-    lines += [f"| {k} | {tally.outcomes.get(k, 0)} | {tally.retries.get(k, 0)} |" for k in keys]
+    keys = sorted(
+        set(tally.outcomes) | set(tally.batched) | set(tally.retries),
+        key=lambda k: (not k.startswith("ok"), k),
+    )
+    lines += [
+        f"| {k} | {tally.outcomes.get(k, 0)} | {tally.batched.get(k, 0)} | {tally.retries.get(k, 0)} |"
+        for k in keys
+    ]
     lines += ["", "What the failures said (the first of each kind):", ""]
     lines += [f"- {k}: `{v}`" for k, v in sorted(tally.said.items())]
     lines += [
