@@ -26,7 +26,7 @@ from kv_sidecar.server.membership import REFRESH_S
 from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import no_transfer_in_flight, spec_dict
+from .conftest import Spawn, no_transfer_in_flight, spec_dict
 
 Nodes = dict[str, SidecarProcess]
 _ids = itertools.count()
@@ -344,3 +344,62 @@ def test_leader_that_lost_its_map_gets_it_back(nodes: Nodes) -> None:
     finally:
         for p in [*prefill.values(), decode]:
             p.stop()
+
+
+def test_a_member_sidecar_restarted_under_a_new_id_is_handshaken_again(spawn: Spawn) -> None:
+    """A prefill engine over a (leader) and b (member); a decode engine on c reads with host_transfer:
+    ring (staged Pushes to each rank's holder). b comes back under a new id (a crashed container
+    restarted at its pod's address); the params, which name only the leader, do not show it. The Push
+    to b names the agent the reader's handshake expects the chunks from, and the new b, whose agent that
+    is not, refuses it saying to handshake again; the pull does, and arrives exact. Until 2026-11-29
+    the new b sent its chunks anyway and every such pull failed INTERNAL ("broke the staged protocol"):
+    c's cached handshake named the old b's agent."""
+    wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
+    a, b, c = spawn.together(
+        lambda: SidecarProcess("mrs-a", extra=wait),
+        lambda: SidecarProcess("mrs-b", extra=wait),
+        lambda: SidecarProcess(
+            "mrs-c", extra=["--host-transfer", "ring", "--gpu-staging-bytes", str(1 << 20)]
+        ),
+    )
+    placement = {"a": [0], "b": [1]}
+    sidecars = {"a": a, "b": b}
+    prefill = {
+        node: spawn(
+            EngineProcess(
+                sidecars[node].socket,
+                "mrs-p",
+                SPEC,
+                ranks=ranks,
+                leader="" if node == "a" else a.peer_address,
+            )
+        )
+        for node, ranks in placement.items()
+    }
+    decode = spawn(EngineProcess(c.socket, "mrs-d", SPEC))
+    blocks = [3, 4, 5, 6, 7]
+
+    def publish_and_pull(rid: str, seed: int) -> dict[str, object]:
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": TOKENS, "seed": seed}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        pub = prefill["a"].send(fill)
+        assert pub["ok"], pub
+        return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": seed})
+
+    first = publish_and_pull("before", 1)
+    assert first["ok"] and first["verified"] and first["path"] == "host-ring", first
+    port = b.peer_address.rpartition(":")[2]
+    prefill["b"].kill()
+    b.proc.kill()
+    b.proc.wait(10)
+    b2 = spawn(SidecarProcess("mrs-b", workdir=b.workdir, extra=[*wait, "--peer-port", port]))
+    assert b2.sidecar_id != b.sidecar_id and b2.peer_address == b.peer_address
+    prefill["b"] = spawn(EngineProcess(b2.socket, "mrs-p", SPEC, ranks=[1], leader=a.peer_address))
+    deadline = time.monotonic() + 20
+    while True:  # until the leader's map has the new b (its report), as a router would retry
+        res = publish_and_pull(f"after-{time.monotonic():.3f}", 2)
+        if res["ok"] or time.monotonic() > deadline:
+            break
+        assert res["error_code"] != "INTERNAL", res
+        time.sleep(0.3)
+    assert res["ok"] and res["verified"] and res["path"] == "host-ring", res

@@ -135,6 +135,7 @@ class Sidecar:
             notified,
             pull_timeout_s,
             functools.partial(nixl.notify, only_loaded=True),
+            me.sidecar_id,  # our NIXL agent's name
         )
         open_answers = OpenAnswers(reads, push_keys, push_runs, self.drain, nixl, metrics)
         opener = Opener(

@@ -570,6 +570,7 @@ class StagedReader:
                 refusal_notice=bool(key),
                 reader_worker_agent=slots.agent if in_worker else "",
                 source_in_worker=from_worker,
+                source_agent=sender,  # a source that restarted since our handshake refuses, not sends
             )
             if group:
                 req.members.extend(

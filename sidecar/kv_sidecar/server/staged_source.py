@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kv_sidecar.dataplane import staged_protocol as sp
-from kv_sidecar.dataplane.jobs import Send, SendMember
+from kv_sidecar.dataplane.jobs import RankKey, Send, SendMember
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
@@ -137,8 +137,10 @@ class StagedSource:
         notifications: bool,
         pull_timeout_s: float,
         notify: Callable[[str, bytes], object],
+        agent: str,
     ) -> None:
-        """notifications: the push_notifications setting (readers get keys to push by notification);
+        """agent: this sidecar's NIXL agent's name; notifications: the push_notifications setting
+        (readers get keys to push by notification);
         notify: sends a NIXL notification to a reader's agent if it is loaded here (the failure notice:
         a reader whose agent is not, e.g. one that never handshook with this member of a multi-node
         engine, learns of the failure from its call, when due)."""
@@ -153,6 +155,7 @@ class StagedSource:
         self._notifications = notifications
         self._pull_timeout_s = pull_timeout_s
         self._notify = notify
+        self._agent = agent
 
     def serve(self, req: peer_pb2.PushRequest, context: PushCall) -> peer_pb2.PushResponse:
         """Send one source rank's share of an opened request into the reader's receive slots, or, when
@@ -263,6 +266,7 @@ class StagedSource:
         group = len(req.members) > 0
         item = None if group or req.HasField("open") else self._opened(req, req.request_id)
         src_entry = self._engines.get(req.engine_id, req.source_rank)
+        self._check_sender(req, src_entry.key)
         if not req.HasField("reader_spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "reader_spec is required")
         reader_spec = spec_from_proto(req.reader_spec)
@@ -365,6 +369,21 @@ class StagedSource:
                 f"request {request_id!r} is not open for engine {req.reader_engine_id!r}: OpenRead first",
             )
         return item
+
+    def _check_sender(self, req: peer_pb2.PushRequest, key: RankKey) -> None:
+        """The agent the reader takes the chunks from must be the one that sends them here: else its
+        handshake is with a sidecar before this one at this address (it would refuse every chunk)."""
+        if not req.source_agent:
+            return
+        worker = self._plane.worker_agent(key) if req.source_in_worker else None
+        ours = worker[0] if worker is not None else self._agent
+        if req.source_agent != ours:
+            raise SidecarError(
+                Code.FAILED_PRECONDITION,
+                f"this sidecar sends rank {req.source_rank} of engine {req.engine_id!r} from agent {ours}, "
+                f"not {req.source_agent}: the reader's handshake is with a sidecar before this one "
+                f"(restarted since); handshake again",
+            )
 
     def _open_from_push(
         self,

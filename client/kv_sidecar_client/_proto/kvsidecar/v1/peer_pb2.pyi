@@ -183,7 +183,7 @@ class PushSlot(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping", "members", "reader_worker_agent", "source_in_worker", "failure_notice", "refusal_notice")
+    __slots__ = ("engine_id", "request_id", "reader_engine_id", "reader_spec", "reader_rank", "source_rank", "plan_hash", "start_token", "transfer_id", "reader_agent", "reader_agent_metadata", "memory_kind", "device_id", "slots", "timeout_ms", "open", "open_num_tokens", "notified", "stopping", "members", "reader_worker_agent", "source_in_worker", "failure_notice", "refusal_notice", "source_agent")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class PushRequest(_message.Message):
     SOURCE_IN_WORKER_FIELD_NUMBER: _ClassVar[int]
     FAILURE_NOTICE_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_AGENT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reader_engine_id: str
@@ -232,7 +233,8 @@ class PushRequest(_message.Message):
     source_in_worker: bool
     failure_notice: bool
     refusal_notice: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ..., reader_worker_agent: _Optional[str] = ..., source_in_worker: _Optional[bool] = ..., failure_notice: _Optional[bool] = ..., refusal_notice: _Optional[bool] = ...) -> None: ...
+    source_agent: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reader_rank: _Optional[int] = ..., source_rank: _Optional[int] = ..., plan_hash: _Optional[str] = ..., start_token: _Optional[int] = ..., transfer_id: _Optional[str] = ..., reader_agent: _Optional[str] = ..., reader_agent_metadata: _Optional[bytes] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[PushSlot, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., open: _Optional[_Union[OpenReadRequest, _Mapping]] = ..., open_num_tokens: _Optional[int] = ..., notified: _Optional[bool] = ..., stopping: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[PushMember, _Mapping]]] = ..., reader_worker_agent: _Optional[str] = ..., source_in_worker: _Optional[bool] = ..., failure_notice: _Optional[bool] = ..., refusal_notice: _Optional[bool] = ..., source_agent: _Optional[str] = ...) -> None: ...
 
 class PushMember(_message.Message):
     __slots__ = ("request_id", "open", "num_tokens", "start_token")
