@@ -29,6 +29,7 @@ one pull between every two sidecars must succeed within a few tries (recovery).
 
     python bench/chaos.py                  # 3 minutes; writes its section of docs/benchmarks.md
     python bench/chaos.py --seconds 30 --no-write
+    python bench/chaos.py --gpu            # every cache on a GPU: gpu-staged and gpu-direct pulls
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ BASE: dict[str, Any] = {
 SRC = EngineSpec.from_dict(BASE)
 DSTS = [SRC, EngineSpec.from_dict(BASE | {"layout": "flash_attn_hnd"}), SRC]
 SIDECAR_ARGS = [[], [], ["--host-transfer", "ring"]]
+# --gpu: every engine's cache on a GPU (cuda:0; with two GPUs decode engines on cuda:1): pulls go
+# gpu-staged between sidecars and gpu-direct within one; host_transfer does not apply.
+DEVICES: dict[str, list[str] | None] = {"prefill": None, "decode": None}
 EXPECTED = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "NOT_FOUND", "FAILED_PRECONDITION", "CANCELLED", "ABORTED"}
 PULL_TIMEOUT_S = 3.0
 ANSWER_MARGIN_S = 15.0  # an engine's answer later than the pull's timeout by this much is a hang
@@ -109,8 +113,14 @@ class Node:
     decode: Engine = field(init=False)
 
     def __post_init__(self) -> None:
-        self.prefill = Engine(lambda: EngineProcess(self.sidecar.socket, f"P{self.index}", SRC))
-        self.decode = Engine(lambda: EngineProcess(self.sidecar.socket, f"D{self.index}", DSTS[self.index]))
+        self.prefill = Engine(
+            lambda: EngineProcess(self.sidecar.socket, f"P{self.index}", SRC, devices=DEVICES["prefill"])
+        )
+        self.decode = Engine(
+            lambda: EngineProcess(
+                self.sidecar.socket, f"D{self.index}", DSTS[self.index], devices=DEVICES["decode"]
+            )
+        )
 
 
 @dataclass
@@ -384,9 +394,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=180)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu", action="store_true", help="engines' caches on GPUs (gpu-staged, gpu-direct)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    if args.gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        DEVICES.update(prefill=["cuda:0"], decode=[f"cuda:{min(1, gpus - 1)}"])
     tally = Tally()
     nodes = [Node(i, SidecarProcess(f"chaos-s{i}", extra=SIDECAR_ARGS[i])) for i in range(3)]
     chaos = Chaos(nodes, tally, args.seed)
@@ -418,7 +434,7 @@ def main() -> int:
     body = _section(args, wall, tally, rows)
     print(body)
     if not args.no_write:
-        report.write_section(DOCS, TITLE, body)
+        report.write_section(DOCS, TITLE + (", GPU" if args.gpu else ""), body)
     return 1 if tally.faults else 0
 
 
@@ -434,6 +450,7 @@ def _watch(nodes: list[Node], tally: Tally, stop: threading.Event) -> None:
 
 def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str]) -> str:
     cmd = "python bench/chaos.py" + ("" if args.seconds == 180 else f" --seconds {args.seconds:g}")
+    cmd += " --gpu" if args.gpu else ""
     lines = [
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {report.gpus()}, Python "
