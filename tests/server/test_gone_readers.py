@@ -10,23 +10,11 @@ import pytest
 
 from kv_sidecar.errors import Code
 from kv_sidecar.plan.pair import plan_pair
-from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.gone_readers import RECHECK_S, GoneReaders, Probed, ReaderSidecar, Seen
 from kv_sidecar.server.published import PublishedStore, ReadByAnother
+from tests.server.test_served_reads import tp_spec
 
-SPEC = EngineSpec.from_dict(
-    {
-        "tp_size": 2,
-        "num_layers": 2,
-        "num_kv_heads": 4,
-        "head_dim": 64,
-        "dtype": "bfloat16",
-        "block_size": 16,
-        "num_blocks": 32,
-        "layout": "flash_attn_nhd",
-    }
-)
-PLAN = plan_pair(SPEC, SPEC)
+PLAN = plan_pair(tp_spec(2), tp_spec(2))
 
 
 def at(address: str) -> ReaderSidecar:

@@ -18,7 +18,7 @@ from kv_sidecar.server.reads import begin_serve
 from kv_sidecar.server.transfers import TransferTracker
 
 
-def _spec(tp: int) -> EngineSpec:
+def tp_spec(tp: int) -> EngineSpec:
     return EngineSpec.from_dict(
         {
             "tp_size": tp,
@@ -65,7 +65,7 @@ class Source:
 @pytest.mark.parametrize("why", ["release", "abort"])
 def test_a_request_ending_early_ends_its_open_reads(why: str) -> None:
     src = Source()
-    plan = plan_pair(_spec(1), _spec(1))
+    plan = plan_pair(tp_spec(1), tp_spec(1))
     src.store.publish("p", "r", [3, 4], 20, 30.0)
     assert src.open(plan, [0]) == [0]
     assert src.in_flight() == ["serve r"]
@@ -82,7 +82,7 @@ def test_a_request_that_ends_between_its_open_and_its_serve_leaves_no_read_open(
     after it must end too, not wait 30 s for a done notification (a CI flake of
     tests/e2e/test_concurrent_ranks.py::test_abort_stops_every_pull_of_the_request)."""
     src = Source()
-    plan = plan_pair(_spec(1), _spec(1))
+    plan = plan_pair(tp_spec(1), tp_spec(1))
     src.store.publish("p", "r", [3, 4], 20, 30.0)
     released = src.open(
         plan, [0], meanwhile=lambda: src.store.release("p", "r", "d", "the reader gave it up")
@@ -93,7 +93,7 @@ def test_a_request_that_ends_between_its_open_and_its_serve_leaves_no_read_open(
 
 def test_a_consumed_request_ends_its_read_through_the_notifications_only() -> None:
     src = Source()
-    plan = plan_pair(_spec(2), _spec(2))
+    plan = plan_pair(tp_spec(2), tp_spec(2))
     src.store.publish("p", "r", [3, 4], 20, 30.0)
     assert src.open(plan, [0, 1]) == [0, 1]
     src.store.mark_done("p", "r", "d", 0, [0])
@@ -107,7 +107,7 @@ def test_a_consumed_request_ends_its_read_through_the_notifications_only() -> No
 
 def test_a_member_waits_only_for_the_reader_ranks_that_read_its_ranks() -> None:
     # Prefill TP 2 spread over two sidecars, decode TP 2: decode rank r reads prefill rank r.
-    plan = plan_pair(_spec(2), _spec(2))
+    plan = plan_pair(tp_spec(2), tp_spec(2))
     holders = {0: Source(ranks=[0]), 1: Source(ranks=[1])}
     for rank, src in holders.items():
         src.store.publish("p", "r", [3, 4], 20, 30.0, ranks=[rank])
@@ -149,7 +149,7 @@ def test_another_reader_takes_a_request_over_only_once_its_reader_failed() -> No
     here (its transfer failed: its sidecar died; or it said so), its served read ending as failed. The
     first's late done notification then changes nothing, and "consumed" follows the new reader."""
     store, tracker, consumed = _wired()
-    plan = plan_pair(_spec(1), _spec(1))
+    plan = plan_pair(tp_spec(1), tp_spec(1))
     store.publish("p", "r", [3, 4], 20, 30.0)
     item = store.open_read("p", "r", "d1", plan, [0], 30.0)
     begin_serve(store, tracker, item, "d1", "peer", [0], 0, "host-ring")
@@ -177,7 +177,7 @@ def test_another_reader_takes_a_request_over_only_once_its_reader_failed() -> No
 
 def test_a_reader_that_failed_may_open_again_and_then_holds_the_request() -> None:
     store, _, _ = _wired()
-    plan = plan_pair(_spec(1), _spec(1))
+    plan = plan_pair(tp_spec(1), tp_spec(1))
     store.publish("p", "r", [3, 4], 20, 30.0)
     store.open_read("p", "r", "d1", plan, [0], 30.0)
     store.read_failed("p", "r", "d1")
@@ -190,7 +190,7 @@ def test_no_takeover_once_a_consumed_event_fired() -> None:
     """A reader of two ranks: one done fired "consumed" for its prefill rank (whose blocks the engine may
     free), the other failed. Another engine reading now would read freed blocks: it is refused."""
     store, _, consumed = _wired()
-    plan = plan_pair(_spec(2), _spec(2))
+    plan = plan_pair(tp_spec(2), tp_spec(2))
     store.publish("p", "r", [3, 4], 20, 30.0)
     store.open_read("p", "r", "d1", plan, [0, 1], 30.0)
     store.mark_done("p", "r", "d1", 0, [0])
