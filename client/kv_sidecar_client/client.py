@@ -35,9 +35,18 @@ EngineSpec = common_pb2.EngineSpec
 TensorHandle = common_pb2.TensorHandle
 
 
-def _error(e: grpc.RpcError) -> KVSidecarError:
+# How gRPC says that it reached no sidecar at all (its words, not the sidecar's).
+_NO_CONNECTION = "failed to connect to all addresses"
+
+
+def _error(e: grpc.RpcError, target: str = "") -> KVSidecarError:
+    """`target`: the sidecar called, named where gRPC reached none there (a sidecar down or restarting),
+    as the engine's operator needs to know which."""
     if isinstance(e, grpc.Call):
-        return KVSidecarError(e.code().name, e.details() or "")
+        details = e.details() or ""
+        if target and e.code() == grpc.StatusCode.UNAVAILABLE and details.startswith(_NO_CONNECTION):
+            details = f"sidecar at {target} is not reachable (not running, or restarting): {details}"
+        return KVSidecarError(e.code().name, details)
     return KVSidecarError("UNKNOWN", str(e))
 
 
@@ -177,9 +186,10 @@ class _FutureCall:
 class PullCall(_FutureCall):
     """A pull in flight (SidecarClient.pull_async)."""
 
-    def __init__(self, future: Any, block_ids: list[int]) -> None:
+    def __init__(self, future: Any, block_ids: list[int], target: str = "") -> None:
         super().__init__(future)
         self._block_ids = block_ids
+        self._target = target
 
     def result(self) -> PullResult:
         """The outcome (waits if not done). Never raises for a failed transfer: see PullResult."""
@@ -190,7 +200,7 @@ class PullCall(_FutureCall):
                 False, error_code="CANCELLED", error="cancelled", unfilled_blocks=self._block_ids
             )
         except grpc.RpcError as e:
-            err = _error(e)
+            err = _error(e, self._target)
             trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else ()
             return pull_failure(err.code, err.message, trailers, self._block_ids)
         return pull_success(resp)
@@ -199,9 +209,10 @@ class PullCall(_FutureCall):
 class BatchCall(_FutureCall, WholeBatch):
     """A PullBatch in flight over gRPC (a PendingBatch)."""
 
-    def __init__(self, future: Any, blocks: list[list[int]]) -> None:
+    def __init__(self, future: Any, blocks: list[list[int]], target: str = "") -> None:
         super().__init__(future)
         self._blocks = blocks
+        self._target = target
 
     def results(self) -> list[PullResult]:
         try:
@@ -209,7 +220,7 @@ class BatchCall(_FutureCall, WholeBatch):
         except grpc.FutureCancelledError:
             return batch_failed("CANCELLED", "cancelled", self._blocks)
         except grpc.RpcError as e:
-            err = _error(e)
+            err = _error(e, self._target)
             return batch_failed(err.code, err.message, self._blocks)
         return batch_results(resp.outcomes, self._blocks)
 
@@ -282,7 +293,7 @@ class SidecarClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            raise _error(e) from None
+            raise _error(e, self.target) from None
 
     # -- registration -------------------------------------------------------------
     def register_rank(
@@ -377,7 +388,9 @@ class SidecarClient:
             pending = start_lane_pull(self.lane, req, timeout)
             if pending is not None:
                 return pending
-        return PullCall(self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids))
+        return PullCall(
+            self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids), self.target
+        )
 
     def pull_batch(
         self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float | None = None
@@ -395,7 +408,9 @@ class SidecarClient:
         timeout = timeout_s or self.timeout_s
 
         def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
-            return BatchCall(self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks)
+            return BatchCall(
+                self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks, self.target
+            )
 
         return start_batch(self.lane, engine_id, pulls, timeout, over_grpc)
 

@@ -13,7 +13,8 @@ import torch
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import fill_request, logical_kv
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, from_scratch
-from kv_sidecar_client import Backoff, EngineSession, Event, params_to_json
+from kv_sidecar_client import Backoff, EngineSession, Event, KVSidecarError, SidecarClient, params_to_json
+from kv_sidecar_client.client import TransferParams
 from kv_sidecar_client.shm import ShmKVCache
 
 from .conftest import Spawn, spec_dict
@@ -157,3 +158,25 @@ def test_pulls_go_on_after_a_sidecar_restarts_at_its_address(
         res = here.send({"cmd": "pull", "params": before_params, "block_ids": [6, 7], "seed": 0})
         assert not res["ok"] and res["error_code"] == "NOT_FOUND", res
         assert "(this one) now" in res["error"], res
+
+
+@pytest.mark.parametrize("lane", [False, True], ids=["grpc", "lane"])
+def test_a_call_while_the_engines_sidecar_is_down_names_that_sidecar(spawn: Spawn, lane: bool) -> None:
+    """The engine's own sidecar is gone (killed, restarting): its calls fail UNAVAILABLE naming the
+    socket they could not reach, not only gRPC's "failed to connect to all addresses"; a pull names
+    every block it was asked to fill."""
+    sc = spawn(SidecarProcess("down"))
+    sc.kill()
+    with SidecarClient(sc.socket, timeout_s=2, lane=lane) as c:
+        with pytest.raises(KVSidecarError) as info:
+            c.publish("down-p", "r", [1], 16)
+        assert info.value.code == "UNAVAILABLE"
+        assert f"sidecar at unix:{sc.socket} is not reachable" in info.value.message
+        params = TransferParams(
+            engine_id="p", request_id="r", sidecar_address="127.0.0.1:1", num_tokens=16, block_ids=[1]
+        )
+        res = c.pull(params, "down-d", [3, 4], timeout_s=1)
+        assert (
+            res.error_code == "UNAVAILABLE" and f"sidecar at unix:{sc.socket} is not reachable" in res.error
+        )
+        assert res.unfilled_blocks == [3, 4]
