@@ -52,7 +52,7 @@ class Source:
         """OpenRead's bookkeeping (server/reads.py): returns the reader ranks the read waits for.
         `meanwhile` runs between the open and the serve's start (another thread's turn)."""
         item = self.store.open_read("p", "r", "d", plan, reader_ranks, 30.0)
-        served = item.readers_here(plan, reader_ranks)
+        served = self.store.readers_here(item, reader_ranks)
         meanwhile()
         if served:
             begin_serve(self.store, self.tracker, item, "d", "peer", served, 0, "host-nixl")
@@ -116,6 +116,24 @@ def test_a_member_waits_only_for_the_reader_ranks_that_read_its_ranks() -> None:
         src.store.mark_done("p", "r", "d", rank, [rank])
         src.tracker.serve_rank_done("p", "r", "d", rank)
         assert (src.in_flight(), src.consumed) == ([], [rank])
+
+
+def test_an_open_that_comes_again_after_its_read_is_done_opens_no_read() -> None:
+    """A reader rank's open went as a notification and, its answer late on a loaded host, as the call
+    too; the call arrived after that rank had read and notified. It must not begin a read that waits for
+    a notification already sent (it stayed in flight until it timed out: a flake of
+    tests/e2e/test_concurrent_ranks.py, the next test's "nothing in flight" seeing it)."""
+    src = Source()
+    plan = plan_pair(tp_spec(2), tp_spec(2))
+    src.store.publish("p", "r", [3, 4], 20, 30.0)
+    assert src.open(plan, [0]) == [0]
+    src.store.mark_done("p", "r", "d", 0, [0])
+    src.tracker.serve_rank_done("p", "r", "d", 0)
+    assert src.in_flight() == []
+    assert src.open(plan, [0]) == []  # the late copy of rank 0's open
+    assert src.in_flight() == []
+    assert src.open(plan, [1]) == [1]  # rank 1 still reads
+    assert src.in_flight() == ["serve r"]
 
 
 def test_the_same_open_twice_counts_its_bytes_once() -> None:

@@ -71,13 +71,14 @@ class Published:
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
 
-    def readers_here(self, plan: PairPlan, reader_ranks: list[int]) -> list[int]:
-        """The reader ranks that read or notify a prefill rank tracked here: only they will send this
-        sidecar a completion notification. A multi-node engine's holders are each opened with all of
-        the reader's ranks, and a served read waiting for the others would never end."""
-        held = range(plan.prefill.tp_size) if self.ranks is None else self.ranks
-        consumers = {d for p in held for d in plan.consumers_of(p)}
-        return [r for r in reader_ranks if r in consumers]
+    def readers_here(self, reader_ranks: list[int]) -> list[int]:
+        """The reader ranks that still owe this sidecar a completion notification: those that read or
+        notify a prefill rank tracked here (a multi-node engine's holders are each opened with all of
+        the reader's ranks, and a served read waiting for the others would never end), less those that
+        sent theirs already (an open of such a rank is a late copy: its notification and its call
+        both came, the call after its read was done). Under the store's lock (`pending` changes)."""
+        owed = {d for waiting in self.pending.values() for d in waiting}
+        return [r for r in reader_ranks if r in owed]
 
 
 # Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
@@ -241,6 +242,11 @@ class PublishedStore:
                 if self._on_taken_over is not None:
                     self._on_taken_over(engine_id, request_id, taken_from)
             return item
+
+    def readers_here(self, item: Published, reader_ranks: list[int]) -> list[int]:
+        """`item.readers_here`, under this store's lock."""
+        with self._lock:
+            return item.readers_here(reader_ranks)
 
     def read_failed(self, engine_id: str, request_id: str, reader: str) -> None:
         """`reader`'s read of the request failed here and nothing of it runs any more: another engine

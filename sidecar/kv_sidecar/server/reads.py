@@ -160,7 +160,7 @@ class SourceReads:
             request.sidecar_id,
             ReaderSidecar(request.reader_address, peer),
         )
-        served = item.readers_here(plan, list(request.reader_ranks))
+        served = self._published.readers_here(item, list(request.reader_ranks))
         if served:
             begin_serve(
                 self._published,
