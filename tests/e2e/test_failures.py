@@ -23,15 +23,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 
 from .conftest import Spawn, consumed_events, frozen, metric, prefilled, spec_dict
 from .events import wait_event
-
-# A long pull: converting NHD -> HND through a staging area of 2 blocks takes one NIXL read per
-# block, so 1920 blocks give 1920 rounds (~3 s here), long enough to break it midway. 480 blocks were
-# not, once the per-pull work got faster; nor, once in CI, 960 rounds of 2 blocks (~1.3 s): the
-# prefill engine got "consumed". A test that breaks the pull ends it at once, so length costs little.
-BLOCKS = 1920
-SRC = EngineSpec.from_dict(spec_dict(num_blocks=2048))
-DST = EngineSpec.from_dict(spec_dict(num_blocks=2048, layout="flash_attn_hnd"))
-STAGING_BYTES = 2 * SRC.num_layers * 2 * SRC.block_size * SRC.num_kv_heads * SRC.head_dim * 2
+from .long_pull import BLOCKS, DST, READS, SRC, STAGING_BYTES, start_long_pull, wait_transfer_started
 
 
 @pytest.fixture(scope="module")
@@ -54,42 +46,6 @@ def _mapped(pid: int, fragment: str) -> list[str]:
         return [line for line in fh if fragment in line]
 
 
-READS = "kvsidecar_nixl_descriptors_per_transfer_count"  # one sample per conversion round's READ
-
-
-def _start_long_pull(prefill: EngineProcess, decode: EngineProcess, timeout_s: float) -> list[int]:
-    """Publish BLOCKS blocks and send the decode engine its pull without waiting for the answer."""
-    pub = prefill.send(
-        {
-            "cmd": "prefill",
-            "request_id": "long",
-            "block_ids": list(range(BLOCKS)),
-            "num_tokens": BLOCKS * SRC.block_size,
-            "seed": 5,
-        }
-    )
-    assert pub["ok"], pub
-    dst = list(range(DST.num_blocks - 1, DST.num_blocks - 1 - BLOCKS, -1))
-    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 5, "timeout_s": timeout_s}
-    assert decode.proc.stdin is not None
-    decode.proc.stdin.write(json.dumps(cmd) + "\n")
-    decode.proc.stdin.flush()
-    return dst
-
-
-def _wait_transfer_started(
-    decode_sidecar: SidecarProcess, reads_before: float, timeout_s: float = 30
-) -> None:
-    """Until a conversion round has written into the engine's blocks. Rounds run one after another
-    (READ into staging, then convert), so a second round's READ means the first round's blocks are
-    written. (Staging memory in use only says the first READ went out: on a loaded 32-core machine
-    a kill 50 ms after that still found nothing written.)"""
-    deadline = time.monotonic() + timeout_s
-    while metric(decode_sidecar.metrics_port, READS) < reads_before + 2:
-        assert time.monotonic() < deadline, "the long pull never wrote a block"
-        time.sleep(0.01)
-
-
 def test_prefill_sidecar_killed_mid_transfer(
     sidecar_pair: tuple[SidecarProcess, SidecarProcess], slow_decode_sidecar: SidecarProcess, spawn: Spawn
 ) -> None:
@@ -99,8 +55,8 @@ def test_prefill_sidecar_killed_mid_transfer(
     decode = spawn(EngineProcess(slow_decode_sidecar.socket, "kill-d", DST))
     timeout_s = 20
     reads = metric(slow_decode_sidecar.metrics_port, READS)
-    dst = _start_long_pull(prefill, decode, timeout_s)
-    _wait_transfer_started(slow_decode_sidecar, reads)
+    dst, _ = start_long_pull(prefill, decode, timeout_s)
+    wait_transfer_started(slow_decode_sidecar, reads)
     doomed.proc.send_signal(signal.SIGKILL)
     res = json.loads(decode.readline(timeout_s + 10))
     assert not res["ok"], "the pull finished before the kill; make it longer (BLOCKS)"
@@ -132,8 +88,8 @@ def test_decode_engine_dies_mid_pull(
     )
     try:
         reads = metric(sc.metrics_port, READS)
-        _start_long_pull(prefill, decode, timeout_s=60)
-        _wait_transfer_started(sc, reads)
+        start_long_pull(prefill, decode, timeout_s=60)
+        wait_transfer_started(sc, reads)
         assert _mapped(sc.proc.pid, f"kvsidecar-{pid}-")
         decode.kill()  # SIGKILL: its Events stream and its Pull call break
         # The prefill side is told at once that its blocks are free (not after the 30 s lease).
@@ -278,8 +234,8 @@ def test_prefill_engine_dies_mid_pull(
     pid = prefill.proc.pid
     try:
         reads = metric(sc.metrics_port, READS)
-        dst = _start_long_pull(prefill, decode, timeout_s=60)
-        _wait_transfer_started(sc, reads)
+        dst, _ = start_long_pull(prefill, decode, timeout_s=60)
+        wait_transfer_started(sc, reads)
         prefill.kill()
         res = json.loads(decode.readline(75))
         assert res["verified"], res["errors"]  # no byte outside the pulled blocks changed

@@ -13,22 +13,15 @@ from collections.abc import Iterator
 import pytest
 
 from kv_sidecar.config import Settings
-from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.peer_client import probe_sidecar
 from kv_sidecar.server.gone_readers import Probe, ReaderSidecar, Seen
 
-from .conftest import Spawn, consumed_events, frozen, logged, metric, spec_dict
+from .conftest import Spawn, consumed_events, frozen, logged, metric
 from .events import no_event
+from .long_pull import BLOCKS, DST, READS, SRC, STAGING_BYTES, start_long_pull, wait_transfer_started
 
-# A long pull, as in test_failures.py: another layout through 2 blocks of host staging, one READ round
-# per block (~3 s here), so that the reader's sidecar dies with the request open and unread.
-BLOCKS = 1920
-SRC = EngineSpec.from_dict(spec_dict(num_blocks=2048))
-DST = EngineSpec.from_dict(spec_dict(num_blocks=2048, layout="flash_attn_hnd"))
-STAGING_BYTES = 2 * SRC.num_layers * 2 * SRC.block_size * SRC.num_kv_heads * SRC.head_dim * 2
-READS = "kvsidecar_nixl_descriptors_per_transfer_count"  # one sample per conversion round's READ
 TAKEN_OVER = ("kvsidecar_failures_total", '{reason="read_taken_over"}')
 
 
@@ -96,36 +89,6 @@ def _reader_sidecar(spawn: Spawn, name: str) -> SidecarProcess:
     return spawn(SidecarProcess(name, extra=["--staging-bytes", str(STAGING_BYTES)]))
 
 
-def _start_long_pull(
-    prefill: EngineProcess, decode: EngineProcess, request_id: str, seed: int
-) -> dict[str, object]:
-    """Publish BLOCKS blocks; send the decode engine its pull without waiting for the answer."""
-    pub = prefill.send(
-        {
-            "cmd": "prefill",
-            "request_id": request_id,
-            "block_ids": list(range(BLOCKS)),
-            "num_tokens": BLOCKS * SRC.block_size,
-            "seed": seed,
-        }
-    )
-    assert pub["ok"], pub
-    dst = list(range(DST.num_blocks - 1, DST.num_blocks - 1 - BLOCKS, -1))
-    cmd = {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed, "timeout_s": 30}
-    assert decode.proc.stdin is not None
-    decode.proc.stdin.write(json.dumps(cmd) + "\n")
-    decode.proc.stdin.flush()
-    return dict(pub["params"])
-
-
-def _wait_reading(reader: SidecarProcess, reads_before: float) -> None:
-    """Until the reader's sidecar has READ a round or two: the request is open at the source."""
-    deadline = time.monotonic() + 30
-    while metric(reader.metrics_port, READS) < reads_before + 2:
-        assert time.monotonic() < deadline, "the long pull never started reading"
-        time.sleep(0.01)
-
-
 def _pull_again(decode: EngineProcess, params: dict[str, object], seed: int) -> dict[str, object]:
     dst = list(range(BLOCKS))
     return decode.send(
@@ -158,8 +121,8 @@ def test_a_reader_sidecar_killed_mid_read_leaves_the_request_to_another_reader_a
     assert ok["ok"] and ok["verified"], ok
     assert consumed_events(prefill, 1) == 1
     reads = metric(b.metrics_port, READS)
-    params = _start_long_pull(prefill, decode, "long", 21)
-    _wait_reading(b, reads)
+    _, params = start_long_pull(prefill, decode, 30, seed=21)
+    wait_transfer_started(b, reads)
     b.proc.kill()
     b.proc.wait(5)
     if after == "restarted":
@@ -191,8 +154,8 @@ def test_a_stopped_reader_sidecar_keeps_its_request(spawn: Spawn) -> None:
     decode = spawn(EngineProcess(b.socket, "stop-d1", DST))
     decode2 = spawn(EngineProcess(c.socket, "stop-d2", DST))
     reads = metric(b.metrics_port, READS)
-    params = _start_long_pull(prefill, decode, "long", 22)
-    _wait_reading(b, reads)
+    _, params = start_long_pull(prefill, decode, 30, seed=22)
+    wait_transfer_started(b, reads)
     with frozen(b):
         res = _pull_again(decode2, params, 22)
         assert not res["ok"] and res["error_code"] == "FAILED_PRECONDITION", res
