@@ -366,20 +366,9 @@ def test_a_member_sidecar_restarted_under_a_new_id_is_handshaken_again(spawn: Sp
             "mrs-c", extra=["--host-transfer", "ring", "--gpu-staging-bytes", str(1 << 20)]
         ),
     )
-    placement = {"a": [0], "b": [1]}
-    sidecars = {"a": a, "b": b}
-    prefill = {
-        node: spawn(
-            EngineProcess(
-                sidecars[node].socket,
-                "mrs-p",
-                SPEC,
-                ranks=ranks,
-                leader="" if node == "a" else a.peer_address,
-            )
-        )
-        for node, ranks in placement.items()
-    }
+    prefill = _engine({"a": a, "b": b}, {"a": [0], "b": [1]}, "mrs-p", SPEC)
+    for proc in prefill.values():
+        spawn(proc)  # stopped after the test, with the rest
     decode = spawn(EngineProcess(c.socket, "mrs-d", SPEC))
     blocks = [3, 4, 5, 6, 7]
 
