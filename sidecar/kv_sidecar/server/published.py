@@ -71,15 +71,6 @@ class Published:
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
 
-    def readers_here(self, reader_ranks: list[int]) -> list[int]:
-        """The reader ranks that still owe this sidecar a completion notification: those that read or
-        notify a prefill rank tracked here (a multi-node engine's holders are each opened with all of
-        the reader's ranks, and a served read waiting for the others would never end), less those that
-        sent theirs already (an open of such a rank is a late copy: its notification and its call
-        both came, the call after its read was done). Under the store's lock (`pending` changes)."""
-        owed = {d for waiting in self.pending.values() for d in waiting}
-        return [r for r in reader_ranks if r in owed]
-
 
 # Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
 EventSink = Callable[[str, int, "Published"], None]
@@ -244,9 +235,14 @@ class PublishedStore:
             return item
 
     def readers_here(self, item: Published, reader_ranks: list[int]) -> list[int]:
-        """`item.readers_here`, under this store's lock."""
-        with self._lock:
-            return item.readers_here(reader_ranks)
+        """The reader ranks that still owe this sidecar a completion notification for `item`: those
+        that read or notify a prefill rank tracked here (a multi-node engine's holders are each opened
+        with all of the reader's ranks, and a served read waiting for the others would never end), less
+        those that sent theirs already (an open of such a rank is a late copy: its notification and its
+        call both came, the call after its read was done)."""
+        with self._lock:  # `pending` changes as notifications come
+            owed = {d for waiting in item.pending.values() for d in waiting}
+        return [r for r in reader_ranks if r in owed]
 
     def read_failed(self, engine_id: str, request_id: str, reader: str) -> None:
         """`reader`'s read of the request failed here and nothing of it runs any more: another engine
