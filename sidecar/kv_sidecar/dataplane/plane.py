@@ -393,6 +393,12 @@ class DataPlane:
         device = self._device_of(key)
         return self.workers.get(device).agent()
 
+    def worker_agent_name(self, key: RankKey) -> str | None:
+        """The name `worker_agent` would give, without asking the worker (or starting it)."""
+        if self.workers is None or not self.staged_workers:
+            return None
+        return self.workers.staged_agent_name(self._device_of(key))
+
     def blocks_per_chunk(self, src: RankKey, reader_spec: EngineSpec, slot_lengths: Sequence[int]) -> int:
         """How many of the reader's blocks one chunk of a transfer out of `src` carries; RESOURCE_EXHAUSTED
         if a slot (ours or the reader's) cannot hold one."""

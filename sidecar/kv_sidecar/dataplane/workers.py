@@ -425,6 +425,10 @@ class PostedCopies:
         return self.out
 
 
+def _staged_agent(sidecar_agent: str, device: int) -> str:
+    return f"{sidecar_agent}/host" if device == HOST else f"{sidecar_agent}/gpu{device}"
+
+
 class CopyWorkers:
     """One `CopyWorker` per device: GPU ranks go to every GPU's worker (a gpu-direct copy on the decode
     GPU reads the source rank's memory through its own mapping of it), host ranks to the host's.
@@ -442,6 +446,11 @@ class CopyWorkers:
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
         self._ranks: dict[RankKey, _Memory] = {}  # every rank, for the workers started later
+
+    def staged_agent_name(self, device: int) -> str | None:
+        """The name of the agent that runs `device`'s staged transfers: fixed per device, every worker
+        incarnation's alike (None without staged transfers)."""
+        return None if self._staged is None else _staged_agent(self._staged[0], device)
 
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> None:
         with self._lock:
@@ -508,8 +517,7 @@ class CopyWorkers:
         if w is None:
             staged = None
             if self._staged is not None:
-                name, settings = self._staged
-                staged = (f"{name}/host" if device == HOST else f"{name}/gpu{device}", settings)
+                staged = (_staged_agent(self._staged[0], device), self._staged[1])
             w = self._workers[device] = CopyWorker(device, self._metrics, staged)
             for key, (spec, gpu, memory) in self._ranks.items():  # a GPU's every GPU rank; the host's, its
                 if gpu == (device != HOST):

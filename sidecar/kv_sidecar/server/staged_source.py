@@ -375,8 +375,9 @@ class StagedSource:
         handshake is with a sidecar before this one at this address (it would refuse every chunk)."""
         if not req.source_agent:
             return
-        worker = self._plane.worker_agent(key) if req.source_in_worker else None
-        ours = worker[0] if worker is not None else self._agent
+        # The name only: asking the worker for its agent (worker_agent) is a round trip to its process.
+        worker = self._plane.worker_agent_name(key) if req.source_in_worker else None
+        ours = worker or self._agent
         if req.source_agent != ours:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
