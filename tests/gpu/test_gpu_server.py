@@ -148,14 +148,26 @@ def _own_launches(sc: SidecarProcess) -> float:
     return sum(_metric(sc, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}') for by in ("direct", "triton"))
 
 
+def _worker_launches(sc: SidecarProcess, device: int) -> float:
+    return sum(
+        _metric(sc, "kvsidecar_worker_gpu_launches_total", f'{{by="{by}",device="{device}"}}')
+        for by in ("direct", "triton")
+    )
+
+
 @pytest.mark.parametrize("name", ["homogeneous", "tp1_to_tp2", "nhd_to_hnd", "block16_to_32"])
 def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, name: str) -> None:
     """device_workers: the decode GPU's worker process maps both engines' IPC handles itself and runs
     the copy; exact as the sidecar's own (tests/e2e/test_device_workers.py kills one, host memory).
     The sidecar launches nothing itself once the workers answer."""
     before = _own_launches(worker_node)
+    in_workers = {d: _worker_launches(worker_node, d) for d in GPUS}
     run_case(worker_node.socket, worker_node.socket, name, "gpu-direct")
     assert _own_launches(worker_node) == before, "the copies ran in the workers"
+    # A decode engine of two ranks has one on each GPU: each GPU's copies ran in that GPU's worker.
+    decode_gpus = GPUS if CASES[name][1].get("tp_size", 1) > 1 else [int(GPU_B.split(":")[1])]
+    grew = [d for d in GPUS if _worker_launches(worker_node, d) > in_workers[d]]
+    assert grew == decode_gpus, (grew, decode_gpus)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: a worker's own and another")

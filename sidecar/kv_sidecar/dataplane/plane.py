@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from kv_sidecar.dataplane.jobs import (
     LocalCopy,
     RankKey,
     RankMemory,
+    RankRead,
     Receive,
     Send,
     SendMember,
@@ -309,11 +311,29 @@ class DataPlane:
             return None
         return self.workers.ready(device)
 
+    def _by_device(self, job: LocalCopy) -> dict[int, LocalCopy]:
+        """The job's reads split by the device they write into: each device's part goes to that
+        device's worker (a decode engine's ranks may sit on several GPUs)."""
+        reads: dict[int, list[RankRead]] = {}
+        for read in job.reads:
+            reads.setdefault(self._device_of(read.dst), []).append(read)
+        if len(reads) == 1:
+            return {device: job for device in reads}
+        return {device: replace(job, reads=tuple(rs)) for device, rs in reads.items()}
+
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
         """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
-        the decode device's worker process where device_workers sends it there and it is ready."""
-        if job.reads:
-            worker = self._worker_for(self._device_of(job.reads[0].dst))
+        each decode device's worker process where device_workers sends it there and it is ready."""
+        if job.reads and self.workers is not None:
+            parts = self._by_device(job)
+            if len(parts) > 1:
+                moved = 0
+                for part in self.copy_local_all([(p, halt) for p in parts.values()]):
+                    if isinstance(part, BaseException):
+                        raise part
+                    moved += part
+                return moved
+            worker = self._worker_for(next(iter(parts)))
             if worker is not None:
                 return worker.copy(job, halt)
         if job.reads and self.ranks.is_gpu(job.reads[0].dst):
@@ -323,35 +343,49 @@ class DataPlane:
     def copy_local_all(self, jobs: Sequence[tuple[LocalCopy, Halt]]) -> list[int | BaseException]:
         """Several copies (a PullBatch's), each's bytes or what failed it: on GPUs launched together
         with one wait per decode GPU, host ones one after another (local_copies.copy_all); those that
-        device_workers sends to workers, each device's in one message to its worker, which does the
-        same."""
+        device_workers sends to workers, each device's share in one message to its worker, which does
+        the same."""
         if self.workers is None or not (self._gpu_in_workers or self._host_in_workers):
             return local_copies.copy_all(self.ranks, jobs)
         out: list[int | BaseException] = [0] * len(jobs)
         ready: dict[int, CopyWorker | None] = {}  # each device's worker, asked once per batch
-        by_worker: dict[CopyWorker, list[int]] = {}
+        parts: list[tuple[int, LocalCopy, Halt]] = []  # (the job's index, its share of one device, halt)
+        by_worker: dict[CopyWorker, list[int]] = {}  # indices into parts
         here: list[int] = []
-        for i, (job, _) in enumerate(jobs):
+        for i, (job, halt) in enumerate(jobs):
             try:  # a rank gone since the pull began fails that copy alone
-                if job.reads:
-                    device = self._device_of(job.reads[0].dst)
-                    if device not in ready:
-                        ready[device] = self._worker_for(device)
-                    worker = ready[device]
-                    (here if worker is None else by_worker.setdefault(worker, [])).append(i)
+                shares = self._by_device(job) if job.reads else {}
             except Exception as e:
                 out[i] = e
+                continue
+            for device, share in shares.items():
+                if device not in ready:
+                    ready[device] = self._worker_for(device)
+                worker = ready[device]
+                (here if worker is None else by_worker.setdefault(worker, [])).append(len(parts))
+                parts.append((i, share, halt))
+
+        def settle(k: int, moved: int | BaseException) -> None:
+            i = parts[k][0]
+            done = out[i]
+            if isinstance(moved, BaseException):
+                if not isinstance(done, BaseException):  # the first failure of a job's shares
+                    out[i] = moved
+            elif not isinstance(done, BaseException):
+                out[i] = done + moved
+
         # Sent to every worker first, then waited for: devices copy side by side, and with this
         # process's own share.
-        posted = [(idx, w.post_copies([jobs[i] for i in idx])) for w, idx in by_worker.items()]
+        posted = [
+            (idx, w.post_copies([(parts[k][1], parts[k][2]) for k in idx])) for w, idx in by_worker.items()
+        ]
         if here:
-            for i, moved in zip(
-                here, local_copies.copy_all(self.ranks, [jobs[i] for i in here]), strict=True
-            ):
-                out[i] = moved
+            mine = local_copies.copy_all(self.ranks, [(parts[k][1], parts[k][2]) for k in here])
+            for k, moved in zip(here, mine, strict=True):
+                settle(k, moved)
         for idx, copies in posted:
-            for i, moved in zip(idx, copies.wait(), strict=True):
-                out[i] = moved
+            for k, moved in zip(idx, copies.wait(), strict=True):
+                settle(k, moved)
         return out
 
     def copy_state(self, job: StateCopy, halt: Halt) -> int:
