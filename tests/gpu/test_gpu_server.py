@@ -15,6 +15,7 @@ seeded reference and that no byte outside the requested blocks changed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -94,6 +95,14 @@ def pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
 
 
 def run_case(psock: str, dsock: str, name: str, want_path: str) -> None:
+    with engines_after_a_pull(psock, dsock, name, want_path):
+        pass
+
+
+@contextlib.contextmanager
+def engines_after_a_pull(psock: str, dsock: str, name: str, want_path: str) -> Iterator[None]:
+    """A case's prefill and decode engines, one request pulled between them and checked; stopped on
+    exit, so that the caller can look at the sidecar while both are registered."""
     pover, dover = (CASES | SAME_NODE_ONLY)[name]
     pspec, dspec = EngineSpec.from_dict(BASE | pover), EngineSpec.from_dict(BASE | dover)
     n = next(_count)
@@ -115,6 +124,7 @@ def run_case(psock: str, dsock: str, name: str, want_path: str) -> None:
             prefill.send({"cmd": "next_event", "timeout_s": 30})["rank"] for _ in range(pspec.tp_size)
         }
         assert consumed == set(range(pspec.tp_size))
+        yield
     finally:
         prefill.stop()
         decode.stop()
@@ -174,9 +184,11 @@ def test_same_node_kernel_path_in_device_workers(worker_node: SidecarProcess, na
 def test_a_device_worker_holds_gpu_memory_on_its_own_gpu_only(worker_node: SidecarProcess) -> None:
     """A device worker copies into its GPU only, so it imports every engine rank into that GPU's context
     (memory/gpu_rank.GpuRank's `home`), not into each rank's own GPU's: a CUDA context on every GPU
-    with a rank would cost each worker GPU memory on all of them (nvidia-smi's processes)."""
-    on = {pid: set(held) for pid, held in gpu_memory_by_process().items()}
-    workers = worker_node.answering_workers()
+    with a rank would cost each worker GPU memory on all of them (nvidia-smi's processes). Looked at while
+    engines with ranks on both GPUs are registered: a worker maps the ranks there are."""
+    with engines_after_a_pull(worker_node.socket, worker_node.socket, "tp1_to_tp2", "gpu-direct"):
+        workers = worker_node.answering_workers()
+        on = {pid: set(held) for pid, held in gpu_memory_by_process().items()}
     assert len(workers) == 2, workers
     for device, pid in workers:
         assert on.get(pid) == {str(device)}, (device, pid, on.get(pid))
