@@ -111,6 +111,9 @@ def test_remote_params_roundtrip_and_refusals() -> None:
     assert remote_params(None) is None
     p = remote_params({"do_remote_prefill": True, "kv_sidecar": good})
     assert p is not None and list(p.block_ids) == [3, 4] and p.num_tokens == 40
+    # A field a newer prefill sidecar adds is left out, not refused: a decode side upgraded later pulls.
+    newer = remote_params({"do_remote_prefill": True, "kv_sidecar": good | {"a_field_from_later": 7}})
+    assert newer == p
     for bad in (
         {},
         {"kv_sidecar": "{not json"},

@@ -137,11 +137,13 @@ def params_to_json(params: TransferParams) -> str:
 
 
 def params_from_json(text: str | Mapping[str, Any]) -> TransferParams:
+    """Params a router carried; fields this client does not know (a newer prefill sidecar's) are left
+    out rather than refused, so that a decode side upgraded later still pulls."""
     msg = TransferParams()
     if isinstance(text, str):
-        json_format.Parse(text, msg)
+        json_format.Parse(text, msg, ignore_unknown_fields=True)
     else:
-        json_format.ParseDict(dict(text), msg)
+        json_format.ParseDict(dict(text), msg, ignore_unknown_fields=True)
     return msg
 
 
