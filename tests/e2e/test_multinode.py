@@ -396,3 +396,50 @@ def test_a_member_sidecar_restarted_under_a_new_id_is_handshaken_again(spawn: Sp
         assert res["error_code"] != "INTERNAL", res
         time.sleep(0.3)
     assert res["ok"] and res["verified"] and res["path"] == "host-ring", res
+
+
+@pytest.mark.parametrize("transfer", ["read", "ring"])
+def test_a_rank_moved_to_another_member_is_read_there(spawn: Spawn, transfer: str) -> None:
+    """A prefill engine over a (leader) and b; a decode engine on c pulls once, so that c caches the
+    rank->sidecar map. Rank 1 then moves from b to d (its pod rescheduled onto another node), while b
+    runs on. The next request's params carry the map version it was published under, newer than c's;
+    c handshakes again and reads rank 1 from d, exact. Until 2026-11-29 c kept its cached map and every
+    pull from the engine failed at b ("unknown engine ... no rank of it is registered here"), for good.
+    host_transfer read (OpenRead, NIXL READs from each holder) and ring (staged Pushes to each holder)."""
+    wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
+    a, b, d, c = spawn.together(
+        lambda: SidecarProcess("mv-a", extra=wait),
+        lambda: SidecarProcess("mv-b", extra=wait),
+        lambda: SidecarProcess("mv-d", extra=wait),
+        lambda: SidecarProcess(
+            "mv-c", extra=["--host-transfer", transfer, "--gpu-staging-bytes", str(1 << 20)]
+        ),
+    )
+    prefill = _engine({"a": a, "b": b}, {"a": [0], "b": [1]}, "mv-p", SPEC)
+    for proc in prefill.values():
+        spawn(proc)  # stopped after the test, with the rest
+    decode = spawn(EngineProcess(c.socket, "mv-d", SPEC))
+    blocks = [3, 4, 5, 6, 7]
+    want = "host-ring" if transfer == "ring" else "host-nixl"
+
+    def publish(rid: str, seed: int) -> dict[str, object]:
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": TOKENS, "seed": seed}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        return prefill["a"].send(fill)
+
+    pub = publish("before", 1)
+    assert pub["ok"], pub
+    first = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": 1})
+    assert first["ok"] and first["verified"] and first["path"] == want, first
+    version = int(pub["params"].get("map_version", 0))
+    assert version > 0, pub["params"]  # a split engine's params carry its map's version
+
+    prefill["b"].stop()  # rank 1 leaves b (b reports it holds none) ...
+    prefill["b"] = spawn(EngineProcess(d.socket, "mv-p", SPEC, ranks=[1], leader=a.peer_address))  # ... for d
+    pub = publish("after", 2)
+    assert pub["ok"], pub  # d reported its rank before its registration answered
+    assert int(pub["params"]["map_version"]) > version, pub["params"]
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": 2})
+    assert res["ok"] and res["verified"] and res["path"] == want, res
+    # "consumed" reaches rank 1 on d, where it is now
+    assert _events(prefill["b"], 1) == [("consumed", "after", 1)]

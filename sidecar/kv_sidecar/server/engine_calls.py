@@ -191,6 +191,7 @@ class EngineCalls:
             num_tokens=request.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
             first_token=request.first_token,
+            map_version=self._membership.map_version(request.engine_id),
         )
         return engine_pb2.PublishResponse(params=params)
 

@@ -12,6 +12,7 @@ holds. See docs/multinode.md.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -84,6 +85,10 @@ class Membership:
         self._members: dict[str, dict[str, peer_pb2.SidecarRanks]] = {}  # engine -> sidecar id -> ranks
         self._leaders: dict[str, str] = {}  # engine -> leader address, for engines this sidecar follows
         self._report_locks: dict[str, threading.Lock] = {}
+        # engine -> the version of its map (members), from one counter that only grows, so that a version
+        # is never handed out twice in this process, not even after the map was forgotten and made again.
+        self._versions: dict[str, int] = {}
+        self._next_version = itertools.count(1)
         self._refresher: threading.Thread | None = None
 
     # -- queries --------------------------------------------------------------
@@ -94,6 +99,18 @@ class Membership:
     def members(self, engine_id: str) -> list[peer_pb2.SidecarRanks]:
         with self._lock:
             return list(self._members.get(engine_id, {}).values())
+
+    def map_version(self, engine_id: str) -> int:
+        """The version of the engine's rank->sidecar map here (leader side); 0 where it never had one."""
+        return self._versions.get(engine_id, 0)
+
+    def members_and_version(self, engine_id: str) -> tuple[list[peer_pb2.SidecarRanks], int]:
+        """The map and its version, read together: a reader must not take an older map for a newer one."""
+        with self._lock:
+            return list(self._members.get(engine_id, {}).values()), self._versions.get(engine_id, 0)
+
+    def _map_changed(self, engine_id: str) -> None:  # holds self._lock
+        self._versions[engine_id] = next(self._next_version)
 
     def member_ranks(self, engine_id: str) -> dict[int, str]:
         """Rank -> sidecar id, for the ranks members hold (leader side)."""
@@ -166,6 +183,9 @@ class Membership:
                 f"engine {engine_id!r} rank {rank} is already registered on sidecar {holder}",
             )
         self._engines.register(engine_id, rank, spec, handles)
+        with self._lock:
+            if self._members.get(engine_id):  # a rank of a split engine came to the leader (from a member)
+                self._map_changed(engine_id)
         return self._me.peer_address
 
     def _forget_leader_if_idle(self, engine_id: str) -> None:
@@ -270,6 +290,8 @@ class Membership:
         elif not remaining:
             with self._lock:
                 dropped = self._members.pop(engine_id, None)
+                if dropped:
+                    self._map_changed(engine_id)
             if dropped:
                 log.info("engine %s left this (leader) sidecar; forgot %d members", engine_id, len(dropped))
 
@@ -294,6 +316,8 @@ class Membership:
         if not m.ranks:
             with self._lock:
                 gone = self._members.get(eid, {}).pop(m.sidecar_id, None)
+                if gone is not None:
+                    self._map_changed(eid)
             if gone is not None:
                 log.info("sidecar %s holds no rank of engine %s any more", m.sidecar_id, eid)
             return
@@ -341,6 +365,7 @@ class Membership:
                 return  # a refresh: nothing changed
             members[m.sidecar_id] = peer_pb2.SidecarRanks()
             members[m.sidecar_id].CopyFrom(m)
+            self._map_changed(eid)
         log.info("sidecar %s at %s holds ranks %s of engine %s", m.sidecar_id, m.peer_address, ranks, eid)
 
     def check_publish(self, engine_id: str, tp_size: int) -> None:

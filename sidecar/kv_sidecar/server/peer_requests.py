@@ -85,6 +85,7 @@ class PeerRequests:
             request.reader_engine_id,
             request.engine_id,
         )
+        members, map_version = self._membership.members_and_version(request.engine_id)
         return peer_pb2.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,
             sidecar_id=self._me.sidecar_id,
@@ -93,7 +94,8 @@ class PeerRequests:
             spec=spec_to_proto(spec),
             plan_hash=plan.hash(),
             ranks=[rank_memory(e, self._worker_agent(e)) for e in ranks],
-            members=self._membership.members(request.engine_id),
+            members=members,
+            map_version=map_version,
             push_key=self._push_key(request, peer),
             push_members=True,  # server/staged_source.py takes Pushes of several requests
             push_members_v2=True,  # ... each from its own start, decode blocks a multiple of ours

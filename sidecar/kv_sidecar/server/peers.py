@@ -68,6 +68,8 @@ class RemoteEngine:
     # The peer takes done notifications of several requests in one (to its own agent: DONES_TAG).
     done_batches: bool = False
     agent_metadata: bytes = field(default=b"", repr=False)
+    # The version of the leader's rank->sidecar map this handshake holds (HandshakeResponse.map_version).
+    map_version: int = 0
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -209,18 +211,26 @@ class Peers:
             return link
 
     def known_engine(
-        self, address: str, engine_id: str, reader_engine: str, sidecar_id: str = ""
+        self, address: str, engine_id: str, reader_engine: str, sidecar_id: str = "", map_version: int = 0
     ) -> RemoteEngine | None:
         """The cached handshake with the peer's engine, if any (a pull from it need not wait for one).
         `sidecar_id`: the sidecar that published what is pulled (its params say); a handshake made with
         another sidecar at that address is stale (the peer restarted: its agent, memory and plans are
-        another process's), and dropped."""
+        another process's), and dropped. `map_version`: the multi-node engine's map version it was
+        published under; a handshake with an older map is stale too (a rank moved to another sidecar)."""
         link = self._links.get(address)  # a dict read: no lock, no link made
         known = None if link is None else link.engines.get((engine_id, reader_engine))
         if known is not None and sidecar_id and known.sidecar_id != sidecar_id:
             log.info(
                 "peer sidecar %s is %s now, not %s: handshaking with it again",
                 address, sidecar_id, known.sidecar_id,
+            )  # fmt: skip
+            self.forget_engine(address, engine_id, reader_engine)
+            return None
+        if known is not None and map_version > known.map_version:
+            log.info(
+                "engine %s's rank->sidecar map at %s changed (version %d, ours %d): handshaking with it again",
+                engine_id, address, map_version, known.map_version,
             )  # fmt: skip
             self.forget_engine(address, engine_id, reader_engine)
             return None
@@ -336,6 +346,7 @@ class Peers:
             done_batches=resp.done_batches,
             workers={r.rank: (r.worker_agent, r.worker_agent_metadata) for r in resp.ranks if r.worker_agent},
             agent_metadata=resp.agent_metadata,
+            map_version=resp.map_version,
         )
         leader = Holder(resp.sidecar_id, link.address, agent, resp.agent_metadata)
         remote.holders = {r.rank: leader for r in resp.ranks}

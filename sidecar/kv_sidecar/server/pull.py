@@ -209,7 +209,9 @@ class Puller:
         p = req.params
         if p.sidecar_id == self._sidecar_id:
             return True
-        remote = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id)
+        remote = self._peers.known_engine(
+            p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id, p.map_version
+        )
         # GPU sources always stage; host ones only with host_transfer: ring (else NIXL READs, posted early)
         return remote is not None and (remote.memory_kind == "VRAM" or self._host_ring)
 
@@ -326,7 +328,9 @@ class Puller:
         opening: Opening | None = None
         try:
             check_address("params.sidecar_address", p.sidecar_address)
-            known = self._peers.known_engine(p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id)
+            known = self._peers.known_engine(
+                p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id, p.map_version
+            )
             if known is not None and known.plan.decode == local[0].spec:
                 remote = known  # the cached handshake, as remote_engine would return it, without its locks
             else:

@@ -99,7 +99,7 @@ class TensorHandle(_message.Message):
     def __init__(self, shm: _Optional[_Union[ShmTensor, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTensor, _Mapping]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("engine_id", "sidecar_address", "sidecar_id", "request_id", "block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token")
+    __slots__ = ("engine_id", "sidecar_address", "sidecar_id", "request_id", "block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token", "map_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class TransferParams(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     sidecar_address: str
     sidecar_id: str
@@ -116,4 +117,5 @@ class TransferParams(_message.Message):
     num_tokens: int
     lease_deadline_unix_ms: int
     first_token: int
-    def __init__(self, engine_id: _Optional[str] = ..., sidecar_address: _Optional[str] = ..., sidecar_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+    map_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., sidecar_address: _Optional[str] = ..., sidecar_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., first_token: _Optional[int] = ..., map_version: _Optional[int] = ...) -> None: ...
