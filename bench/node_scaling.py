@@ -40,6 +40,8 @@ cache hit would, and pull only the rest (start_token); sizes and GB/s are then o
 With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ and client/, where there
 is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
 interleaved, the order of the two trees alternating: only ratios measured side by side mean anything.
+Where two copies of one tree differ (an A/A run: gpu-direct 64 MiB PullBatches of 16 on 2x H200 read
+0.87x, docs/benchmarks.md, twenty-fifth session), --baseline-first starts the baseline's processes first.
 --profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
 counts as busy); with --profile-gil only samples of the thread holding the GIL, which is where a
@@ -934,6 +936,12 @@ def main() -> int:
         help="with --per-call and a baseline: the baseline's PullBatch rows too (a baseline from before "
         "PullBatch, 2026-11-27, has none)",
     )
+    ap.add_argument(
+        "--baseline-first",
+        action="store_true",
+        help="start the baseline's sidecars and engines before this tree's, not after: run against a copy of "
+        "this tree (an A/A run), with and without, it tells whether the order of start-up favours a tree",
+    )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
     ap.add_argument(
         "--profile-gil",
@@ -1041,6 +1049,8 @@ def main() -> int:
             )
             for name, env, more, k, split, _ in list(trees)
         ]
+    if args.baseline_first and base is not None:  # sorted stably: each tree's rows keep their order
+        trees.sort(key=lambda t: not t[0].startswith(base[0]))
     if places is not None and (free := gpu_free_bytes()):
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     if args.beside and places is None:
