@@ -7,13 +7,18 @@ holds another layout (host-nixl-staged: READs into staging, converted), and S2 r
 `host_transfer: ring` (host-ring: the staged protocol). One worker thread per decode engine loops:
 publish a request on a random node's prefill engine (its own: host-direct), pull it, check the outcome;
 two times in five, 2-4 such requests pulled in one PullBatch call, whose members must each obey the
-rules below, and which as a whole must write nowhere but its members' blocks. Meanwhile a chaos thread, every 1-3 s, does one of:
+rules below, and which as a whole must write nowhere but its members' blocks. One request in five comes
+from a multi-node prefill engine M of TP 2 over two more sidecars (its leader S3 holds rank 0; rank 1
+sits on S4, as a member, or on S3), whose pulls gather both ranks from their holders. Meanwhile a chaos
+thread, every 1-3 s, does one of:
 
   kill-sidecar    SIGKILL a sidecar, then start it again on the same ports, and its two engines
                   (as a pod's restart)
   stop-sidecar    SIGSTOP a sidecar for 0.3-2 s, then SIGCONT
   kill-decode     SIGKILL a decode engine mid-pull, then start it again
   kill-prefill    SIGKILL a prefill engine, then start it again
+  move-rank       stop M's rank 1 and start it on its other sidecar (S4 -> S3 or S3 -> S4: a pod
+                  rescheduled onto another node); requests published before are gone with it
 
 Every outcome is checked, and whatever breaks a rule is a fault:
   - a pull that succeeds: every byte of the request exact, no byte outside its blocks changed (the
@@ -25,7 +30,8 @@ Every outcome is checked, and whatever breaks a rule is a fault:
   - a sidecar the chaos thread did not kill is alive throughout.
 A pull that failed is pulled again once by another decode engine, as a router's retry on another
 decode instance would; its outcome is counted (it must obey the same rules). Once the chaos stops,
-one pull between every two sidecars must succeed within a few tries (recovery).
+one pull between every two sidecars, and one from M into every decode engine, must succeed within a
+few tries (recovery).
 
     python bench/chaos.py                  # 3 minutes; writes its section of docs/benchmarks.md
     python bench/chaos.py --seconds 30 --no-write
@@ -80,7 +86,9 @@ SIZES = (1, 8, 64, 256)  # blocks of 16 KiB; 256 long enough to be cut midway no
 # Block regions: a worker's in every prefill engine, its own pulls' in its decode engine, and another
 # engine's retries' there (a retry runs while that engine's own worker waits for its lock).
 SRC_REGION, RETRY_BASE = 300, 512
-ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill")
+ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill", "move-rank")
+SPLIT = EngineSpec.from_dict(BASE | {"tp_size": 2})  # M, the multi-node prefill engine
+SPLIT_SHARE = 0.2  # of the requests a worker publishes
 
 
 class Engine:
@@ -123,6 +131,45 @@ class Node:
         )
 
 
+class SplitEngine:
+    """M: a prefill engine of TP 2 whose rank 0 is on its leader sidecar and rank 1 on a member sidecar
+    or on the leader, moved between the two by the chaos thread. One lock: a publish fills rank 1 and
+    publishes on rank 0, and a move must not come between."""
+
+    def __init__(self) -> None:
+        self.leader, self.member = SidecarProcess("chaos-s3"), SidecarProcess("chaos-s4")
+        self.lock = threading.Lock()
+        self.on_member = True
+        self.rank0 = EngineProcess(self.leader.socket, "M", SPLIT, ranks=[0], devices=DEVICES["prefill"])
+        self.rank1 = self._rank1()
+
+    def _rank1(self) -> EngineProcess:
+        if self.on_member:
+            return EngineProcess(
+                self.member.socket, "M", SPLIT, ranks=[1], leader=self.leader.peer_address,
+                devices=DEVICES["prefill"],
+            )  # fmt: skip
+        return EngineProcess(self.leader.socket, "M", SPLIT, ranks=[1], devices=DEVICES["prefill"])
+
+    def publish(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self.lock:
+            filled = self.rank1.send(cmd | {"publish": False}, timeout_s)
+            if not filled.get("ok"):
+                return filled
+            return self.rank0.send(cmd, timeout_s)
+
+    def move(self) -> None:
+        with self.lock:
+            self.rank1.stop()  # unregisters: a member reports it holds none, the leader forgets it
+            self.on_member = not self.on_member
+            self.rank1 = self._rank1()
+
+    def close(self) -> list[int]:
+        for proc in (self.rank0, self.rank1):
+            proc.stop()
+        return [self.leader.stop(30), self.member.stop(30)]
+
+
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -130,6 +177,7 @@ class Tally:
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
     batched: collections.Counter[str] = field(default_factory=collections.Counter)  # PullBatch members
     actions: collections.Counter[str] = field(default_factory=collections.Counter)
+    split: collections.Counter[str] = field(default_factory=collections.Counter)  # M's, first tries
     faults: list[str] = field(default_factory=list)
     said: dict[str, str] = field(default_factory=dict)  # a failure's status -> the first message of it
 
@@ -159,8 +207,9 @@ def check(res: dict[str, Any], blocks: list[int], what: str, tally: Tally) -> No
 
 
 class Chaos:
-    def __init__(self, nodes: list[Node], tally: Tally, seed: int) -> None:
+    def __init__(self, nodes: list[Node], split: SplitEngine, tally: Tally, seed: int) -> None:
         self.nodes = nodes
+        self.split = split
         self.tally = tally
         self.rng = random.Random(seed)
         self.stop = threading.Event()
@@ -171,6 +220,10 @@ class Chaos:
             node = self.rng.choice(self.nodes)
             with self.tally.lock:
                 self.tally.actions[action] += 1
+            if action == "move-rank":
+                print(f"chaos: move-rank to {'S3' if self.split.on_member else 'S4'}", flush=True)
+                self.split.move()
+                continue
             print(f"chaos: {action} on node {node.index}", flush=True)
             if action == "kill-sidecar":
                 self._kill_sidecar(node)
@@ -208,8 +261,16 @@ class Chaos:
 class Worker:
     """Pulls into one decode engine, from the prefill engines of every node, until stopped."""
 
-    def __init__(self, j: int, nodes: list[Node], tally: Tally, rng: random.Random, stop: threading.Event):
-        self.j, self.nodes, self.tally, self.rng, self.stop = j, nodes, tally, rng, stop
+    def __init__(
+        self,
+        j: int,
+        nodes: list[Node],
+        split: SplitEngine,
+        tally: Tally,
+        rng: random.Random,
+        stop: threading.Event,
+    ) -> None:
+        self.j, self.nodes, self.split, self.tally, self.rng, self.stop = j, nodes, split, tally, rng, stop
         self.count = 0
 
     def run(self) -> None:
@@ -252,20 +313,28 @@ class Worker:
         """A request of a random node's prefill engine for member `m` (blocks of its own on both sides):
         its params, blocks to pull into, seed and name; None where the publish failed."""
         self.count += 1
+        split = self.rng.random() < SPLIT_SHARE
         i = self.rng.randrange(len(self.nodes))
         n = self.rng.choice(sizes)
         src = self.nodes[i].prefill
         rid, seed = f"w{self.j}-{self.count}", self.j * 1_000_000 + self.count
+        source = "M" if split else f"node {i}"
         first = SRC_REGION * self.j + 64 * m  # a batch's members (at most 64 blocks each) side by side
         t0 = time.monotonic()
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": list(range(first, first + n)),
+                "num_tokens": n * 16 - 3, "seed": seed}  # fmt: skip
         try:
-            pub = src.send(
-                {"cmd": "prefill", "request_id": rid, "block_ids": list(range(first, first + n)),
-                 "num_tokens": n * 16 - 3, "seed": seed},
-                timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S,
-            )  # fmt: skip
+            if split:  # not killed by the chaos thread: no answer is a fault
+                pub = self.split.publish(fill, PULL_TIMEOUT_S + ANSWER_MARGIN_S)
+            else:
+                pub = src.send(fill, timeout_s=PULL_TIMEOUT_S + ANSWER_MARGIN_S)
         except (ProcessError, OSError):  # no answer, or its stdin closed: it died
-            self._engine_died(src, t0, f"prefill on node {i}")
+            if split:
+                self.tally.fault(
+                    f"M gave no answer to a publish within {PULL_TIMEOUT_S + ANSWER_MARGIN_S:g} s"
+                )
+            else:
+                self._engine_died(src, t0, f"prefill on node {i}")
             return None
         if not pub.get("ok"):
             with self.tally.lock:
@@ -276,7 +345,7 @@ class Worker:
             "params": pub["params"],
             "block_ids": blocks,
             "seed": seed,
-            "what": f"{rid} node {i} -> {self.j}",
+            "what": f"{rid} {source} -> {self.j}",
         }
 
     def _pull_batch(
@@ -336,6 +405,8 @@ class Worker:
         kind = "retries" if retry else "batched" if batched else "outcomes"
         with self.tally.lock:
             getattr(self.tally, kind)[_outcome(res)] += 1
+            if " M -> " in what and not retry:
+                self.tally.split[_outcome(res)] += 1
             if not res["ok"]:
                 self.tally.said.setdefault(f"{res.get('error_code')} ({kind})", res["error"])
 
@@ -351,17 +422,22 @@ class Worker:
         self.tally.fault(f"{what}: the engine gave no answer within {PULL_TIMEOUT_S + ANSWER_MARGIN_S:g} s")
 
 
-def recover(nodes: list[Node], tally: Tally) -> list[str]:
-    """One pull between every two nodes once the chaos stopped: each must succeed within a few tries."""
+def recover(nodes: list[Node], split: SplitEngine, tally: Tally) -> list[str]:
+    """One pull between every two nodes, and from M into every node, once the chaos stopped: each must
+    succeed within a few tries."""
     rows = []
-    for i, src in enumerate(nodes):
+    sources: list[tuple[str, Callable[[dict[str, Any], float], dict[str, Any]]]] = [
+        *((str(i), node.prefill.send) for i, node in enumerate(nodes)),
+        ("M", split.publish),
+    ]
+    for i, publish in sources:
         for j, dst in enumerate(nodes):
             ok, tries, res = False, 0, {}
             deadline = time.monotonic() + 20
             while not ok and time.monotonic() < deadline:
                 tries += 1
                 rid = f"recover-{i}-{j}-{tries}"
-                pub = src.prefill.send(
+                pub = publish(
                     {
                         "cmd": "prefill",
                         "request_id": rid,
@@ -369,7 +445,7 @@ def recover(nodes: list[Node], tally: Tally) -> list[str]:
                         "num_tokens": 29,
                         "seed": tries,
                     },
-                    timeout_s=30,
+                    30,
                 )
                 if not pub.get("ok"):
                     time.sleep(0.5)
@@ -405,16 +481,17 @@ def main() -> int:
         DEVICES.update(prefill=["cuda:0"], decode=[f"cuda:{min(1, gpus - 1)}"])
     tally = Tally()
     nodes = [Node(i, SidecarProcess(f"chaos-s{i}", extra=SIDECAR_ARGS[i])) for i in range(3)]
-    chaos = Chaos(nodes, tally, args.seed)
+    split = SplitEngine()
+    chaos = Chaos(nodes, split, tally, args.seed)
     stop = threading.Event()
-    workers = [Worker(j, nodes, tally, random.Random(rng.random()), stop) for j in range(len(nodes))]
+    workers = [Worker(j, nodes, split, tally, random.Random(rng.random()), stop) for j in range(len(nodes))]
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     t0 = time.monotonic()
     for t in threads:
         t.start()
     chaos_thread = threading.Thread(target=chaos.run, daemon=True)
     chaos_thread.start()
-    watch = threading.Thread(target=_watch, args=(nodes, tally, stop), daemon=True)
+    watch = threading.Thread(target=_watch, args=(nodes, split, tally, stop), daemon=True)
     watch.start()
     time.sleep(args.seconds)
     chaos.stop.set()
@@ -423,12 +500,13 @@ def main() -> int:
     for t in threads:
         t.join(PULL_TIMEOUT_S * 2 + ANSWER_MARGIN_S * 2)
     wall = time.monotonic() - t0
-    rows = recover(nodes, tally)
+    rows = recover(nodes, split, tally)
     codes = []
     for node in nodes:
         for engine in (node.prefill, node.decode):
             engine.proc.stop()
         codes.append(node.sidecar.stop(30))
+    codes += split.close()
     if any(codes):
         tally.fault(f"sidecar exit codes at the end: {codes} (0 expected)")
     body = _section(args, wall, tally, rows)
@@ -438,9 +516,13 @@ def main() -> int:
     return 1 if tally.faults else 0
 
 
-def _watch(nodes: list[Node], tally: Tally, stop: threading.Event) -> None:
-    """A sidecar that dies when the chaos thread did not kill it is a fault."""
+def _watch(nodes: list[Node], split: SplitEngine, tally: Tally, stop: threading.Event) -> None:
+    """A sidecar that dies when the chaos thread did not kill it is a fault (M's are never killed)."""
+    seen = False
     while not stop.wait(0.2):
+        if not seen and not (split.leader.alive and split.member.alive):
+            tally.fault("a sidecar of M died by itself")
+            seen = True
         for node in nodes:
             sc = node.sidecar
             if not sc.alive and not node.down.is_set():
@@ -459,6 +541,9 @@ def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str
         "",
         "What the chaos thread did: " + ", ".join(f"{a} {tally.actions[a]}" for a in ACTIONS),
         "",
+        "Requests of M (the multi-node engine), pulls and batch members, first tries: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(tally.split.items())) or "none"),
+        "",
         "| outcome | pulls | members of PullBatches | retries on another decode engine |",
         "|---|---|---|---|",
     ]
@@ -474,7 +559,8 @@ def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str
     lines += [f"- {k}: `{v}`" for k, v in sorted(tally.said.items())]
     lines += [
         "",
-        "Recovery once the chaos stopped (one pull between every two sidecars): " + "; ".join(rows),
+        "Recovery once the chaos stopped (one pull between every two nodes, and from M into each): "
+        + "; ".join(rows),
         "",
     ]
     lines.append(
