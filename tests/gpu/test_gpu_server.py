@@ -16,6 +16,7 @@ seeded reference and that no byte outside the requested blocks changed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -214,10 +215,7 @@ def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_co
         host_d = EngineProcess(sc.socket, f"auto-hd-{n}", host_spec)
         engines = [prefill, decode, host_p, host_d]
         device = GPU_B.split(":")[1]
-        name, labels = "kvsidecar_worker_gpu_launches_total", f'device="{device}",'
-        launches = lambda: sum(  # noqa: E731
-            _metric(sc, name, f'{{{labels}by="{by}"}}') for by in ("direct", "triton")
-        )
+        launches = functools.partial(_worker_launches, sc, int(device))
 
         def pull(p: EngineProcess, d: EngineProcess, path: str, request_id: str, dst: list[int]) -> None:
             src = list(range(0, 10))
@@ -752,13 +750,9 @@ def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
             "seed": n,
         }
         if where == "worker_node":  # counted in the worker, exposed by the sidecar with its device
-            device = GPU_B.split(":")[1]
-            name, labels = "kvsidecar_worker_gpu_launches_total", f'device="{device}",'
+            launches = functools.partial(_worker_launches, node, int(GPU_B.split(":")[1]))
         else:
-            name, labels = "kvsidecar_gpu_launches_total", ""
-        launches = lambda: sum(  # noqa: E731
-            _metric(node, name, f'{{{labels}by="{by}"}}') for by in ("direct", "triton")
-        )
+            launches = functools.partial(_own_launches, node)
         before = launches()
         out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})
         *good, refused = out["results"]
