@@ -311,6 +311,11 @@ class DataPlane:
             return None
         return self.workers.ready(device)
 
+    @property
+    def _copies_in_workers(self) -> bool:
+        """Whether device_workers sends any local copies to workers (staged_workers alone sends none)."""
+        return self.workers is not None and (self._gpu_in_workers or self._host_in_workers)
+
     def _by_device(self, job: LocalCopy) -> dict[int, LocalCopy]:
         """The job's reads split by the device they write into: each device's part goes to that
         device's worker (a decode engine's ranks may sit on several GPUs)."""
@@ -324,7 +329,7 @@ class DataPlane:
     def copy_local(self, job: LocalCopy, halt: Halt) -> int:
         """host-direct or gpu-direct, as the ranks are (the caller checked they are all one kind); in
         each decode device's worker process where device_workers sends it there and it is ready."""
-        if job.reads and self.workers is not None:
+        if job.reads and self._copies_in_workers:  # else nothing to split: every copy runs here
             parts = self._by_device(job)
             if len(parts) > 1:
                 moved = 0
@@ -345,7 +350,7 @@ class DataPlane:
         with one wait per decode GPU, host ones one after another (local_copies.copy_all); those that
         device_workers sends to workers, each device's share in one message to its worker, which does
         the same."""
-        if self.workers is None or not (self._gpu_in_workers or self._host_in_workers):
+        if not self._copies_in_workers:
             return local_copies.copy_all(self.ranks, jobs)
         out: list[int | BaseException] = [0] * len(jobs)
         ready: dict[int, CopyWorker | None] = {}  # each device's worker, asked once per batch
