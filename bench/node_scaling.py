@@ -41,7 +41,9 @@ With --baseline REV (or --baseline-tree DIR: a `git archive` of REV's sidecar/ a
 is no git) the same rows also run against that revision's sidecars, started beside this tree's, rows
 interleaved, the order of the two trees alternating: only ratios measured side by side mean anything.
 Where two copies of one tree differ (an A/A run: gpu-direct 64 MiB PullBatches of 16 on 2x H200 read
-0.87x, docs/benchmarks.md, twenty-fifth session), --baseline-first starts the baseline's processes first.
+0.87x, docs/benchmarks.md, twenty-fifth session), --baseline-first starts the baseline's processes first,
+and --rounds N runs each row N times, the trees' order alternating, and gives each ratio's median and
+range over the rounds: the spread that one round's ratio must clear to mean anything.
 --profile DIR records both sidecars with py-spy (raw collapsed stacks) during the rows at the most
 pulls in flight, for one pull size. py-spy shows wall time here (a thread asleep in a lock or a sleep
 counts as busy); with --profile-gil only samples of the thread holding the GIL, which is where a
@@ -63,11 +65,13 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -280,6 +284,7 @@ class Row:
     bad: int = 0
     bad_codes: dict[str, int] = dataclasses.field(default_factory=dict)
     bad_untouched: bool = True  # their blocks kept their bytes (a failed pull may write them: early READs)
+    round: int = 0  # which of --rounds repeats of the row (0: the first, or the only one)
 
     @property
     def rate(self) -> float:
@@ -677,13 +682,17 @@ def table(rows: list[Row]) -> str:
         b = _sidecar_cpu(r, "sidecar B") if "sidecar B" in r.cpu else "-"
         p50 = r.pct(0.5)
         out.append(
-            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{f' ({r.profiled})' if r.profiled else ''} | "
+            f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {r.tree}{_round(r)}{f' ({r.profiled})' if r.profiled else ''} | "
             f"{r.pulls} | {r.rate:.0f} | "
             f"{r.gbps:.1f} | {p50:.2f} | {r.pct(0.99):.2f} | {r.pct(0.99) / p50 if p50 else 0:.1f} | "
             f"{_sidecar_cpu(r, 'sidecar A')} / {b} | {r.cpu_of('prefill'):.0f} / {r.cpu_of('decode'):.0f} | "
             f"{_per_transfer(r)} | {'verified' if r.verified else '**FAILED**'}{_bad(r)} | {r.consumed}/{r.pulls} |"
         )
     return "\n".join(out)
+
+
+def _round(r: Row) -> str:
+    return f", round {r.round + 1}" if r.round else ""
 
 
 def _bad(r: Row) -> str:
@@ -719,40 +728,59 @@ def _reference(tree: str) -> str:
 
 def ratios(rows: list[Row]) -> str:
     """Every other tree's (baseline, variants) pulls/s against this tree's, row by row (same run,
-    machine), the same kind of call against the same (Pull calls, PullBatch)."""
+    machine), the same kind of call against the same (Pull calls, PullBatch), round by round; with
+    --rounds, each comparison's median and range over the rounds after them: the spread that a single
+    round's ratio sits in."""
     rows = [r for r in rows if not r.profiled]
-    by_key = {(r.tree, r.path, r.pairs, r.concurrency, r.blocks): r for r in rows}
+    by_key = {(r.tree, r.path, r.pairs, r.concurrency, r.blocks, r.round): r for r in rows}
     lines = []
+    spread: dict[tuple[str, str, str, int, int, str], list[float]] = {}
     for b in rows:
         if b.tree == "this tree":
             continue
         ref = _reference(b.tree)
-        r = by_key.get((ref, b.path, b.pairs, b.concurrency, b.blocks))
+        r = by_key.get((ref, b.path, b.pairs, b.concurrency, b.blocks, b.round))
         if r is not None and b.rate:
             lines.append(
-                f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {ref} | {b.tree} | "
+                f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {ref}{_round(r)} | {b.tree} | "
                 f"{r.rate / b.rate:.2f}x | {r.pct(0.5) / b.pct(0.5) if b.pct(0.5) else 0:.2f}x | "
                 f"{r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x |"
             )
+            key = (r.path, ref, b.tree, r.pairs, r.concurrency, size_label(r))
+            spread.setdefault(key, []).append(r.rate / b.rate)
     if not lines:
         return ""
     head = (
         "| path | pairs | in flight per pair | pull | this tree | against | pulls/s, this tree / it | p50 | p99 |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
     )
-    return head + "\n".join(lines) + "\n"
+    body = head + "\n".join(lines) + "\n"
+    if any(len(v) > 1 for v in spread.values()):
+        body += (
+            "\nOver the rounds (pulls/s, this tree / it):\n\n"
+            "| path | pairs | in flight per pair | pull | this tree | against | rounds | median | range |\n"
+            "|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(
+                f"| {path} | {pairs} | {c} | {size} | {ref} | {other} | {len(v)} | "
+                f"{statistics.median(v):.2f}x | {min(v):.2f}-{max(v):.2f}x |"
+                for (path, ref, other, pairs, c, size), v in spread.items()
+            )
+            + "\n"
+        )
+    return body
 
 
 def scaling(rows: list[Row]) -> str:
     """Each row with more than one pair against the same tree's one-pair row."""
     rows = [r for r in rows if not r.profiled]
-    one = {(r.tree, r.path, r.concurrency, r.blocks): r for r in rows if r.pairs == 1}
+    one = {(r.tree, r.path, r.concurrency, r.blocks, r.round): r for r in rows if r.pairs == 1}
     lines = []
     for r in rows:
-        o = one.get((r.tree, r.path, r.concurrency, r.blocks))
+        o = one.get((r.tree, r.path, r.concurrency, r.blocks, r.round))
         if r.pairs > 1 and o is not None and o.rate:
             lines.append(
-                f"| {r.path} | {r.tree} | {r.concurrency} | {size_label(r)} | {r.pairs} | {r.rate / o.rate:.2f}x |"
+                f"| {r.path} | {r.tree}{_round(r)} | {r.concurrency} | {size_label(r)} | {r.pairs} | "
+                f"{r.rate / o.rate:.2f}x |"
             )
     if not lines:
         return ""
@@ -808,7 +836,9 @@ def render(
     rows: list[Row], kind: str, places: list[tuple[int, int]] | None, cut: bool = False, beside: str = ""
 ) -> str:
     """The section: command, machine, date, the rows, and the ratios measured side by side."""
-    rows = sorted(rows, key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.tree != "this tree"))
+    rows = sorted(
+        rows, key=lambda r: (r.path, r.blocks, r.pairs, r.concurrency, r.round, r.tree != "this tree")
+    )
     places_text = ""
     if places:
         places_text = (
@@ -941,6 +971,14 @@ def main() -> int:
         action="store_true",
         help="start the baseline's sidecars and engines before this tree's, not after: run against a copy of "
         "this tree (an A/A run), with and without, it tells whether the order of start-up favours a tree",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every row N times, the trees' order alternating from round to round, and give each "
+        "comparison's median and range over the rounds: a row of 64 MiB pulls moves a decode cache's "
+        "worth (16 GiB) in ~0.1 s, and one round's ratio is that short a sample",
     )
     ap.add_argument("--profile", type=Path, help="py-spy both sidecars at the most pulls in flight, into DIR")
     ap.add_argument(
@@ -1113,12 +1151,18 @@ def run_rows(
                             node.run(p + 1, node.per_call, b, 2 * node.per_call)
             for b in sizes:
                 for p in pair_counts:
-                    for c in levels:
-                        spy = args.profile if (args.profile and c == max(levels) and b == sizes[0]) else None
+                    for c, round_ in itertools.product(levels, range(args.rounds)):
+                        spy = (
+                            args.profile
+                            if (args.profile and c == max(levels) and b == sizes[0] and not round_)
+                            else None
+                        )
                         order = nodes if turn % 2 == 0 else nodes[::-1]
                         turn += 1
                         for node in order:
-                            row = node.run(p, c, b, pulls, spy, args.profile_gil)
+                            row = dataclasses.replace(
+                                node.run(p, c, b, pulls, spy, args.profile_gil), round=round_
+                            )
                             rows.append(row)
                             print(table([row]).splitlines()[-1], flush=True)
                             if args.out:  # what is done so far survives a run cut short (a time limit)
