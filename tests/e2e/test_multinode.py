@@ -443,3 +443,102 @@ def test_a_rank_moved_to_another_member_is_read_there(spawn: Spawn, transfer: st
     assert res["ok"] and res["verified"] and res["path"] == want, res
     # "consumed" reaches rank 1 on d, where it is now
     assert _events(prefill["b"], 1) == [("consumed", "after", 1)]
+
+
+@pytest.mark.parametrize("transfer", ["read", "ring"])
+def test_a_request_from_before_a_rank_moved_here_is_refused(spawn: Spawn, transfer: str) -> None:
+    """Rank 1 of an engine over a (leader) and b moves to a itself. A request published before the move
+    is held on a for rank 0 only: a reader whose map puts rank 1 on a (it read a later request) must get
+    NOT_FOUND there, not the bytes of the new rank 1 process's blocks of the same ids. Until 2026-11-29 the read succeeded
+    with wrong bytes (`bench/chaos.py --gpu` found it on 2x H200). Requests published after the move
+    are read from a, exact."""
+    wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
+    a, b, c = spawn.together(
+        lambda: SidecarProcess("mh-a", extra=wait),
+        lambda: SidecarProcess("mh-b", extra=wait),
+        lambda: SidecarProcess(
+            "mh-c", extra=["--host-transfer", transfer, "--gpu-staging-bytes", str(1 << 20)]
+        ),
+    )
+    prefill = _engine({"a": a, "b": b}, {"a": [0], "b": [1]}, "mh-p", SPEC)
+    for proc in prefill.values():
+        spawn(proc)
+    decode = spawn(EngineProcess(c.socket, "mh-d", SPEC))
+    blocks = [3, 4, 5, 6, 7]
+    want = "host-ring" if transfer == "ring" else "host-nixl"
+
+    def publish(rid: str, seed: int) -> dict[str, object]:
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": TOKENS, "seed": seed}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        return prefill["a"].send(fill)
+
+    first = publish("first", 1)  # c pulls once: it caches the map with rank 1 on b
+    res = decode.send({"cmd": "pull", "params": first["params"], "block_ids": blocks, "seed": 1})
+    assert res["ok"] and res["verified"] and res["path"] == want, res
+    old = publish("old", 2)
+    assert old["ok"], old
+
+    prefill["b"].stop()  # rank 1 leaves b ...
+    prefill["b"] = spawn(EngineProcess(a.socket, "mh-p", SPEC, ranks=[1]))  # ... for its leader a
+    new = publish("new", 3)  # its rank 1 blocks now hold seed 3's bytes, in the same block ids
+    assert new["ok"], new
+    # c reads the new request: its newer map version makes c handshake again, and read rank 1 from a
+    res = decode.send({"cmd": "pull", "params": new["params"], "block_ids": blocks, "seed": 3})
+    assert res["ok"] and res["verified"] and res["path"] == want, res
+    res = decode.send({"cmd": "pull", "params": old["params"], "block_ids": blocks, "seed": 2})
+    assert not res["ok"], res  # never "ok" with the new process's bytes
+    assert res["error_code"] == "NOT_FOUND", res
+    assert "not held by its rank 1" in res["error"] and "registered here after" in res["error"], res
+
+
+@pytest.mark.parametrize("reader", ["direct", "read", "ring"])
+def test_a_request_from_before_a_rank_registered_again_is_refused(spawn: Spawn, reader: str) -> None:
+    """An engine of TP 2 on one sidecar, each rank its own process (as vLLM's workers are). Rank 1's
+    process is replaced (it died, or restarted) while rank 0's runs on, so the engine never left and its
+    requests stay published; but the new rank 1 holds other bytes in the same block ids. A request
+    published before must fail NOT_FOUND for every reader: a decode engine on the same sidecar
+    (host-direct), and one on another sidecar (NIXL READs, or the staged protocol)."""
+    if reader == "direct":
+        (a,) = spawn.together(lambda: SidecarProcess("rg-a"))
+        c = a
+    else:
+        a, c = spawn.together(
+            lambda: SidecarProcess("rg-a"),
+            lambda: SidecarProcess(
+                "rg-c", extra=["--host-transfer", reader, "--gpu-staging-bytes", str(1 << 20)]
+            ),
+        )
+    ranks = {r: spawn(EngineProcess(a.socket, "rg-p", SPEC, ranks=[r])) for r in (0, 1)}
+    decode = spawn(EngineProcess(c.socket, "rg-d", SPEC))
+    blocks = [3, 4, 5, 6, 7]
+    want = {"direct": "host-direct", "read": "host-nixl", "ring": "host-ring"}[reader]
+
+    def publish(rid: str, seed: int) -> dict[str, object]:
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": TOKENS, "seed": seed}
+        assert ranks[1].send(fill | {"publish": False})["ok"]
+        return ranks[0].send(fill)
+
+    first = publish("first", 1)
+    res = decode.send({"cmd": "pull", "params": first["params"], "block_ids": blocks, "seed": 1})
+    assert res["ok"] and res["verified"] and res["path"] == want, res
+    old = publish("old", 2)
+    assert old["ok"], old
+    ranks[1].stop()
+    ranks[1] = spawn(EngineProcess(a.socket, "rg-p", SPEC, ranks=[1]))
+    assert ranks[1].send(
+        {
+            "cmd": "prefill",
+            "request_id": "x",
+            "block_ids": blocks,
+            "num_tokens": TOKENS,
+            "seed": 9,
+            "publish": False,
+        }
+    )["ok"]  # the new process's blocks of the same ids hold other bytes
+    res = decode.send({"cmd": "pull", "params": old["params"], "block_ids": blocks, "seed": 2})
+    assert not res["ok"], res
+    assert res["error_code"] == "NOT_FOUND", res
+    assert "not held by its rank 1" in res["error"] and "registered here again" in res["error"], res
+    new = publish("new", 3)
+    res = decode.send({"cmd": "pull", "params": new["params"], "block_ids": blocks, "seed": 3})
+    assert res["ok"] and res["verified"] and res["path"] == want, res

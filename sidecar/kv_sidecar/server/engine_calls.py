@@ -168,6 +168,7 @@ class EngineCalls:
             ranks=self._membership.held_here(request.engine_id),
             first_token=request.first_token,
             block_size=spec.block_size,
+            generations=self._engines.generations(request.engine_id),
         )
         try:  # a multi-node engine: hold it on the member sidecars too
             self._membership.publish_on_members(

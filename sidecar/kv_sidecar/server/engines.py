@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -74,6 +75,9 @@ def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
     return common_pb2.EngineSpec(**d, groups=[common_pb2.KVCacheGroup(**g) for g in groups])
 
 
+_GENERATIONS = itertools.count(1)
+
+
 @dataclass
 class RankEntry:
     """A registered rank as the control plane knows it: its spec and where its memory lives. The
@@ -86,6 +90,10 @@ class RankEntry:
     memory: RankMemory
     events: Mailbox[engine_pb2.Event | None] = field(default_factory=Mailbox)
     sessions: int = 0
+    # Which registration of (engine_id, rank) this is, unique in this process: a request published
+    # under one is not in the memory of the next (a restarted process, a rank that moved here), whose
+    # blocks of the same ids hold other bytes (Published.check_sources).
+    generation: int = field(default_factory=lambda: next(_GENERATIONS))
 
     @functools.cached_property
     def key(self) -> RankKey:
@@ -255,6 +263,10 @@ class EngineRegistry:
                 Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here"
             )
         return ranks
+
+    def generations(self, engine_id: str) -> dict[int, int]:
+        """Each rank of the engine registered here now -> which registration it is (RankEntry.generation)."""
+        return {e.rank: e.generation for e in self.engine_ranks(engine_id)}
 
     def ranks_of(self, engine_id: str) -> list[int]:
         """The ranks of this engine registered here, in order; empty if none."""

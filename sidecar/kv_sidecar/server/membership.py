@@ -470,5 +470,6 @@ class Membership:
             ranks=self.held_here(req.engine_id),
             first_token=req.first_token,
             block_size=spec.block_size,
+            generations=self._engines.generations(req.engine_id),
         )
         self._on_published(item, self._engines.engine_ranks(req.engine_id))

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kv_sidecar.errors import Code, SidecarError
@@ -55,6 +55,9 @@ class Published:
     # The blocks by position from token 0, as the executors index them (plan.blocks.source_block_list):
     # block_ids after placeholders for the positions before first_token. Set by PublishedStore.publish.
     source_blocks: list[int] = field(default_factory=list)
+    # The prefill ranks registered here when it was published -> which registration each was
+    # (engines.RankEntry.generation): only those hold its bytes here (check_sources).
+    generations: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.source_blocks and not self.first_token:
@@ -67,6 +70,28 @@ class Published:
             check_start(start_token, self.first_token, self.num_tokens)
         except PlanError as e:
             raise SidecarError(Code.OUT_OF_RANGE, f"request {self.request_id!r}: {e}") from None
+
+    def check_sources(self, current: Mapping[int, int]) -> None:
+        """Before this sidecar sends a prefill rank's blocks of the request (`current`: those ranks ->
+        their registration now): NOT_FOUND unless each is the registration that held the request when
+        it was published. A rank that moved here from another sidecar, or whose process registered
+        again, has other bytes in blocks of the same ids, and a read of them would succeed, wrong."""
+        for rank, now in current.items():
+            held = self.generations.get(rank)
+            if held == now:
+                continue
+            why = (
+                "registered here after the request was published (it was on another sidecar then: "
+                "a rank that moves takes none of its requests along)"
+                if held is None
+                else "registered here again after the request was published (a new process: its blocks "
+                "hold other bytes)"
+            )
+            raise SidecarError(
+                Code.NOT_FOUND,
+                f"request {self.request_id!r} of engine {self.engine_id!r} is not held by its rank {rank} "
+                f"here: rank {rank} {why}; prefill it again",
+            )
 
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
@@ -125,9 +150,11 @@ class PublishedStore:
         ranks: list[int] | None = None,
         first_token: int = 0,
         block_size: int = 1,
+        generations: Mapping[int, int] | None = None,
     ) -> Published:
         """`block_ids` hold tokens [first_token, num_tokens) at `block_size` (checked by the caller:
-        plan.blocks.check_published)."""
+        plan.blocks.check_published). `generations`: the engine's ranks registered here, each's
+        registration (Registry.generations), the only ones a read may take the request's bytes from."""
         key = (engine_id, request_id)
         with self._lock:
             if key in self._items:
@@ -145,6 +172,7 @@ class PublishedStore:
                 ranks=ranks,
                 first_token=first_token,
                 source_blocks=source_block_list(block_ids, first_token, block_size),
+                generations=dict(generations or {}),
             )
             self._items[key] = item
             self._ended.pop(key, None)
@@ -200,14 +228,18 @@ class PublishedStore:
         min_hold_s: float,
         reader_sidecar: str = "",
         reader_at: ReaderSidecar | None = None,
+        sources: Mapping[int, int] | None = None,
     ) -> Published:
         """Start (part of) a read: fix the reader, and hold the lease while it runs. `reader_sidecar`
-        opens it for the reader, answering and calling from `reader_at`. Another engine takes a
+        opens it for the reader, answering and calling from `reader_at`. `sources`: the prefill ranks
+        the read takes bytes from here, each's registration now (Published.check_sources, before
+        anything changes). Another engine takes a
         request over from a reader whose read ended here (`read_failed`, `reader_gone`) before any of
         its "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
         its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
         with self._lock:
             item = self.get_live(engine_id, request_id)
+            item.check_sources(sources or {})
             taken_from = None
             if item.reader is not None and item.reader != reader:
                 if not (item.reader_failed and not item.consumed_any):

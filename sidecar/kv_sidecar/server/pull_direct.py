@@ -76,6 +76,7 @@ class DirectPulls:
             plan,
             [e.rank for e in local],
             deadline - time.monotonic(),
+            sources={e.rank: e.generation for e in src_ranks},
         )
         group = state_group(req, plan)
         try:

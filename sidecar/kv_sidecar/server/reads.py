@@ -159,6 +159,9 @@ class SourceReads:
             self._pull_timeout_s,
             request.sidecar_id,
             ReaderSidecar(request.reader_address, peer),
+            # Every rank of the engine here: the reader takes from this sidecar the ranks its map puts
+            # here, which are those registered here now.
+            self._engines.generations(request.engine_id),
         )
         served = self._published.readers_here(item, list(request.reader_ranks))
         if served:

@@ -9,7 +9,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -264,8 +264,9 @@ class StagedSource:
 
     def _push(self, req: peer_pb2.PushRequest, context: PushCall, quiet: list[bool]) -> peer_pb2.PushResponse:
         group = len(req.members) > 0
-        item = None if group or req.HasField("open") else self._opened(req, req.request_id)
         src_entry = self._engines.get(req.engine_id, req.source_rank)
+        source = {src_entry.rank: src_entry.generation}  # the rank whose bytes go: the request's?
+        item = None if group or req.HasField("open") else self._opened(req, req.request_id, source)
         self._check_sender(req, src_entry.key)
         if not req.HasField("reader_spec"):
             raise SidecarError(Code.INVALID_ARGUMENT, "reader_spec is required")
@@ -292,7 +293,9 @@ class StagedSource:
         # The opens it carries, checked like OpenReads once the rest of the Push is sound.
         members: tuple[SendMember, ...] = ()
         if group:
-            block_ids, num_tokens, members = self._members(req, plan, context.peer(), src_entry.on_gpu)
+            block_ids, num_tokens, members = self._members(
+                req, plan, context.peer(), src_entry.on_gpu, source
+            )
             what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
             # No request's own: the data plane joins the members' ids uploaded at Publish (`members`).
             ids_of: tuple[str, str] = (req.engine_id, "")
@@ -360,9 +363,11 @@ class StagedSource:
         for request_id in [m.request_id for m in req.members] or [req.request_id]:
             self._published.read_failed(req.engine_id, request_id, req.reader_engine_id)
 
-    def _opened(self, req: peer_pb2.PushRequest, request_id: str) -> Published:
-        """A request opened before the Push (OpenRead): it must be open for this reader."""
+    def _opened(self, req: peer_pb2.PushRequest, request_id: str, source: Mapping[int, int]) -> Published:
+        """A request opened before the Push (OpenRead): it must be open for this reader, and held by the
+        registration of the source rank that sends it (`source`: that rank -> its registration now)."""
         item = self._published.get_live(req.engine_id, request_id)
+        item.check_sources(source)
         if item.reader != req.reader_engine_id:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
@@ -432,7 +437,7 @@ class StagedSource:
         return self._reads.open_for_reader(o, plan, peer, path, reads_next=False)
 
     def _members(
-        self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool
+        self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool, source: Mapping[int, int]
     ) -> tuple[list[int], int, tuple[SendMember, ...]]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
@@ -465,8 +470,9 @@ class StagedSource:
                     )
                 if m.HasField("open"):
                     item = self._check_open(req, m.request_id, m.open, m.num_tokens)
+                    item.check_sources(source)
                 else:
-                    item = self._opened(req, m.request_id)
+                    item = self._opened(req, m.request_id, source)
                 _check_member_tokens(m, item)
             except SidecarError as e:
                 refusals.append((i, e))  # the others checked too: the reader drops all in one go
