@@ -399,13 +399,18 @@ def test_a_member_sidecar_restarted_under_a_new_id_is_handshaken_again(spawn: Sp
 
 
 @pytest.mark.parametrize("transfer", ["read", "ring"])
-def test_a_rank_moved_to_another_member_is_read_there(spawn: Spawn, transfer: str) -> None:
+@pytest.mark.parametrize("to", ["member", "leader"])
+def test_a_rank_moved_to_another_sidecar_is_read_there(spawn: Spawn, transfer: str, to: str) -> None:
     """A prefill engine over a (leader) and b; a decode engine on c pulls once, so that c caches the
-    rank->sidecar map. Rank 1 then moves from b to d (its pod rescheduled onto another node), while b
-    runs on. The next request's params carry the map version it was published under, newer than c's;
-    c handshakes again and reads rank 1 from d, exact. Until 2026-11-29 c kept its cached map and every
-    pull from the engine failed at b ("unknown engine ... no rank of it is registered here"), for good.
-    host_transfer read (OpenRead, NIXL READs from each holder) and ring (staged Pushes to each holder)."""
+    rank->sidecar map. Rank 1 then moves from b to d, or to the leader a (its pod rescheduled onto
+    another node), while b runs on. The next request's params carry the map version it was published
+    under, newer than c's; c handshakes again and reads rank 1 where it is now, exact. Until 2026-11-29
+    c kept its cached map and every pull from the engine failed at b ("unknown engine ... no rank of it
+    is registered here"), for good. A request published before the move, pulled after the newer map,
+    fails NOT_FOUND: d never held it, and a holds it for rank 0 only. Until 2026-11-29 a sent it from
+    the new rank 1 process's blocks of the same ids, and the pull succeeded with wrong bytes
+    (`bench/chaos.py --gpu` found it on 2x H200). host_transfer read (OpenRead, NIXL READs from each
+    holder) and ring (staged Pushes to each holder)."""
     wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
     a, b, d, c = spawn.together(
         lambda: SidecarProcess("mv-a", extra=wait),
@@ -433,62 +438,32 @@ def test_a_rank_moved_to_another_member_is_read_there(spawn: Spawn, transfer: st
     assert first["ok"] and first["verified"] and first["path"] == want, first
     version = int(pub["params"].get("map_version", 0))
     assert version > 0, pub["params"]  # a split engine's params carry its map's version
-
-    prefill["b"].stop()  # rank 1 leaves b (b reports it holds none) ...
-    prefill["b"] = spawn(EngineProcess(d.socket, "mv-p", SPEC, ranks=[1], leader=a.peer_address))  # ... for d
-    pub = publish("after", 2)
-    assert pub["ok"], pub  # d reported its rank before its registration answered
-    assert int(pub["params"]["map_version"]) > version, pub["params"]
-    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": 2})
-    assert res["ok"] and res["verified"] and res["path"] == want, res
-    # "consumed" reaches rank 1 on d, where it is now
-    assert _events(prefill["b"], 1) == [("consumed", "after", 1)]
-
-
-@pytest.mark.parametrize("transfer", ["read", "ring"])
-def test_a_request_from_before_a_rank_moved_here_is_refused(spawn: Spawn, transfer: str) -> None:
-    """Rank 1 of an engine over a (leader) and b moves to a itself. A request published before the move
-    is held on a for rank 0 only: a reader whose map puts rank 1 on a (it read a later request) must get
-    NOT_FOUND there, not the bytes of the new rank 1 process's blocks of the same ids. Until 2026-11-29 the read succeeded
-    with wrong bytes (`bench/chaos.py --gpu` found it on 2x H200). Requests published after the move
-    are read from a, exact."""
-    wait = ["--leader-wait-ms", str(LEADER_WAIT_MS)]
-    a, b, c = spawn.together(
-        lambda: SidecarProcess("mh-a", extra=wait),
-        lambda: SidecarProcess("mh-b", extra=wait),
-        lambda: SidecarProcess(
-            "mh-c", extra=["--host-transfer", transfer, "--gpu-staging-bytes", str(1 << 20)]
-        ),
-    )
-    prefill = _engine({"a": a, "b": b}, {"a": [0], "b": [1]}, "mh-p", SPEC)
-    for proc in prefill.values():
-        spawn(proc)
-    decode = spawn(EngineProcess(c.socket, "mh-d", SPEC))
-    blocks = [3, 4, 5, 6, 7]
-    want = "host-ring" if transfer == "ring" else "host-nixl"
-
-    def publish(rid: str, seed: int) -> dict[str, object]:
-        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": TOKENS, "seed": seed}
-        assert prefill["b"].send(fill | {"publish": False})["ok"]
-        return prefill["a"].send(fill)
-
-    first = publish("first", 1)  # c pulls once: it caches the map with rank 1 on b
-    res = decode.send({"cmd": "pull", "params": first["params"], "block_ids": blocks, "seed": 1})
-    assert res["ok"] and res["verified"] and res["path"] == want, res
-    old = publish("old", 2)
+    old = publish("old", 2)  # not pulled before the move
     assert old["ok"], old
 
-    prefill["b"].stop()  # rank 1 leaves b ...
-    prefill["b"] = spawn(EngineProcess(a.socket, "mh-p", SPEC, ranks=[1]))  # ... for its leader a
-    new = publish("new", 3)  # its rank 1 blocks now hold seed 3's bytes, in the same block ids
-    assert new["ok"], new
-    # c reads the new request: its newer map version makes c handshake again, and read rank 1 from a
-    res = decode.send({"cmd": "pull", "params": new["params"], "block_ids": blocks, "seed": 3})
+    prefill["b"].stop()  # rank 1 leaves b (b reports it holds none) ...
+    moved = (  # ... for d, or for its leader a
+        EngineProcess(d.socket, "mv-p", SPEC, ranks=[1], leader=a.peer_address)
+        if to == "member"
+        else EngineProcess(a.socket, "mv-p", SPEC, ranks=[1])
+    )
+    prefill["b"] = spawn(moved)
+    pub = publish("after", 3)  # rank 1's new blocks of the same ids hold seed 3's bytes
+    assert pub["ok"], pub  # d reported its rank before its registration answered
+    assert int(pub["params"]["map_version"]) > version, pub["params"]
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": 3})
     assert res["ok"] and res["verified"] and res["path"] == want, res
+    # "consumed" reaches rank 1 where it is now
+    assert _events(prefill["b"], 1) == [("consumed", "after", 1)]
     res = decode.send({"cmd": "pull", "params": old["params"], "block_ids": blocks, "seed": 2})
     assert not res["ok"], res  # never "ok" with the new process's bytes
     assert res["error_code"] == "NOT_FOUND", res
-    assert "not held by its rank 1" in res["error"] and "registered here after" in res["error"], res
+    said = (
+        "was never published"
+        if to == "member"
+        else "not held by its rank 1 here: rank 1 registered here after"
+    )
+    assert said in res["error"], res
 
 
 @pytest.mark.parametrize("reader", ["direct", "read", "ring"])

@@ -11,21 +11,11 @@ import pytest
 
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import plan_pair
-from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.published import PublishedStore
 
-SPEC = EngineSpec.from_dict(
-    {
-        "tp_size": 2,
-        "num_layers": 2,
-        "num_kv_heads": 4,
-        "head_dim": 64,
-        "dtype": "bfloat16",
-        "block_size": 16,
-        "num_blocks": 32,
-        "layout": "flash_attn_nhd",
-    }
-)
+from .test_served_reads import tp_spec
+
+SPEC = tp_spec(2)
 
 
 def _store() -> PublishedStore:
