@@ -19,6 +19,9 @@ thread, every 1-3 s, does one of:
   kill-prefill    SIGKILL a prefill engine, then start it again
   move-rank       stop M's rank 1 and start it on its other sidecar (S4 -> S3 or S3 -> S4: a pod
                   rescheduled onto another node); requests published before are gone with it
+  restart-rank    stop M's rank 1 and start a new process for it on the same sidecar (a TP worker
+                  restarted while rank 0 runs on): requests published before are gone with the old
+                  process, and must never be read from the new one's blocks of the same ids
 
 Every outcome is checked, and whatever breaks a rule is a fault:
   - a pull that succeeds: every byte of the request exact, no byte outside its blocks changed (the
@@ -86,7 +89,7 @@ SIZES = (1, 8, 64, 256)  # blocks of 16 KiB; 256 long enough to be cut midway no
 # Block regions: a worker's in every prefill engine, its own pulls' in its decode engine, and another
 # engine's retries' there (a retry runs while that engine's own worker waits for its lock).
 SRC_REGION, RETRY_BASE = 300, 512
-ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill", "move-rank")
+ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill", "move-rank", "restart-rank")
 SPLIT = EngineSpec.from_dict(BASE | {"tp_size": 2})  # M, the multi-node prefill engine
 SPLIT_SHARE = 0.2  # of the requests a worker publishes
 
@@ -158,10 +161,12 @@ class SplitEngine:
                 return filled
             return self.rank0.send(cmd, timeout_s)
 
-    def move(self) -> None:
+    def move(self, elsewhere: bool = True) -> None:
+        """Rank 1's process stopped and a new one started on its other sidecar, or (`elsewhere` False)
+        on the same one."""
         with self.lock:
             self.rank1.stop()  # unregisters: a member reports it holds none, the leader forgets it
-            self.on_member = not self.on_member
+            self.on_member ^= elsewhere
             self.rank1 = self._rank1()
 
     def close(self) -> list[int]:
@@ -223,6 +228,10 @@ class Chaos:
             if action == "move-rank":
                 print(f"chaos: move-rank to {'S3' if self.split.on_member else 'S4'}", flush=True)
                 self.split.move()
+                continue
+            if action == "restart-rank":
+                print(f"chaos: restart-rank on {'S4' if self.split.on_member else 'S3'}", flush=True)
+                self.split.move(elsewhere=False)
                 continue
             print(f"chaos: {action} on node {node.index}", flush=True)
             if action == "kill-sidecar":
