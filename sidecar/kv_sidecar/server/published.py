@@ -154,7 +154,7 @@ class PublishedStore:
     ) -> Published:
         """`block_ids` hold tokens [first_token, num_tokens) at `block_size` (checked by the caller:
         plan.blocks.check_published). `generations`: the engine's ranks registered here, each's
-        registration (Registry.generations), the only ones a read may take the request's bytes from."""
+        registration (EngineRegistry.generations), the only ones a read may take the request's bytes from."""
         key = (engine_id, request_id)
         with self._lock:
             if key in self._items:

@@ -265,7 +265,7 @@ class StagedSource:
     def _push(self, req: peer_pb2.PushRequest, context: PushCall, quiet: list[bool]) -> peer_pb2.PushResponse:
         group = len(req.members) > 0
         src_entry = self._engines.get(req.engine_id, req.source_rank)
-        source = {src_entry.rank: src_entry.generation}  # the rank whose bytes go: the request's?
+        source = {src_entry.rank: src_entry.generation}  # the rank this Push sends, as registered now
         item = None if group or req.HasField("open") else self._opened(req, req.request_id, source)
         self._check_sender(req, src_entry.key)
         if not req.HasField("reader_spec"):
