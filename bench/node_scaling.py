@@ -1093,6 +1093,8 @@ def main() -> int:
         check_gpu_memory(places, len(trees), sizes, args.decode_blocks, free)
     if args.beside and places is None:
         ap.error("--beside keeps GPUs busy: GPU paths only")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     loads = start_loads(args.beside, {d for _, d in places}) if args.beside and places else []
     try:
         rows = run_rows(args, paths, trees, places, sizes, pair_counts, levels, pulls, kind)
