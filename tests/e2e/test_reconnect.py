@@ -180,3 +180,50 @@ def test_a_call_while_the_engines_sidecar_is_down_names_that_sidecar(spawn: Spaw
             res.error_code == "UNAVAILABLE" and f"sidecar at unix:{sc.socket} is not reachable" in res.error
         )
         assert res.unfilled_blocks == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "decode_layout", ["flash_attn_nhd", "flash_attn_hnd"], ids=["read", "read-converted"]
+)
+def test_a_reader_does_not_read_where_a_restarted_engine_was(spawn: Spawn, decode_layout: str) -> None:
+    """A prefill engine is killed and, once its sidecar has let it go, another engine registers there
+    (its shared memory lands where the first one's was), then the first starts again. A decode sidecar
+    that handshook before must not READ the old regions of its cached handshake: the OpenRead answer
+    names the rank's new registration, the pull handshakes again, and its bytes are exact. Until
+    2026-11-29 every later pull from that engine succeeded with the other engine's bytes (host-nixl
+    and host-nixl-staged; one host's UCX reads by address; the chaos bench drew it too)."""
+    a, c = spawn.together(lambda: SidecarProcess("rw-a"), lambda: SidecarProcess("rw-c"))
+    prefill = spawn(EngineProcess(a.socket, "rw-p", SPEC))
+    decode = spawn(EngineProcess(c.socket, "rw-d", EngineSpec.from_dict(spec_dict(layout=decode_layout))))
+    blocks = [3, 4, 5]
+    want = "host-nixl" if decode_layout == SPEC.layout.value else "host-nixl-staged"
+
+    def pull(rid: str, seed: int) -> dict[str, object]:
+        fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": 40, "seed": seed}
+        pub = prefill.send(fill)
+        assert pub["ok"], pub
+        return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": seed})
+
+    res = pull("first", 1)  # c handshakes and caches the engine's regions
+    assert res["ok"] and res["verified"] and res["path"] == want, res
+    prefill.kill()
+    with SidecarClient(a.socket) as client:  # its sidecar unregisters it once its event stream ends
+        until = time.monotonic() + 10
+        while any(r.engine_id == "rw-p" for r in client.status().ranks):
+            assert time.monotonic() < until, "the killed engine stayed registered"
+            time.sleep(0.05)
+    other = spawn(EngineProcess(a.socket, "rw-q", SPEC))
+    assert other.send(
+        {
+            "cmd": "prefill",
+            "request_id": "q",
+            "block_ids": blocks,
+            "num_tokens": 40,
+            "seed": 77,
+            "publish": False,
+        }
+    )["ok"]
+    prefill = spawn(EngineProcess(a.socket, "rw-p", SPEC))
+    for rid, seed in (("after", 2), ("again", 3)):
+        res = pull(rid, seed)
+        assert res["ok"] and res["verified"] and res["path"] == want, res

@@ -51,6 +51,7 @@ def rank_memory(entry: RankEntry, worker: tuple[str, bytes] | None = None) -> pe
         rank=entry.rank,
         memory_kind=entry.memory_kind,
         regions=[peer_pb2.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in entry.regions],
+        generation=entry.generation,
     )
     if worker is not None:
         msg.worker_agent, msg.worker_agent_metadata = worker

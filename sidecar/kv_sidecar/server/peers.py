@@ -70,6 +70,8 @@ class RemoteEngine:
     agent_metadata: bytes = field(default=b"", repr=False)
     # The version of the leader's rank->sidecar map this handshake holds (HandshakeResponse.map_version).
     map_version: int = 0
+    # prefill rank -> which registration of it `regions` are (RankMemory.generation; 0: not said).
+    generations: dict[int, int] = field(default_factory=dict)
 
     def agent_of(self, rank: int) -> str:
         holder = self.holders.get(rank)
@@ -347,6 +349,7 @@ class Peers:
             workers={r.rank: (r.worker_agent, r.worker_agent_metadata) for r in resp.ranks if r.worker_agent},
             agent_metadata=resp.agent_metadata,
             map_version=resp.map_version,
+            generations={r.rank: r.generation for r in resp.ranks},
         )
         leader = Holder(resp.sidecar_id, link.address, agent, resp.agent_metadata)
         remote.holders = {r.rank: leader for r in resp.ranks}
@@ -357,6 +360,7 @@ class Peers:
             for r in m.ranks:
                 remote.holders[r.rank] = holder
                 remote.regions[r.rank] = [g.address for g in r.regions]
+                remote.generations[r.rank] = r.generation
                 if r.worker_agent:
                     remote.workers[r.rank] = (r.worker_agent, r.worker_agent_metadata)
                 else:

@@ -126,6 +126,7 @@ class SourceReads:
             num_tokens=item.num_tokens,
             lease_deadline_unix_ms=item.deadline_unix_ms(),
             first_token=item.first_token,
+            generations=item.generations,  # as open_read found them registered here now
         )
 
     def _prove_gone(self, request: peer_pb2.OpenReadRequest, refused: ReadByAnother, probe: bool) -> None:

@@ -196,6 +196,7 @@ class Opening:
     ) -> None:
         self._opener = opener
         self._req = req
+        self._remote = remote
         self._holders = list(holders)
         self._msg = opener.request(remote, req, reader_ranks)
         self._notified = {h: opener.notified.send(h, self._msg) for h in self._holders}
@@ -208,6 +209,7 @@ class Opening:
         try:
             for holder in self._holders:
                 resp = self._open(holder, deadline)
+                self._check_registrations(holder, resp)
                 if first is None:
                     first = resp
                 elif (list(resp.block_ids), resp.num_tokens, resp.first_token) != (
@@ -225,6 +227,20 @@ class Opening:
         if first is None:
             raise SidecarError(Code.INTERNAL, f"request {p.request_id!r}: no source sidecar to read from")
         return first
+
+    def _check_registrations(self, holder: Holder, resp: peer_pb2.OpenReadResponse) -> None:
+        """The ranks that hold the request must be the registrations whose regions the handshake gave:
+        a rank whose process registered again has new memory, and another engine's may lie at the old
+        addresses, which a READ would take without a word (one host's UCX reads by address). The pull
+        then handshakes again and retries (its early READs are dropped)."""
+        for rank, now in resp.generations.items():
+            had = self._remote.generations.get(rank, 0)
+            if had and now != had:
+                raise SidecarError(
+                    Code.FAILED_PRECONDITION,
+                    f"engine {self._req.params.engine_id!r} rank {rank} at {holder.address} registered again "
+                    "since this sidecar's handshake with it; handshake again",
+                )
 
     def abandon(self) -> None:
         """Stop waiting for answers to notifications (a late one is dropped)."""

@@ -19,18 +19,20 @@ class MemoryRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class RankMemory(_message.Message):
-    __slots__ = ("rank", "regions", "memory_kind", "worker_agent", "worker_agent_metadata")
+    __slots__ = ("rank", "regions", "memory_kind", "worker_agent", "worker_agent_metadata", "generation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_AGENT_FIELD_NUMBER: _ClassVar[int]
     WORKER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     memory_kind: str
     worker_agent: str
     worker_agent_metadata: bytes
-    def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., memory_kind: _Optional[str] = ..., worker_agent: _Optional[str] = ..., worker_agent_metadata: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., memory_kind: _Optional[str] = ..., worker_agent: _Optional[str] = ..., worker_agent_metadata: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "engine_id", "reader_engine_id", "reader_spec", "plan_hash")
@@ -121,16 +123,25 @@ class OpenReadRequest(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_ranks: _Optional[_Iterable[int]] = ..., plan_hash: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., reply_id: _Optional[str] = ..., reader_address: _Optional[str] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
-    __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token")
+    __slots__ = ("block_ids", "num_tokens", "lease_deadline_unix_ms", "first_token", "generations")
+    class GenerationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_deadline_unix_ms: int
     first_token: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+    generations: _containers.ScalarMap[int, int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., first_token: _Optional[int] = ..., generations: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class OpenReadReply(_message.Message):
     __slots__ = ("response", "code", "message")
