@@ -9,8 +9,9 @@ publish a request on a random node's prefill engine (its own: host-direct), pull
 two times in five, 2-4 such requests pulled in one PullBatch call, whose members must each obey the
 rules below, and which as a whole must write nowhere but its members' blocks. One request in five comes
 from a multi-node prefill engine M of TP 2 over two more sidecars (its leader S3 holds rank 0; rank 1
-sits on S4, as a member, or on S3), whose pulls gather both ranks from their holders. Meanwhile a chaos
-thread, every 1-3 s, does one of:
+sits on S4, as a member, or on S3), whose pulls gather both ranks from their holders; now and then a
+worker holds a request of M back and pulls it 2-6 s later, across what the chaos thread did meanwhile.
+Meanwhile a chaos thread, every 1-3 s, does one of:
 
   kill-sidecar    SIGKILL a sidecar, then start it again on the same ports, and its two engines
                   (as a pod's restart)
@@ -92,6 +93,10 @@ SRC_REGION, RETRY_BASE = 300, 512
 ACTIONS = ("kill-sidecar", "stop-sidecar", "kill-decode", "kill-prefill", "move-rank", "restart-rank")
 SPLIT = EngineSpec.from_dict(BASE | {"tp_size": 2})  # M, the multi-node prefill engine
 SPLIT_SHARE = 0.2  # of the requests a worker publishes
+# One request of M at a time per worker is held back: published, then pulled 2-6 s later, across
+# whatever the chaos thread did meanwhile. Its blocks: from HELD_BLOCKS in the worker's source region
+# (past the 4 members of 64) and in its decode engine (below the retries').
+HOLD_SHARE, HOLD_S, HELD_BLOCKS = 0.15, (2.0, 6.0), 256
 
 
 class Engine:
@@ -143,6 +148,7 @@ class SplitEngine:
         self.leader, self.member = SidecarProcess("chaos-s3"), SidecarProcess("chaos-s4")
         self.lock = threading.Lock()
         self.on_member = True
+        self.changes = 0  # rank 1's moves and restarts so far
         self.rank0 = EngineProcess(self.leader.socket, "M", SPLIT, ranks=[0], devices=DEVICES["prefill"])
         self.rank1 = self._rank1()
 
@@ -168,6 +174,7 @@ class SplitEngine:
             self.rank1.stop()  # unregisters: a member reports it holds none, the leader forgets it
             self.on_member ^= elsewhere
             self.rank1 = self._rank1()
+            self.changes += 1
 
     def close(self) -> list[int]:
         for proc in (self.rank0, self.rank1):
@@ -183,6 +190,9 @@ class Tally:
     batched: collections.Counter[str] = field(default_factory=collections.Counter)  # PullBatch members
     actions: collections.Counter[str] = field(default_factory=collections.Counter)
     split: collections.Counter[str] = field(default_factory=collections.Counter)  # M's, first tries
+    held: collections.Counter[str] = field(
+        default_factory=collections.Counter
+    )  # held back, by what came between
     faults: list[str] = field(default_factory=list)
     said: dict[str, str] = field(default_factory=dict)  # a failure's status -> the first message of it
 
@@ -281,6 +291,7 @@ class Worker:
     ) -> None:
         self.j, self.nodes, self.split, self.tally, self.rng, self.stop = j, nodes, split, tally, rng, stop
         self.count = 0
+        self.held: dict[str, Any] | None = None  # a request of M held back (HOLD_SHARE)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -292,6 +303,7 @@ class Worker:
 
     def once(self) -> None:
         """One pull, or (two times in five) a PullBatch of 2-4 members, each from a random node."""
+        self._held_request()
         batch = self.rng.random() < 0.4
         members = self.rng.randrange(2, 5) if batch else 1
         pulls = []
@@ -318,17 +330,49 @@ class Worker:
                 f"retry of {p['what']} on node {k}", time.monotonic(), retry=True,
             )  # fmt: skip
 
-    def _publish(self, m: int, sizes: tuple[int, ...]) -> dict[str, Any] | None:
-        """A request of a random node's prefill engine for member `m` (blocks of its own on both sides):
-        its params, blocks to pull into, seed and name; None where the publish failed."""
+    def _held_request(self) -> None:
+        """Holds one request of M back: published now, pulled 2-6 s later. A rank of M that moved or
+        restarted meanwhile took the request's bytes with its old process: the pull must fail, never
+        bring the new process's bytes of the same blocks."""
+        if self.held is None:
+            if self.rng.random() < HOLD_SHARE and (pub := self._publish(0, (1, 8), held=True)) is not None:
+                self.held = pub | {
+                    "due": time.monotonic() + self.rng.uniform(*HOLD_S),
+                    "changes": self.split.changes,
+                }
+            return
+        if time.monotonic() < self.held["due"]:
+            return
+        p, self.held = self.held, None
+        what = f"held {p['what']}"
+        res = self._pull(
+            self.nodes[self.j].decode, p["params"], p["block_ids"], p["seed"], what, time.monotonic()
+        )
+        if res is None:
+            return
+        across = (
+            "across a move or restart of its rank 1"
+            if self.split.changes != p["changes"]
+            else "no rank change"
+        )
+        with self.tally.lock:
+            self.tally.held[f"{_outcome(res)}, {across}"] += 1
+            if not res["ok"]:
+                self.tally.said.setdefault(f"{res.get('error_code')} (held back)", res["error"])
+
+    def _publish(self, m: int, sizes: tuple[int, ...], held: bool = False) -> dict[str, Any] | None:
+        """A request of a random node's prefill engine for member `m` (blocks of its own on both sides),
+        or (`held`) of M, in the held request's blocks: its params, blocks to pull into, seed and name;
+        None where the publish failed."""
         self.count += 1
-        split = self.rng.random() < SPLIT_SHARE
+        split = held or self.rng.random() < SPLIT_SHARE
         i = self.rng.randrange(len(self.nodes))
         n = self.rng.choice(sizes)
         src = self.nodes[i].prefill
         rid, seed = f"w{self.j}-{self.count}", self.j * 1_000_000 + self.count
         source = "M" if split else f"node {i}"
-        first = SRC_REGION * self.j + 64 * m  # a batch's members (at most 64 blocks each) side by side
+        # A batch's members (at most 64 blocks each) side by side, the held request past them.
+        first = SRC_REGION * self.j + (HELD_BLOCKS if held else 64 * m)
         t0 = time.monotonic()
         fill = {"cmd": "prefill", "request_id": rid, "block_ids": list(range(first, first + n)),
                 "num_tokens": n * 16 - 3, "seed": seed}  # fmt: skip
@@ -349,7 +393,7 @@ class Worker:
             with self.tally.lock:
                 self.tally.outcomes[f"publish refused ({pub.get('error_code')})"] += 1
             return None
-        blocks = list(range(64 * m, 64 * m + n))
+        blocks = list(range(HELD_BLOCKS, HELD_BLOCKS + n) if held else range(64 * m, 64 * m + n))
         return {
             "params": pub["params"],
             "block_ids": blocks,
@@ -552,6 +596,9 @@ def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str
         "",
         "Requests of M (the multi-node engine), pulls and batch members, first tries: "
         + (", ".join(f"{k} {v}" for k, v in sorted(tally.split.items())) or "none"),
+        "",
+        "Requests of M held back 2-6 s before their pull (one at a time per worker), by what came between: "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(tally.held.items())) or "none"),
         "",
         "| outcome | pulls | members of PullBatches | retries on another decode engine |",
         "|---|---|---|---|",
