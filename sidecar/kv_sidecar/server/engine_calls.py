@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from kv_sidecar.errors import Code, SidecarError, as_sidecar_error, check_address, check_id
 from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.server.after_answer import Later, run_later
-from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations, spec_from_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.inflight import InflightPulls, PullTicket
 from kv_sidecar.server.lease_view import LeaseView
@@ -146,7 +146,8 @@ class EngineCalls:
     def _publish(self, request: engine_pb2.PublishRequest) -> engine_pb2.PublishResponse:
         check_id("engine_id", request.engine_id)
         check_id("request_id", request.request_id)
-        spec = self._engines.spec(request.engine_id)
+        ranks = self._engines.engine_ranks(request.engine_id)  # those registered here now: one look
+        spec = ranks[0].spec
         # The blocks of tokens [first_token, num_tokens): all of the prompt, or a sliding-window
         # request's window, whose engine freed (and never names) the blocks before it.
         check_published(
@@ -168,7 +169,7 @@ class EngineCalls:
             ranks=self._membership.held_here(request.engine_id),
             first_token=request.first_token,
             block_size=spec.block_size,
-            generations=self._engines.generations(request.engine_id),
+            generations=generations(ranks),
         )
         try:  # a multi-node engine: hold it on the member sidecars too
             self._membership.publish_on_members(
@@ -182,7 +183,7 @@ class EngineCalls:
         except BaseException:
             self._published.abort(request.engine_id, request.request_id)
             raise
-        self._on_published(item, self._engines.engine_ranks(request.engine_id))
+        self._on_published(item, ranks)
         params = common_pb2.TransferParams(
             engine_id=request.engine_id,
             sidecar_address=self._me.peer_address,

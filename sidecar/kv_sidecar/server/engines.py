@@ -7,7 +7,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +76,12 @@ def spec_to_proto(spec: EngineSpec) -> common_pb2.EngineSpec:
 
 
 _GENERATIONS = itertools.count(1)
+
+
+def generations(entries: Iterable[RankEntry]) -> dict[int, int]:
+    """Each rank -> which registration of it the entry is (RankEntry.generation): what a published
+    request records, and what a read checks against it (Published.check_sources)."""
+    return {e.rank: e.generation for e in entries}
 
 
 @dataclass
@@ -263,10 +269,6 @@ class EngineRegistry:
                 Code.NOT_FOUND, f"unknown engine {engine_id!r}: no rank of it is registered here"
             )
         return ranks
-
-    def generations(self, engine_id: str) -> dict[int, int]:
-        """Each rank of the engine registered here now -> which registration it is (RankEntry.generation)."""
-        return {e.rank: e.generation for e in self.engine_ranks(engine_id)}
 
     def ranks_of(self, engine_id: str) -> list[int]:
         """The ranks of this engine registered here, in order; empty if none."""

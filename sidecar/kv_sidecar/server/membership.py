@@ -22,7 +22,7 @@ from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.errors import Code, SidecarError, check_id, ranks_text
 from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.engines import EngineRegistry, RankEntry, spec_from_proto, spec_to_proto
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations, spec_from_proto, spec_to_proto
 from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.peer_calls import PeerCallError
 from kv_sidecar.server.peers import Peers
@@ -458,7 +458,8 @@ class Membership:
                 Code.FAILED_PRECONDITION,
                 f"this sidecar holds no rank of engine {req.engine_id!r} for a leader",
             )
-        spec = self._engines.spec(req.engine_id)
+        ranks = self._engines.engine_ranks(req.engine_id)  # those registered here now: one look
+        spec = ranks[0].spec
         check_published(
             "prefill", req.block_ids, req.num_tokens, req.first_token, spec.block_size, spec.num_blocks
         )
@@ -471,6 +472,6 @@ class Membership:
             ranks=self.held_here(req.engine_id),
             first_token=req.first_token,
             block_size=spec.block_size,
-            generations=self._engines.generations(req.engine_id),
+            generations=generations(ranks),
         )
-        self._on_published(item, self._engines.engine_ranks(req.engine_id))
+        self._on_published(item, ranks)

@@ -14,7 +14,7 @@ from kv_sidecar.dataplane.jobs import LocalCopy, RankRead, StateCopy
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.server.after_answer import Later
-from kv_sidecar.server.engines import EngineRegistry, RankEntry
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
 from kv_sidecar.server.inflight import PullTicket
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.peers import cached_plan
@@ -76,7 +76,7 @@ class DirectPulls:
             plan,
             [e.rank for e in local],
             deadline - time.monotonic(),
-            sources={e.rank: e.generation for e in src_ranks},
+            sources=generations(src_ranks),
         )
         group = state_group(req, plan)
         try:

@@ -17,7 +17,7 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.engines import EngineRegistry, spec_from_proto
+from kv_sidecar.server.engines import EngineRegistry, generations, spec_from_proto
 from kv_sidecar.server.gone_readers import GoneReaders, ReaderSidecar, Seen
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
@@ -146,7 +146,8 @@ class SourceReads:
     ) -> Published:
         """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller.
         `reads_next`: the reader READs next (not a Push's open, after which this sidecar WRITEs)."""
-        if self._engines.spec(request.engine_id) != plan.prefill:
+        ranks = self._engines.engine_ranks(request.engine_id)  # one look: the spec and the registrations
+        if ranks[0].spec != plan.prefill:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"engine {request.engine_id!r} changed since the handshake; handshake again",
@@ -162,7 +163,7 @@ class SourceReads:
             ReaderSidecar(request.reader_address, peer),
             # Every rank of the engine here: the reader takes from this sidecar the ranks its map puts
             # here, which are those registered here now.
-            self._engines.generations(request.engine_id),
+            generations(ranks),
         )
         served = self._published.readers_here(item, list(request.reader_ranks))
         if served:
