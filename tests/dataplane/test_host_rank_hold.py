@@ -6,6 +6,8 @@ sidecar died of SIGSEGV (tests/e2e/test_staged_ring.py has that case end to end)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -69,3 +71,35 @@ def test_a_rank_no_copy_holds_is_unmapped_when_it_is_unregistered() -> None:
         assert _mappings(names) > engine_own
         ranks.detach(key)
         assert _mappings(names) == engine_own
+
+
+def test_a_rank_registered_again_under_its_old_names_maps_the_new_objects_while_the_old_are_held() -> None:
+    """An engine that restarts may create its objects again under the names it had (vLLM's pool names
+    them by pid, which a fresh container repeats). While a copy still holds the old rank, the new one
+    must map the new objects: until 2026-11-30 the mapper shared mappings by name, and the new rank
+    would have read and written the dead engine's pages."""
+    ranks = MappedRanks(None)
+    key = RankKey("engine", 0)
+    name = f"kvs-test-renamed-{os.getpid()}"
+    first = ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16, name=name)
+    try:
+        for t in first.tensors:
+            t.fill_(1)
+        ranks.attach_host(key, SPEC, shm_tensors(first.handles()))
+        old = ranks.host(key)
+        with old.in_use():
+            ranks.detach(key)
+            first.close()  # the engine is gone and its object with it (removed; still mapped here)
+            with ShmKVCache(SPEC.rank_tensor_shapes(), torch.float16, name=name) as second:
+                for t in second.tensors:
+                    t.fill_(2)
+                ranks.attach_host(key, SPEC, shm_tensors(second.handles()))
+                new = ranks.host(key)
+                assert all(bool((t == 2).all()) for t in new.tensors), "the new rank maps the old object"
+                assert all(bool((t == 1).all()) for t in old.tensors)  # the held copy still reads its own
+                new.tensors[0].fill_(3)
+                assert bool((second.tensors[0] == 3).all())  # and what the sidecar writes, the engine sees
+                ranks.detach(key)
+        assert not old.tensors
+    finally:
+        first.close()

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
+from kv_sidecar import PROTOCOL_VERSION
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import fill_request, logical_kv
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, from_scratch
+from kv_sidecar.server.engines import spec_to_proto
 from kv_sidecar_client import Backoff, EngineSession, Event, KVSidecarError, SidecarClient, params_to_json
+from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.client import TransferParams
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import Spawn, spec_dict
+from .conftest import Spawn, spec_dict, wait_for
 
 SPEC = EngineSpec.from_dict(spec_dict())
 
@@ -227,3 +232,61 @@ def test_a_reader_does_not_read_where_a_restarted_engine_was(spawn: Spawn, decod
     for rid, seed in (("after", 2), ("again", 3)):
         res = pull(rid, seed)
         assert res["ok"] and res["verified"] and res["path"] == want, res
+
+
+def _mapped(pid: int, name: str) -> list[str]:
+    """The lines of /proc/<pid>/maps that map /dev/shm/<name>: "(deleted)" ends those of an object
+    removed since."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split(None, 5)[-1].strip() for line in f if f"/dev/shm/{name}" in line})
+
+
+def test_an_engine_that_leaves_mid_read_stays_mapped_until_its_reader_is_done(spawn: Spawn) -> None:
+    """A reader READs the source engine's memory at its handshake's addresses once the OpenRead answer
+    came, without another word to the source. An engine that dies meanwhile stays mapped (and
+    registered with NIXL) on its sidecar until the reader said it is done, so that no other pages can
+    come to lie at those addresses; and its successor, whose objects have the names it had (vLLM's
+    pool names them by pid, which a fresh container repeats), maps its own objects, not the dead
+    one's still mapped there (until 2026-11-30 it mapped the dead one's: every pull of it moved
+    stale bytes)."""
+    a, c = spawn.together(lambda: SidecarProcess("pin-a"), lambda: SidecarProcess("pin-c"))
+    name = f"kvs-pin-{os.getpid()}"
+    prefill = spawn(EngineProcess(a.socket, "pin-p", SPEC, shm_names=name))
+    decode = spawn(EngineProcess(c.socket, "pin-d", SPEC))
+    blocks = [3, 4, 5]
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "opened", "block_ids": blocks, "num_tokens": 40, "seed": 1}
+    )
+    assert pub["ok"], pub
+    read = {"engine_id": "pin-p", "request_id": "opened", "reader_engine_id": "test-reader"}
+    with grpc.insecure_channel(a.peer_address) as ch:
+        peer = peer_pb2_grpc.PeerServiceStub(ch)  # this test is the reader, as a decode sidecar would be
+        hs = peer.Handshake(
+            peer_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION,
+                sidecar_id="test-reader",
+                engine_id="pin-p",
+                reader_engine_id="test-reader",
+                reader_spec=spec_to_proto(SPEC),
+            ),
+            timeout=30,
+        )
+        peer.OpenRead(peer_pb2.OpenReadRequest(**read, reader_ranks=[0], plan_hash=hs.plan_hash), timeout=30)
+        prefill.kill()  # before the reader READs
+        with SidecarClient(a.socket) as client:
+            wait_for(
+                "the engine to leave", lambda: not any(r.engine_id == "pin-p" for r in client.status().ranks)
+            )
+        assert _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0"]  # kept for the reader
+        prefill = spawn(EngineProcess(a.socket, "pin-p", SPEC, shm_names=name))  # removes the old object
+        assert _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0", f"/dev/shm/{name}-0 (deleted)"]
+        for rid, seed in (("after", 2), ("again", 3)):
+            fill = {"cmd": "prefill", "request_id": rid, "block_ids": blocks, "num_tokens": 40, "seed": seed}
+            pub = prefill.send(fill)
+            assert pub["ok"], pub
+            res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": blocks, "seed": seed})
+            assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+        peer.CloseRead(peer_pb2.CloseReadRequest(**read, reader_ranks=[0]), timeout=30)
+    wait_for(
+        "the dead engine's memory to go", lambda: _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0"]
+    )

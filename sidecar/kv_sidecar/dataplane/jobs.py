@@ -32,6 +32,11 @@ CANCEL_WAIT_S = 5.0
 QUARANTINE_S = 2 * CANCEL_WAIT_S
 
 
+# (source engine id, request id, reader engine id): one reader's read of a request, for which a peer
+# READs host ranks here by address (dataplane/peer_reads.py).
+PeerRead = tuple[str, str, str]
+
+
 @dataclass(frozen=True)
 class RankKey:
     """One registered engine rank."""

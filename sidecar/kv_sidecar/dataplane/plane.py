@@ -29,6 +29,7 @@ from kv_sidecar.dataplane.jobs import (
     Halt,
     IpcTensorRef,
     LocalCopy,
+    PeerRead,
     RankKey,
     RankMemory,
     RankRead,
@@ -295,6 +296,17 @@ class DataPlane:
         if self.workers is not None:
             self.workers.detach(key)
         self.ranks.detach(key)
+
+    def pin_for_peer(
+        self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
+    ) -> None:
+        """A peer may READ these host ranks by address for `read` until its reader ranks are done or
+        `until` (time.monotonic()): they stay mapped that long, even if their engine leaves
+        (dataplane/peer_reads.py)."""
+        self.ranks.pin_for_peer(keys, read, reader_ranks, until)
+
+    def peer_read_done(self, read: PeerRead, reader_ranks: Sequence[int] = ()) -> None:
+        self.ranks.peer_reads.done(read, reader_ranks)
 
     def _device_of(self, key: RankKey) -> int:
         return self.ranks.gpu(key).device if self.ranks.is_gpu(key) else HOST

@@ -14,18 +14,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from kv_sidecar.dataplane.jobs import HOST, IpcTensorRef, RankKey, RankMemory, ShmTensor
+from kv_sidecar.dataplane.jobs import HOST, IpcTensorRef, PeerRead, RankKey, RankMemory, ShmTensor
+from kv_sidecar.dataplane.peer_reads import PeerReads
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.host import RankView, rank_view
 from kv_sidecar.memory.held import HeldMemory
-from kv_sidecar.memory.shm import ShmMapper
+from kv_sidecar.memory.shm import SegmentId, ShmMapper
 from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry, descriptor_table
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec, PlanError
@@ -49,7 +50,7 @@ class HostRank:
     key: RankKey
     spec: EngineSpec
     tensors: list[torch.Tensor]
-    shm_names: list[str]
+    segments: list[SegmentId]  # the shared-memory objects mapped for it (ShmMapper.release)
     view: RankView
     geometry: ChunkGeometry
     nixl_key: int | None = None
@@ -67,6 +68,13 @@ class HostRank:
     def in_use(self) -> contextlib.AbstractContextManager[None]:
         """Hold the memory for the duration of a copy, even if the rank is unregistered meanwhile."""
         return self._held.hold()
+
+    def acquire(self) -> None:
+        """Hold the memory until `let_go`: a peer may READ it by address (dataplane/peer_reads.py)."""
+        self._held.acquire()
+
+    def let_go(self) -> Callable[[], None] | None:
+        return self._held.let_go()
 
     def close(self, release: Callable[[], None]) -> None:
         """No new copy may hold it; `release` runs now, or once the last copy holding it ends."""
@@ -92,22 +100,26 @@ class MappedRanks:
         self._host: dict[RankKey, HostRank] = {}
         self._gpu: dict[RankKey, GpuRank] = {}
         self._shm = ShmMapper()
+        self.peer_reads = PeerReads()
 
     def attach_host(self, key: RankKey, spec: EngineSpec, tensors: list[ShmTensor]) -> RankMemory:
         mapped: list[torch.Tensor] = []
-        names: list[str] = []
+        segments: list[SegmentId] = []
         try:
             for t in tensors:
-                mapped.append(self._shm.map_tensor(t.name, t.offset, list(t.shape), list(t.strides), t.dtype))
-                names.append(t.name)
+                tensor, segment = self._shm.map_tensor(
+                    t.name, t.offset, list(t.shape), list(t.strides), t.dtype
+                )
+                mapped.append(tensor)
+                segments.append(segment)
             view = rank_view(spec, key.rank, mapped)
             # After mapping (a bad handle is named first), before NIXL sees overlapping regions.
             _check_disjoint(spec, [(t.name, t.offset, t.shape) for t in tensors])
         except BaseException:
-            for n in names:
-                self._shm.release(n)
+            for segment in segments:
+                self._shm.release(segment)
             raise
-        rank = HostRank(key, spec, mapped, names, view, chunk_geometry(spec))
+        rank = HostRank(key, spec, mapped, segments, view, chunk_geometry(spec))
         if self._nixl is not None:
             rank.nixl_key = self._nixl.register(_regions(mapped))
         with self._lock:
@@ -163,7 +175,8 @@ class MappedRanks:
             host = self._host.pop(key, None)
             gpu = self._gpu.pop(key, None)
         if host is not None:
-            host.close(functools.partial(self._unmap, host))  # deferred while a copy holds it
+            host.close(functools.partial(self._unmap, host))  # deferred while a copy or a pin holds it
+            self.peer_reads.left(host)
         if gpu is not None:
             gpu.close()  # deferred while a copy still reads or writes the mappings
 
@@ -174,8 +187,14 @@ class MappedRanks:
             if host.nixl_key is not None:
                 self._nixl.deregister(host.nixl_key)
         host.tensors.clear()
-        for n in host.shm_names:
-            self._shm.release(n)
+        for segment in host.segments:
+            self._shm.release(segment)
+
+    def pin_for_peer(
+        self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
+    ) -> None:
+        """Keep these host ranks mapped while `read`'s reader ranks may READ them (peer_reads.py)."""
+        self.peer_reads.pin(read, reader_ranks, [self.host(k) for k in keys], until)
 
     def host(self, key: RankKey) -> HostRank:
         rank = self._host.get(key)
@@ -213,6 +232,7 @@ class MappedRanks:
             warming, self._warming = self._warming, None
         if warming is not None:
             warming.shutdown(wait=False, cancel_futures=True)
+        self.peer_reads.close()  # before the ranks leave, which then unmap at once
         for key in keys:
             with contextlib.suppress(Exception):
                 self.detach(key)

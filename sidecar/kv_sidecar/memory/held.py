@@ -31,18 +31,27 @@ class HeldMemory:
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Hold the memory for the duration of a copy, even if it is closed meanwhile."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            release = self.let_go()
+            if release is not None:
+                release()
+
+    def acquire(self) -> None:
+        """Hold it until `let_go` (a hold that no one block spans: a peer's read, ended by a message)."""
         with self.lock:
             if self._release is not None:
                 raise self._gone()
             self._users += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self._users -= 1
-                release = self._release if self._users == 0 else None
-            if release is not None:
-                release()
+
+    def let_go(self) -> Callable[[], None] | None:
+        """End one `acquire`; returns the release to run where this was the last holder of closed
+        memory (the caller picks the thread: the release may call into NIXL's own)."""
+        with self.lock:
+            self._users -= 1
+            return self._release if self._users == 0 else None
 
     def close(self, release: Callable[[], None]) -> None:
         """No new holder; `release` runs now, or once the last holder ends. Again: nothing."""

@@ -7,6 +7,7 @@ import math
 import mmap
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,18 +44,25 @@ class ShmSegment:
         return len(self.mm)
 
 
+# An object's identity: a name names whichever object holds it now, and an engine that restarts may
+# create its objects again under the names it had (vLLM's pool names them by pid, which a fresh
+# container repeats).
+SegmentId = tuple[int, int]  # (st_dev, st_ino)
+
+
 class ShmMapper:
-    """Maps shm objects once each, reference-counted by the tensors that use them."""
+    """Maps shm objects once each, reference-counted by the tensors that use them; thread-safe.
+
+    Keyed by the object, not its name: while a mapping of an engine's object is still held (a copy
+    or a read that began before the engine left), its successor under the same name is another
+    object, and must be mapped as one (else its rank would read and write the old object's pages)."""
 
     def __init__(self, shm_dir: str = SHM_DIR) -> None:
         self._dir = shm_dir
-        self._segments: dict[str, tuple[ShmSegment, int]] = {}
+        self._lock = threading.Lock()
+        self._segments: dict[SegmentId, tuple[ShmSegment, int]] = {}
 
-    def _open(self, name: str) -> ShmSegment:
-        if name in self._segments:
-            seg, refs = self._segments[name]
-            self._segments[name] = (seg, refs + 1)
-            return seg
+    def _open(self, name: str) -> tuple[SegmentId, ShmSegment]:
         if not _NAME.match(name):
             raise HandleError(f"shared memory name {name!r} is not valid (must match {_NAME.pattern})")
         path = os.path.join(self._dir, name)
@@ -65,19 +73,33 @@ class ShmMapper:
         except PermissionError:
             raise HandleError(f"no permission to open shared memory object {name!r}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with self._lock:
+                if key in self._segments:
+                    seg, refs = self._segments[key]
+                    self._segments[key] = (seg, refs + 1)
+                    return key, seg
+            if st.st_size == 0:
                 raise HandleError(f"shared memory object {name!r} is empty")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         seg = ShmSegment(name, mm, torch.frombuffer(mm, dtype=torch.uint8))
-        self._segments[name] = (seg, 1)
-        return seg
+        with self._lock:
+            if key in self._segments:  # mapped meanwhile by another registration: use that one
+                other, refs = self._segments[key]
+                self._segments[key] = (other, refs + 1)
+            else:
+                self._segments[key] = (seg, 1)
+                return key, seg
+        _close(seg)
+        return key, other
 
     def map_tensor(
         self, name: str, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: str
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, SegmentId]:
+        """A view of the object's bytes, and the object it maps (what `release` takes)."""
         if dtype not in DTYPE_SIZES:
             raise HandleError(f"dtype {dtype!r} is not supported")
         if not shape or any(s <= 0 for s in shape):
@@ -90,26 +112,31 @@ class ShmMapper:
         elem = DTYPE_SIZES[dtype]
         if offset % elem:
             raise HandleError(f"offset {offset} is not aligned to the {elem}-byte element size")
-        seg = self._open(name)
+        key, seg = self._open(name)
         size = seg.size
         if offset + nbytes > size:
-            self.release(name)
+            self.release(key)
             raise HandleError(
                 f"tensor at offset {offset} with {nbytes} bytes overruns shared memory object {name!r} of {size} bytes"
             )
-        return seg.flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(tuple(shape))
+        return seg.flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(tuple(shape)), key
 
-    def release(self, name: str) -> None:
-        seg, refs = self._segments[name]
-        if refs > 1:
-            self._segments[name] = (seg, refs - 1)
-            return
-        del self._segments[name]
-        seg.flat = torch.empty(0, dtype=torch.uint8)
-        # A view is still referenced (e.g. an in-flight copy); unmapped when collected.
-        with contextlib.suppress(BufferError):
-            seg.mm.close()
+    def release(self, key: SegmentId) -> None:
+        with self._lock:
+            seg, refs = self._segments[key]
+            if refs > 1:
+                self._segments[key] = (seg, refs - 1)
+                return
+            del self._segments[key]
+        _close(seg)
 
     @property
     def open_segments(self) -> int:
         return len(self._segments)
+
+
+def _close(seg: ShmSegment) -> None:
+    seg.flat = torch.empty(0, dtype=torch.uint8)
+    # A view is still referenced (e.g. an in-flight copy); unmapped when collected.
+    with contextlib.suppress(BufferError):
+        seg.mm.close()

@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import queue
 import sys
 import threading
@@ -77,7 +78,11 @@ class RefEngine:
         poison: int,
         devices: list[torch.device] | None = None,
         leader: str = "",
+        shm_names: str = "",
     ) -> None:
+        """`shm_names`: host caches in objects named `<shm_names>-<rank>`, made anew (one left by an
+        engine before is removed), as an engine that names them by its pid does in a fresh container
+        (vLLM's pool); default: a random name each."""
         self.spec = spec
         self.engine_id = engine_id
         self.client = SidecarClient(socket)
@@ -92,6 +97,11 @@ class RefEngine:
             cache: ShmKVCache | GpuKVCache
             if devices:
                 cache = GpuKVCache(spec.rank_tensor_shapes(), dtype, devices[r % len(devices)])
+            elif shm_names:
+                name = f"{shm_names}-{r}"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+                cache = ShmKVCache(spec.rank_tensor_shapes(), dtype, name=name)
             else:
                 cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)
             for t in cache.tensors:
@@ -434,12 +444,19 @@ def main(argv: list[str] | None = None) -> int:
         "and is shared over CUDA IPC; default: host shared memory",
     )
     ap.add_argument("--leader", default="", help="peer address of the engine's leader sidecar (multi-node)")
+    ap.add_argument(
+        "--shm-names",
+        default="",
+        help="host caches in /dev/shm/<this>-<rank>, made anew (default: random names)",
+    )
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
         devices = [torch.device(d) for d in args.devices.split(",") if d]
-        engine = RefEngine(args.socket, args.engine_id, spec, ranks, args.poison, devices, args.leader)
+        engine = RefEngine(
+            args.socket, args.engine_id, spec, ranks, args.poison, devices, args.leader, args.shm_names
+        )
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)
         return 1

@@ -142,6 +142,7 @@ class PeerRequests:
         return self._membership.keep_alive(request.engine_id, list(request.request_ids))
 
     def close_read(self, request: peer_pb2.CloseReadRequest) -> None:
+        self._reads.closed(request)  # released or failed, its reader READs no more of it
         if request.release:
             check_id("engine_id", request.engine_id)
             check_id("request_id", request.request_id)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from kv_sidecar.dataplane.jobs import PeerRead, RankKey
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.server.engines import EngineRegistry, generations, spec_from_proto
+from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations, spec_from_proto
 from kv_sidecar.server.gone_readers import GoneReaders, ReaderSidecar, Seen
 from kv_sidecar.server.peers import cached_plan
 from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
@@ -84,6 +86,16 @@ class ProbeFirst(SidecarError):
     for one: the OpenRead call that the reader makes when no answer came decides it."""
 
 
+class PeerPins(Protocol):
+    """The data plane keeps host ranks mapped while a peer may READ them by address (DataPlane)."""
+
+    def pin_for_peer(
+        self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
+    ) -> None: ...
+
+    def peer_read_done(self, read: PeerRead, reader_ranks: Sequence[int] = ()) -> None: ...
+
+
 class SourceReads:
     """Opens of requests published here, for their readers (OpenRead, its notification, a staged Push)."""
 
@@ -97,7 +109,9 @@ class SourceReads:
         pull_timeout_s: float,
         metrics: Metrics,
         gone: GoneReaders,
+        pins: PeerPins,
     ) -> None:
+        self._pins = pins
         self._gone = gone
         self._engines = engines
         self._published = published
@@ -166,6 +180,8 @@ class SourceReads:
             generations(ranks),
         )
         served = self._published.readers_here(item, list(request.reader_ranks))
+        if served and reads_next:
+            self._pin(request, ranks, served, item)
         if served:
             begin_serve(
                 self._published,
@@ -180,6 +196,36 @@ class SourceReads:
         if reads_next:  # its READs complete only once our NIXL worker answers their flush
             self._nixl.wake()
         return item
+
+    def _pin(
+        self, request: peer_pb2.OpenReadRequest, ranks: list[RankEntry], served: list[int], item: Published
+    ) -> None:
+        """The reader READs the ranks' memory by the addresses of its handshake once it has the answer:
+        keep that memory mapped until it is done, even if the engine leaves meanwhile (a new
+        registration could map other pages there). Then make sure the pinned memory is the
+        registration the answer names: one that changed between the look-up and the pin is refused."""
+        host = [e.key for e in ranks if not e.on_gpu]
+        if not host:
+            return  # peers never READ GPU ranks (they go through the staged rings)
+        read = (request.engine_id, request.request_id, request.reader_engine_id)
+        self._pins.pin_for_peer(host, read, served, item.deadline)
+        try:
+            now = generations(self._engines.engine_ranks(request.engine_id))
+            item.check_sources(now)
+            if now != generations(ranks):
+                raise SidecarError(
+                    Code.UNAVAILABLE,
+                    f"engine {request.engine_id!r} registered a rank while request "
+                    f"{request.request_id!r} was opened; open it again",
+                )
+        except BaseException:
+            self._pins.peer_read_done(read, served)
+            raise
+
+    def closed(self, request: peer_pb2.CloseReadRequest) -> None:
+        """The reader ranks of a CloseRead (all, if none named) READ nothing more of the request."""
+        read = (request.engine_id, request.request_id, request.reader_engine_id)
+        self._pins.peer_read_done(read, list(request.reader_ranks))
 
     def reader_done(self, agent: str, msg: bytes) -> None:
         """A decode rank's done notification (NIXL thread): it has read these ranks of a request."""
@@ -204,6 +250,7 @@ class SourceReads:
         engine_id, request_id, reader, decode_rank, prefill_ranks = parsed
         self._published.mark_done(engine_id, request_id, reader, decode_rank, prefill_ranks)
         self._transfers.serve_rank_done(engine_id, request_id, reader, decode_rank)
+        self._pins.peer_read_done((engine_id, request_id, reader), [decode_rank])
 
 
 def opened_bytes(plan: PairPlan, reader_ranks: Sequence[int], num_blocks: int) -> int:

@@ -122,7 +122,9 @@ class Sidecar:
         pull_timeout_s = s.pull_timeout_ms / 1000
         refusals = PublishRefusals(metrics)
         gone = GoneReaders(probe_sidecar(s, self.security), s.reader_probe_ms / 1000)
-        reads = SourceReads(engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics, gone)
+        reads = SourceReads(
+            engines, published, transfers, nixl, ReadPlans(), pull_timeout_s, metrics, gone, plane
+        )
         staged_source = StagedSource(
             engines,
             published,
