@@ -124,3 +124,17 @@ def test_closing_lets_every_pin_go() -> None:
     pins.close()
     rank.leave()
     assert rank.unmapped.is_set()
+
+
+def test_ranks_that_left_go_each_by_its_own_lease() -> None:
+    pins, late, early = PeerReads(), Rank(), Rank()
+    now = time.monotonic()
+    pins.pin(("prefill", "late", "decode"), [0], [late], until=now + 30)
+    pins.pin(("prefill", "early", "decode"), [0], [early], until=now + 0.3)
+    early.leave()
+    pins.left(early)  # a timer for 0.3 s from now ...
+    late.leave()
+    pins.left(late)  # ... is not put off by a rank whose lease ends later
+    assert early.unmapped.wait(5)
+    assert not late.unmapped.is_set()
+    pins.close()

@@ -52,7 +52,9 @@ class PeerReads:
         self._lock = threading.Lock()
         self._pins: dict[PeerRead, _Pin] = {}
         self._next_sweep = 0.0
-        self._timer: threading.Timer | None = None
+        self._left: list[Pinnable] = []  # ranks that left while pins held them
+        self._timer: threading.Timer | None = None  # sweeps by the first lease of their pins
+        self._timer_at = 0.0
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -100,17 +102,12 @@ class PeerReads:
         self._let_go(pin.held)
 
     def left(self, rank: Pinnable) -> None:
-        """`rank` left (its engine unregistered): it stays mapped while pins hold it, so make sure the
-        last of them goes by its lease even if no other open or done comes to sweep it."""
+        """`rank` left (its engine unregistered): it stays mapped while pins hold it, so make sure each
+        of them goes by its lease even if no other open or done comes to sweep it."""
         with self._lock:
-            ends = [p.until for p in self._pins.values() if any(rank is h for h in p.held)]
-            if not ends:
-                return
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = threading.Timer(max(0.0, max(ends) - self._clock()) + 0.05, self.sweep)
-            self._timer.daemon = True
-            self._timer.start()
+            if any(rank is h for p in self._pins.values() for h in p.held):
+                self._left.append(rank)
+                self._schedule()
 
     def sweep(self) -> None:
         """Drop the pins whose lease ran out: their reader sent no done notification (it failed, or
@@ -118,6 +115,31 @@ class PeerReads:
         with self._lock:
             expired = self._take_expired(self._clock())
         self._let_go(expired)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._timer = None
+            expired = self._take_expired(self._clock())
+            self._schedule()
+        self._let_go(expired)
+
+    def _schedule(self) -> None:
+        """Under the lock: a timer at the first lease among the pins that hold ranks that left."""
+        held = [p for p in self._pins.values() if any(h is r for h in p.held for r in self._left)]
+        self._left = [r for r in self._left if any(h is r for p in held for h in p.held)]
+        if not held:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        at = min(p.until for p in held)
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer, self._timer_at = threading.Timer(max(0.0, at - self._clock()) + 0.05, self._fire), at
+        self._timer.daemon = True
+        self._timer.start()
 
     def close(self) -> None:
         """The sidecar stops: no read is served any more, and every pin goes."""
@@ -127,6 +149,7 @@ class PeerReads:
                 self._timer = None
             held = [h for p in self._pins.values() for h in p.held]
             self._pins.clear()
+            self._left.clear()
         self._let_go(held)
 
     def _take_expired(self, now: float) -> list[Pinnable]:
