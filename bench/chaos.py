@@ -586,6 +586,7 @@ def _watch(nodes: list[Node], split: SplitEngine, tally: Tally, stop: threading.
 def _section(args: argparse.Namespace, wall: float, tally: Tally, rows: list[str]) -> str:
     cmd = "python bench/chaos.py" + ("" if args.seconds == 180 else f" --seconds {args.seconds:g}")
     cmd += " --gpu" if args.gpu else ""
+    cmd += "" if args.seed == 1 else f" --seed {args.seed}"
     lines = [
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {report.gpus()}, Python "
