@@ -138,3 +138,16 @@ def test_ranks_that_left_go_each_by_its_own_lease() -> None:
     assert early.unmapped.wait(5)
     assert not late.unmapped.is_set()
     pins.close()
+
+
+def test_undoing_a_repeated_open_leaves_the_first_opens_pin() -> None:
+    """An open refused after its pin takes back only what it added (server/reads.py): the same open
+    again adds nothing, and the first one's READ stays covered."""
+    pins, rank = PeerReads(Clock()), Rank()
+    assert pins.pin(READ, [0, 1], [rank], until=130.0) == [0, 1]
+    assert pins.pin(READ, [1, 2], [rank], until=131.0) == [2]  # the retry added reader rank 2 only
+    pins.done(READ, [2])  # the retry is refused and undone
+    rank.leave()
+    assert len(pins) == 1 and not rank.unmapped.wait(0.2)
+    pins.done(READ, [0, 1])
+    assert rank.unmapped.wait(5)

@@ -61,10 +61,11 @@ class PeerReads:
 
     def pin(
         self, read: PeerRead, reader_ranks: Iterable[int], ranks: Sequence[Pinnable], until: float
-    ) -> None:
+    ) -> list[int]:
         """Hold `ranks` for `read` until its reader ranks are all done, or `until`. Raises the rank's
         "gone" error (and holds nothing new) where one left already. The same read again (its open
-        came as a notification and as a call, or the reader retried) adds to its pin."""
+        came as a notification and as a call, or the reader retried) adds to its pin. Returns the
+        reader ranks this pin added: what undoing it (`done`) may take away, and no more."""
         now = self._clock()
         with self._lock:
             pin = self._pins.get(read)
@@ -82,10 +83,12 @@ class PeerReads:
                 self._let_go(acquired)
                 raise
             pin.held += acquired
-            pin.reader_ranks.update(reader_ranks)
+            added = sorted(set(reader_ranks) - pin.reader_ranks)
+            pin.reader_ranks.update(added)
             pin.until = max(pin.until, until)
             expired = self._take_expired(now) if now >= self._next_sweep else []
         self._let_go(expired)
+        return added
 
     def done(self, read: PeerRead, reader_ranks: Iterable[int] = ()) -> None:
         """These reader ranks (all of the read's, if none named) have READ all they will: the pin goes

@@ -299,11 +299,11 @@ class DataPlane:
 
     def pin_for_peer(
         self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
-    ) -> None:
+    ) -> list[int]:
         """A peer may READ these host ranks by address for `read` until its reader ranks are done or
         `until` (time.monotonic()): they stay mapped that long, even if their engine leaves
-        (dataplane/peer_reads.py)."""
-        self.ranks.pin_for_peer(keys, read, reader_ranks, until)
+        (dataplane/peer_reads.py). Returns the reader ranks the pin added."""
+        return self.ranks.pin_for_peer(keys, read, reader_ranks, until)
 
     def peer_read_done(self, read: PeerRead, reader_ranks: Sequence[int] = ()) -> None:
         self.ranks.peer_reads.done(read, reader_ranks)

@@ -192,9 +192,9 @@ class MappedRanks:
 
     def pin_for_peer(
         self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
-    ) -> None:
+    ) -> list[int]:
         """Keep these host ranks mapped while `read`'s reader ranks may READ them (peer_reads.py)."""
-        self.peer_reads.pin(read, reader_ranks, [self.host(k) for k in keys], until)
+        return self.peer_reads.pin(read, reader_ranks, [self.host(k) for k in keys], until)
 
     def host(self, key: RankKey) -> HostRank:
         rank = self._host.get(key)

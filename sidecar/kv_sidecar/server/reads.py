@@ -91,7 +91,7 @@ class PeerPins(Protocol):
 
     def pin_for_peer(
         self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
-    ) -> None: ...
+    ) -> list[int]: ...
 
     def peer_read_done(self, read: PeerRead, reader_ranks: Sequence[int] = ()) -> None: ...
 
@@ -208,7 +208,7 @@ class SourceReads:
         if not host:
             return  # peers never READ GPU ranks (they go through the staged rings)
         read = (request.engine_id, request.request_id, request.reader_engine_id)
-        self._pins.pin_for_peer(host, read, served, item.deadline)
+        added = self._pins.pin_for_peer(host, read, served, item.deadline)
         try:
             now = generations(self._engines.engine_ranks(request.engine_id))
             item.check_sources(now)
@@ -219,7 +219,8 @@ class SourceReads:
                     f"{request.request_id!r} was opened; open it again",
                 )
         except BaseException:
-            self._pins.peer_read_done(read, served)
+            if added:  # an earlier open of the same read keeps its own pin
+                self._pins.peer_read_done(read, added)
             raise
 
     def closed(self, request: peer_pb2.CloseReadRequest) -> None:
