@@ -130,6 +130,11 @@ class Metrics:
             "kvsidecar_registered_engines", "Engines with a registered rank", registry=r
         )
         self.registered_ranks = Gauge("kvsidecar_registered_ranks", "Registered engine ranks", registry=r)
+        self.host_ranks_leaving = Gauge(
+            "kvsidecar_host_ranks_leaving",
+            "Host ranks whose engine left, still mapped while a copy or a peer's READ may use them",
+            registry=r,
+        )
         self.published_requests = Gauge(
             "kvsidecar_published_requests", "Requests held for readers", registry=r
         )

@@ -22,7 +22,7 @@ from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kv_sidecar_client.client import TransferParams
 from kv_sidecar_client.shm import ShmKVCache
 
-from .conftest import Spawn, spec_dict, wait_for
+from .conftest import Spawn, metric, spec_dict, wait_for
 
 SPEC = EngineSpec.from_dict(spec_dict())
 
@@ -278,6 +278,7 @@ def test_an_engine_that_leaves_mid_read_stays_mapped_until_its_reader_is_done(sp
                 "the engine to leave", lambda: not any(r.engine_id == "pin-p" for r in client.status().ranks)
             )
         assert _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0"]  # kept for the reader
+        assert metric(a.metrics_port, "kvsidecar_host_ranks_leaving") == 1
         prefill = spawn(EngineProcess(a.socket, "pin-p", SPEC, shm_names=name))  # removes the old object
         assert _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0", f"/dev/shm/{name}-0 (deleted)"]
         for rid, seed in (("after", 2), ("again", 3)):
@@ -290,3 +291,4 @@ def test_an_engine_that_leaves_mid_read_stays_mapped_until_its_reader_is_done(sp
     wait_for(
         "the dead engine's memory to go", lambda: _mapped(a.proc.pid, f"{name}-0") == [f"/dev/shm/{name}-0"]
     )
+    wait_for("the gauge to say so", lambda: metric(a.metrics_port, "kvsidecar_host_ranks_leaving") == 0)

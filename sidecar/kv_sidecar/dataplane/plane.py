@@ -183,7 +183,9 @@ class DataPlane:
         self._settings, self._nixl, self._metrics = settings, nixl, metrics
         # A transfer's notifications (staged_protocol.prefix) go to the transfer listening for them.
         nixl.route(TRANSFER_TAG + SEP)
-        self.ranks = MappedRanks(nixl, on_gpu_device=self._ready_device)
+        self.ranks = MappedRanks(
+            nixl, on_gpu_device=self._ready_device, on_leaving=metrics.host_ranks_leaving.set
+        )
         self._reads = NixlReads(
             self.ranks, nixl, metrics, settings.staging_bytes, merge=settings.host_read_merge
         )

@@ -89,9 +89,13 @@ class MappedRanks:
         nixl: NixlDriver | None,
         on_gpu_device: Callable[[int], None] | None = None,
         copies_into: int | None = None,
+        on_leaving: Callable[[int], None] | None = None,
     ) -> None:
-        """copies_into: the one GPU this process copies into (a device worker's); None: any of them."""
+        """copies_into: the one GPU this process copies into (a device worker's); None: any of them.
+        on_leaving: told how many host ranks left but stay mapped (a copy or a peer's read holds them)."""
         self._nixl = nixl
+        self._on_leaving = on_leaving
+        self._leaving = 0
         self._on_gpu_device = on_gpu_device  # called with a GPU ordinal before its first rank is served
         self._copies_into = copies_into
         # Pairings' kernels compile here, one at a time, after the registration that met them answered.
@@ -175,6 +179,7 @@ class MappedRanks:
             host = self._host.pop(key, None)
             gpu = self._gpu.pop(key, None)
         if host is not None:
+            self._count_leaving(+1)
             host.close(functools.partial(self._unmap, host))  # deferred while a copy or a pin holds it
             self.peer_reads.left(host)
         if gpu is not None:
@@ -189,6 +194,14 @@ class MappedRanks:
         host.tensors.clear()
         for segment in host.segments:
             self._shm.release(segment)
+        self._count_leaving(-1)
+
+    def _count_leaving(self, change: int) -> None:
+        with self._lock:
+            self._leaving += change
+            now = self._leaving
+        if self._on_leaving is not None:
+            self._on_leaving(now)
 
     def pin_for_peer(
         self, keys: Sequence[RankKey], read: PeerRead, reader_ranks: Sequence[int], until: float
