@@ -101,6 +101,7 @@ HISTOGRAMS = {
 GAUGES = {
     "kvsidecar_registered_engines",
     "kvsidecar_registered_ranks",
+    "kvsidecar_host_ranks_leaving",
     "kvsidecar_staging_bytes_in_use",
     "kvsidecar_staging_bytes_capacity",
     "kvsidecar_worker_staging_bytes_in_use",
