@@ -247,8 +247,8 @@ def test_an_engine_that_leaves_mid_read_stays_mapped_until_its_reader_is_done(sp
     registered with NIXL) on its sidecar until the reader said it is done, so that no other pages can
     come to lie at those addresses; and its successor, whose objects have the names it had (vLLM's
     pool names them by pid, which a fresh container repeats), maps its own objects, not the dead
-    one's still mapped there (until 2026-11-30 it mapped the dead one's: every pull of it moved
-    stale bytes)."""
+    one's still mapped there (mapped by name, as until 2026-11-30, it would get the dead one's pages,
+    and every pull of it would move stale bytes)."""
     a, c = spawn.together(lambda: SidecarProcess("pin-a"), lambda: SidecarProcess("pin-c"))
     name = f"kvs-pin-{os.getpid()}"
     prefill = spawn(EngineProcess(a.socket, "pin-p", SPEC, shm_names=name))
