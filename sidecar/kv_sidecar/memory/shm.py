@@ -75,26 +75,21 @@ class ShmMapper:
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
+            # Looked up and mapped under one lock: registrations are rare, and two of one object then
+            # share one mapping without a second look.
             with self._lock:
                 if key in self._segments:
                     seg, refs = self._segments[key]
                     self._segments[key] = (seg, refs + 1)
                     return key, seg
-            if st.st_size == 0:
-                raise HandleError(f"shared memory object {name!r} is empty")
-            mm = mmap.mmap(fd, st.st_size)
-        finally:
-            os.close(fd)
-        seg = ShmSegment(name, mm, torch.frombuffer(mm, dtype=torch.uint8))
-        with self._lock:
-            if key in self._segments:  # mapped meanwhile by another registration: use that one
-                other, refs = self._segments[key]
-                self._segments[key] = (other, refs + 1)
-            else:
+                if st.st_size == 0:
+                    raise HandleError(f"shared memory object {name!r} is empty")
+                mm = mmap.mmap(fd, st.st_size)
+                seg = ShmSegment(name, mm, torch.frombuffer(mm, dtype=torch.uint8))
                 self._segments[key] = (seg, 1)
                 return key, seg
-        _close(seg)
-        return key, other
+        finally:
+            os.close(fd)
 
     def map_tensor(
         self, name: str, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: str
@@ -128,15 +123,11 @@ class ShmMapper:
                 self._segments[key] = (seg, refs - 1)
                 return
             del self._segments[key]
-        _close(seg)
+        seg.flat = torch.empty(0, dtype=torch.uint8)
+        # A view is still referenced (e.g. an in-flight copy); unmapped when collected.
+        with contextlib.suppress(BufferError):
+            seg.mm.close()
 
     @property
     def open_segments(self) -> int:
         return len(self._segments)
-
-
-def _close(seg: ShmSegment) -> None:
-    seg.flat = torch.empty(0, dtype=torch.uint8)
-    # A view is still referenced (e.g. an in-flight copy); unmapped when collected.
-    with contextlib.suppress(BufferError):
-        seg.mm.close()

@@ -65,7 +65,7 @@ from kv_sidecar.refengine.layout_io import (
     logical_kv,
 )
 from kv_sidecar_client import BatchPull, KVSidecarError, SidecarClient, params_from_json, params_to_json
-from kv_sidecar_client.shm import ShmKVCache
+from kv_sidecar_client.shm import SHM_DIR, ShmKVCache
 
 
 class RefEngine:
@@ -100,7 +100,7 @@ class RefEngine:
             elif shm_names:
                 name = f"{shm_names}-{r}"
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join("/dev/shm", name))
+                    os.unlink(os.path.join(SHM_DIR, name))
                 cache = ShmKVCache(spec.rank_tensor_shapes(), dtype, name=name)
             else:
                 cache = ShmKVCache(spec.rank_tensor_shapes(), dtype)

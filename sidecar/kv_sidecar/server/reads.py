@@ -161,6 +161,7 @@ class SourceReads:
         """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller.
         `reads_next`: the reader READs next (not a Push's open, after which this sidecar WRITEs)."""
         ranks = self._engines.engine_ranks(request.engine_id)  # one look: the spec and the registrations
+        held = generations(ranks)
         if ranks[0].spec != plan.prefill:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
@@ -177,11 +178,11 @@ class SourceReads:
             ReaderSidecar(request.reader_address, peer),
             # Every rank of the engine here: the reader takes from this sidecar the ranks its map puts
             # here, which are those registered here now.
-            generations(ranks),
+            held,
         )
         served = self._published.readers_here(item, list(request.reader_ranks))
         if served and reads_next:
-            self._pin(request, ranks, served, item)
+            self._pin(request, ranks, held, served, item)
         if served:
             begin_serve(
                 self._published,
@@ -198,12 +199,18 @@ class SourceReads:
         return item
 
     def _pin(
-        self, request: peer_pb2.OpenReadRequest, ranks: list[RankEntry], served: list[int], item: Published
+        self,
+        request: peer_pb2.OpenReadRequest,
+        ranks: list[RankEntry],
+        held: dict[int, int],
+        served: list[int],
+        item: Published,
     ) -> None:
         """The reader READs the ranks' memory by the addresses of its handshake once it has the answer:
         keep that memory mapped until it is done, even if the engine leaves meanwhile (a new
         registration could map other pages there). Then make sure the pinned memory is the
-        registration the answer names: one that changed between the look-up and the pin is refused."""
+        registration the answer names (`held`, the ranks' registrations the open checked): one that
+        changed between the look-up and the pin is refused."""
         host = [e.key for e in ranks if not e.on_gpu]
         if not host:
             return  # peers never READ GPU ranks (they go through the staged rings)
@@ -211,8 +218,8 @@ class SourceReads:
         added = self._pins.pin_for_peer(host, read, served, item.deadline)
         try:
             now = generations(self._engines.engine_ranks(request.engine_id))
-            item.check_sources(now)
-            if now != generations(ranks):
+            if now != held:
+                item.check_sources(now)  # the precise NOT_FOUND where the request's own rank changed
                 raise SidecarError(
                     Code.UNAVAILABLE,
                     f"engine {request.engine_id!r} registered a rank while request "
