@@ -14,7 +14,11 @@ the driver does while a transfer is in flight (its turn polls transfers,
 notifications and the staged pollers). Every CUDA call gives the GIL up; with
 such a thread beside it, taking it back can wait for the thread's turn to end.
 --gap-us N sleeps N us before each timed call: a sidecar's pulls come one at a time,
-each after an idle stretch, not in a hot loop. Medians in microseconds; needs a GPU.
+each after an idle stretch, not in a hot loop. --members K also times the ids of a source's
+transfer of K requests (a PullBatch's staged members as one Push): uploaded at once from the host,
+as StagedCopies does, against joining on the transfer's stream the ids each request uploaded at its
+Publish (a record_stream each, then a cat), as it did until 2026-11-30. Medians in microseconds;
+needs a GPU.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def main() -> int:
     ap.add_argument(
         "--beside-us", type=float, default=0, help="a thread holding the GIL N us per 20 us sleep"
     )
+    ap.add_argument("--members", type=int, default=16, help="requests of the joined set-up rows (0: none)")
     args = ap.parse_args()
     spec = EngineSpec.from_dict(MODEL | {"num_blocks": 64})
     dev = torch.device("cuda", 0)
@@ -118,6 +123,27 @@ def main() -> int:
 
     add("device + stream contexts", contexts)
     add("StagedCopies.__init__ (gather)", lambda: staged(True))
+    k = args.members
+    if k:
+        # A source's Send of k requests of n blocks each; the ids of each went up at its Publish.
+        pieces = [gpu.upload_block_ids(ids, 0) for _ in range(k)]
+
+        def joined() -> torch.Tensor:
+            stream = torch.cuda.Stream(dev)
+            for p in pieces:
+                p.record_stream(stream)
+            with torch.cuda.stream(stream):
+                return torch.cat(pieces)
+
+        add(f"{k} requests' ids: joined on a new stream", joined)
+        add(
+            f"{k} requests' ids: uploaded at once on a new stream",
+            lambda: gpu._upload_ids(ids * k, (), dev, torch.cuda.Stream(dev)),
+        )
+        add(
+            f"StagedCopies.__init__ (gather), {k} requests",
+            lambda: gpu.StagedCopies(view, spec, 0, heads, ids * k, k * tokens, into_staging=True),
+        )
 
     firsts: list[float] = []  # a transfer's first launch, then the same chunk again
     agains: list[float] = []

@@ -21,11 +21,10 @@ from kv_sidecar.dataplane.jobs import (
     RankRead,
     Receive,
     Send,
-    SendMember,
     Sent,
     Tokens,
 )
-from kv_sidecar.dataplane.plane import DataPlane, copies_in_workers, member_pieces
+from kv_sidecar.dataplane.plane import DataPlane, copies_in_workers
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.execute.gpu import staging_bytes
 from kv_sidecar.metrics import Metrics
@@ -197,29 +196,6 @@ def test_a_slot_too_small_for_one_block_is_refused_before_anything_is_taken(
         ring = plane.device(-1).ring("recv")
         assert ring.pool.free == ring.slots  # nothing held
         plane.detach(key)
-
-
-@pytest.mark.parametrize(
-    ("lengths", "starts", "moved", "block_size"),
-    [
-        ([3, 1, 2], [0, 0, 0], [48, 16, 32], 16),  # whole requests, as most groups are
-        ([4, 3], [16, 32], [48, 16], 16),  # reads past a prefix: from a later block
-        ([3, 2], [0, 0], [64, 32], 16),  # padded to larger reader blocks: the last block again
-    ],
-)
-def test_a_group_takes_the_same_ids_from_each_requests_upload_as_from_its_records(
-    lengths: list[int], starts: list[int], moved: list[int], block_size: int
-) -> None:
-    """member_pieces cut from each request's ids (uploaded at Publish) what the source's own
-    concatenation takes (staged_source, member_block_indexes): joined, the same ids in the same order."""
-    records = [[100 * r + b for b in range(n)] for r, n in enumerate(lengths)]
-    members, want = [], []
-    for r, (own, start, tokens) in enumerate(zip(records, starts, moved, strict=True)):
-        indexes = sp.member_block_indexes(len(own), start, tokens, block_size)
-        want += [own[i] for i in indexes]
-        members.append(SendMember(("e", f"r{r}"), own, indexes[0], len(indexes)))
-    uploaded = [torch.tensor(own, dtype=torch.int32) for own in records]
-    assert torch.cat(member_pieces(uploaded, members)).tolist() == want
 
 
 @pytest.mark.parametrize(

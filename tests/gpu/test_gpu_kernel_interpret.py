@@ -192,16 +192,15 @@ def test_empty_and_prefix_only_requests_launch_nothing() -> None:
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
 @pytest.mark.parametrize(
     "ahead",
-    ["", "whole", "pieces"],
-    ids=["ids-uploaded-here", "ids-uploaded-ahead", "ids-joined-from-pieces"],
+    ["", "whole"],
+    ids=["ids-uploaded-here", "ids-uploaded-ahead"],
 )
 def test_staged_chunks_in_interpreter_match_host_executor(
     name: str, blocks_per_chunk: int, ahead: str
 ) -> None:
     """The staged path's copies (validated once, one launch per chunk) through a 2-slot ring:
     gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots. `ahead`:
-    the gather's ids come uploaded, as a source's published request's do, whole or in pieces that
-    it joins (a transfer of several requests, each uploaded at its Publish)."""
+    the gather's ids come uploaded, as a source's published request's do."""
     pytest.importorskip("triton")
     from kv_sidecar.dataplane.staged_protocol import plan_chunks
     from kv_sidecar.execute import gpu
@@ -220,10 +219,7 @@ def test_staged_chunks_in_interpreter_match_host_executor(
     chunks = plan_chunks(c.start_token, c.num_tokens, c.dst.block_size, blocks_per_chunk)
     written = 0
     whole = torch.tensor(src_ids, dtype=torch.int32)
-    # Pieces as DataPlane._uploaded cuts them: slices of requests' ids, the last block again as padding.
-    half = len(src_ids) // 2
-    pieces = [whole[:half], whole[half:-1], whole[-1:].expand(1)]
-    up: Any = {"": None, "whole": whole, "pieces": pieces}[ahead]
+    up = whole if ahead else None
     for r in c.reads:
         sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
         gather = gpu.StagedCopies(

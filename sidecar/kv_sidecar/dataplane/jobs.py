@@ -264,18 +264,6 @@ class ReceiveSlots:
 
 
 @dataclass(frozen=True)
-class SendMember:
-    """One request of a Send of several: where its ids prefetched at Publish are found (`request`, and
-    its record's `block_ids` they were made from), and which of them the Send's `block_ids` take, in
-    order: `count` from index `first`, the last one again past the request's end (padding)."""
-
-    request: tuple[str, str]
-    block_ids: Sequence[int]
-    first: int
-    count: int
-
-
-@dataclass(frozen=True)
 class Send:
     """The source's end of one staged transfer: gather chunks of the request into send slots, already
     in the reader's layout, and WRITE each into a receive slot the reader granted."""
@@ -284,7 +272,9 @@ class Send:
     reader_spec: EngineSpec
     reader_rank: int
     heads: tuple[int, int] | None
-    request: tuple[str, str]  # (engine, request): where ids prefetched at Publish are found
+    # (engine, request): where ids prefetched at Publish are found; a Send of several requests (their
+    # blocks concatenated in `block_ids`) names none and uploads its ids at once.
+    request: tuple[str, str]
     # The source's blocks of the whole request, from its own record (not copied: a 1 GiB request of
     # 16 KiB blocks has 65536, and a copy and a comparison cost its pull ~1 ms).
     block_ids: Sequence[int]
@@ -297,9 +287,6 @@ class Send:
     reader_slots: tuple[tuple[int, int], ...]  # (address, length)
     reader_device: int
     deadline: float  # monotonic: the WRITEs' own deadline
-    # A Send of several requests (their blocks concatenated in `block_ids`): each one's share, so that
-    # ids prefetched at Publish serve it too.
-    members: tuple[SendMember, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from kv_sidecar.dataplane.jobs import (
     RankRead,
     Receive,
     Send,
-    SendMember,
     ShmTensor,
     StateCopy,
     StateRead,
@@ -159,21 +158,6 @@ class DevicePlane:
 
     def send(self, job: Send, uploaded_ids: Any) -> Transmission:
         return Transmission(self._ranks, self.ring("send"), self._nixl, self._metrics, job, uploaded_ids)
-
-
-def member_pieces(uploaded: Sequence[Any], members: Sequence[SendMember]) -> list[Any]:
-    """The pieces of each member's uploaded ids (1-D tensors) that a Send of several requests takes, in
-    order: views, no copy; joined they are its `block_ids`."""
-    pieces = []
-    for ids, m in zip(uploaded, members, strict=True):
-        n = ids.numel()
-        if m.first == 0 and m.count == n:  # the whole request (most members): no view to make (~4 us)
-            pieces.append(ids)
-            continue
-        pieces.append(ids[m.first : min(m.first + m.count, n)])
-        if m.first + m.count > n:  # padding past the request's last block: that block again
-            pieces.append(ids[n - 1 :].expand(m.first + m.count - n))
-    return pieces
 
 
 class DataPlane:
@@ -499,15 +483,12 @@ class DataPlane:
             self._uploads.pop((engine_id, request_id), None)
 
     def _uploaded(self, job: Send, device: int) -> Any:
-        """The job's block ids on `device` where every request's upload is complete, else None: one
-        tensor, or for a Send of several requests the pieces its ids concatenate (StagedCopies joins
-        them on the transfer's stream: a kernel, where an upload from the host costs ~0.3 ms)."""
-        if not job.members:
-            return self._uploaded_ids(job.request, job.block_ids, device)
-        uploaded = [self._uploaded_ids(m.request, m.block_ids, device) for m in job.members]
-        if any(ids is None for ids in uploaded):
-            return None
-        return member_pieces(uploaded, job.members)
+        """The job's block ids on `device` where the request's upload is complete, else None (its
+        StagedCopies uploads them). A Send of several requests names no request and uploads its joined
+        ids at once: joining the requests' uploads on the transfer's stream (a view and a
+        record_stream each, then a cat) took longer in a loaded sidecar (docs/benchmarks.md, twenty-
+        eighth session)."""
+        return self._uploaded_ids(job.request, job.block_ids, device)
 
     def _uploaded_ids(self, request: tuple[str, str], block_ids: Sequence[int], device: int) -> Any:
         """A request's block ids on `device` if their upload is complete, else None."""

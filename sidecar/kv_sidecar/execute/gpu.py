@@ -12,7 +12,6 @@ tens of thousands of per-block copies.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -552,7 +551,7 @@ class StagedCopies:
         *,
         into_staging: bool,
         interpret: bool = False,
-        uploaded_ids: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        uploaded_ids: torch.Tensor | None = None,
     ) -> None:
         self.engine = engine
         self.staging_spec = staging_spec
@@ -597,23 +596,13 @@ class StagedCopies:
         self._stage_ids = _state.arange(self.device, max(1, total))
         # The transfer's own stream: the ids go up on it, so its launches need no event to wait for.
         self.stream: Any = None if interpret else torch.cuda.Stream(self.device)
-        pieces = [uploaded_ids] if isinstance(uploaded_ids, torch.Tensor) else list(uploaded_ids or ())
-        if (
-            pieces
-            and all(p.device == self.device and p.dtype == torch.int32 for p in pieces)
-            and sum(p.numel() for p in pieces) == ids.size
-        ):
-            # `engine_block_ids` uploaded earlier (upload_block_ids), complete: nothing to wait for; a
-            # Send of several requests joins theirs on this stream. Their memory is the upload stream's;
-            # this one reads it too.
+        up = uploaded_ids
+        if up is not None and up.device == self.device and up.dtype == torch.int32 and up.numel() == ids.size:
+            # `engine_block_ids` uploaded earlier (upload_block_ids), complete: nothing to wait for.
+            # Their memory is the upload stream's; this one reads it too.
             if self.stream is not None:
-                for p in pieces:
-                    p.record_stream(self.stream)
-            if len(pieces) == 1:
-                self._ids = pieces[0]
-            else:
-                with contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream):
-                    self._ids = torch.cat(pieces)
+                up.record_stream(self.stream)
+            self._ids = up
         else:
             self._ids, _ = _upload_ids(ids, (), self.device, self.stream)
         self._other_streams: set[Any] = set()

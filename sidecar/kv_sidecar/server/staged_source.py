@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kv_sidecar.dataplane import staged_protocol as sp
-from kv_sidecar.dataplane.jobs import RankKey, Send, SendMember
+from kv_sidecar.dataplane.jobs import RankKey, Send
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.metrics import Metrics
@@ -291,13 +291,10 @@ class StagedSource:
             raise SidecarError(Code.INVALID_ARGUMENT, f"between 1 and {MAX_SLOTS} non-empty slots are needed")
         per_chunk = self._plane.blocks_per_chunk(src_entry.key, reader_spec, [s.length for s in req.slots])
         # The opens it carries, checked like OpenReads once the rest of the Push is sound.
-        members: tuple[SendMember, ...] = ()
         if group:
-            block_ids, num_tokens, members = self._members(
-                req, plan, context.peer(), src_entry.on_gpu, source
-            )
+            block_ids, num_tokens = self._members(req, plan, context.peer(), src_entry.on_gpu, source)
             what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
-            # No request's own: the data plane joins the members' ids uploaded at Publish (`members`).
+            # No request's own uploaded ids: the data plane uploads the joined ones at once.
             ids_of: tuple[str, str] = (req.engine_id, "")
         else:
             if item is None:
@@ -338,7 +335,6 @@ class StagedSource:
                 tuple((s.address, s.length) for s in req.slots),
                 req.device_id,
                 deadline,
-                members,
             ),
             in_worker=req.source_in_worker,
         )
@@ -438,7 +434,7 @@ class StagedSource:
 
     def _members(
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool, source: Mapping[int, int]
-    ) -> tuple[list[int], int, tuple[SendMember, ...]]:
+    ) -> tuple[list[int], int]:
         """A Push of several requests: each checked (and opened, where it carries its open) as a Push of
         its own would be; their blocks from each member's start concatenated as
         staged_protocol.member_spans lays them out, and the tokens that moves. A member refused
@@ -490,13 +486,10 @@ class StagedSource:
             raise member_refusals(refusals)
         spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)
         block_ids: list[int] = []
-        shares: list[SendMember] = []
         for m, item, (_, moved) in zip(req.members, items, spans, strict=True):
             own = item.source_blocks
-            indexes = sp.member_block_indexes(len(own), m.start_token, moved, bp)
-            block_ids += [own[i] for i in indexes]
-            shares.append(SendMember((req.engine_id, m.request_id), own, indexes[0], len(indexes)))
-        return block_ids, spans[-1][0] + spans[-1][1], tuple(shares)
+            block_ids += [own[i] for i in sp.member_block_indexes(len(own), m.start_token, moved, bp)]
+        return block_ids, spans[-1][0] + spans[-1][1]
 
 
 def _check_member_tokens(m: peer_pb2.PushMember, item: Published) -> None:
