@@ -558,7 +558,7 @@ def test_member_spans_refuse_an_empty_member() -> None:
     st.sampled_from([(16, 16), (16, 32), (8, 64), (1, 16), (32, 32)]),  # source, reader block sizes
     st.booleans(),  # the member is the last of its transfer (not padded)
 )
-def test_member_block_indexes_give_each_token_its_own_source_block(
+def test_member_block_range_gives_each_token_its_own_source_block(
     n: int, prefix: int, sizes: tuple[int, int], last: bool
 ) -> None:
     bp, bd = sizes
@@ -567,7 +567,8 @@ def test_member_block_indexes_give_each_token_its_own_source_block(
         return
     (_, moved), *_ = sp.member_spans([n - start] if last else [n - start, 1], bd)
     num_blocks = -(-n // bp)
-    idx = sp.member_block_indexes(num_blocks, start, moved, bp)
+    first, stop, repeats = sp.member_block_range(num_blocks, start, moved, bp)
+    idx = [*range(first, stop), *[num_blocks - 1] * repeats]
     assert len(idx) == -(-moved // bp) and all(0 <= i < num_blocks for i in idx)
     for t in range(start, n):  # every token of the request the member moves comes from its own block
         assert idx[(t - start) // bp] == t // bp
@@ -576,7 +577,7 @@ def test_member_block_indexes_give_each_token_its_own_source_block(
     assert all(i == num_blocks - 1 for i in idx[num_blocks - start // bp :])
 
 
-def test_member_block_indexes_refuse_what_no_member_moves() -> None:
+def test_member_block_range_refuses_what_no_member_moves() -> None:
     for args in [(4, 8, 16, 16), (4, 0, 0, 16), (4, 64, 16, 16), (4, 0, 16, 0)]:
         with pytest.raises(ValueError):
-            sp.member_block_indexes(*args)
+            sp.member_block_range(*args)

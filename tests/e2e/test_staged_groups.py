@@ -342,7 +342,7 @@ def test_reads_past_a_prefix_and_into_larger_blocks_group_too(
 ) -> None:
     """Decode engines with a prefix cache pull from a later token (start_token, a block boundary), and
     a decode engine may keep larger blocks than its prefill engine (a multiple of them): such reads
-    group too (PushMember.start_token; member_block_indexes), each taking only its own source blocks,
+    group too (PushMember.start_token; member_block_range), each taking only its own source blocks,
     and land exactly where a pull of its own would; the prefix blocks stay untouched."""
     a, b = ring_pair
     name = f"sp{decode_spec.block_size}"

@@ -116,7 +116,7 @@ def member_spans(num_tokens: Sequence[int], block_size: int) -> list[tuple[int, 
     another: each member's (first token in the concatenation, tokens it moves there). Every member but
     the last is padded to whole reader blocks (`block_size`, a multiple of the source's), so that each
     starts on a block boundary on both sides; the padding is the rest of the member's own last reader
-    block, which it owns (member_block_indexes: where its source tokens come from)."""
+    block, which it owns (member_block_range: where its source tokens come from)."""
     if block_size < 1 or not num_tokens or any(n < 1 for n in num_tokens):
         raise ValueError("a member moves at least one token, in blocks of at least one")
     spans, at = [], 0
@@ -127,17 +127,21 @@ def member_spans(num_tokens: Sequence[int], block_size: int) -> list[tuple[int, 
     return spans
 
 
-def member_block_indexes(num_blocks: int, start_token: int, moved: int, block_size: int) -> list[int]:
+def member_block_range(
+    num_blocks: int, start_token: int, moved: int, block_size: int
+) -> tuple[int, int, int]:
     """Where a member's source blocks come from in its request's list of `num_blocks` (blocks of
     `block_size` from token 0): from the block holding `start_token`, enough for the `moved` tokens of
-    its span (member_spans). Padding to a larger reader block can reach past the request's last block:
-    that last block again, whose tokens land in the padding of the member's own last reader block."""
+    its span (member_spans), as a slice [first, stop) and how many times the request's last block
+    follows it. Padding to a larger reader block can reach past the request's last block: that last
+    block again, whose tokens land in the padding of the member's own last reader block."""
     if block_size < 1 or start_token % block_size or moved < 1:
         raise ValueError("a member moves at least one token from a block boundary")
     first = start_token // block_size
     if first >= num_blocks:
         raise ValueError(f"start_token {start_token} is past the request's {num_blocks} blocks")
-    return [min(i, num_blocks - 1) for i in range(first, first + -(-moved // block_size))]
+    end = first + -(-moved // block_size)
+    return first, min(end, num_blocks), max(0, end - num_blocks)
 
 
 def blocks_in(block_size: int, t0: int, t1: int) -> int:

@@ -238,7 +238,7 @@ def moved_spans(jobs: list[PullJob], block_size: int) -> list[tuple[int, int]]:
 def joined_tokens(jobs: list[PullJob]) -> Tokens:
     """The group's tokens: each read's after the other's, from token 0 of the transfer. A read's source
     blocks are its request's from token 0 and its destination blocks those of its own tokens only
-    (dataplane/jobs.Tokens); staged_protocol.member_block_indexes says which source blocks a read's
+    (dataplane/jobs.Tokens); staged_protocol.member_block_range says which source blocks a read's
     span takes (the source picks the same from its own records)."""
     plan = jobs[0].plan
     joined, _ = join_tokens([j.tokens for j in jobs], plan.prefill.block_size, plan.decode.block_size)
@@ -250,7 +250,7 @@ def groupable(job: PullJob, remote: RemoteEngine, src_rank: int) -> bool:
     sidecar (a member of a multi-node engine may be another version), the request is held from token 0
     and the read moves at least a token from a block boundary. A source of the first version with
     groups takes only reads from token 0 between equal block sizes; a v2 source also reads past a
-    prefix and into decode blocks a multiple of its own (member_spans, member_block_indexes)."""
+    prefix and into decode blocks a multiple of its own (member_spans, member_block_range)."""
     holder = remote.holders.get(src_rank)
     bp, bd = job.plan.prefill.block_size, job.plan.decode.block_size
     v2 = remote.push_members_v2

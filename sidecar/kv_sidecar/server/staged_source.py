@@ -488,7 +488,9 @@ class StagedSource:
         block_ids: list[int] = []
         for m, item, (_, moved) in zip(req.members, items, spans, strict=True):
             own = item.source_blocks
-            block_ids += [own[i] for i in sp.member_block_indexes(len(own), m.start_token, moved, bp)]
+            first, stop, repeats = sp.member_block_range(len(own), m.start_token, moved, bp)
+            block_ids += own[first:stop]
+            block_ids += own[-1:] * repeats
         return block_ids, spans[-1][0] + spans[-1][1]
 
 
