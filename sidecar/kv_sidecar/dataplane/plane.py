@@ -485,9 +485,8 @@ class DataPlane:
     def _uploaded(self, job: Send, device: int) -> Any:
         """The job's block ids on `device` where the request's upload is complete, else None (its
         StagedCopies uploads them). A Send of several requests names no request and uploads its joined
-        ids at once: joining the requests' uploads on the transfer's stream (a view and a
-        record_stream each, then a cat) took longer in a loaded sidecar (docs/benchmarks.md, twenty-
-        eighth session)."""
+        ids at once: joining the requests' uploads on the transfer's stream instead (a view and a
+        record_stream each, then a cat) was no faster (docs/benchmarks.md, twenty-eighth session)."""
         return self._uploaded_ids(job.request, job.block_ids, device)
 
     def _uploaded_ids(self, request: tuple[str, str], block_ids: Sequence[int], device: int) -> Any:
