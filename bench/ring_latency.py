@@ -14,6 +14,8 @@ on both alike.
     python bench/ring_latency.py --gpu --local --baseline-tree DIR   # gpu-direct: one sidecar per tree
     python bench/ring_latency.py --host-nixl --idle 1.5 --baseline HEAD~1 --blocks 1 --iters 20
                                                    # plain READs, each pull after a quiet second
+    python bench/ring_latency.py --gpu --batch 16 --blocks 1 --baseline-tree DIR
+                                                   # each call a PullBatch of 16 one-block pulls
 
 --gpu: the engines' caches on GPUs (decode on cuda:1 where there is one, else on
 cuda:0 with the prefill), the rings at their default size, path gpu-staged.
@@ -21,6 +23,11 @@ cuda:0 with the prefill), the rings at their default size, path gpu-staged.
 host-direct without).
 --baseline-tree: an exported tree (python -c "import baseline; print(baseline.export(REF))"
 in bench/) for machines where the checkout has no git history.
+--batch N: each call a PullBatch of N pulls of --blocks blocks, into blocks of their own (target 1's
+row of issue 32 with one batch in flight: pulls/s = N / the call's time); the rows are per call and
+the sidecar columns the slowest member's. Calls of the two trees alternate one by one, as pulls do: a
+comparison of traced or separate runs read 0.83x where this reads 1.0x (docs/benchmarks.md,
+twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from gpu_latency import HOST_MODEL, MODEL
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess, together
-from kv_sidecar_client import SidecarClient
+from kv_sidecar_client import BatchPull, SidecarClient
 
 # bench/gpu_latency.py's ranks: --host's 32 KiB blocks (4 layers, 2 heads, head_dim 64, bf16, 16 tokens)
 # and, for --gpu, the model rank's 2 MiB blocks (32 layers, 8 heads, head_dim 128).
@@ -84,6 +91,7 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=0, help="gpu_staging_slots (0: default)")
     ap.add_argument("--old-args", default="", help="extra `serve` flags for the old tree's sidecars")
     ap.add_argument("--new-args", default="", help="extra `serve` flags for this tree's sidecars")
+    ap.add_argument("--batch", type=int, default=0, help="each call a PullBatch of N pulls (0: Pull calls)")
     args = ap.parse_args()
     spec = GPU_SPEC if args.gpu else SPEC
     ring_bytes = args.ring_bytes or (0 if args.gpu else 8 << 20)
@@ -135,26 +143,45 @@ def main() -> int:
         for n in (int(x) for x in args.blocks.split(",")):
             for k in trees:
                 results[(k, n)] = {"wall": [], "side": []}
+            members = max(1, args.batch)
+            if members * n > spec.num_blocks:
+                raise SystemExit(
+                    f"--batch {args.batch} of {n} blocks: more than the {spec.num_blocks} blocks"
+                )
             for i in range(args.warmup + args.iters):
-                src = rng.permutation(spec.num_blocks)[:n].tolist()
-                dst = rng.permutation(spec.num_blocks)[:n].tolist()
+                src = [rng.permutation(spec.num_blocks)[:n].tolist() for _ in range(members)]
+                # Each member its own destination blocks (a batch's members never share one).
+                spread = rng.permutation(spec.num_blocks)[: members * n].tolist()
+                dst = [spread[m * n : (m + 1) * n] for m in range(members)]
                 order = list(trees) if i % 2 else list(reversed(list(trees)))
                 for k in order:
-                    params = clients[(k, "p")].publish(f"{k}-p", f"r{next(seq)}", src, n * spec.block_size)
+                    pub = clients[(k, "p")]
+                    params = [pub.publish(f"{k}-p", f"r{next(seq)}", s, n * spec.block_size) for s in src]
                     t0 = time.perf_counter()
-                    res = clients[(k, "d")].pull(params, f"{k}-d", dst, timeout_s=60)
+                    if args.batch:
+                        got = clients[(k, "d")].pull_batch(
+                            f"{k}-d",
+                            [BatchPull(p, d) for p, d in zip(params, dst, strict=True)],
+                            timeout_s=60,
+                        )
+                    else:
+                        got = [clients[(k, "d")].pull(params[0], f"{k}-d", dst[0], timeout_s=60)]
                     wall = time.perf_counter() - t0
-                    if not res.ok:
-                        raise RuntimeError(f"{k}: pull of {n} blocks failed: {res.error_code}: {res.error}")
-                    if res.path != path:
-                        raise RuntimeError(f"{k}: path {res.path}, not {path}")
+                    for res in got:
+                        if not res.ok:
+                            raise RuntimeError(
+                                f"{k}: pull of {n} blocks failed: {res.error_code}: {res.error}"
+                            )
+                        if res.path != path:
+                            raise RuntimeError(f"{k}: path {res.path}, not {path}")
                     if i >= args.warmup:
                         results[(k, n)]["wall"].append(wall)
-                        results[(k, n)]["side"].append(res.duration_s)
+                        results[(k, n)]["side"].append(max(res.duration_s for res in got))
                     time.sleep(args.idle)
             same = all(
-                torch.equal(p[:, src].view(torch.int16), d[:, dst].to(p.device).view(torch.int16))
+                torch.equal(p[:, s].view(torch.int16), d[:, t].to(p.device).view(torch.int16))
                 for p, d in zip(pcache.tensors, dcache.tensors, strict=True)
+                for s, t in zip(src, dst, strict=True)
             )
             if not same:
                 raise RuntimeError(f"{n} blocks: bytes differ")
@@ -169,8 +196,8 @@ def main() -> int:
     print(
         f"{path}, {spec.rank_bytes() // spec.num_blocks // 1024} KiB blocks, "
         f"{'one sidecar' if args.local else 'two sidecars' if path == 'host-nixl' else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
-        f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} pulls per row, "
-        f"{args.idle:g} s idle after each, "
+        f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} {'calls' if args.batch else 'pulls'} per row, "
+        f"{f'PullBatches of {args.batch}, ' if args.batch else ''}{args.idle:g} s idle after each, "
         f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
     )
     print("| blocks | tree | engine wall p50 ms | p90 ms | sidecar p50 ms | sidecar p90 ms |")
