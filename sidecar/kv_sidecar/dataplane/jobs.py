@@ -274,9 +274,9 @@ class Send:
     reader_spec: EngineSpec
     reader_rank: int
     heads: tuple[int, int] | None
-    # (engine, request): where ids prefetched at Publish are found; a Send of several requests (their
-    # blocks concatenated in `block_ids`) names none and uploads its ids at once.
-    request: tuple[str, str]
+    # (engine, request): where ids prefetched at Publish are found; None for a Send of several requests
+    # (their blocks concatenated in `block_ids`), which uploads its ids at once.
+    request: tuple[str, str] | None
     # The source's blocks of the whole request, from its own record (not copied: a 1 GiB request of
     # 16 KiB blocks has 65536, and a copy and a comparison cost its pull ~1 ms).
     block_ids: Sequence[int]

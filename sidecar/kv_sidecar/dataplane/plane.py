@@ -487,6 +487,8 @@ class DataPlane:
         StagedCopies uploads them). A Send of several requests names no request and uploads its joined
         ids at once: joining the requests' uploads on the transfer's stream instead (a view and a
         record_stream each, then a cat) was no faster (docs/benchmarks.md, twenty-eighth session)."""
+        if job.request is None:
+            return None
         return self._uploaded_ids(job.request, job.block_ids, device)
 
     def _uploaded_ids(self, request: tuple[str, str], block_ids: Sequence[int], device: int) -> Any:

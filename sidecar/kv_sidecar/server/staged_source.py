@@ -295,7 +295,7 @@ class StagedSource:
             block_ids, num_tokens = self._members(req, plan, context.peer(), src_entry.on_gpu, source)
             what = f"{len(req.members)} requests ({req.members[0].request_id!r}, ...)"
             # No request's own uploaded ids: the data plane uploads the joined ones at once.
-            ids_of: tuple[str, str] = (req.engine_id, "")
+            ids_of: tuple[str, str] | None = None
         else:
             if item is None:
                 item = self._open_from_push(
