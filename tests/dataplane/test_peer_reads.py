@@ -90,7 +90,8 @@ def test_pins_whose_reader_never_said_done_go_with_their_lease() -> None:
     pins.pin(READ, [0], [dead], until=130.0)
     dead.leave()
     clock.now = 129.0
-    pins.sweep()
+    pins.pin(("prefill", "req-0", "decode"), [0], [other], until=160.0)  # an open sweeps, before the lease
+    pins.done(("prefill", "req-0", "decode"))
     assert not dead.unmapped.wait(0.2)
     clock.now = 131.0
     pins.pin(("prefill", "req-2", "decode"), [0], [other], until=160.0)  # an open sweeps the expired

@@ -112,13 +112,6 @@ class PeerReads:
                 self._left.append(rank)
                 self._schedule()
 
-    def sweep(self) -> None:
-        """Drop the pins whose lease ran out: their reader sent no done notification (it failed, or
-        died), and nothing may READ the request any more."""
-        with self._lock:
-            expired = self._take_expired(self._clock())
-        self._let_go(expired)
-
     def _fire(self) -> None:
         with self._lock:
             self._timer = None
@@ -156,7 +149,8 @@ class PeerReads:
         self._let_go(held)
 
     def _take_expired(self, now: float) -> list[Pinnable]:
-        """Under the lock."""
+        """Under the lock: the pins whose lease ran out (their reader sent no done notification: it
+        failed, or died, and nothing may READ the request any more) go; what they held."""
         self._next_sweep = now + _SWEEP_EVERY_S
         gone = [k for k, p in self._pins.items() if p.until <= now]
         held: list[Pinnable] = []
