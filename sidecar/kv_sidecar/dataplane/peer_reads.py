@@ -106,7 +106,7 @@ class PeerReads:
 
     def left(self, rank: Pinnable) -> None:
         """`rank` left (its engine unregistered): it stays mapped while pins hold it, so make sure each
-        of them goes by its lease even if no other open or done comes to sweep it."""
+        of them goes by its lease even if no other open comes to sweep it (a done sweeps nothing)."""
         with self._lock:
             if any(rank is h for p in self._pins.values() for h in p.held):
                 self._left.append(rank)
