@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import queue
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -12,6 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_sidecar import logs
 from kv_sidecar.logs import JsonFormatter, TextFormatter, configure_logging
@@ -127,3 +131,63 @@ def test_a_broken_stream_does_not_stop_the_writer(monkeypatch: pytest.MonkeyPatc
     log.info("kept")
     logs._stop_writer()
     assert "msg=kept" in stream.getvalue() and "msg=lost" not in stream.getvalue()
+
+
+def _stdlib_text_value(v: object) -> str:
+    """The text format's field values as the formatter wrote them before its fast path."""
+    if type(v) in (int, float, bool):
+        return str(v)
+    s = str(v)
+    return json.dumps(s) if not s or re.search(r'[ ="\n]', s) else s
+
+
+_values = st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans(), st.text(max_size=12), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    msg=st.text(max_size=30),
+    fields=st.dictionaries(st.text("abcdefgh_", min_size=1, max_size=8), _values, max_size=6),
+    created=st.floats(1_600_000_000, 1_900_000_000),
+    level=st.sampled_from([logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR]),
+)
+def test_text_lines_are_the_stdlib_line_and_the_fields(
+    msg: str, fields: dict[str, object], created: float, level: int
+) -> None:
+    """The fast path writes what the stdlib formatter and the fields' join wrote, byte for byte."""
+    r = _record(msg, created, **fields)
+    r.levelno, r.levelname = level, logging.getLevelName(level)
+    want = STDLIB.format(r)
+    if fields:
+        want += " " + " ".join(f"{k}={_stdlib_text_value(v)}" for k, v in fields.items())
+    assert TextFormatter().format(r) == want
+
+
+def test_text_lines_with_an_exception_keep_the_traceback_before_the_fields() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        r = logging.LogRecord("kv_sidecar.x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    r.fields = {"bytes": 3}  # type: ignore[attr-defined]
+    line = TextFormatter().format(r)
+    assert line.startswith(STDLIB.format(r)) and "ValueError: boom" in line and line.endswith(" bytes=3")
+
+
+def test_the_writer_pauses_between_slices_of_records_unless_it_falls_behind() -> None:
+    """Woken with records queued, the writer takes _SLICE of them, then sleeps _PAUSE_S (the GIL goes
+    to the threads that wait for it), and so on; a backlog of _BACKLOG or more it takes without pauses."""
+    pauses: list[float] = []
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    writer = logs._Writer(records, logging.NullHandler(), sleep=pauses.append)
+    for i in range(3 * logs._SLICE + 1):
+        records.put(_record(f"r{i}"))
+    taken = [writer.dequeue(False).msg for _ in range(3 * logs._SLICE + 1)]
+    assert taken == [f"r{i}" for i in range(3 * logs._SLICE + 1)]
+    assert pauses == [logs._PAUSE_S] * 3
+
+    pauses.clear()
+    for i in range(logs._BACKLOG + 2 * logs._SLICE):
+        records.put(_record(f"b{i}"))
+    for _ in range(2 * logs._SLICE + 1):
+        writer.dequeue(False)
+    assert pauses == []  # behind: every record at once, until the backlog is below _BACKLOG
