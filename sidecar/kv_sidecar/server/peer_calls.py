@@ -8,11 +8,11 @@ into the error its own caller sees with `explain`, naming the peer and what it a
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.server.inflight import Stop
 from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
 
 T = TypeVar("T", covariant=True)
@@ -116,7 +116,7 @@ class PeerClient(Protocol):
 Connect = Callable[[str], PeerClient]
 
 
-def stoppable(future: PeerFuture[Any], stop: threading.Event, on_stop: Callable[[], Exception]) -> Any:
+def stoppable(future: PeerFuture[Any], stop: Stop, on_stop: Callable[[], Exception]) -> Any:
     """A peer call's answer, given up at once (raising on_stop()) when its pull is stopped, not at its
     deadline: a peer that hangs must not hold the pull, its engine's rank or a drain for the whole timeout."""
     while True:

@@ -17,6 +17,7 @@ from kv_sidecar.plan.chunks import ChunkGeometry, chunk_geometry
 from kv_sidecar.plan.pair import PairPlan, plan_pair
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.server.engines import spec_from_proto, spec_to_proto
+from kv_sidecar.server.inflight import Stop
 from kv_sidecar.server.peer_calls import STOP_POLL_S, Connect, PeerCallError, PeerClient, stoppable
 from kv_sidecar.server.push_runs import READERS_S
 from kv_sidecar.transport.nixl_driver import NixlDriver
@@ -245,7 +246,7 @@ class Peers:
         reader_engine: str,
         reader_spec: EngineSpec,
         timeout_s: float,
-        stop: threading.Event,
+        stop: Stop,
         on_stop: Callable[[], Exception],
         publisher: str = "",
     ) -> tuple[PeerLink, RemoteEngine]:
@@ -281,7 +282,7 @@ class Peers:
         reader_engine: str,
         reader_spec: EngineSpec,
         timeout_s: float,
-        stop: threading.Event,
+        stop: Stop,
         on_stop: Callable[[], Exception],
         publisher: str = "",
     ) -> RemoteEngine:

@@ -5,7 +5,6 @@ Shared by every pull path (server/pull.py chooses among them); knows no gRPC and
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from kv_sidecar.plan.blocks import check_pull, source_block_list
 from kv_sidecar.plan.pair import DecodeRankPlan, PairPlan
 from kv_sidecar.plan.state import check_state_pull
 from kv_sidecar.server.engines import RankEntry
-from kv_sidecar.server.inflight import stopped_error
+from kv_sidecar.server.inflight import Stop, stopped_error
 from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 # A failed pull names the blocks it left unfilled in its status message and in a trailer. Both travel
@@ -54,7 +53,7 @@ class PullJob:
     num_tokens: int
     start_token: int
     deadline: float
-    cancel: threading.Event
+    cancel: Stop
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -92,7 +91,7 @@ def build_job(
     plan: PairPlan,
     src_blocks: Sequence[int],
     num_tokens: int,
-    cancel: threading.Event,
+    cancel: Stop,
     deadline: float,
     first_token: int = 0,
 ) -> PullJob:
@@ -148,7 +147,7 @@ def build_state_job(
     plan: PairPlan,
     group: int,
     src_blocks: list[int],
-    cancel: threading.Event,
+    cancel: Stop,
     deadline: float,
 ) -> PullJob:
     """A pull of Mamba group `group`'s state block (its record's one block) into the request's one block."""
