@@ -655,16 +655,21 @@ def size_label(row: Row) -> str:
     return f"{label} past a {row.prefix}-block prefix" if row.prefix else label
 
 
+def _own_cpu(r: Row, name: str) -> list[float]:
+    """The CPU % of each sidecar of that role (one, or one per pair), their child processes left out."""
+    return [
+        v
+        for k, v in r.cpu.items()
+        if k == name or (k.startswith(f"{name} ") and not k.endswith(("children", "child")))
+    ]
+
+
 def _sidecar_cpu(r: Row, name: str) -> str:
     """A sidecar's CPU % (the busiest of that role where each pair has its own), and its child
     processes' (device_workers) where it has any."""
     kids = r.cpu.get(f"{name} children")
     busiest = r.cpu.get(f"{name} busiest child")
-    cpu = max(
-        v
-        for k, v in r.cpu.items()
-        if k == name or (k.startswith(f"{name} ") and not k.endswith(("children", "child")))
-    )
+    cpu = max(_own_cpu(r, name))
     if kids is None:
         return f"{cpu:.0f}"
     most = f", the busiest {busiest:.0f}" if busiest is not None and busiest < kids - 0.5 else ""
@@ -726,43 +731,76 @@ def _reference(tree: str) -> str:
     return "this tree" + calls if fail else "this tree"
 
 
+def cpu_ms_per_pull(r: Row, name: str) -> float | None:
+    """A sidecar's CPU per pull over the row, ms (its process and child processes; the busiest of that
+    role where each pair has its own): the work a pull costs it, which bounds pulls/s once the sidecar
+    is busy and varies less than a rate between rounds. It includes the NIXL thread's polling, which
+    costs per second, not per pull. None where the row has no such sidecar."""
+    own = _own_cpu(r, name)
+    if not own or not r.pulls:
+        return None
+    pct = max(own) + r.cpu.get(f"{name} children", 0.0)
+    return pct / 100.0 * r.wall_s / r.pulls * 1e3
+
+
+def _cpu_ratio(r: Row, b: Row, name: str) -> float | None:
+    mine, theirs = cpu_ms_per_pull(r, name), cpu_ms_per_pull(b, name)
+    return mine / theirs if mine is not None and theirs else None
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _over_rounds(v: list[float]) -> str:
+    return f"{statistics.median(v):.2f}x | {min(v):.2f}-{max(v):.2f}x" if v else "- | -"
+
+
 def ratios(rows: list[Row]) -> str:
     """Every other tree's (baseline, variants) pulls/s against this tree's, row by row (same run,
-    machine), the same kind of call against the same (Pull calls, PullBatch), round by round; with
-    --rounds, each comparison's median and range over the rounds after them: the spread that a single
-    round's ratio sits in."""
+    machine), the same kind of call against the same (Pull calls, PullBatch), round by round, with each
+    sidecar's CPU per pull (cpu_ms_per_pull); with --rounds, each comparison's median and range over the
+    rounds after them: the spread that a single round's ratio sits in."""
     rows = [r for r in rows if not r.profiled]
     by_key = {(r.tree, r.path, r.pairs, r.concurrency, r.blocks, r.round): r for r in rows}
     lines = []
-    spread: dict[tuple[str, str, str, int, int, str], list[float]] = {}
+    spread: dict[tuple[str, str, str, int, int, str], tuple[list[float], list[float], list[float]]] = {}
     for b in rows:
         if b.tree == "this tree":
             continue
         ref = _reference(b.tree)
         r = by_key.get((ref, b.path, b.pairs, b.concurrency, b.blocks, b.round))
         if r is not None and b.rate:
+            cpu_a, cpu_b = _cpu_ratio(r, b, "sidecar A"), _cpu_ratio(r, b, "sidecar B")
             lines.append(
                 f"| {r.path} | {r.pairs} | {r.concurrency} | {size_label(r)} | {ref}{_round(r)} | {b.tree} | "
                 f"{r.rate / b.rate:.2f}x | {r.pct(0.5) / b.pct(0.5) if b.pct(0.5) else 0:.2f}x | "
-                f"{r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x |"
+                f"{r.pct(0.99) / b.pct(0.99) if b.pct(0.99) else 0:.2f}x | {_x(cpu_a)} / {_x(cpu_b)} |"
             )
             key = (r.path, ref, b.tree, r.pairs, r.concurrency, size_label(r))
-            spread.setdefault(key, []).append(r.rate / b.rate)
+            rates, cpus_a, cpus_b = spread.setdefault(key, ([], [], []))
+            rates.append(r.rate / b.rate)
+            if cpu_a is not None:
+                cpus_a.append(cpu_a)
+            if cpu_b is not None:
+                cpus_b.append(cpu_b)
     if not lines:
         return ""
     head = (
-        "| path | pairs | in flight per pair | pull | this tree | against | pulls/s, this tree / it | p50 | p99 |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "| path | pairs | in flight per pair | pull | this tree | against | pulls/s, this tree / it | p50 | p99 | "
+        "CPU a pull, sidecar A / B |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = head + "\n".join(lines) + "\n"
-    if any(len(v) > 1 for v in spread.values()):
+    if any(len(v[0]) > 1 for v in spread.values()):
         body += (
-            "\nOver the rounds (pulls/s, this tree / it):\n\n"
-            "| path | pairs | in flight per pair | pull | this tree | against | rounds | median | range |\n"
-            "|---|---|---|---|---|---|---|---|---|\n"
+            "\nOver the rounds (this tree / it: pulls/s; each sidecar's CPU a pull, lower is less work):\n\n"
+            "| path | pairs | in flight per pair | pull | this tree | against | rounds | pulls/s median | range | "
+            "CPU a pull, A median | range | B median | range |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(
-                f"| {path} | {pairs} | {c} | {size} | {ref} | {other} | {len(v)} | "
-                f"{statistics.median(v):.2f}x | {min(v):.2f}-{max(v):.2f}x |"
+                f"| {path} | {pairs} | {c} | {size} | {ref} | {other} | {len(v[0])} | "
+                f"{_over_rounds(v[0])} | {_over_rounds(v[1])} | {_over_rounds(v[2])} |"
                 for (path, ref, other, pairs, c, size), v in spread.items()
             )
             + "\n"
