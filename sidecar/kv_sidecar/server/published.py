@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.blocks import check_start, source_block_list
@@ -95,6 +96,16 @@ class Published:
 
     def deadline_unix_ms(self) -> int:
         return int((time.time() + self.deadline - time.monotonic()) * 1000)
+
+
+class ReadOpen(NamedTuple):
+    """One request's open among several (`PublishedStore.open_reads`): as `open_read` takes it."""
+
+    request_id: str
+    reader: str
+    ranks: list[int]
+    sidecar_id: str  # the reader's sidecar that opens it (open_read's `reader_sidecar`)
+    at: ReaderSidecar
 
 
 # Callbacks into the engine registry: (engine_id, prefill rank, request) -> None
@@ -238,33 +249,82 @@ class PublishedStore:
         its "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
         its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
         with self._lock:
-            item = self.get_live(engine_id, request_id)
-            item.check_sources(sources or {})
-            taken_from = None
-            if item.reader is not None and item.reader != reader:
-                if not (item.reader_failed and not item.consumed_any):
-                    raise ReadByAnother(request_id, item.reader, dict(item.reader_sidecars))
-                taken_from, why, item.reader = item.reader, item.reader_failed, None
-            if item.reader is None:
-                item.reader = reader
-                item.reader_sidecars = {}
-                held = range(plan.prefill.tp_size) if item.ranks is None else item.ranks
-                item.pending = {p: set(plan.consumers_of(p)) for p in held}
-            item.reader_failed = ""  # it reads (again)
-            if reader_sidecar:
-                item.reader_sidecars[reader_sidecar] = reader_at or ReaderSidecar("", "")
-            for r in ranks:
-                if not 0 <= r < plan.decode.tp_size:
-                    raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
-            item.deadline = max(item.deadline, self._clock() + min_hold_s)
-            if taken_from is not None:
-                log.warning(
-                    "request %s of engine %s: engine %s takes it over from engine %s, %s",
-                    request_id, engine_id, reader, taken_from, why,
-                )  # fmt: skip
-                if self._on_taken_over is not None:
-                    self._on_taken_over(engine_id, request_id, taken_from)
-            return item
+            return self._open_locked(
+                engine_id, request_id, reader, plan, ranks, min_hold_s, reader_sidecar, reader_at, sources
+            )
+
+    def open_reads(
+        self,
+        engine_id: str,
+        opens: Sequence[ReadOpen],
+        plan: PairPlan,
+        min_hold_s: float,
+        sources: Mapping[int, int],
+    ) -> list[tuple[Published, list[int]] | SidecarError]:
+        """`open_read` for several requests of one engine (a staged Push of several requests), then
+        `readers_here` of each, under one hold of the lock: each one's record and the reader ranks that
+        owe this sidecar a completion for it, or what refused it (the others open all the same)."""
+        out: list[tuple[Published, list[int]] | SidecarError] = []
+        with self._lock:
+            for o in opens:
+                try:
+                    item = self._open_locked(
+                        engine_id,
+                        o.request_id,
+                        o.reader,
+                        plan,
+                        o.ranks,
+                        min_hold_s,
+                        o.sidecar_id,
+                        o.at,
+                        sources,
+                    )
+                except SidecarError as e:
+                    out.append(e)
+                    continue
+                out.append((item, self._owed(item, o.ranks)))
+        return out
+
+    def _open_locked(
+        self,
+        engine_id: str,
+        request_id: str,
+        reader: str,
+        plan: PairPlan,
+        ranks: list[int],
+        min_hold_s: float,
+        reader_sidecar: str,
+        reader_at: ReaderSidecar | None,
+        sources: Mapping[int, int] | None,
+    ) -> Published:
+        """`open_read`, with the lock held."""
+        item = self.get_live(engine_id, request_id)
+        item.check_sources(sources or {})
+        taken_from = None
+        if item.reader is not None and item.reader != reader:
+            if not (item.reader_failed and not item.consumed_any):
+                raise ReadByAnother(request_id, item.reader, dict(item.reader_sidecars))
+            taken_from, why, item.reader = item.reader, item.reader_failed, None
+        if item.reader is None:
+            item.reader = reader
+            item.reader_sidecars = {}
+            held = range(plan.prefill.tp_size) if item.ranks is None else item.ranks
+            item.pending = {p: set(plan.consumers_of(p)) for p in held}
+        item.reader_failed = ""  # it reads (again)
+        if reader_sidecar:
+            item.reader_sidecars[reader_sidecar] = reader_at or ReaderSidecar("", "")
+        for r in ranks:
+            if not 0 <= r < plan.decode.tp_size:
+                raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
+        item.deadline = max(item.deadline, self._clock() + min_hold_s)
+        if taken_from is not None:
+            log.warning(
+                "request %s of engine %s: engine %s takes it over from engine %s, %s",
+                request_id, engine_id, reader, taken_from, why,
+            )  # fmt: skip
+            if self._on_taken_over is not None:
+                self._on_taken_over(engine_id, request_id, taken_from)
+        return item
 
     def readers_here(self, item: Published, reader_ranks: list[int]) -> list[int]:
         """The reader ranks that still owe this sidecar a completion notification for `item`: those
@@ -273,7 +333,12 @@ class PublishedStore:
         those that sent theirs already (an open of such a rank is a late copy: its notification and its
         call both came, the call after its read was done)."""
         with self._lock:  # `pending` changes as notifications come
-            owed = {d for waiting in item.pending.values() for d in waiting}
+            return self._owed(item, reader_ranks)
+
+    @staticmethod
+    def _owed(item: Published, reader_ranks: list[int]) -> list[int]:
+        """`readers_here`, with the lock held."""
+        owed = {d for waiting in item.pending.values() for d in waiting}
         return [r for r in reader_ranks if r in owed]
 
     def read_failed(self, engine_id: str, request_id: str, reader: str) -> None:

@@ -22,6 +22,7 @@ the holder named in the map its leader returned at handshake (docs/multinode.md)
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -264,11 +265,7 @@ class Puller:
                 (("kvsidecar-unfilled-blocks", trailer),),
             ) from None
         elapsed = time.perf_counter() - start
-        ok = self._metrics.pull_ok(path)
-        ok.pulls.inc()
-        ok.bytes.inc(nbytes)
-        ok.duration.observe(elapsed)
-        ok.throughput.observe(nbytes / elapsed if elapsed > 0 else 0)
+        after.append(functools.partial(self._metrics.pull_ok(path).moved, nbytes, elapsed))
         after.append(self._transfers.end_pull(track, nbytes, path, "ok"))
         return engine_pb2.PullResponse(bytes=nbytes, duration_us=int(elapsed * 1e6), path=path)
 

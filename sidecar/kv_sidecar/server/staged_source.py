@@ -475,13 +475,18 @@ class StagedSource:
                 continue
             items.append(item)
         if not refusals:
-            for i, m in enumerate(req.members):
-                if m.HasField("open"):
-                    try:
-                        items[i] = self._open_checked(m.open, plan, peer, on_gpu)
-                        _check_member_tokens(m, items[i])  # the record opened (published again since?)
-                    except SidecarError as e:
-                        refusals.append((i, e))
+            with_open = [i for i, m in enumerate(req.members) if m.HasField("open")]
+            path = PATH_STAGED if on_gpu else PATH_HOST_RING
+            opened = self._reads.open_group([req.members[i].open for i in with_open], plan, peer, path)
+            for i, got in zip(with_open, opened, strict=True):
+                if isinstance(got, SidecarError):
+                    refusals.append((i, got))
+                    continue
+                items[i] = got
+                try:
+                    _check_member_tokens(req.members[i], got)  # the record opened (published again since?)
+                except SidecarError as e:
+                    refusals.append((i, e))
         if refusals:
             raise member_refusals(refusals)
         spans = sp.member_spans([m.num_tokens - m.start_token for m in req.members], bd)

@@ -82,28 +82,36 @@ class TransferTracker:
     def end_pull(
         self, t: Transfer, nbytes: int, path: str, outcome: str, error: str = ""
     ) -> Callable[[], None]:
-        """Count the pull as ended now; returns what logs it, which a pull runs after its answer."""
+        """Count the pull as ended now; returns what logs it, which a pull runs after its answer (its
+        fields are put together there too: ~5 us a pull that a PullBatch's answer waited for)."""
         duration = t.elapsed()
         t.bytes, t.path = nbytes, path
         with self._lock:
             self._inflight.pop(id(t), None)
             self._record("pull", outcome == "ok", nbytes, duration)
-        fields = {
-            "event": "pull",
-            "request_id": t.request_id,
-            "engine_id": t.engine_id,
-            "source_engine": t.remote_engine,
-            "peer": t.peer,
-            "bytes": nbytes,
-            "path": path,
-            "duration_ms": round(duration * 1000, 3),
-            "gbps": round(nbytes / duration / 1e9, 6) if duration > 0 else 0.0,
-            "outcome": outcome,
-        }
-        if error:
-            fields["error"] = error
-        level = logging.INFO if outcome == "ok" else logging.WARNING
-        return lambda: log.log(level, "pull finished", extra={"fields": fields})
+
+        def record() -> None:
+            fields = {
+                "event": "pull",
+                "request_id": t.request_id,
+                "engine_id": t.engine_id,
+                "source_engine": t.remote_engine,
+                "peer": t.peer,
+                "bytes": nbytes,
+                "path": path,
+                "duration_ms": round(duration * 1000, 3),
+                "gbps": round(nbytes / duration / 1e9, 6) if duration > 0 else 0.0,
+                "outcome": outcome,
+            }
+            if error:
+                fields["error"] = error
+            log.log(
+                logging.INFO if outcome == "ok" else logging.WARNING,
+                "pull finished",
+                extra={"fields": fields},
+            )
+
+        return record
 
     # -- served reads (prefill side) -----------------------------------------
     def begin_serve(
