@@ -8,16 +8,20 @@ from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.chunks import chunk_geometry
 from kv_sidecar.plan.pair import plan_pair
 from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.server.engines import spec_from_proto
+from kv_sidecar.server.identity import Identity
 from kv_sidecar.server.peers import Holder, RemoteEngine
 from kv_sidecar.server.routing import (
     MAX_DONES,
     DoneReads,
+    Opener,
     by_holder,
     depends_on,
     done_messages,
     holders_needed,
 )
 from kv_sidecar.transport import notifications as n
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 from ..e2e.conftest import spec_dict
 
@@ -136,3 +140,22 @@ def test_a_pull_whose_holders_cannot_be_named_leaves_the_others_done_notificatio
     assert agent == "leader"
     assert [r[1] for r in n.parse_done_batch(msg) or [] if r is not None] == ["r1", "r2"]
     assert "no done notification for request 'bad'" in caplog.text
+
+
+def test_an_open_a_push_carries_leaves_the_reader_spec_to_its_push() -> None:
+    """A staged Push names the reader's spec once for every request it opens; an OpenRead (a call or a
+    notification, which a member sidecar of a multi-node engine may get without a handshake) names it."""
+    remote = _remote({}, {}, {0: LEADER})
+    opener = Opener(Identity("reader", "10.0.0.9:50061"), None, None, None)  # type: ignore[arg-type]
+    req = engine_pb2.PullRequest(
+        engine_id="d", params=common_pb2.TransferParams(engine_id="p", request_id="r")
+    )
+    sent, carried = opener.request(remote, req, [0]), opener.request(remote, req, [0], pushed=True)
+    assert spec_from_proto(sent.reader_spec) == remote.plan.decode and not carried.HasField("reader_spec")
+    sent.ClearField("reader_spec")
+    assert sent == carried and carried.plan_hash == remote.plan.hash() and list(carried.reader_ranks) == [0]
+    assert (carried.request_id, carried.reader_engine_id, carried.reader_address) == (
+        "r",
+        "d",
+        "10.0.0.9:50061",
+    )

@@ -21,7 +21,7 @@ from kv_sidecar.server.inflight import Stop
 from kv_sidecar.server.peer_calls import STOP_POLL_S, Connect, PeerCallError, PeerClient, stoppable
 from kv_sidecar.server.push_runs import READERS_S
 from kv_sidecar.transport.nixl_driver import NixlDriver
-from kv_sidecar_client._proto.kvsidecar.v1 import peer_pb2
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,10 @@ class RemoteEngine:
     memory_kind: str
     # prefill rank -> its sidecar; the leader for every rank of a one-node engine
     holders: dict[int, Holder] = field(default_factory=dict)
-    # The fields every OpenRead of this engine pair shares (server/routing.py: Opener.request).
+    # The fields every OpenRead of this engine pair shares, and the reader's spec that those sent as
+    # calls or notifications carry (server/routing.py: Opener.request).
     open_template: peer_pb2.OpenReadRequest | None = None
+    open_spec: common_pb2.EngineSpec | None = None
     # The peer takes Pushes of several requests (PushRequest.members; server/staged_reader.py); v2: also
     # members that start past token 0 (PushMember.start_token), and decode blocks a multiple of its own.
     push_members: bool = False

@@ -372,7 +372,7 @@ class Puller:
                     remote,
                     pushed.local[0],
                     rplan.reads[0].prefill_rank,
-                    open_msg=self._opener.request(remote, req, ranks),
+                    open_msg=self._opener.request(remote, req, ranks, pushed=True),
                 )
                 after.append(DoneNotices(self.send_done, req, remote, pushed))
                 return nbytes, _ring_path(pushed)

@@ -138,19 +138,23 @@ class Opener:
         return Opening(self, remote, holders, req, reader_ranks)
 
     def request(
-        self, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int]
+        self, remote: RemoteEngine, req: engine_pb2.PullRequest, reader_ranks: list[int], pushed: bool = False
     ) -> peer_pb2.OpenReadRequest:
-        """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push."""
-        if remote.open_template is None:  # what every open of this engine pair says (~20-40 us to build)
+        """What opens the request for these reader ranks: sent as OpenRead, or carried by a staged Push
+        (`pushed`). A carried open leaves out the reader's spec, which its Push names once (the source
+        plans with the Push's, however many requests the Push opens)."""
+        if remote.open_template is None or remote.open_spec is None:  # ~20-40 us to build
+            remote.open_spec = spec_to_proto(remote.plan.decode)  # first: a template is read with it
             remote.open_template = peer_pb2.OpenReadRequest(
                 sidecar_id=self.me.sidecar_id,
                 # Where the source may ask whether this sidecar still runs (server/gone_readers.py).
                 reader_address=self.me.peer_address,
                 plan_hash=remote.plan.hash(),
-                reader_spec=spec_to_proto(remote.plan.decode),
             )
         msg = peer_pb2.OpenReadRequest()
         msg.CopyFrom(remote.open_template)
+        if not pushed:  # a member sidecar of a multi-node engine plans from it (it saw no handshake)
+            msg.reader_spec.CopyFrom(remote.open_spec)
         msg.engine_id = req.params.engine_id
         msg.request_id = req.params.request_id
         msg.reader_engine_id = req.engine_id
