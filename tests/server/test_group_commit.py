@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kv_sidecar.server.group_commit import GroupCommit
+from kv_sidecar.server.group_commit import GroupCommit, _Done
 
 
 def test_alone_an_item_runs_at_once_by_itself() -> None:
@@ -113,3 +113,16 @@ def test_an_item_stopped_while_it_waits_leaves_the_queue_at_once() -> None:
         release.set()
         assert first.result(10) == 0 and other.result(10) == 2
     assert groups == [[0], [2]]  # the stopped item never ran
+
+
+def test_a_waiter_woken_from_another_thread_at_any_moment_of_its_wait_wakes() -> None:
+    """Its news set before, while or after its thread makes the Event it waits on: the wait ends at
+    once, never at its timeout."""
+    for delay in [0.0, 1e-6, 1e-5, 1e-4, 1e-3] * 40:
+        done = _Done()
+        t = threading.Timer(delay, done.set)
+        t.start()
+        start = time.monotonic()
+        assert done.wait(2.0)
+        assert time.monotonic() - start < 1.0 and done.is_set()
+        t.join()

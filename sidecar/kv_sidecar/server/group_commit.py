@@ -21,12 +21,43 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+class _Done:
+    """A waiter's news (it leads, or its outcome is in): a flag, and a threading.Event made only when its
+    thread must wait for it. A PullBatch's staged members are finished on the thread that runs their
+    group and never wait: an Event each was ~3 % of the decode sidecar's GIL samples (py-spy, 2x H200).
+    One thread waits on a waiter, its own; `set` comes from another."""
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float) -> bool:
+        if self._set:
+            return True
+        if self._event is None:
+            self._event = threading.Event()
+            if self._set:  # set while the event was made: `set` found none to wake
+                return True
+        return self._event.wait(timeout)
+
+
 class Waiter(Generic[T, R]):
     """One item in a key's queue, and what its thread waits for: the lead of a group, or its outcome."""
 
     def __init__(self, item: T) -> None:
         self.item = item
-        self.done = threading.Event()
+        self.done = _Done()
         self.outcome: R | BaseException | None = None
         self.lead: list[Waiter[T, R]] | None = None  # handed the lead of this group
 
