@@ -24,7 +24,8 @@ R = TypeVar("R")
 class _Done:
     """A waiter's news (it leads, or its outcome is in): a flag, and a threading.Event made only when its
     thread must wait for it. A PullBatch's staged members are finished on the thread that runs their
-    group and never wait: an Event each was ~3 % of the decode sidecar's GIL samples (py-spy, 2x H200).
+    group and never wait: an Event each was a few per cent of the decode sidecar's GIL samples (py-spy,
+    2x H200).
     One thread waits on a waiter, its own; `set` comes from another."""
 
     __slots__ = ("_event", "_set")

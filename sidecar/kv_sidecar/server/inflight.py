@@ -35,8 +35,8 @@ class PullTicket:
     them for a retry until the lease runs out.
 
     Not a threading.Event: nothing waits on a ticket (a pull looks at it between its steps, a peer call
-    each time its poll wakes), and an Event's Condition was ~4 % of the decode sidecar's GIL time in
-    PullBatches of 16 (py-spy on 2x H200, 2026-11-30).
+    each time its poll wakes), and making an Event (and its Condition) for each was a few per cent of
+    the decode sidecar's GIL samples in PullBatches of 16 (py-spy on 2x H200, 2026-11-30).
     """
 
     def __init__(self, engine_id: str, request_id: str, ranks: Iterable[int] = ()) -> None:
