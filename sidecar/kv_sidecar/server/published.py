@@ -248,10 +248,9 @@ class PublishedStore:
         request over from a reader whose read ended here (`read_failed`, `reader_gone`) before any of
         its "consumed" events fired: a decode instance that died mid-pull leaves the request to the one
         its router retries it on, not lost until its lease runs out. Else raises ReadByAnother."""
+        o = ReadOpen(request_id, reader, ranks, reader_sidecar, reader_at or ReaderSidecar("", ""))
         with self._lock:
-            return self._open_locked(
-                engine_id, request_id, reader, plan, ranks, min_hold_s, reader_sidecar, reader_at, sources
-            )
+            return self._open_locked(engine_id, o, plan, min_hold_s, sources)
 
     def open_reads(
         self,
@@ -268,17 +267,7 @@ class PublishedStore:
         with self._lock:
             for o in opens:
                 try:
-                    item = self._open_locked(
-                        engine_id,
-                        o.request_id,
-                        o.reader,
-                        plan,
-                        o.ranks,
-                        min_hold_s,
-                        o.sidecar_id,
-                        o.at,
-                        sources,
-                    )
+                    item = self._open_locked(engine_id, o, plan, min_hold_s, sources)
                 except SidecarError as e:
                     out.append(e)
                     continue
@@ -288,16 +277,13 @@ class PublishedStore:
     def _open_locked(
         self,
         engine_id: str,
-        request_id: str,
-        reader: str,
+        o: ReadOpen,
         plan: PairPlan,
-        ranks: list[int],
         min_hold_s: float,
-        reader_sidecar: str,
-        reader_at: ReaderSidecar | None,
         sources: Mapping[int, int] | None,
     ) -> Published:
         """`open_read`, with the lock held."""
+        request_id, reader, ranks, reader_sidecar = o.request_id, o.reader, o.ranks, o.sidecar_id
         item = self.get_live(engine_id, request_id)
         item.check_sources(sources or {})
         taken_from = None
@@ -312,7 +298,7 @@ class PublishedStore:
             item.pending = {p: set(plan.consumers_of(p)) for p in held}
         item.reader_failed = ""  # it reads (again)
         if reader_sidecar:
-            item.reader_sidecars[reader_sidecar] = reader_at or ReaderSidecar("", "")
+            item.reader_sidecars[reader_sidecar] = o.at
         for r in ranks:
             if not 0 <= r < plan.decode.tp_size:
                 raise SidecarError(Code.INVALID_ARGUMENT, f"reader rank {r} out of range")
