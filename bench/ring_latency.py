@@ -28,6 +28,9 @@ row of issue 32 with one batch in flight: pulls/s = N / the call's time); the ro
 the sidecar columns the slowest member's. Calls of the two trees alternate one by one, as pulls do: a
 comparison of traced or separate runs read 0.83x where this reads 1.0x (docs/benchmarks.md,
 twenty-eighth session).
+--aa: a third set of sidecars running this tree ("again"), its calls in turn with the other two, and
+the ratios new / old and new / again: two copies of one tree differed by up to 8 % on gpu-direct rows
+(docs/benchmarks.md, twenty-ninth session), so a ratio means something only beside its A/A.
 """
 
 from __future__ import annotations
@@ -92,6 +95,12 @@ def main() -> int:
     ap.add_argument("--old-args", default="", help="extra `serve` flags for the old tree's sidecars")
     ap.add_argument("--new-args", default="", help="extra `serve` flags for this tree's sidecars")
     ap.add_argument("--batch", type=int, default=0, help="each call a PullBatch of N pulls (0: Pull calls)")
+    ap.add_argument(
+        "--aa",
+        action="store_true",
+        help="also a second set of this tree's sidecars ('again'), its calls in turn with the others': "
+        "the spread between two copies of one tree, in the same run",
+    )
     args = ap.parse_args()
     spec = GPU_SPEC if args.gpu else SPEC
     ring_bytes = args.ring_bytes or (0 if args.gpu else 8 << 20)
@@ -107,12 +116,15 @@ def main() -> int:
         trees = {"old": args.baseline_tree or baseline.export(args.baseline), "new": None}
     elif args.old_args:
         trees = {"old": None, "new": None}  # this tree twice, with different flags
+    if args.aa:
+        trees["again"] = None  # this tree's sidecars once more: what two copies of one tree differ by
+    flags = {"old": args.old_args, "new": args.new_args, "again": args.new_args}
     env_of = {k: (baseline.env(t) if t else {}) | {"OMP_NUM_THREADS": "1"} for k, t in trees.items()}
     jobs = [(k, role) for k in trees for role in (("p",) if args.local else ("p", "d"))]
     starts = [
         lambda j=j: SidecarProcess(
             f"ring-{j[0]}-{j[1]}",
-            extra=extra + getattr(args, f"{j[0]}_args").split(),
+            extra=extra + flags[j[0]].split(),
             env=env_of[j[0]],
             start_timeout_s=180,
         )
@@ -153,7 +165,11 @@ def main() -> int:
                 # Each member its own destination blocks (a batch's members never share one).
                 spread = rng.permutation(spec.num_blocks)[: members * n].tolist()
                 dst = [spread[m * n : (m + 1) * n] for m in range(members)]
-                order = list(trees) if i % 2 else list(reversed(list(trees)))
+                names = list(trees)  # the trees' calls in turn, each tree first as often as the others
+                if len(names) == 2:
+                    order = names if i % 2 else names[::-1]
+                else:
+                    order = names[i % len(names) :] + names[: i % len(names)]
                 for k in order:
                     pub = clients[(k, "p")]
                     params = [pub.publish(f"{k}-p", f"r{next(seq)}", s, n * spec.block_size) for s in src]
@@ -208,6 +224,16 @@ def main() -> int:
             f"| {n} | {k} | {statistics.median(w) * 1e3:.3f} | {pct(w, 0.9) * 1e3:.3f} | "
             f"{statistics.median(s) * 1e3:.3f} | {pct(s, 0.9) * 1e3:.3f} |"
         )
+    if len(trees) > 2 or args.aa:
+        print("\n| blocks | ratio | engine wall p50 | sidecar p50 |\n|---|---|---|---|")
+        for n in sorted({n for _, n in results}):
+            for a, b in (("new", "old"), ("new", "again")):
+                if (a, n) in results and (b, n) in results:
+                    ra, rb = results[(a, n)], results[(b, n)]
+                    print(
+                        f"| {n} | {a} / {b} | {statistics.median(ra['wall']) / statistics.median(rb['wall']):.3f}x | "
+                        f"{statistics.median(ra['side']) / statistics.median(rb['side']):.3f}x |"
+                    )
     return 0
 
 
