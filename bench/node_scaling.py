@@ -734,8 +734,8 @@ def _reference(tree: str) -> str:
 def cpu_ms_per_pull(r: Row, name: str) -> float | None:
     """A sidecar's CPU per pull over the row, ms (its process and child processes; the busiest of that
     role where each pair has its own): the work a pull costs it, which bounds pulls/s once the sidecar
-    is busy and varies less than a rate between rounds. It includes the NIXL thread's polling, which
-    costs per second, not per pull. None where the row has no such sidecar."""
+    is busy (on the CPU machine it varied between rounds as the rate did). It includes the NIXL thread's
+    polling, which costs per second, not per pull. None where the row has no such sidecar."""
     own = _own_cpu(r, name)
     if not own or not r.pulls:
         return None
