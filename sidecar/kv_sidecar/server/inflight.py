@@ -52,9 +52,6 @@ class PullTicket:
     def is_set(self) -> bool:
         return self._set
 
-    def set(self) -> None:
-        self._set = True
-
     def stop(self, reason: str, release_source: bool) -> None:
         if not self._set:
             self.reason, self.release_source = reason, release_source

@@ -156,10 +156,11 @@ class SourceReads:
         )
 
     def open_for_reader(
-        self, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str, reads_next: bool = True
+        self, request: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, path: str
     ) -> Published:
-        """`plan`: the (source, reader) plan named by request.plan_hash, already resolved by the caller.
-        `reads_next`: the reader READs next (not a Push's open, after which this sidecar WRITEs)."""
+        """An OpenRead, after which the reader READs: `plan`, the (source, reader) plan named by
+        request.plan_hash, already resolved by the caller. The opens a staged Push carries, after which
+        this sidecar WRITEs, go through `open_pushed`."""
         ranks, held = self._registered(request.engine_id, plan)
         item = self._published.open_read(
             request.engine_id,
@@ -175,22 +176,20 @@ class SourceReads:
             held,
         )
         served = self._published.readers_here(item, list(request.reader_ranks))
-        if served and reads_next:
-            self._pin(request, ranks, held, served, item)
         if served:
+            self._pin(request, ranks, held, served, item)
             self._serve(item, request.reader_engine_id, peer, served, plan, path)
-        if reads_next:  # its READs complete only once our NIXL worker answers their flush
-            self._nixl.wake()
+        self._nixl.wake()  # its READs complete only once our NIXL worker answers their flush
         return item
 
-    def open_group(
+    def open_pushed(
         self, opens: Sequence[peer_pb2.OpenReadRequest], plan: PairPlan, peer: str, path: str
     ) -> list[Published | SidecarError]:
-        """`open_for_reader` (reads_next False: this sidecar WRITEs) for the opens that a staged Push of
-        several requests carries, all of its engine and reader (checked by the caller): the engine's
-        ranks looked up once and the records opened under one hold of the store's lock, not one of each
-        per request (~45 us a request on a GPU source, 16 of them before the batch's first gather).
-        Each open's record, or what refused it."""
+        """The opens that a staged Push carries (one, or its members'), all of its engine and reader
+        (checked by the caller), opened as `open_for_reader` opens one, less what a READ needs (this
+        sidecar WRITEs): the engine's ranks looked up once and the records opened under one hold of the
+        store's lock, not one of each per request (~45 us a request on a GPU source, 16 of them before
+        a batch's first gather). Each open's record, or what refused it."""
         if not opens:
             return []
         engine_id = opens[0].engine_id

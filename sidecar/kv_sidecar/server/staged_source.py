@@ -401,7 +401,10 @@ class StagedSource:
         Push's reader and plan, and the token count the reader planned its slots for; then it opens the
         request exactly as OpenRead does."""
         self._check_open(req, request_id, o, planned_tokens)
-        return self._open_checked(o, plan, peer, on_gpu)
+        (opened,) = self._open_checked([o], plan, peer, on_gpu)
+        if isinstance(opened, SidecarError):
+            raise opened
+        return opened
 
     def _check_open(
         self, req: peer_pb2.PushRequest, request_id: str, o: peer_pb2.OpenReadRequest, planned_tokens: int
@@ -427,10 +430,11 @@ class StagedSource:
         return item
 
     def _open_checked(
-        self, o: peer_pb2.OpenReadRequest, plan: PairPlan, peer: str, on_gpu: bool
-    ) -> Published:
+        self, opens: list[peer_pb2.OpenReadRequest], plan: PairPlan, peer: str, on_gpu: bool
+    ) -> list[Published | SidecarError]:
+        """The opens a Push carries, checked: each one's record, or what refused it."""
         path = PATH_STAGED if on_gpu else PATH_HOST_RING
-        return self._reads.open_for_reader(o, plan, peer, path, reads_next=False)
+        return self._reads.open_pushed(opens, plan, peer, path)
 
     def _members(
         self, req: peer_pb2.PushRequest, plan: PairPlan, peer: str, on_gpu: bool, source: Mapping[int, int]
@@ -476,8 +480,7 @@ class StagedSource:
             items.append(item)
         if not refusals:
             with_open = [i for i, m in enumerate(req.members) if m.HasField("open")]
-            path = PATH_STAGED if on_gpu else PATH_HOST_RING
-            opened = self._reads.open_group([req.members[i].open for i in with_open], plan, peer, path)
+            opened = self._open_checked([req.members[i].open for i in with_open], plan, peer, on_gpu)
             for i, got in zip(with_open, opened, strict=True):
                 if isinstance(got, SidecarError):
                     refusals.append((i, got))
