@@ -28,6 +28,8 @@ row of issue 32 with one batch in flight: pulls/s = N / the call's time); the ro
 the sidecar columns the slowest member's. Calls of the two trees alternate one by one, as pulls do: a
 comparison of traced or separate runs read 0.83x where this reads 1.0x (docs/benchmarks.md,
 twenty-eighth session).
+--pin N: each sidecar process on N cores of its own and this process on the rest, so that where the
+scheduler puts the sidecars' threads stops varying between calls and runs.
 --aa: a third set of sidecars running this tree ("again"), its calls in turn with the other two, and
 the ratios new / old and new / again: two copies of one tree differed by up to 8 % on gpu-direct rows
 (docs/benchmarks.md, twenty-ninth session), so a ratio means something only beside its A/A.
@@ -48,7 +50,7 @@ import baseline
 from gpu_latency import HOST_MODEL, MODEL
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.procs import SidecarProcess, together
+from kv_sidecar.refengine.procs import SidecarProcess, pin_tasks, together
 from kv_sidecar_client import BatchPull, SidecarClient
 
 # bench/gpu_latency.py's ranks: --host's 32 KiB blocks (4 layers, 2 heads, head_dim 64, bf16, 16 tokens)
@@ -101,6 +103,14 @@ def main() -> int:
         help="also a second set of this tree's sidecars ('again'), its calls in turn with the others': "
         "the spread between two copies of one tree, in the same run",
     )
+    ap.add_argument(
+        "--pin",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each sidecar process on N cores of its own, this process (both engines) on the rest "
+        "(0: where the scheduler puts them)",
+    )
     args = ap.parse_args()
     spec = GPU_SPEC if args.gpu else SPEC
     ring_bytes = args.ring_bytes or (0 if args.gpu else 8 << 20)
@@ -131,6 +141,7 @@ def main() -> int:
         for j in jobs
     ]
     procs = dict(zip(jobs, together(*starts), strict=True))
+    pinned = pin_apart(list({id(sc): sc for sc in procs.values()}.values()), args.pin) if args.pin else ""
     if args.local:  # both engines on the one sidecar of each tree
         procs.update({(k, "d"): procs[(k, "p")] for k in trees})
     shapes = spec.rank_tensor_shapes()
@@ -214,7 +225,7 @@ def main() -> int:
         f"{'one sidecar' if args.local else 'two sidecars' if path == 'host-nixl' else 'rings ' + (f'{ring_bytes} B' if ring_bytes else 'default')}"
         f"{f' / {args.slots} slots' if args.slots and not args.local else ''}, {args.iters} {'calls' if args.batch else 'pulls'} per row, "
         f"{f'PullBatches of {args.batch}, ' if args.batch else ''}{args.idle:g} s idle after each, "
-        f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}"
+        f"load {os.getloadavg()[0]:.1f}{f'; old = {ref}' if ref else ''}{pinned}"
     )
     print("| blocks | tree | engine wall p50 ms | p90 ms | sidecar p50 ms | sidecar p90 ms |")
     print("|---|---|---|---|---|---|")
@@ -235,6 +246,20 @@ def main() -> int:
                         f"{statistics.median(ra['side']) / statistics.median(rb['side']):.3f}x |"
                     )
     return 0
+
+
+def pin_apart(procs: list[SidecarProcess], n: int) -> str:
+    """Each sidecar process on `n` cores of its own, from the last ones up, and this process on the
+    rest; what was done, for the table's heading."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n * len(procs) + 2 > len(cpus):
+        raise SystemExit(
+            f"--pin {n}: {len(procs)} sidecars need {n * len(procs)} of {len(cpus)} cores and 2 left"
+        )
+    for k, sc in enumerate(procs):
+        sc.pin(cpus[len(cpus) - n * (k + 1) : len(cpus) - n * k])
+    pin_tasks(os.getpid(), cpus[: len(cpus) - n * len(procs)])
+    return f"; each sidecar on {n} cores of its own, the engines on {len(cpus) - n * len(procs)}"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -266,6 +266,13 @@ def use_fork_server(on: bool = True) -> None:
     _fork_server = _ForkServer() if on else None
 
 
+def pin_tasks(pid: int, cpus: Collection[int]) -> None:
+    """`sched_setaffinity` for each thread of process `pid` (it sets one thread's alone)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
 class _Proc:
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -321,6 +328,11 @@ class _Proc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def pin(self, cpus: Collection[int]) -> None:
+        """Run the process on `cpus` only (Linux): every thread it has now, and so every thread and
+        process they start later, which inherit it. A benchmark's processes on cores of their own."""
+        pin_tasks(self.proc.pid, cpus)
 
     @property
     def alive(self) -> bool:
