@@ -366,6 +366,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="each engine call a PullBatch of N pulls")
     ap.add_argument("--sidecar-args", default="", help="more `kv-sidecar serve` options for both sidecars")
     ap.add_argument(
+        "--spans",
+        default="",
+        help="more functions to trace on both sidecars, comma-separated module:qualname "
+        "(e.g. kv_sidecar.dataplane.receive:_Credits.add)",
+    )
+    ap.add_argument(
         "--idle", type=float, default=0.002, help="seconds between pulls (1.5: each after a quiet second)"
     )
     args = ap.parse_args()
@@ -383,6 +389,7 @@ def main() -> int:
         + ((GPU_DIRECT if args.local else GPU_DETAIL) if args.gpu else [])
         + (BATCH if args.batch and k == "decode" else [])
         + (WORKER if workers_on else [])
+        + [x for x in args.spans.split(",") if x]
         for k, v in SPANS.items()
     }
     tree = baseline.export(args.baseline) if args.baseline else None
