@@ -192,6 +192,25 @@ def main() -> int:
         lambda: gpu.copy_request(view, dview, heads, ids, ids, tokens),
     )
     add("ids upload, pageable, on a stream", lambda: gpu._upload_ids(ids, ids, dev, s))
+    # The ids here are one run (0..n-1): since 2026-11-30 a copy reads them from the device's 0..n-1
+    # table. The same copy with the run not looked for uploads them, as every copy did before.
+    add("ids in a row, views of the device's table", lambda: gpu._device_ids(ids, ids, dev, s))
+
+    def no_run(ids: np.ndarray) -> int | None:
+        return None
+
+    def uploaded_copy() -> None:
+        run_start, gpu._run_start = gpu._run_start, no_run
+        try:
+            gpu.copy_request(view, dview, heads, ids, ids, tokens)
+        finally:
+            gpu._run_start = run_start
+
+    add("gpu-direct copy on the default stream, ids uploaded (whole)", uploaded_copy)
+    add(
+        "gpu-direct copy on the default stream, ids in a row (whole)",
+        lambda: gpu.copy_request(view, dview, heads, ids, ids, tokens),
+    )
 
     def pinned() -> torch.Tensor:
         host = torch.empty(2 * len(ids), dtype=torch.int32, pin_memory=True)

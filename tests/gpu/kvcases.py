@@ -186,6 +186,20 @@ def block_ids(c: Case, seed: int) -> tuple[list[int], list[int]]:
     return src_ids, dst_ids
 
 
+def run_ids(c: Case, seed: int, runs: str) -> tuple[list[int], list[int]]:
+    """Block ids of which the sides named in `runs` ("src", "dst", "both") are one ascending run, as
+    blocks allocated in a row are: from a random start (up to the last block), the others random."""
+    rng = np.random.default_rng(seed)
+    src_ids, dst_ids = block_ids(c, seed)
+    if runs in ("src", "both"):
+        first = int(rng.integers(0, c.src.num_blocks - len(src_ids) + 1))
+        src_ids = list(range(first, first + len(src_ids)))
+    if runs in ("dst", "both"):
+        first = int(rng.integers(0, c.dst.num_blocks - len(dst_ids) + 1))
+        dst_ids = list(range(first, first + len(dst_ids)))
+    return src_ids, dst_ids
+
+
 def reference(
     c: Case,
     srcs: dict[int, list[torch.Tensor]],

@@ -14,6 +14,8 @@ from typing import Any
 import kvcases as kc
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kv_sidecar.execute import gpu_geometry as geo
 from kv_sidecar.plan.blocks import dst_block_count
@@ -107,6 +109,68 @@ def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool)
         assert kc.bitwise_equal(g, w)
 
 
+@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
+@pytest.mark.parametrize("runs", ["src", "dst", "both"])
+def test_ids_that_run_in_a_row_copy_as_uploaded_ones(name: str, runs: str) -> None:
+    """A side whose ids are one ascending run reads them from the device's 0..n-1 table instead of an
+    upload (`_device_ids`): the copy lands bit for bit as the host executor's, runs ending at the last
+    block included."""
+    pytest.importorskip("triton")
+    from kv_sidecar.execute import gpu
+
+    c = kc.case(name)
+    srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}
+    before = kc.random_tensors(c.dst, 7)
+    for seed in range(3):
+        src_ids, dst_ids = kc.run_ids(c, seed, runs)
+        want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
+        out = [t.clone() for t in before]
+        dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)
+        written = 0
+        for r in c.reads:
+            sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
+            written += gpu.copy_request(
+                sview, dview, r.heads, src_ids, dst_ids, c.num_tokens, c.start_token, interpret=True
+            )
+        assert written == want_bytes
+        for g, w in zip(out, want, strict=True):
+            assert kc.bitwise_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "from_table"),
+    [
+        ([7], [3], (True, True)),
+        ([4, 5, 6, 7], np.array([9, 10], dtype=np.int64), (True, True)),
+        ([4, 6, 5, 7], [2, 3], (False, True)),  # first and last a run apart, not a run
+        ([1, 2], [3, 1], (True, False)),
+        ([2, 1], [5, 5], (False, False)),
+        ([], [0, 1, 2], (False, True)),
+    ],
+)
+def test_only_ids_out_of_a_row_are_uploaded(
+    src: Any, dst: Any, from_table: tuple[bool, bool], fresh_gpu: Any
+) -> None:
+    gpu = fresh_gpu
+    dev = torch.device("cpu")
+    got = gpu._device_ids(src, dst, dev, None)
+    table = gpu._state.arange(dev, 1)
+    for ids, want, from_t in zip(got, (src, dst), from_table, strict=True):
+        assert ids.dtype == torch.int32 and ids.tolist() == list(want)
+        shares = ids.numel() > 0 and ids.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+        assert shares == from_t
+
+
+@given(st.lists(st.integers(0, 40), max_size=8), st.booleans())
+def test_a_run_is_found_exactly(ids: list[int], as_run: bool) -> None:
+    from kv_sidecar.execute import gpu
+
+    if as_run and ids:
+        ids = list(range(ids[0], ids[0] + len(ids)))
+    is_run = bool(ids) and ids == list(range(ids[0], ids[0] + len(ids)))
+    assert gpu._run_start(np.asarray(ids, dtype=np.int64)) == (ids[0] if is_run else None)
+
+
 @pytest.fixture
 def fresh_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     """kv_sidecar.execute.gpu with empty template caches: earlier tests' geometries could reach a
@@ -195,12 +259,14 @@ def test_empty_and_prefix_only_requests_launch_nothing() -> None:
     ["", "whole"],
     ids=["ids-uploaded-here", "ids-uploaded-ahead"],
 )
+@pytest.mark.parametrize("runs", [False, True], ids=["random-ids", "ids-in-a-row"])
 def test_staged_chunks_in_interpreter_match_host_executor(
-    name: str, blocks_per_chunk: int, ahead: str
+    name: str, blocks_per_chunk: int, ahead: str, runs: bool
 ) -> None:
     """The staged path's copies (validated once, one launch per chunk) through a 2-slot ring:
     gather each chunk in the reader's layout into a slot, scatter it out, reuse the slots. `ahead`:
-    the gather's ids come uploaded, as a source's published request's do."""
+    the gather's ids come uploaded, as a source's published request's do; `runs`: both sides' ids
+    are runs, read from the device's 0..n-1 table."""
     pytest.importorskip("triton")
     from kv_sidecar.dataplane.staged_protocol import plan_chunks
     from kv_sidecar.execute import gpu
@@ -208,7 +274,7 @@ def test_staged_chunks_in_interpreter_match_host_executor(
     c = kc.case(name)
     srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}
     before = kc.random_tensors(c.dst, 7)
-    src_ids, dst_ids = kc.block_ids(c, 3)
+    src_ids, dst_ids = kc.run_ids(c, 3, "both") if runs else kc.block_ids(c, 3)
     want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
     out = [t.clone() for t in before]
     dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)

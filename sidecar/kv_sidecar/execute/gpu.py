@@ -36,6 +36,7 @@ _WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # most _MAX_TEMPLATES. Past a bound the templates are computed again (~0.1 ms each).
 _MAX_GEOMETRIES = 64
 _MAX_TEMPLATES = 1024
+_MAX_RUNS = 4096  # kept views of id runs (`_DeviceState.run`)
 
 
 class HasDataPtr(Protocol):
@@ -131,6 +132,8 @@ class _DeviceState:
         self._templates: dict[tuple[Any, ...], dict[tuple[int, int], _Template]] = {}
         self._direct: dict[tuple[Any, ...], _Template] = {}
         self._aranges: dict[str, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # outgrown aranges (each at most half the next)
+        self._runs: dict[tuple[str, int, int], torch.Tensor] = {}
         self._streams: dict[str, Any] = {}
 
     def anchor(self, device: torch.device, width: int) -> torch.Tensor:
@@ -193,12 +196,28 @@ class _DeviceState:
         with self._lock:
             table = self._aranges.get(key)
             if table is None or table.numel() < n:
+                if table is not None:
+                    # Launches queued on any stream may still read it: never handed back to the allocator.
+                    self._retired.append(table)
                 table = torch.arange(max(1024, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
                 if device.type == "cuda":
                     # Readers on any stream may use it from now on: wait for it once, here.
                     torch.cuda.current_stream(device).synchronize()
                 self._aranges[key] = table
         return table[:n]
+
+    def run(self, device: torch.device, first: int, n: int) -> torch.Tensor:
+        """int32 first..first+n-1 on the device: a view of the arange table, kept (a view costs
+        microseconds to make, and the same runs, one-block pulls' above all, come back)."""
+        key = (str(device), first, n)
+        view = self._runs.get(key)
+        if view is None:
+            view = self.arange(device, first + n)[first:]
+            with self._lock:
+                if len(self._runs) >= _MAX_RUNS:
+                    self._runs.clear()
+                self._runs[key] = view
+        return view
 
 
 @dataclass
@@ -359,9 +378,43 @@ def prepare_request(
     grid = (triton_cdiv(n_chunks, la.rows), la.planes)
     if grid[0] > 2**31 - 1 or grid[1] > 65535:
         raise PlanError(f"request too large for one launch (grid {grid})")
-    tables = (*tpl.tables, *_upload_ids(src_block_ids, dst_block_ids, dev, stream))
+    tables = (*tpl.tables, *_device_ids(src_block_ids, dst_block_ids, dev, stream))
     nbytes = (num_tokens - start_token) * tpl.bytes_per_token
     return PreparedCopy(la, dev, tpl.anchor, tables, nbytes, interpret, stream, tpl.pending())
+
+
+def _run_start(ids: np.ndarray) -> int | None:
+    """ids[0] where the ids are one ascending run (ids[i] == ids[0] + i), else None."""
+    n = ids.size
+    if n == 0:
+        return None
+    first = int(ids[0])
+    if first < 0 or int(ids[-1]) - first != n - 1:
+        return None
+    if n > 2 and not bool((np.diff(ids) == 1).all()):
+        return None
+    return first
+
+
+def _device_ids(
+    src_block_ids: BlockIds, dst_block_ids: BlockIds, dev: torch.device, stream: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both id lists as int32 on `dev`. A side whose ids are one ascending run (one block, or blocks
+    allocated in a row) is a view of the device's 0..n-1 table, already there: no upload, which is
+    ~0.1 ms of a lone one-block pull (docs/benchmarks.md, thirtieth session). The others go up in
+    one copy on `stream` (`_upload_ids`)."""
+    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    s0, d0 = _run_start(src), _run_start(dst)
+    if s0 is None and d0 is None:
+        return _upload_ids(src, dst, dev, stream)
+    if s0 is not None and d0 is not None:
+        return _state.run(dev, s0, src.size), _state.run(dev, d0, dst.size)
+    up_src, up_dst = _upload_ids(src if s0 is None else (), dst if d0 is None else (), dev, stream)
+    return (
+        up_src if s0 is None else _state.run(dev, s0, src.size),
+        up_dst if d0 is None else _state.run(dev, d0, dst.size),
+    )
 
 
 def _upload_ids(
@@ -453,7 +506,9 @@ def warm_copy(src: GpuRankView, dst: GpuRankView, heads: tuple[int, int] | None,
     la = plan_launch(src, dst, nh, s_h0, d_h0, 1, 0, 0, 0)
     # Only the tables' dtype and alignment count here: the destination's stands for both.
     table = _state.layer_table(dev, la.width, dst.layer_ptrs)
-    ids = _state.arange(dev, 1)
+    # Sized for every block id of both ranks now, so that no pull's ids that form a run
+    # (`_device_ids`) grow it, and wait for it, on its way.
+    ids = _state.arange(dev, max(src.spec.num_blocks, dst.spec.num_blocks))
     pointers = (_state.anchor(dev, la.width), table, table, ids, ids)
     return gpu_kernels.launch.warm(device, pointers, la.args, la.constexprs, la.num_warps)
 
@@ -604,7 +659,7 @@ class StagedCopies:
                 up.record_stream(self.stream)
             self._ids = up
         else:
-            self._ids, _ = _upload_ids(ids, (), self.device, self.stream)
+            self._ids, _ = _device_ids(ids, (), self.device, self.stream)
         self._other_streams: set[Any] = set()
 
     def chunk_bytes(self, t0: int, t1: int) -> int:
