@@ -188,15 +188,19 @@ def block_ids(c: Case, seed: int) -> tuple[list[int], list[int]]:
 
 def run_ids(c: Case, seed: int, runs: str) -> tuple[list[int], list[int]]:
     """Block ids of which the sides named in `runs` ("src", "dst", "both") are one ascending run, as
-    blocks allocated in a row are: from a random start (up to the last block), the others random."""
+    blocks allocated in a row are, the others random: seed 0, runs that end at the last block; other
+    seeds, runs from a random start."""
     rng = np.random.default_rng(seed)
     src_ids, dst_ids = block_ids(c, seed)
+
+    def run(num_blocks: int, n: int) -> list[int]:
+        first = num_blocks - n if seed == 0 else int(rng.integers(0, num_blocks - n + 1))
+        return list(range(first, first + n))
+
     if runs in ("src", "both"):
-        first = int(rng.integers(0, c.src.num_blocks - len(src_ids) + 1))
-        src_ids = list(range(first, first + len(src_ids)))
+        src_ids = run(c.src.num_blocks, len(src_ids))
     if runs in ("dst", "both"):
-        first = int(rng.integers(0, c.dst.num_blocks - len(dst_ids) + 1))
-        dst_ids = list(range(first, first + len(dst_ids)))
+        dst_ids = run(c.dst.num_blocks, len(dst_ids))
     return src_ids, dst_ids
 
 

@@ -83,18 +83,21 @@ def test_row_chunks() -> None:
 
 
 @pytest.mark.parametrize("name", [c.name for c in kc.CASES])
-@pytest.mark.parametrize("as_arrays", [False, True], ids=["lists", "int64-arrays"])
-def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool) -> None:
-    """The server hands the executors int64 arrays (pull.py `_job`); engines and tests, lists."""
+@pytest.mark.parametrize("ids", ["lists", "int64-arrays", "src-run", "dst-run", "both-runs"])
+def test_kernel_in_interpreter_matches_host_executor(name: str, ids: str) -> None:
+    """The server hands the executors int64 arrays (pull.py `_job`); engines and tests, lists. A side
+    whose ids are one ascending run (here ending at the last block) reads them from the device's 0..n-1
+    table instead of an upload (`_device_ids`)."""
     pytest.importorskip("triton")
     from kv_sidecar.execute import gpu
 
     c = kc.case(name)
     srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}
     before = kc.random_tensors(c.dst, 7)
-    src_ids, dst_ids = kc.block_ids(c, 3)
+    runs = {"src-run": "src", "dst-run": "dst", "both-runs": "both"}.get(ids)
+    src_ids, dst_ids = kc.run_ids(c, 0, runs) if runs else kc.block_ids(c, 3)
     want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
-    if as_arrays:
+    if ids == "int64-arrays":
         src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
     out = [t.clone() for t in before]
     dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)
@@ -107,34 +110,6 @@ def test_kernel_in_interpreter_matches_host_executor(name: str, as_arrays: bool)
     assert written == want_bytes
     for g, w in zip(out, want, strict=True):
         assert kc.bitwise_equal(g, w)
-
-
-@pytest.mark.parametrize("name", [c.name for c in kc.CASES])
-@pytest.mark.parametrize("runs", ["src", "dst", "both"])
-def test_ids_that_run_in_a_row_copy_as_uploaded_ones(name: str, runs: str) -> None:
-    """A side whose ids are one ascending run reads them from the device's 0..n-1 table instead of an
-    upload (`_device_ids`): the copy lands bit for bit as the host executor's, runs ending at the last
-    block included."""
-    pytest.importorskip("triton")
-    from kv_sidecar.execute import gpu
-
-    c = kc.case(name)
-    srcs = {r: kc.random_tensors(c.src, 100 + r) for r in c.src_ranks()}
-    before = kc.random_tensors(c.dst, 7)
-    for seed in range(3):
-        src_ids, dst_ids = kc.run_ids(c, seed, runs)
-        want, want_bytes = kc.reference(c, srcs, before, src_ids, dst_ids)
-        out = [t.clone() for t in before]
-        dview = gpu.gpu_rank_view(c.dst, c.dst_rank, out, 0)
-        written = 0
-        for r in c.reads:
-            sview = gpu.gpu_rank_view(c.src, r.src_rank, srcs[r.src_rank], 0)
-            written += gpu.copy_request(
-                sview, dview, r.heads, src_ids, dst_ids, c.num_tokens, c.start_token, interpret=True
-            )
-        assert written == want_bytes
-        for g, w in zip(out, want, strict=True):
-            assert kc.bitwise_equal(g, w)
 
 
 @pytest.mark.parametrize(
