@@ -519,6 +519,24 @@ def recover(nodes: list[Node], split: SplitEngine, tally: Tally) -> list[str]:
     return rows
 
 
+class _CutShort(Exception):
+    """SIGTERM, e.g. a `timeout` that ran out before the run's end: it stops and says what it saw."""
+
+
+def _cut_short(signum: int, frame: object) -> None:
+    raise _CutShort
+
+
+def _kill_all(nodes: list[Node], split: SplitEngine) -> None:
+    """Every process of the run, at once (no orderly stop: the time is up)."""
+    for node in nodes:
+        for engine in (node.prefill, node.decode):
+            engine.proc.kill()
+        node.sidecar.kill()
+    for proc in (split.rank0, split.rank1, split.leader, split.member):
+        proc.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=180)
@@ -546,20 +564,36 @@ def main() -> int:
     chaos_thread.start()
     watch = threading.Thread(target=_watch, args=(nodes, split, tally, stop), daemon=True)
     watch.start()
-    time.sleep(args.seconds)
-    chaos.stop.set()
-    chaos_thread.join(60)
-    stop.set()
-    for t in threads:
-        t.join(PULL_TIMEOUT_S * 2 + ANSWER_MARGIN_S * 2)
-    wall = time.monotonic() - t0
-    rows = recover(nodes, split, tally)
-    codes = []
-    for node in nodes:
-        for engine in (node.prefill, node.decode):
-            engine.proc.stop()
-        codes.append(node.sidecar.stop(30))
-    codes += split.close()
+    # A `timeout` that runs out sends SIGTERM: the report of what was seen until then still comes out.
+    signal.signal(signal.SIGTERM, _cut_short)
+    try:
+        time.sleep(args.seconds)
+        chaos.stop.set()
+        chaos_thread.join(60)
+        stop.set()
+        for t in threads:
+            t.join(PULL_TIMEOUT_S * 2 + ANSWER_MARGIN_S * 2)
+        wall = time.monotonic() - t0
+        rows = recover(nodes, split, tally)
+        codes = []
+        for node in nodes:
+            for engine in (node.prefill, node.decode):
+                engine.proc.stop()
+            codes.append(node.sidecar.stop(30))
+        codes += split.close()
+    except _CutShort:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the run at once
+        wall = time.monotonic() - t0
+        chaos.stop.set()
+        stop.set()
+        _kill_all(nodes, split)
+        body = _section(args, wall, tally, ["not run: the run was cut short (SIGTERM)"])
+        print(
+            f"{body}\n\nCut short by SIGTERM after {wall:.0f} s: the rows are the pulls until then; "
+            "docs/benchmarks.md was left alone.",
+            flush=True,
+        )
+        return 2
     if any(codes):
         tally.fault(f"sidecar exit codes at the end: {codes} (0 expected)")
     body = _section(args, wall, tally, rows)
