@@ -384,10 +384,11 @@ def prepare_request(
 
 
 def _run_start(ids: np.ndarray) -> int | None:
-    """ids[0] where the ids are one ascending run (ids[i] == ids[0] + i), else None."""
+    """ids[0] where the ids are one ascending run (ids[i] == ids[0] + i), else None; 0 for no ids
+    (nothing to upload either)."""
     n = ids.size
     if n == 0:
-        return None
+        return 0
     first = int(ids[0])
     if first < 0 or int(ids[-1]) - first != n - 1:
         return None
@@ -400,9 +401,10 @@ def _device_ids(
     src_block_ids: BlockIds, dst_block_ids: BlockIds, dev: torch.device, stream: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both id lists as int32 on `dev`. A side whose ids are one ascending run (one block, or blocks
-    allocated in a row) is a view of the device's 0..n-1 table, already there: no upload, which is
-    ~0.1 ms of a lone one-block pull (docs/benchmarks.md, thirtieth session). The others go up in
-    one copy on `stream` (`_upload_ids`)."""
+    allocated in a row) is a view of the device's 0..n-1 table, already there, not an upload: pulls
+    in flight together then no longer wait for each other's uploads (16 one-block gpu-direct Pull
+    calls in flight 1.31x the pulls/s; a lone pull did not gain: docs/benchmarks.md, thirtieth
+    session). The others go up in one copy on `stream` (`_upload_ids`)."""
     src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     s0, d0 = _run_start(src), _run_start(dst)
