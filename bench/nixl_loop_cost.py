@@ -12,7 +12,7 @@ reports per row: the lane's time per unit (its slowdown against the driver idle)
 polls per second and the process's CPU. Rows: the driver idle (no poller: it waits 2 ms between
 polls), then busy with one poller at several poll periods.
 
-    python bench/nixl_loop_cost.py [--seconds 3] [--unit-us 50] [--periods 0,5,20,100]
+    PYTHONPATH=sidecar:client python bench/nixl_loop_cost.py [--seconds 3] [--unit-us 50] [--periods 0,5,20,100]
 
 Needs nixl (no GPU). Medians of --repeats runs per row.
 """
@@ -25,9 +25,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sidecar"))
 
 from kv_sidecar.transport.nixl_driver import NixlDriver
 
