@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,6 +151,100 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
         assert changed_outside(DST, before, dst.tensors, dst_ids) == []
         src_plane.detach(src_key)
         dst_plane.detach(dst_key)
+
+
+def _staged(
+    src_plane: DataPlane, dst_plane: DataPlane, src: ShmKVCache, dst: ShmKVCache
+) -> tuple[Any, Send, list[int], Any]:
+    """A one-chunk staged transfer of 64 tokens set up on both planes, nothing sent: the reader's
+    Reception, the source's Send, the reader's blocks and the logical KV the source holds."""
+    src_ids, dst_ids, num_tokens = [4, 5, 6, 7], [3, 11], 64
+    logical = logical_kv(SRC, num_tokens, seed=3)
+    fill_request(SRC, 0, src.tensors, src_ids, logical)
+    src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
+    src_plane.attach_host(src_key, SRC, shm_tensors(src.handles()))
+    dst_plane.attach_host(dst_key, DST, shm_tensors(dst.handles()))
+    heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
+    tid = sp.new_transfer_id()
+    tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, 0)
+    rx = dst_plane.receive(Receive(dst_key, DST, heads, tokens, "plane-src", tid), _Until(10))
+    assert rx is not None
+    slots = rx.slots
+    per_chunk = src_plane.blocks_per_chunk(src_key, DST, [slots.slot_bytes] * len(slots.addresses))
+    chunks = tuple(sp.plan_chunks(0, num_tokens, DST.block_size, per_chunk))
+    assert len(chunks) == 1
+    job = Send(
+        src_key,
+        DST,
+        0,
+        heads,
+        ("prefill", "r1"),
+        tuple(src_ids),
+        num_tokens,
+        0,
+        chunks,
+        tid,
+        "plane-dst",
+        slots.metadata,
+        tuple((a, slots.slot_bytes) for a in slots.addresses),
+        slots.device_id,
+        deadline=_Until(10)._deadline,
+    )
+    return rx, job, dst_ids, logical
+
+
+def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
+    planes: tuple[DataPlane, DataPlane],
+) -> None:
+    """Chunks are scattered on the NIXL thread as they are heard (dataplane/receive.py); one heard while
+    the reader still makes its copies waits for them."""
+    src_plane, dst_plane = planes
+    with (
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        before = [t.clone() for t in dst.tensors]
+        rx, job, dst_ids, logical = _staged(src_plane, dst_plane, src, dst)
+        sent = src_plane.send(job).run(_Until(10))  # the whole transfer, before the reader prepares
+        assert sent.chunks == 1
+        halt = _Until(10)
+        while not rx._early:  # its notification, heard by the reader's NIXL thread
+            halt.remaining()
+            time.sleep(0.005)
+        assert changed_outside(DST, before, dst.tensors, []) == []  # nothing scattered yet
+        rx.prepare()
+        while not rx.wait(min(0.05, halt.remaining())):
+            pass
+        rx.close(quiet=True)
+        assert rx.nbytes == sent.nbytes
+        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
+        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+
+
+def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
+    planes: tuple[DataPlane, DataPlane],
+) -> None:
+    """A notification that breaks the protocol fails the transfer (its `wait` raises it) and stops the
+    scatters: a good chunk heard after it, or after `close`, writes nothing."""
+    src_plane, dst_plane = planes
+    with (
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        before = [t.clone() for t in dst.tensors]
+        rx, job, _, _ = _staged(src_plane, dst_plane, src, dst)
+        rx.prepare()
+        (t0, t1) = job.chunks[0]
+        chunk = sp.chunk_notif(job.transfer_id, 0, 1, 0, t0, t1)
+        rx._heard("another-agent", chunk)
+        with pytest.raises(sp.ProtocolError, match="unexpected notification .* from another-agent"):
+            rx.wait(1.0)
+        rx._heard("plane-src", chunk)  # the right chunk from the right agent, too late
+        assert changed_outside(DST, before, dst.tensors, []) == []
+        rx.close(quiet=True)
+        rx._heard("plane-src", chunk)
+        assert changed_outside(DST, before, dst.tensors, []) == []
+        assert rx.nbytes == 0
 
 
 def test_a_local_copy_and_its_refusals(planes: tuple[DataPlane, DataPlane]) -> None:

@@ -2,6 +2,11 @@
 as its notification arrives, and the credits that give slots back (docs/gpu.md says how the protocol
 flows). The control side (server/staged_reader.py) asks the source to send, through the Push, and
 drives `Reception.wait` until the request is complete.
+
+A chunk's scatter is launched on the NIXL thread, in the notification's listener, not handed to the
+thread that waits: there, each credit waited for the NIXL thread to get the interpreter between that
+thread's launches, and left 0.3 ms after its scatter ended in a traced 1 GiB pull (2x H200,
+docs/benchmarks.md, thirtieth session), while the source waited for it to WRITE again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, Poller
 log = logging.getLogger(__name__)
 
 _POKE = object()  # inbox marker: something the control side waits for happened (its Push call ended)
+_COMPLETE = object()  # inbox marker: the last chunk's scatter is launched
 
 
 class _Credits:
@@ -117,6 +123,12 @@ class Reception:
         # Put from the NIXL thread: a Mailbox is a few C calls a hand-off, no Python Condition.
         self._inbox: Mailbox[Any] = Mailbox()
         self.nbytes = 0
+        # Chunks are scattered on the NIXL thread (`_heard`); held while one is, so that `close` knows
+        # none is launched after it returns. `_early`: chunks heard before `prepare` made the copies.
+        self._lock = threading.Lock()
+        self._ended = False  # closed, or a chunk failed: no scatter is launched any more
+        self._early: list[tuple[str, bytes]] = []
+        self._synchronized = False
         t = job.tokens
         try:
             self._slots = ring.pool.acquire(
@@ -133,7 +145,7 @@ class Reception:
             lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
         )
         self._prefix = sp.prefix(job.transfer_id)
-        self._nixl.listen(self._prefix, lambda a, m: self._inbox.put((a, m)))
+        self._nixl.listen(self._prefix, self._heard)
         try:
             rank = ranks.gpu(job.dst) if ranks.is_gpu(job.dst) else ranks.host(job.dst)
             self._held.enter_context(rank.in_use())  # its memory stays until the last scatter ends
@@ -193,8 +205,7 @@ class Reception:
             )
             host.first = t.start_token // job.spec.block_size
             copies = host
-        self._copies = copies
-        self._credits = _Credits(
+        credits = _Credits(
             self._state,
             copies.ready,
             ring,
@@ -204,14 +215,50 @@ class Reception:
             self._inbox,
             self._nixl.resume,
         )
-        self._nixl.add_poller(self._credits.poll)
+        self._nixl.add_poller(credits.poll)
+        with self._lock:
+            self._copies, self._credits = copies, credits
+            early, self._early = self._early, []
+            for sender, msg in early:  # heard while the copies were being made: scattered now
+                self._scatter_locked(sender, msg)
+
+    def _heard(self, sender: str, msg: bytes) -> None:
+        """A chunk's notification (the NIXL thread): scatter it now, or once `prepare` is done."""
+        with self._lock:
+            if self._ended:
+                return
+            if self._copies is None:
+                self._early.append((sender, msg))
+                return
+            self._scatter_locked(sender, msg)
+
+    def _scatter_locked(self, sender: str, msg: bytes) -> None:
+        """Launch a chunk's scatter and hand its slot to the credits; with `_lock` held. What fails
+        the transfer goes to `wait`, and no later chunk is scattered."""
+        copies, credits, state = self._copies, self._credits, self._state
+        assert copies is not None and credits is not None
+        try:
+            parsed = sp.parse_notif(msg)
+            if sender != self._job.source_agent or parsed is None or parsed[1] != sp.CHUNK:
+                raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {sender}")
+            index, count, slot, t0, t1 = parsed[2]
+            state.arrive(index, count, slot, t0, t1)
+            marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._slots[slot]))
+            self.nbytes += moved
+            credits.add(marker, slot)
+            if state.complete:
+                self._inbox.put(_COMPLETE)
+        except BaseException as e:
+            self._ended = True
+            self._inbox.put(e)
 
     def wait(self, timeout_s: float) -> bool:
-        """Scatter the next chunk that arrives within `timeout_s`; True once every chunk is in the
-        engine's blocks. Returns early (False) when poked; raises what broke the transfer."""
-        state, copies = self._state, self._copies
+        """Wait up to `timeout_s` for the transfer to complete (its chunks are scattered as they arrive);
+        True once every chunk is in the engine's blocks. Returns early (False) when poked or when the
+        time is up; raises what broke the transfer."""
+        copies = self._copies
         assert copies is not None and self._credits is not None, "prepare() first"
-        if state.complete:
+        if self._synchronized:
             return True
         try:
             item = self._inbox.get(timeout=timeout_s)
@@ -221,19 +268,10 @@ class Reception:
             return False
         if isinstance(item, BaseException):
             raise item
-        sender, msg = item
-        parsed = sp.parse_notif(msg)
-        if sender != self._job.source_agent or parsed is None or parsed[1] != sp.CHUNK:
-            raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {sender}")
-        index, count, slot, t0, t1 = parsed[2]
-        state.arrive(index, count, slot, t0, t1)
-        marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._slots[slot]))
-        self.nbytes += moved
-        self._credits.add(marker, slot)
-        if state.complete:
-            copies.synchronize()  # every byte is in the engine's blocks before the pull answers
-            return True
-        return False
+        assert item is _COMPLETE
+        copies.synchronize()  # every byte is in the engine's blocks before the pull answers
+        self._synchronized = True
+        return True
 
     def poke(self) -> None:
         """Wake a `wait` (any thread)."""
@@ -258,9 +296,11 @@ class Reception:
         QUARANTINE_S with False; with no `settles` (nothing will say), QUARANTINE_S from now. So a
         transfer given up while its source hangs ends at once, its slots held back meanwhile."""
         try:
+            with self._lock:  # a scatter being launched on the NIXL thread is launched when this returns
+                self._ended = True
             if self._credits is not None:
                 self._credits.close()
-            if self._copies is not None and not self._state.complete:
+            if self._copies is not None and not self._synchronized:
                 self._copies.synchronize()  # no scatter of ours may still write after a failed pull returns
         finally:
             self._held.close()
