@@ -237,7 +237,7 @@ def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
         (t0, t1) = job.chunks[0]
         chunk = sp.chunk_notif(job.transfer_id, 0, 1, 0, t0, t1)
         rx._heard("another-agent", chunk)
-        with pytest.raises(sp.ProtocolError, match="unexpected notification .* from another-agent"):
+        with pytest.raises(sp.ProtocolError, match=r"unexpected notification .* from another-agent"):
             rx.wait(1.0)
         rx._heard("plane-src", chunk)  # the right chunk from the right agent, too late
         assert changed_outside(DST, before, dst.tensors, []) == []

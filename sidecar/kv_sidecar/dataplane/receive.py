@@ -193,9 +193,10 @@ class Reception:
                 t.start_token,
                 into_staging=False,
             )
-            # The first chunk's launch template, before its notification: it lands in the first slot
-            # offered, as large as a slot holds (a source with smaller slots sends smaller chunks,
-            # whose template is then computed on arrival).
+            # The first chunk's launch template and kernel, before its notification (the NIXL thread
+            # launches the scatters: a compile there would hold every transfer's polls): it lands in
+            # the first slot offered, as large as a slot holds (a source with smaller slots sends
+            # smaller chunks, whose template is then computed on arrival; their kernel is the same).
             t1 = min(t.num_tokens, t.start_token + self._blocks_per_slot * job.spec.block_size)
             staged.prepare(t.start_token, t1, ring.slot_address(self._slots[0]))
             copies: GpuCopies | HostCopies = GpuCopies(staged)

@@ -669,14 +669,23 @@ class StagedCopies:
         return staging_bytes(self.staging_spec, dst_block_count(self.staging_spec.block_size, t1, t0))
 
     def prepare(self, t0: int, t1: int, slot_address: int) -> None:
-        """Compute the template of a chunk ahead of its launch (a reader waiting for its first chunk)."""
-        self._template_for(dst_block_count(self.staging_spec.block_size, t1, t0), slot_address)
-
-    def launch(self, t0: int, t1: int, slot_address: int, stream: torch.cuda.Stream | None = None) -> int:
-        """Enqueue the copy of tokens [t0, t1) between the engine and the slot at `slot_address`;
-        returns the bytes it writes. On a GPU it goes on the transfer's stream unless `stream` is given."""
+        """Ready a chunk's launch ahead of it (a reader waiting for its first chunk): its template, and
+        its kernel compiled if no launch compiled it yet, so that the launches, which the reader makes on
+        its NIXL thread, never wait for the compiler there (every chunk of a transfer runs one kernel:
+        only the ints differ, on which it is not specialised)."""
         from kv_sidecar.execute import gpu_kernels
 
+        tpl, args, _, ids = self._launch_args(t0, t1, slot_address)
+        if not self.interpret:
+            la = tpl.la
+            gpu_kernels.launch.warm(
+                self.engine.device, (tpl.anchor, *tpl.tables, *ids), args, la.constexprs, la.num_warps
+            )
+
+    def _launch_args(
+        self, t0: int, t1: int, slot_address: int
+    ) -> tuple[_Template, tuple[int, ...], tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """A chunk's template, ints, grid and id tables."""
         bd = self.staging_spec.block_size
         if not (t0 % bd == 0 and self.start_token <= t0 < t1 <= self.num_tokens):
             raise PlanError(
@@ -689,6 +698,15 @@ class StagedCopies:
         args = (n_chunks, t0, *firsts, *la.args[4:])
         grid = (triton_cdiv(n_chunks, la.rows), la.planes)
         ids = (self._ids, self._stage_ids) if self.into_staging else (self._stage_ids, self._ids)
+        return tpl, args, grid, ids
+
+    def launch(self, t0: int, t1: int, slot_address: int, stream: torch.cuda.Stream | None = None) -> int:
+        """Enqueue the copy of tokens [t0, t1) between the engine and the slot at `slot_address`;
+        returns the bytes it writes. On a GPU it goes on the transfer's stream unless `stream` is given."""
+        from kv_sidecar.execute import gpu_kernels
+
+        tpl, args, grid, ids = self._launch_args(t0, t1, slot_address)
+        la = tpl.la
         nbytes = (t1 - t0) * tpl.bytes_per_token
         if self.interpret:
             gpu_kernels.interpreted(gpu_kernels.kv_copy_kernel)[grid](
