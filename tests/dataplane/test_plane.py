@@ -17,6 +17,7 @@ import torch
 
 from kv_sidecar.config import Settings
 from kv_sidecar.dataplane import staged_protocol as sp
+from kv_sidecar.dataplane.chunk_copies import HostCopies
 from kv_sidecar.dataplane.jobs import (
     LocalCopy,
     RankKey,
@@ -193,11 +194,21 @@ def _staged(
     return rx, job, dst_ids, logical
 
 
+@pytest.fixture(params=["waiting thread", "NIXL thread"])
+def scatters_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where a reader scatters its chunks: host copies on the thread that waits, copies that only
+    enqueue (GPU) on the NIXL thread. Host copies stand in for the latter here (no GPU on CI): the
+    reader's bookkeeping is the same, only the copy's thread differs."""
+    if request.param == "NIXL thread":
+        monkeypatch.setattr(HostCopies, "enqueues", True)
+    return str(request.param)
+
+
 def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
-    planes: tuple[DataPlane, DataPlane],
+    planes: tuple[DataPlane, DataPlane], scatters_on: str
 ) -> None:
-    """Chunks are scattered on the NIXL thread as they are heard (dataplane/receive.py); one heard while
-    the reader still makes its copies waits for them."""
+    """A chunk heard while the reader still makes its copies waits for them; then a GPU reader's NIXL
+    thread scatters it without `wait`, and a host reader's copy waits for `wait`, on its own thread."""
     src_plane, dst_plane = planes
     with (
         ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
@@ -213,6 +224,13 @@ def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
             time.sleep(0.005)
         assert changed_outside(DST, before, dst.tensors, []) == []  # nothing scattered yet
         rx.prepare()
+        if scatters_on == "NIXL thread":
+            while check_request(DST, 0, dst.tensors, dst_ids, logical, 0):
+                halt.remaining()
+                time.sleep(0.005)
+        else:
+            time.sleep(0.1)
+            assert changed_outside(DST, before, dst.tensors, []) == []
         while not rx.wait(min(0.05, halt.remaining())):
             pass
         rx.close(quiet=True)
@@ -222,7 +240,7 @@ def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
 
 
 def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
-    planes: tuple[DataPlane, DataPlane],
+    planes: tuple[DataPlane, DataPlane], scatters_on: str
 ) -> None:
     """A notification that breaks the protocol fails the transfer (its `wait` raises it) and stops the
     scatters: a good chunk heard after it, or after `close`, writes nothing."""
@@ -240,6 +258,7 @@ def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
         with pytest.raises(sp.ProtocolError, match=r"unexpected notification .* from another-agent"):
             rx.wait(1.0)
         rx._heard("plane-src", chunk)  # the right chunk from the right agent, too late
+        assert not rx.wait(0.05)
         assert changed_outside(DST, before, dst.tensors, []) == []
         rx.close(quiet=True)
         rx._heard("plane-src", chunk)

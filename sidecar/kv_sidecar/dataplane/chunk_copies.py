@@ -24,6 +24,8 @@ from kv_sidecar.plan.spec import EngineSpec
 class GpuCopies:
     """Chunk copies on the transfer's CUDA stream; each launch's marker is a CUDA event on it."""
 
+    enqueues = True  # `launch` returns once the copy is queued: a reader launches it on its NIXL thread
+
     def __init__(self, staged: gpu.StagedCopies) -> None:
         self.staged = staged
         self.stream = staged.stream
@@ -44,6 +46,8 @@ class GpuCopies:
 
 class HostCopies:
     """The same chunk copies with the host executor (synchronous: a marker is always ready)."""
+
+    enqueues = False  # `launch` copies the bytes: a reader's NIXL thread would wait for them
 
     def __init__(
         self,

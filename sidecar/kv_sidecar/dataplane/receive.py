@@ -3,10 +3,12 @@ as its notification arrives, and the credits that give slots back (docs/gpu.md s
 flows). The control side (server/staged_reader.py) asks the source to send, through the Push, and
 drives `Reception.wait` until the request is complete.
 
-A chunk's scatter is launched on the NIXL thread, in the notification's listener, not handed to the
-thread that waits: there, each credit waited for the NIXL thread to get the interpreter between that
-thread's launches, and left 0.3 ms after its scatter ended in a traced 1 GiB pull (2x H200,
-docs/benchmarks.md, thirtieth session), while the source waited for it to WRITE again.
+A chunk's scatter into GPU memory is launched on the NIXL thread, in the notification's listener, not
+handed to the thread that waits: there, each credit waited for the NIXL thread to get the interpreter
+between that thread's launches, while the source waited for it to WRITE again (a staged PullBatch of
+16 x 64 MiB took 0.89x the time on the NIXL thread: docs/benchmarks.md, thirty-first session). A scatter
+into host memory is a copy that takes the time of its bytes, so it stays on the waiting thread: on the
+NIXL thread it would hold every other transfer's polls and run one at a time.
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ class Reception:
         # Put from the NIXL thread: a Mailbox is a few C calls a hand-off, no Python Condition.
         self._inbox: Mailbox[Any] = Mailbox()
         self.nbytes = 0
-        # Chunks are scattered on the NIXL thread (`_heard`); held while one is, so that `close` knows
-        # none is launched after it returns. `_early`: chunks heard before `prepare` made the copies.
+        # GPU scatters are launched on the NIXL thread (`_heard`); held while one is, so that `close`
+        # knows none is launched after it returns. `_early`: chunks heard before `prepare` made the copies.
         self._lock = threading.Lock()
         self._ended = False  # closed, or a chunk failed: no scatter is launched any more
         self._early: list[tuple[str, bytes]] = []
+        self._on_nixl_thread = False  # set by `prepare`: launches that only enqueue (GPU) are made there
         self._synchronized = False
         t = job.tokens
         try:
@@ -219,23 +222,37 @@ class Reception:
         self._nixl.add_poller(credits.poll)
         with self._lock:
             self._copies, self._credits = copies, credits
+            self._on_nixl_thread = copies.enqueues
             early, self._early = self._early, []
-            for sender, msg in early:  # heard while the copies were being made: scattered now
-                self._scatter_locked(sender, msg)
+            for sender, msg in early:  # heard while the copies were being made: taken now
+                self._take_locked(sender, msg)
 
     def _heard(self, sender: str, msg: bytes) -> None:
-        """A chunk's notification (the NIXL thread): scatter it now, or once `prepare` is done."""
+        """A chunk's notification (the NIXL thread): taken now, or once `prepare` is done."""
         with self._lock:
             if self._ended:
                 return
             if self._copies is None:
                 self._early.append((sender, msg))
                 return
-            self._scatter_locked(sender, msg)
+            self._take_locked(sender, msg)
 
-    def _scatter_locked(self, sender: str, msg: bytes) -> None:
-        """Launch a chunk's scatter and hand its slot to the credits; with `_lock` held. What fails
-        the transfer goes to `wait`, and no later chunk is scattered."""
+    def _take_locked(self, sender: str, msg: bytes) -> None:
+        """Scatter a chunk here (GPU: a launch), or hand it to `wait` (host: a copy); with `_lock` held.
+        Here, what fails the transfer goes to `wait`."""
+        if not self._on_nixl_thread:
+            self._inbox.put((sender, msg))
+            return
+        try:
+            if self._scatter(sender, msg):
+                self._inbox.put(_COMPLETE)
+        except BaseException as e:
+            self._inbox.put(e)
+
+    def _scatter(self, sender: str, msg: bytes) -> bool:
+        """Scatter a chunk and hand its slot to the credits; True once the last one is. On the NIXL
+        thread with `_lock` held, or on the waiting thread (host copies). What it raises ends the
+        transfer: no later chunk is scattered."""
         copies, credits, state = self._copies, self._credits, self._state
         assert copies is not None and credits is not None
         try:
@@ -247,16 +264,16 @@ class Reception:
             marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._slots[slot]))
             self.nbytes += moved
             credits.add(marker, slot)
-            if state.complete:
-                self._inbox.put(_COMPLETE)
-        except BaseException as e:
+            return state.complete
+        except BaseException:
             self._ended = True
-            self._inbox.put(e)
+            raise
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the transfer to complete (its chunks are scattered as they arrive);
-        True once every chunk is in the engine's blocks. Returns early (False) when poked or when the
-        time is up; raises what broke the transfer."""
+        """Wait up to `timeout_s` for the transfer to complete (GPU: its chunks are scattered as they
+        arrive; host: the next chunk that arrives is copied here); True once every chunk is in the
+        engine's blocks. Returns early (False) when poked, when the time is up or after a host chunk
+        that is not the last; raises what broke the transfer."""
         copies = self._copies
         assert copies is not None and self._credits is not None, "prepare() first"
         if self._synchronized:
@@ -269,7 +286,8 @@ class Reception:
             return False
         if isinstance(item, BaseException):
             raise item
-        assert item is _COMPLETE
+        if item is not _COMPLETE and not self._scatter(*item):  # a host chunk, copied on this thread
+            return False
         copies.synchronize()  # every byte is in the engine's blocks before the pull answers
         self._synchronized = True
         return True
