@@ -104,36 +104,10 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
         for t in dst.tensors:
             t.view(torch.uint8).fill_(0xA5)
         before = [t.clone() for t in dst.tensors]
-        src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
-        assert src_plane.attach_host(src_key, SRC, shm_tensors(src.handles())).kind == "DRAM"
-        dst_plane.attach_host(dst_key, DST, shm_tensors(dst.handles()))
-
-        heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
-        tid = sp.new_transfer_id()
-        tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, start)
-        rx = dst_plane.receive(Receive(dst_key, DST, heads, tokens, "plane-src", tid), _Until(10))
-        assert rx is not None
-        slots = rx.slots  # what the Push carries
-        assert slots.memory_kind == "DRAM" and len(slots.addresses) >= 1
-        per_chunk = src_plane.blocks_per_chunk(src_key, DST, [slots.slot_bytes] * len(slots.addresses))
-        assert per_chunk == (64 << 10) // staging_bytes(DST, 1)
-        chunks = tuple(sp.plan_chunks(start, num_tokens, DST.block_size, per_chunk))
-        job = Send(
-            src_key,
-            DST,
-            0,
-            heads,
-            ("prefill", "r1"),
-            tuple(src_ids),
-            num_tokens,
-            start,
-            chunks,
-            tid,
-            "plane-dst",
-            slots.metadata,
-            tuple((a, slots.slot_bytes) for a in slots.addresses),
-            slots.device_id,
-            deadline=_Until(10)._deadline,
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens, start)
+        chunks = job.chunks
+        assert chunks == tuple(
+            sp.plan_chunks(start, num_tokens, DST.block_size, (64 << 10) // staging_bytes(DST, 1))
         )
         tx = src_plane.send(job)
         sent: list[Sent] = []
@@ -150,30 +124,34 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
         assert rx.nbytes == sent[0].nbytes > 0
         assert check_request(DST, 0, dst.tensors, dst_ids, logical[:, :, :num_tokens], start) == []
         assert changed_outside(DST, before, dst.tensors, dst_ids) == []
-        src_plane.detach(src_key)
-        dst_plane.detach(dst_key)
+        src_plane.detach(RankKey("prefill", 0))
+        dst_plane.detach(RankKey("decode", 0))
 
 
 def _staged(
-    src_plane: DataPlane, dst_plane: DataPlane, src: ShmKVCache, dst: ShmKVCache
-) -> tuple[Any, Send, list[int], Any]:
-    """A one-chunk staged transfer of 64 tokens set up on both planes, nothing sent: the reader's
-    Reception, the source's Send, the reader's blocks and the logical KV the source holds."""
-    src_ids, dst_ids, num_tokens = [4, 5, 6, 7], [3, 11], 64
-    logical = logical_kv(SRC, num_tokens, seed=3)
-    fill_request(SRC, 0, src.tensors, src_ids, logical)
+    src_plane: DataPlane,
+    dst_plane: DataPlane,
+    src: ShmKVCache,
+    dst: ShmKVCache,
+    src_ids: list[int],
+    dst_ids: list[int],
+    num_tokens: int,
+    start: int = 0,
+) -> tuple[Any, Send]:
+    """A staged transfer of tokens [start, num_tokens) set up on both planes, nothing sent (the caller
+    filled the source's blocks): the reader's Reception and the source's Send, in chunks as large as
+    the reader's slots hold."""
     src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
-    src_plane.attach_host(src_key, SRC, shm_tensors(src.handles()))
+    assert src_plane.attach_host(src_key, SRC, shm_tensors(src.handles())).kind == "DRAM"
     dst_plane.attach_host(dst_key, DST, shm_tensors(dst.handles()))
     heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
     tid = sp.new_transfer_id()
-    tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, 0)
+    tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, start)
     rx = dst_plane.receive(Receive(dst_key, DST, heads, tokens, "plane-src", tid), _Until(10))
     assert rx is not None
-    slots = rx.slots
+    slots = rx.slots  # what the Push carries
+    assert slots.memory_kind == "DRAM" and len(slots.addresses) >= 1
     per_chunk = src_plane.blocks_per_chunk(src_key, DST, [slots.slot_bytes] * len(slots.addresses))
-    chunks = tuple(sp.plan_chunks(0, num_tokens, DST.block_size, per_chunk))
-    assert len(chunks) == 1
     job = Send(
         src_key,
         DST,
@@ -182,8 +160,8 @@ def _staged(
         ("prefill", "r1"),
         tuple(src_ids),
         num_tokens,
-        0,
-        chunks,
+        start,
+        tuple(sp.plan_chunks(start, num_tokens, DST.block_size, per_chunk)),
         tid,
         "plane-dst",
         slots.metadata,
@@ -191,6 +169,19 @@ def _staged(
         slots.device_id,
         deadline=_Until(10)._deadline,
     )
+    return rx, job
+
+
+def _one_chunk(
+    src_plane: DataPlane, dst_plane: DataPlane, src: ShmKVCache, dst: ShmKVCache
+) -> tuple[Any, Send, list[int], Any]:
+    """A one-chunk staged transfer of 64 tokens, set up: its Reception and Send, the reader's blocks and
+    the logical KV the source holds."""
+    src_ids, dst_ids, num_tokens = [4, 5, 6, 7], [3, 11], 64
+    logical = logical_kv(SRC, num_tokens, seed=3)
+    fill_request(SRC, 0, src.tensors, src_ids, logical)
+    rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+    assert len(job.chunks) == 1
     return rx, job, dst_ids, logical
 
 
@@ -215,7 +206,7 @@ def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
         ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
     ):
         before = [t.clone() for t in dst.tensors]
-        rx, job, dst_ids, logical = _staged(src_plane, dst_plane, src, dst)
+        rx, job, dst_ids, logical = _one_chunk(src_plane, dst_plane, src, dst)
         sent = src_plane.send(job).run(_Until(10))  # the whole transfer, before the reader prepares
         assert sent.chunks == 1
         halt = _Until(10)
@@ -250,7 +241,7 @@ def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
         ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
     ):
         before = [t.clone() for t in dst.tensors]
-        rx, job, _, _ = _staged(src_plane, dst_plane, src, dst)
+        rx, job, _, _ = _one_chunk(src_plane, dst_plane, src, dst)
         rx.prepare()
         (t0, t1) = job.chunks[0]
         chunk = sp.chunk_notif(job.transfer_id, 0, 1, 0, t0, t1)
