@@ -5,6 +5,7 @@ tells the other is what a Push carries: the reader's `ReceiveSlots` become the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -172,17 +173,35 @@ def _staged(
     return rx, job
 
 
-def _one_chunk(
-    src_plane: DataPlane, dst_plane: DataPlane, src: ShmKVCache, dst: ShmKVCache
-) -> tuple[Any, Send, list[int], Any]:
-    """A one-chunk staged transfer of 64 tokens, set up: its Reception and Send, the reader's blocks and
-    the logical KV the source holds."""
+@dataclasses.dataclass
+class _OneChunk:
+    """A one-chunk staged transfer of 64 tokens, set up and not sent: its Reception and Send, the
+    reader's cache, what it held before, its blocks, and the logical KV the source holds."""
+
+    rx: Any
+    job: Send
+    dst: ShmKVCache
+    before: list[torch.Tensor]
+    dst_ids: list[int]
+    logical: Any
+
+    def unchanged_outside(self, ids: list[int]) -> bool:
+        return changed_outside(DST, self.before, self.dst.tensors, ids) == []
+
+
+@contextlib.contextmanager
+def _one_chunk(src_plane: DataPlane, dst_plane: DataPlane) -> Iterator[_OneChunk]:
     src_ids, dst_ids, num_tokens = [4, 5, 6, 7], [3, 11], 64
-    logical = logical_kv(SRC, num_tokens, seed=3)
-    fill_request(SRC, 0, src.tensors, src_ids, logical)
-    rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
-    assert len(job.chunks) == 1
-    return rx, job, dst_ids, logical
+    with (
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        before = [t.clone() for t in dst.tensors]
+        logical = logical_kv(SRC, num_tokens, seed=3)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+        assert len(job.chunks) == 1
+        yield _OneChunk(rx, job, dst, before, dst_ids, logical)
 
 
 @pytest.fixture(params=["waiting thread", "NIXL thread"])
@@ -200,34 +219,29 @@ def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
 ) -> None:
     """A chunk heard while the reader still makes its copies waits for them; then a GPU reader's NIXL
     thread scatters it without `wait`, and a host reader's copy waits for `wait`, on its own thread."""
-    src_plane, dst_plane = planes
-    with (
-        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
-        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
-    ):
-        before = [t.clone() for t in dst.tensors]
-        rx, job, dst_ids, logical = _one_chunk(src_plane, dst_plane, src, dst)
-        sent = src_plane.send(job).run(_Until(10))  # the whole transfer, before the reader prepares
+    with _one_chunk(*planes) as c:
+        rx = c.rx
+        sent = planes[0].send(c.job).run(_Until(10))  # the whole transfer, before the reader prepares
         assert sent.chunks == 1
         halt = _Until(10)
         while not rx._early:  # its notification, heard by the reader's NIXL thread
             halt.remaining()
             time.sleep(0.005)
-        assert changed_outside(DST, before, dst.tensors, []) == []  # nothing scattered yet
+        assert c.unchanged_outside([])  # nothing scattered yet
         rx.prepare()
         if scatters_on == "NIXL thread":
-            while check_request(DST, 0, dst.tensors, dst_ids, logical, 0):
+            while check_request(DST, 0, c.dst.tensors, c.dst_ids, c.logical, 0):
                 halt.remaining()
                 time.sleep(0.005)
         else:
             time.sleep(0.1)
-            assert changed_outside(DST, before, dst.tensors, []) == []
+            assert c.unchanged_outside([])
         while not rx.wait(min(0.05, halt.remaining())):
             pass
         rx.close(quiet=True)
         assert rx.nbytes == sent.nbytes
-        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
-        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+        assert check_request(DST, 0, c.dst.tensors, c.dst_ids, c.logical, 0) == []
+        assert c.unchanged_outside(c.dst_ids)
 
 
 def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
@@ -235,25 +249,20 @@ def test_after_a_broken_notification_or_a_close_no_chunk_is_scattered(
 ) -> None:
     """A notification that breaks the protocol fails the transfer (its `wait` raises it) and stops the
     scatters: a good chunk heard after it, or after `close`, writes nothing."""
-    src_plane, dst_plane = planes
-    with (
-        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
-        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
-    ):
-        before = [t.clone() for t in dst.tensors]
-        rx, job, _, _ = _one_chunk(src_plane, dst_plane, src, dst)
+    with _one_chunk(*planes) as c:
+        rx = c.rx
         rx.prepare()
-        (t0, t1) = job.chunks[0]
-        chunk = sp.chunk_notif(job.transfer_id, 0, 1, 0, t0, t1)
+        (t0, t1) = c.job.chunks[0]
+        chunk = sp.chunk_notif(c.job.transfer_id, 0, 1, 0, t0, t1)
         rx._heard("another-agent", chunk)
         with pytest.raises(sp.ProtocolError, match=r"unexpected notification .* from another-agent"):
             rx.wait(1.0)
         rx._heard("plane-src", chunk)  # the right chunk from the right agent, too late
         assert not rx.wait(0.05)
-        assert changed_outside(DST, before, dst.tensors, []) == []
+        assert c.unchanged_outside([])
         rx.close(quiet=True)
         rx._heard("plane-src", chunk)
-        assert changed_outside(DST, before, dst.tensors, []) == []
+        assert c.unchanged_outside([])
         assert rx.nbytes == 0
 
 
