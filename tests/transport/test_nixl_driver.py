@@ -6,14 +6,16 @@ import ctypes
 import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
 
-from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, TransferError
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, TransferError, ended
 
 _PR_GET_TIMERSLACK = 30
 
@@ -99,6 +101,27 @@ def test_a_parked_poller_is_not_run_until_resumed_and_is_told_of_shutdown() -> N
     finally:
         driver.stop()
     assert calls[-1] is None, "a parked poller must hear that the driver is shutting down"
+
+
+def test_a_transfer_past_its_own_deadline_has_ended_and_only_a_pending_one_has_not() -> None:
+    """The driver fails a transfer whose NIXL deadline passed with TimeoutError, having released its
+    handle: it has ended, like a done or failed one. A source that took that TimeoutError for its own
+    wait running out kept its send slots out of the ring for QUARANTINE_S (seen once on CI)."""
+    timed_out: Future[None] = Future()
+    timed_out.set_exception(TimeoutError("NIXL transfer did not finish before its deadline"))
+    failed: Future[None] = Future()
+    failed.set_exception(TransferError("NIXL transfer cancelled"))
+    done: Future[None] = Future()
+    done.set_result(None)
+    assert ended([timed_out, failed, done], 0)
+    assert ended([], 0)
+
+    pending: Future[None] = Future()
+    t0 = time.monotonic()
+    assert not ended([done, pending], 0.05)
+    assert time.monotonic() - t0 >= 0.05, "it waited its timeout for the pending one"
+    threading.Timer(0.05, pending.set_exception, [TimeoutError("past its deadline")]).start()
+    assert ended([timed_out, pending], 5), "one that ends while waited for has ended"
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:

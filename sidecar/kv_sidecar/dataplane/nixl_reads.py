@@ -12,7 +12,6 @@ import dataclasses
 import math
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +34,7 @@ from kv_sidecar.plan.chunks import (
     merged_segments,
     segment_descriptors,
 )
-from kv_sidecar.transport.nixl_driver import NixlDriver
+from kv_sidecar.transport.nixl_driver import NixlDriver, ended
 
 # With `merge` on, host-nixl posts lists built for the pull (one descriptor per run of consecutive block
 # ids) only when that at least halves the descriptors: building and initialising a list costs 50-300 us
@@ -99,11 +98,13 @@ class NixlReads:
                 with contextlib.suppress(Exception):
                     fut.result(timeout=CANCEL_WAIT_S)
                 raise
-            try:
-                fut.result(timeout=min(0.05, left))
-                return
-            except FutureTimeout:
+            if not ended([fut], min(0.05, left)):
                 continue
+            try:
+                fut.result()
+                return
+            except TimeoutError:
+                continue  # its NIXL deadline passed, which is the halt's: the halt raises next turn
             except Exception as e:
                 # The cause stays attached: the puller tells a lost agent from a missing UCX path.
                 raise SidecarError(Code.UNAVAILABLE, f"transfer from peer failed: {e}") from e

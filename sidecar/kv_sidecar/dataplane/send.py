@@ -24,7 +24,7 @@ from kv_sidecar.dataplane.rings import Ring
 from kv_sidecar.errors import Code, SidecarError, waited_for
 from kv_sidecar.execute import gpu
 from kv_sidecar.metrics import Metrics
-from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, ucx_emulation_disabled
+from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, ended, ucx_emulation_disabled
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +127,13 @@ class _Pump:
 
 def _quiesce(nixl: NixlDriver, state: sp.SendState) -> bool:
     """Cancel the WRITEs still in flight and wait for them to end; False if one would not."""
-    quiet = True
-    for w in state.in_flight():
-        if w.future is None:
-            continue  # never posted
-        if not w.future.done():
+    posted = [w.future for w in state.in_flight() if w.future is not None]  # None: never posted
+    for f in posted:
+        if not f.done():
             with contextlib.suppress(Exception):
-                nixl.cancel(w.future)
-        try:
-            w.future.result(timeout=CANCEL_WAIT_S)
-        except TimeoutError:
-            quiet = False
-        except Exception:
-            pass  # it ended (failed or cancelled): nothing is in flight
-    return quiet
+                nixl.cancel(f)
+    # Ended however it ended (done, failed, cancelled, or past its own deadline): nothing is in flight.
+    return ended(posted, CANCEL_WAIT_S)
 
 
 class Transmission:

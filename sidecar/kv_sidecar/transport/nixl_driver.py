@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -53,6 +53,14 @@ class TransferError(RuntimeError):
 class AgentDisconnected(TransferError):
     """NIXL found the peer's agent disconnected as the transfer started: the peer is gone, or UCX has no
     transport that reaches its memory (with emulation off, two nodes with only TCP between them)."""
+
+
+def ended(transfers: Sequence[Future[None]], timeout_s: float) -> bool:
+    """Whether every transfer's future is done within `timeout_s`, whatever its outcome. A transfer
+    that failed with TimeoutError (its NIXL deadline passed: the driver released its handle, which
+    cancels it) has ended; only a future still pending has not. `result(timeout)` cannot tell the two
+    apart, since both raise TimeoutError."""
+    return not wait(transfers, timeout=timeout_s).not_done
 
 
 _UCX_NO = frozenset({"n", "no", "off", "0", "false"})  # how UCX's boolean settings say "no"
@@ -119,6 +127,7 @@ class _Inflight:
     deadline: float
     release: list[Any] = field(default_factory=list)
     agent: str = ""  # the remote agent, where known: a failure marks its connection broken
+    overdue: bool = False  # past its deadline, and NIXL could not cancel it yet
 
 
 def _decoded(name: str | bytes) -> str:
@@ -289,7 +298,7 @@ class NixlDriver:
                 state = self._agent.check_xfer_state(x.handle)
             except Exception as e:
                 state, err = "ERR", e
-            if state == "PROC" and now < x.deadline:
+            if state == "PROC" and (now < x.deadline or not self._cancel_overdue(x)):
                 still.append(x)
                 continue
             self._release(x)
@@ -302,6 +311,21 @@ class NixlDriver:
                     self._broken.add(x.agent)
                 x.future.set_exception(TransferError(f"NIXL transfer failed: {err or state}"))
         self._inflight = still
+
+    def _cancel_overdue(self, x: _Inflight) -> bool:
+        """Cancel a transfer past its deadline (NIXL cancels an active transfer when its handle is
+        released). One NIXL cannot cancel stays polled, its future pending, until it ends: a done
+        future means no byte of it can still land (`ended`)."""
+        try:
+            x.handle.release()
+        except Exception:
+            if not x.overdue:
+                x.overdue = True
+                self._release_failures += 1
+                log.warning("NIXL could not cancel a transfer past its deadline; waiting for it to end")
+            return False
+        x.handle = _RELEASED
+        return True
 
     def _release(self, x: _Inflight) -> None:
         for h in (x.handle, *x.release):
