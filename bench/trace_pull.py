@@ -138,7 +138,7 @@ STAGED = {
         "kv_sidecar.dataplane.staged_protocol:SendState.write_done",
         "kv_sidecar.dataplane.staged_protocol:SendState.credit",
         "kv_sidecar.transport.nixl_driver:NixlDriver.add_poller",
-        "kv_sidecar.transport.nixl_driver:NixlDriver.write_now",
+        "kv_sidecar.transport.nixl_driver:NixlDriver.write_slot_now",
         "kv_sidecar.transport.nixl_driver:NixlDriver.load_remote",
         "kv_sidecar.transport.nixl_driver:NixlDriver._poll_notifs",
         "kv_sidecar.transport.nixl_driver:NixlDriver._poll_transfers",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv_sidecar.transport import nixl_driver
 from kv_sidecar.transport.nixl_driver import PARK, NixlDriver, TransferError, ended
 
 _PR_GET_TIMERSLACK = 30
@@ -199,6 +200,72 @@ def test_a_peer_loaded_again_under_its_name_voids_the_lists_prepared_against_its
         assert (dst == 7).all()
     finally:
         reader.stop()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_slot_writes_from_kept_lists_land_exactly_and_survive_eviction_and_a_peer_restart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """write_slot_now WRITEs one region into a peer's from one-descriptor lists it prepares once and
+    keeps: the bytes land where asked and nowhere else; the same regions again make no new list; past
+    WRITE_LISTS_MAX the least recently used list is released and later WRITEs still land; a peer that
+    restarted under its name gets lists made again against its new agent."""
+    monkeypatch.setattr(nixl_driver, "WRITE_LISTS_MAX", 3)
+    src = torch.arange(64, dtype=torch.uint8)
+    back = torch.zeros(64, dtype=torch.uint8)
+    writer = NixlDriver("slot-writer", on_notif=lambda agent, msg: None)
+    writer.start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        writer.register([(src.data_ptr(), 64, 0), (back.data_ptr(), 64, 0)])
+        whole = writer.prep_dlist("", np.array([[back.data_ptr(), 64, 0]], dtype=np.uint64))
+
+        def write(addr: int, at: int, n: int) -> None:
+            local, remote = (src.data_ptr() + at, n, 0), (addr + at, n, 0)
+            writer.call(
+                lambda a: writer.write_slot_now(a, "slot-peer", local, remote, b"", 10, "DRAM")
+            ).result(timeout=10)
+
+        def peer_bytes(addr: int) -> torch.Tensor:
+            remote = writer.prep_dlist("slot-peer", np.array([[addr, 64, 0]], dtype=np.uint64))
+            writer.read_prepped(whole, np.array([0]), remote, np.array([0]), b"", 10).result(timeout=10)
+            writer.release_dlist(remote)
+            return back.clone()
+
+        def peer(fill: int) -> int:
+            proc, blob, addr = _peer("slot-peer", fill)
+            procs.append(proc)
+            assert writer.add_remote(blob, "slot-peer") == "slot-peer"
+            return addr
+
+        addr = peer(3)
+        lists = writer.counts()["dlists"]
+        write(addr, 0, 16)
+        assert writer.counts()["dlists"] == lists + 2  # ours and the peer's
+        write(addr, 0, 16)
+        assert writer.counts()["dlists"] == lists + 2, "the same regions again reuse their lists"
+        want = torch.full((64,), 3, dtype=torch.uint8)
+        want[:16] = src[:16]
+        assert torch.equal(peer_bytes(addr), want)
+
+        write(addr, 32, 8)  # two more lists: past the limit of 3, the least recently used goes
+        write(addr, 48, 16)
+        assert writer.counts()["dlists"] <= lists + 3
+        write(addr, 0, 16)  # its lists were released: made again
+        want[32:40], want[48:] = src[32:40], src[48:]
+        assert torch.equal(peer_bytes(addr), want)
+
+        procs[0].kill()
+        procs[0].wait()
+        addr = peer(7)  # restarted under its name: the lists against its old agent are void
+        write(addr, 0, 16)
+        want = torch.full((64,), 7, dtype=torch.uint8)
+        want[:16] = src[:16]
+        assert torch.equal(peer_bytes(addr), want)
+    finally:
+        writer.stop()
         for p in procs:
             p.kill()
             p.wait()

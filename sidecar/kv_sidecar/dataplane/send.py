@@ -68,18 +68,12 @@ class _Pump:
                 while (w := st.next_write(self.copies.ready)) is not None:
                     t0, t1 = st.chunks[w.index]
                     length = sp.blocks_in(self.block_size, t0, t1) * self.block_bytes
-                    local = np.array(
-                        [[self.ring.slot_address(w.send_slot), length, self.ring.nixl_device]], dtype=np.int64
-                    )
-                    remote = np.array(
-                        [[job.reader_slots[w.recv_slot][0], length, job.reader_device]], dtype=np.int64
-                    )
                     notif = sp.chunk_notif(job.transfer_id, w.index, n, w.recv_slot, t0, t1)
-                    w.future = self.nixl.write_now(
+                    w.future = self.nixl.write_slot_now(
                         a,
                         job.reader_agent,
-                        local,
-                        remote,
+                        (self.ring.slot_address(w.send_slot), length, self.ring.nixl_device),
+                        (job.reader_slots[w.recv_slot][0], length, job.reader_device),
                         notif,
                         max(0.001, self.deadline - time.monotonic()),
                         self.ring.mem_type,
