@@ -318,7 +318,8 @@ class Puller:
                     self._metrics.ucx_emulation.inc()
                     raise _no_native_path(address) from again
                 raise
-        if address not in self._read_from:
+        # Only a READ proves a transport reaches the peer's memory: a staged pull's source WRITEs.
+        if done[1] not in (PATH_STAGED, PATH_HOST_RING) and address not in self._read_from:
             if len(self._read_from) >= MAX_READ_FROM:
                 self._read_from.clear()
             self._read_from.add(address)
