@@ -125,6 +125,39 @@ def test_a_transfer_past_its_own_deadline_has_ended_and_only_a_pending_one_has_n
     assert ended([timed_out, pending], 5), "one that ends while waited for has ended"
 
 
+class _Uncancellable:
+    """A transfer handle NIXL refuses to release (an active transfer it cannot cancel), `refusals`
+    times; no CPU transfer can be made to do this, so the handle stands in for one."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.tries = 0
+
+    def release(self) -> None:
+        self.tries += 1
+        if self.tries <= self.refusals:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+
+def test_a_transfer_nixl_cannot_cancel_at_its_deadline_stays_polled_then_is_given_up() -> None:
+    """Past its deadline a transfer whose handle NIXL will not release stays polled (its future
+    pending: bytes may still land), tried again every CANCEL_RETRY_S, not at every poll turn; once it
+    can be released it ends; OVERDUE_GIVE_UP_S past its deadline it is dropped from the polls."""
+    driver = NixlDriver("overdue")  # not started: the bookkeeping alone
+    handle = _Uncancellable(refusals=2)
+    x = nixl_driver._Inflight(handle, Future(), 0.0, deadline=100.0)
+    assert not driver._cancel_overdue(x, 100.0)
+    assert not driver._cancel_overdue(x, 100.0 + nixl_driver.CANCEL_RETRY_S / 2)
+    assert handle.tries == 1, "not tried again before CANCEL_RETRY_S"
+    assert not driver._cancel_overdue(x, 100.0 + nixl_driver.CANCEL_RETRY_S)
+    assert driver._cancel_overdue(x, 100.0 + 2 * nixl_driver.CANCEL_RETRY_S)  # released at last
+    assert handle.tries == 3 and driver.counts()["release_failures"] == 1  # counted once a transfer
+
+    stuck = nixl_driver._Inflight(_Uncancellable(refusals=10**9), Future(), 0.0, deadline=100.0)
+    assert not driver._cancel_overdue(stuck, 100.0 + nixl_driver.OVERDUE_GIVE_UP_S / 2)
+    assert driver._cancel_overdue(stuck, 100.0 + nixl_driver.OVERDUE_GIVE_UP_S)
+
+
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():

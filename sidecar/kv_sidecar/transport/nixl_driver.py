@@ -87,6 +87,10 @@ _RELEASED = _Released()
 WRITE_LISTS_MAX = 1024
 Desc = tuple[int, int, int]  # (address, length, device)
 _FIRST = np.zeros(1, dtype=np.int32)  # the one descriptor of a one-descriptor list
+# A transfer past its deadline that NIXL could not cancel is tried again this often, and dropped from
+# the polls this long after its deadline (longer than any caller waits for a cancelled transfer to end).
+CANCEL_RETRY_S = 0.1
+OVERDUE_GIVE_UP_S = 60.0
 _WAKE: Any = ("wake",)  # a queue item that only makes the driver thread poll
 
 # What a poller returns when it has nothing to do until its owner calls `NixlDriver.resume` (a
@@ -135,7 +139,7 @@ class _Inflight:
     deadline: float
     release: list[Any] = field(default_factory=list)
     agent: str = ""  # the remote agent, where known: a failure marks its connection broken
-    overdue: bool = False  # past its deadline, and NIXL could not cancel it yet
+    retry_at: float = 0.0  # past its deadline and not cancelled yet: when to try again
     lists: tuple[int, ...] = ()  # the prepared lists it was made from (kept while it is in flight)
 
 
@@ -309,7 +313,7 @@ class NixlDriver:
                 state = self._agent.check_xfer_state(x.handle)
             except Exception as e:
                 state, err = "ERR", e
-            if state == "PROC" and (now < x.deadline or not self._cancel_overdue(x)):
+            if state == "PROC" and (now < x.deadline or not self._cancel_overdue(x, now)):
                 still.append(x)
                 continue
             self._release(x)
@@ -323,17 +327,29 @@ class NixlDriver:
                 x.future.set_exception(TransferError(f"NIXL transfer failed: {err or state}"))
         self._inflight = still
 
-    def _cancel_overdue(self, x: _Inflight) -> bool:
+    def _cancel_overdue(self, x: _Inflight, now: float) -> bool:
         """Cancel a transfer past its deadline (NIXL cancels an active transfer when its handle is
-        released). One NIXL cannot cancel stays polled, its future pending, until it ends: a done
-        future means no byte of it can still land (`ended`)."""
+        released); False while it stays polled. One NIXL cannot cancel is tried again every
+        CANCEL_RETRY_S and its future stays pending, so that a done future means that no byte of it can
+        still land (`ended`); OVERDUE_GIVE_UP_S past its deadline it is left to NIXL (freed at exit) and
+        no longer polled, or this thread would poll it, never idle, for as long as the process lives."""
+        if now < x.retry_at:
+            return False
         try:
             x.handle.release()
         except Exception:
-            if not x.overdue:
-                x.overdue = True
+            if now - x.deadline >= OVERDUE_GIVE_UP_S:
+                log.error(
+                    "a NIXL transfer %.0f s past its deadline neither ended nor could be cancelled: no "
+                    "longer polled (its handle is left to NIXL)",
+                    now - x.deadline,
+                )
+                x.handle = _RELEASED
+                return True
+            if not x.retry_at:  # once a transfer
                 self._release_failures += 1
                 log.warning("NIXL could not cancel a transfer past its deadline; waiting for it to end")
+            x.retry_at = now + CANCEL_RETRY_S
             return False
         x.handle = _RELEASED
         return True
