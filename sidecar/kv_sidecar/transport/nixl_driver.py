@@ -9,7 +9,6 @@ and delivers notifications.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import queue
@@ -506,13 +505,7 @@ class NixlDriver:
         """On the driver thread: `name` was loaded again; lists prepared against it are void."""
         self._generations[name] = self._generations.get(name, 0) + 1
         for key in [k for k, agent in self._dlist_agents.items() if agent == name]:
-            del self._dlist_agents[key]
-            h = self._dlists.pop(key, None)
-            if h is not None:
-                try:
-                    h.release()
-                except Exception:
-                    log.debug("could not release a list prepared against %s", name, exc_info=True)
+            self._drop_dlist(key)
 
     def register(self, regions: Sequence[tuple[int, int, int]], mem_type: str = "DRAM") -> int:
         """Register (address, length, device) regions; returns a key for deregister."""
@@ -777,10 +770,8 @@ class NixlDriver:
         lo = self._write_list(a, "", local, mem_type)
         re_ = self._write_list(a, remote_agent, remote, mem_type)
         if lo is None or re_ is None:  # every list kept is in use by a transfer in flight
-            as_array = functools.partial(np.array, dtype=np.int64)
-            return self.write_now(
-                a, remote_agent, as_array([local]), as_array([remote]), notif, timeout_s, mem_type
-            )
+            lo_descs, re_descs = np.array([local], dtype=np.int64), np.array([remote], dtype=np.int64)
+            return self.write_now(a, remote_agent, lo_descs, re_descs, notif, timeout_s, mem_type)
         done: Future[None] = Future()
         if mem_type == "VRAM":
             _make_current(local[2])
@@ -813,6 +804,7 @@ class NixlDriver:
         return key, handle
 
     def _drop_dlist(self, key: int) -> None:
+        """On the driver thread: release a prepared list (one voided by its agent's reload, or evicted)."""
         self._dlist_agents.pop(key, None)
         h = self._dlists.pop(key, None)
         if h is not None:
