@@ -72,7 +72,12 @@ class _Until:
 @pytest.fixture
 def planes() -> Iterator[tuple[DataPlane, DataPlane]]:
     """A source and a reader plane, each with its own NIXL agent, small host rings."""
-    settings = Settings(gpu_staging_bytes=2 * 4 * (64 << 10), gpu_staging_slots=4)  # 4 slots of 64 KiB
+    with _two_planes(Settings(gpu_staging_bytes=2 * 4 * (64 << 10), gpu_staging_slots=4)) as made:
+        yield made  # 4 slots of 64 KiB
+
+
+@contextlib.contextmanager
+def _two_planes(settings: Settings) -> Iterator[tuple[DataPlane, DataPlane]]:
     made = []
     for name in ("plane-src", "plane-dst"):
         nixl = NixlDriver(name)
@@ -127,6 +132,138 @@ def test_a_staged_transfer_between_two_planes_moves_exactly_the_requested_blocks
         assert changed_outside(DST, before, dst.tensors, dst_ids) == []
         src_plane.detach(RankKey("prefill", 0))
         dst_plane.detach(RankKey("decode", 0))
+
+
+@pytest.fixture(params=["waiting thread", "NIXL thread"])
+def scatters_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where a reader scatters its chunks: host copies on the thread that waits, copies that only
+    enqueue (GPU) on the NIXL thread. Host copies stand in for the latter here (no GPU on CI): the
+    reader's bookkeeping is the same, only the copy's thread differs."""
+    if request.param == "NIXL thread":
+        monkeypatch.setattr(HostCopies, "enqueues", True)
+    return str(request.param)
+
+
+def _spy_copies(monkeypatch: pytest.MonkeyPatch, fail_gather: int = -1) -> list[tuple[bool, str]]:
+    """Record each chunk copy (gather or not, the thread it ran on); the gather numbered `fail_gather`
+    (from 0) raises instead of copying."""
+    seen: list[tuple[bool, str]] = []
+    launch = HostCopies.launch
+
+    def spy(self: HostCopies, t0: int, t1: int, address: int) -> tuple[Any, int]:
+        if self.into and sum(g for g, _ in seen) == fail_gather:
+            raise RuntimeError(f"gather {fail_gather} broke")
+        seen.append((self.into, threading.current_thread().name))
+        return launch(self, t0, t1, address)
+
+    monkeypatch.setattr(HostCopies, "launch", spy)
+    return seen
+
+
+# 4 slots of 16 KiB a ring: 2 blocks of DST a chunk.
+SMALL_SLOTS = Settings(gpu_staging_bytes=2 * 4 * (16 << 10), gpu_staging_slots=4)
+
+
+def _run_both(rx: Any, tx: Any, thread: str) -> list[Any]:
+    """The source's `run` on a thread named `thread`, the reader's waits here; what `run` returned or
+    raised."""
+    out: list[Any] = []
+
+    def source() -> None:
+        try:
+            out.append(tx.run(_Until(10)))
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=source, name=thread)
+    t.start()
+    rx.prepare()
+    halt = _Until(10)
+    try:
+        while not out and not rx.wait(min(0.05, halt.remaining())):
+            pass
+    finally:
+        t.join(10)
+    return out
+
+
+def test_more_chunks_than_slots_reuse_every_slot_whichever_thread_scatters(
+    scatters_on: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 chunks through 4 send and 4 receive slots: each gather goes into a send slot a WRITE freed,
+    each WRITE into a slot the reader gave back, and every byte lands, nothing else. The source
+    gathers on its push thread; the reader scatters where `scatters_on` says."""
+    seen = _spy_copies(monkeypatch)
+    num_tokens = 500
+    src_ids = list(range(32))[::-1]
+    dst_ids = [7, 3, 15, 0, 9, 12, 1, 4, 14, 2, 11, 6, 8, 13, 5, 10]
+    with (
+        _two_planes(SMALL_SLOTS) as (src_plane, dst_plane),
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        logical = logical_kv(SRC, num_tokens, seed=11)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        before = [t.clone() for t in dst.tensors]
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+        assert len(job.chunks) == 8
+        tx = src_plane.send(job)
+        out = _run_both(rx, tx, "push")
+        while not rx.wait(0.05):  # the source returned first: the reader's last scatters
+            pass
+        rx.close(quiet=True)
+        assert len(out) == 1 and isinstance(out[0], Sent), out
+        assert out[0].chunks == 8 and rx.nbytes == out[0].nbytes > 0 and tx.quiet
+        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
+        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+    gathers = [name for into, name in seen if into]
+    scatters = {name for into, name in seen if not into}
+    assert len(gathers) == 8 and len(seen) == 16
+    assert gathers == ["push"] * 8
+    assert scatters == (
+        {"nixl-plane-dst"} if scatters_on == "NIXL thread" else {threading.current_thread().name}
+    )
+
+
+def test_a_gather_that_fails_fails_its_transfer_and_leaves_the_ring_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The third gather raises: the source's `run` raises that error, nothing is left in flight, the
+    send slots go back to the ring, and the next transfer through it moves every byte."""
+    seen = _spy_copies(monkeypatch, fail_gather=2)
+    num_tokens = 500
+    src_ids, dst_ids = list(range(32)), list(range(16))
+    with (
+        _two_planes(SMALL_SLOTS) as (src_plane, dst_plane),
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        logical = logical_kv(SRC, num_tokens, seed=5)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+        tx = src_plane.send(job)
+        out = _run_both(rx, tx, "push")
+        rx.close(quiet=True)
+        assert len(out) == 1 and isinstance(out[0], RuntimeError) and str(out[0]) == "gather 2 broke"
+        assert tx.quiet and sum(into for into, _ in seen) == 2
+        src_plane.detach(RankKey("prefill", 0))
+        dst_plane.detach(RankKey("decode", 0))
+
+        monkeypatch.undo()  # the copies as they are
+        seen = _spy_copies(monkeypatch)
+        logical = logical_kv(SRC, num_tokens, seed=6)
+        fill_request(SRC, 0, src.tensors, src_ids, logical)
+        before = [t.clone() for t in dst.tensors]
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+        tx = src_plane.send(job)
+        out = _run_both(rx, tx, "push")
+        while not rx.wait(0.05):
+            pass
+        rx.close(quiet=True)
+        assert len(out) == 1 and isinstance(out[0], Sent) and out[0].chunks == 8, out
+        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
+        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+        assert sum(into for into, _ in seen) == 8
 
 
 def _staged(
@@ -202,16 +339,6 @@ def _one_chunk(src_plane: DataPlane, dst_plane: DataPlane) -> Iterator[_OneChunk
         rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
         assert len(job.chunks) == 1
         yield _OneChunk(rx, job, dst, before, dst_ids, logical)
-
-
-@pytest.fixture(params=["waiting thread", "NIXL thread"])
-def scatters_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where a reader scatters its chunks: host copies on the thread that waits, copies that only
-    enqueue (GPU) on the NIXL thread. Host copies stand in for the latter here (no GPU on CI): the
-    reader's bookkeeping is the same, only the copy's thread differs."""
-    if request.param == "NIXL thread":
-        monkeypatch.setattr(HostCopies, "enqueues", True)
-    return str(request.param)
 
 
 def test_a_chunk_heard_before_the_reader_prepared_is_scattered_once_it_has(
