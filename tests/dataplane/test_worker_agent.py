@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kv_sidecar.config import Settings
-from kv_sidecar.dataplane.workers import HOST, CopyWorker
+from kv_sidecar.dataplane.workers import HOST, CopyWorker, CopyWorkers
 from kv_sidecar.metrics import Metrics
 
 
@@ -65,3 +65,41 @@ def test_a_worker_killed_that_still_reads_alive_hands_out_its_successors_agent()
         assert worker.incarnation == 2
     finally:
         worker.close()
+
+
+def test_a_members_report_gives_the_agent_a_running_worker_gave_and_a_replaced_worker_says_so() -> None:
+    """A member sidecar reports its ranks' worker agents to its leader every refresh: `known_agent` gives
+    what the running worker answered without asking it again (a worker busy with a long copy, or
+    stopped here, would hold the report up), nothing once that worker died; `on_restart` names the
+    device as soon as the next worker was started, so that the member reports at once."""
+    restarted: list[int] = []
+    workers = CopyWorkers(Metrics(), ("agent-known", Settings(gpu_staging_bytes=4 << 20)), restarted.append)
+    try:
+        assert workers.ready_agent(HOST) is None  # none started: none is started for the report
+        worker = workers.get(HOST)
+        assert worker.known_agent() is None  # never asked
+        deadline = time.monotonic() + 60
+        while (first := workers.ready_agent(HOST)) is None:  # asked once it is ready
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert first == worker.agent()
+        pid = worker.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # answers nothing now
+        started = time.monotonic()
+        assert workers.ready_agent(HOST) == first and time.monotonic() - started < 0.5
+        os.kill(pid, signal.SIGKILL)
+        while worker.incarnation < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert worker.known_agent() is None  # the dead one's agent is not handed on
+        while not restarted:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert restarted == [HOST]
+        while (second := workers.ready_agent(HOST)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert second[0] == first[0] and second[1] != first[1]
+    finally:
+        workers.close()

@@ -194,7 +194,14 @@ class DataPlane:
                 torch.cuda.device_count(),
                 "GPU and host" if self._host_in_workers else "GPU",
             )
-        self.workers = CopyWorkers(metrics, staged) if in_workers or staged else None
+        # Called with the device when its worker died and was replaced (a member sidecar of a multi-node
+        # engine then tells its leader at once that the device's ranks run in the sidecar meanwhile).
+        self.on_worker_restart: Callable[[int], None] = lambda device: None
+        self.workers = (
+            CopyWorkers(metrics, staged, lambda device: self.on_worker_restart(device))
+            if in_workers or staged
+            else None
+        )
         # Host ranks go to the host's worker too, with staged_workers whatever host_transfer says here:
         # a source serves host-ring transfers when its reader's setting asks for them.
 
@@ -429,6 +436,13 @@ class DataPlane:
             return None
         device = self._device_of(key)
         return self.workers.get(device).agent()
+
+    def ready_worker_agent(self, key: RankKey) -> tuple[str, bytes] | None:
+        """`worker_agent` if the rank's worker runs and is ready; else None (none yet, or restarting):
+        starts nothing and waits at most a second (a member sidecar's report to its leader)."""
+        if self.workers is None or not self.staged_workers:
+            return None
+        return self.workers.ready_agent(self._device_of(key))
 
     def worker_agent_name(self, key: RankKey) -> str | None:
         """The name `worker_agent` would give, without asking the worker (or starting it)."""

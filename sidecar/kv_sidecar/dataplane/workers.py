@@ -25,7 +25,7 @@ import multiprocessing
 import multiprocessing.connection
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -159,16 +159,25 @@ def _serve(
 class CopyWorker:
     """The sidecar's handle on one device's worker process: starts it, restarts it when it dies."""
 
-    def __init__(self, device: int, metrics: Metrics, staged: tuple[str, Settings] | None = None) -> None:
-        """staged: the worker runs the device's staged transfers too, on a NIXL agent of that name."""
+    def __init__(
+        self,
+        device: int,
+        metrics: Metrics,
+        staged: tuple[str, Settings] | None = None,
+        on_restart: Callable[[int], None] = lambda device: None,
+    ) -> None:
+        """staged: the worker runs the device's staged transfers too, on a NIXL agent of that name.
+        on_restart: called with the device once a worker that died was replaced (its jobs failed)."""
         self.device = device
         self._metrics = metrics
         self._staged = staged
+        self._on_restart = on_restart
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future[Any], _Job]] = {}
         self.incarnation = 0  # processes started before this one: what a job ran in is gone once it moved on
         self._answered = 0  # the incarnation that answered its first ping: started, every rank mapped
+        self._agent_of: tuple[int, tuple[str, bytes]] | None = None  # (incarnation, its staged agent)
         self._ranks: dict[RankKey, _Memory] = {}  # attached again after a restart
         self._closed = False
         self._proc: Any = None
@@ -268,7 +277,9 @@ class CopyWorker:
                 fut = self._post("hello", None) if self._proc is None or self._proc.is_alive() else None
             if fut is not None:
                 try:
-                    return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                    agent: tuple[str, bytes] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                    self._agent_of = (asked, agent)
+                    return agent
                 except FutureTimeout:
                     raise SidecarError(
                         Code.UNAVAILABLE, f"the worker of device {self.device} did not start its NIXL agent"
@@ -283,6 +294,15 @@ class CopyWorker:
                     Code.UNAVAILABLE, f"the worker of device {self.device} was not started again"
                 )
             time.sleep(0.005)
+
+    def known_agent(self) -> tuple[str, bytes] | None:
+        """What `agent` last answered, if the process that answered it still runs and is ready; None
+        otherwise. Asks nothing: a worker busy with a long copy answers late, and its agent has not
+        changed (a restart makes a new incarnation, and `on_restart` says so)."""
+        seen = self._agent_of
+        if seen is None or seen[0] != self.incarnation or not self.ready:
+            return None
+        return seen[1]
 
     def ask_metrics(self) -> Future[list[Family]] | None:
         """Ask what it counts (`Metrics.worker_families`); None while the sidecar shuts down."""
@@ -320,6 +340,8 @@ class CopyWorker:
                 self._start()
         for fut, job in held.values():
             fut.set_exception(_died(self.device, proc.exitcode, job, closed))
+        if not closed:
+            self._on_restart(self.device)
 
     # -- what the data plane asks -------------------------------------------------------------------
     def attach(
@@ -438,11 +460,18 @@ class CopyWorkers:
     device (`ready`), so that a sidecar that sees a node's GPUs but copies into few of them (a pod's,
     deploy/k8s/base) starts no process, and holds no GPU memory, for the others."""
 
-    def __init__(self, metrics: Metrics, staged: tuple[str, Settings] | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        staged: tuple[str, Settings] | None = None,
+        on_restart: Callable[[int], None] = lambda device: None,
+    ) -> None:
         """staged: (the sidecar's agent name, its settings): each worker also runs its device's staged
-        transfers, on an agent named `<name>/gpu<N>` (`<name>/host`)."""
+        transfers, on an agent named `<name>/gpu<N>` (`<name>/host`). on_restart: a worker that died was
+        replaced (CopyWorker)."""
         self._metrics = metrics
         self._staged = staged
+        self._on_restart = on_restart
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
         self._ranks: dict[RankKey, _Memory] = {}  # every rank, for the workers started later
@@ -507,6 +536,22 @@ class CopyWorkers:
             workers = sorted(self._workers.items())
         return [(d, w.pid or 0, w.incarnation - 1, w.ready) for d, w in workers]
 
+    def ready_agent(self, device: int, timeout_s: float = 1.0) -> tuple[str, bytes] | None:
+        """The staged agent (name, metadata) of the device's worker if one runs and is ready: the one it
+        gave already, else asked (at most `timeout_s`); None if none was started, it is (re)starting, or
+        it did not answer. Starts nothing."""
+        with self._lock:
+            w = self._workers.get(device)
+        if self._staged is None or w is None or not w.ready:
+            return None
+        known = w.known_agent()
+        if known is not None:
+            return known
+        try:
+            return w.agent(timeout_s)
+        except SidecarError:
+            return None
+
     def get(self, device: int) -> CopyWorker:
         """The device's worker, started if it is not yet."""
         with self._lock:
@@ -518,7 +563,7 @@ class CopyWorkers:
             staged = None
             if self._staged is not None:
                 staged = (_staged_agent(self._staged[0], device), self._staged[1])
-            w = self._workers[device] = CopyWorker(device, self._metrics, staged)
+            w = self._workers[device] = CopyWorker(device, self._metrics, staged, self._on_restart)
             for key, (spec, gpu, memory) in self._ranks.items():  # a GPU's every GPU rank; the host's, its
                 if gpu == (device != HOST):
                     w.attach(key, spec, gpu, memory)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kv_sidecar import PROTOCOL_VERSION
+from kv_sidecar.dataplane.jobs import RankKey
 from kv_sidecar.errors import Code, SidecarError, check_id, ranks_text
 from kv_sidecar.plan.blocks import check_published
 from kv_sidecar.plan.spec import EngineSpec
@@ -71,10 +72,14 @@ class Membership:
         lease_ms: int,
         on_published: Callable[[Published, Iterable[RankEntry]], None],
         leader_wait_s: float = 10.0,
+        worker_agents: Callable[[RankKey], tuple[str, bytes] | None] = lambda key: None,
     ) -> None:
         """on_published: a request was published here (the leader's, or a member's share); leader_wait_s:
-        how long a rank registering as a member waits for its leader to hold a rank of the engine."""
+        how long a rank registering as a member waits for its leader to hold a rank of the engine;
+        worker_agents: the ready worker agent that runs a rank's staged transfers, if any
+        (DataPlane.ready_worker_agent): a member reports it to its leader, which hands it to readers."""
         self._leader_wait_s = leader_wait_s
+        self._worker_agents = worker_agents
         self._me = identity
         self._engines = engines
         self._published = published
@@ -91,6 +96,7 @@ class Membership:
         self._versions: dict[str, int] = {}
         self._next_version = itertools.count(1)
         self._refresher: threading.Thread | None = None
+        self._refresh_now = threading.Event()
 
     # -- queries --------------------------------------------------------------
     def leader_of(self, engine_id: str) -> str | None:
@@ -200,11 +206,17 @@ class Membership:
                 self._refresher = threading.Thread(target=self._refresh, name="leader-refresh", daemon=True)
                 self._refresher.start()
 
+    def refresh_now(self) -> None:
+        """Report every followed engine again now, not at the next refresh (any thread; never blocks):
+        a worker of ours was replaced, so the worker agent readers were given is gone."""
+        self._refresh_now.set()
+
     def _refresh(self) -> None:
         """Re-report every followed engine; ends when this sidecar follows none."""
         failing: set[str] = set()
         while True:
-            time.sleep(REFRESH_S)
+            self._refresh_now.wait(REFRESH_S)
+            self._refresh_now.clear()
             with self._lock:
                 engines = list(self._leaders)
                 if not engines:
@@ -254,7 +266,10 @@ class Membership:
                     peer_address=self._me.peer_address,
                     agent_name=self._me.sidecar_id,
                     agent_metadata=self._nixl.metadata() if entries else b"",
-                    ranks=[rank_memory(e) for e in entries],
+                    # A worker still starting (or restarting) is left out: its ranks' transfers run in
+                    # this sidecar until a refresh names it.
+                    ranks=[rank_memory(e, self._worker_agents(e.key)) for e in entries],
+                    staged_workers=True,  # server/staged_source.py takes reader_worker_agent, source_in_worker
                 ),
             )
             if entries:

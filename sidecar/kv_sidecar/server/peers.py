@@ -40,6 +40,9 @@ class Holder:
     address: str
     agent_name: str
     agent_metadata: bytes = field(default=b"", repr=False)
+    # It takes PushRequest.reader_worker_agent and source_in_worker (the leader's handshake says so of
+    # the leader, a member's report of the member: members may run another version).
+    staged_workers: bool = False
 
 
 @dataclass
@@ -354,12 +357,12 @@ class Peers:
             map_version=resp.map_version,
             generations={r.rank: r.generation for r in resp.ranks},
         )
-        leader = Holder(resp.sidecar_id, link.address, agent, resp.agent_metadata)
+        leader = Holder(resp.sidecar_id, link.address, agent, resp.agent_metadata, resp.staged_workers)
         remote.holders = {r.rank: leader for r in resp.ranks}
         for m in resp.members:  # a multi-node engine: the rank->sidecar map (docs/multinode.md)
             # Our own ranks need no NIXL connection; routing refuses to read them over the wire.
             member_agent = m.agent_name if m.sidecar_id == me else nixl.add_remote(m.agent_metadata)
-            holder = Holder(m.sidecar_id, m.peer_address, member_agent, m.agent_metadata)
+            holder = Holder(m.sidecar_id, m.peer_address, member_agent, m.agent_metadata, m.staged_workers)
             for r in m.ranks:
                 remote.holders[r.rank] = holder
                 remote.regions[r.rank] = [g.address for g in r.regions]

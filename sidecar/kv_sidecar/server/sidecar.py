@@ -116,8 +116,18 @@ class Sidecar:
         metrics.bind_registry(engines.all, lambda: len(published))
         peers = self.peers = Peers(me.sidecar_id, nixl, metrics, grpc_connect(s, self.security))
         membership = Membership(
-            me, engines, published, peers, nixl, s.lease_ms, threads.expect_read, s.leader_wait_ms / 1000
+            me,
+            engines,
+            published,
+            peers,
+            nixl,
+            s.lease_ms,
+            threads.expect_read,
+            s.leader_wait_ms / 1000,
+            plane.ready_worker_agent,
         )
+        # A member's worker replaced: its leader hears at once that the worker agent it handed out is gone.
+        plane.on_worker_restart = lambda device: membership.refresh_now()
         releases = Releases(me.sidecar_id, published, engines, membership, peers, lease_view)
         pull_timeout_s = s.pull_timeout_ms / 1000
         refusals = PublishRefusals(metrics)

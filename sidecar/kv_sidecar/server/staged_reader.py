@@ -523,12 +523,10 @@ class StagedReader:
         # The chunks come from the source rank's worker where its handshake named one (staged_workers),
         # else from its sidecar; ours arrive in our worker where we run them and the source knows how.
         sender, sender_md, from_worker = remote.sender_of(src_rank)
-        # Only into a source that said it knows how: the leader did; a member of a multi-node engine
-        # (holder) may run another version.
-        in_worker = (
-            self._plane.staged_workers
-            and remote.staged_workers
-            and (holder is None or holder.sidecar_id == remote.sidecar_id)
+        # Only into a source that said it knows how: the leader in its handshake, a member of a
+        # multi-node engine (holder) in its report to the leader (it may run another version).
+        in_worker = self._plane.staged_workers and (
+            remote.staged_workers if holder is None else holder.staged_workers
         )
         if from_worker and not in_worker:
             self._nixl.load_remote(sender, sender_md)  # our own agent sends it credits

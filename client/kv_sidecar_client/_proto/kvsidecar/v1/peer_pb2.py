@@ -26,7 +26,7 @@ from . import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from . import status_pb2 as kvsidecar_dot_v1_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xa5\x01\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x14\n\x0cworker_agent\x18\x04 \x01(\t\x12\x1d\n\x15worker_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\x8d\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\"\x82\x03\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\x12\x10\n\x08push_key\x18\t \x01(\x0c\x12\x14\n\x0cpush_members\x18\n \x01(\x08\x12\x17\n\x0fpush_members_v2\x18\x0b \x01(\x08\x12\x16\n\x0estaged_workers\x18\x0c \x01(\x08\x12\x14\n\x0c\x64one_batches\x18\r \x01(\x08\x12\x13\n\x0bmap_version\x18\x0e \x01(\x04\"\xe8\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x10\n\x08reply_id\x18\x08 \x01(\t\x12\x16\n\x0ereader_address\x18\t \x01(\t\"\xe8\x01\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x44\n\x0bgenerations\x18\x05 \x03(\x0b\x32/.kvsidecar.v1.OpenReadResponse.GenerationsEntry\x1a\x32\n\x10GenerationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"`\n\rOpenReadReply\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.OpenReadResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"\x8a\x01\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\x12\x0f\n\x07release\x18\x06 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"+\n\x08PushSlot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\x8e\x05\n\x0bPushRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12\x13\n\x0bstart_token\x18\x08 \x01(\r\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x14\n\x0creader_agent\x18\n \x01(\t\x12\x1d\n\x15reader_agent_metadata\x18\x0b \x01(\x0c\x12\x13\n\x0bmemory_kind\x18\x0c \x01(\t\x12\x11\n\tdevice_id\x18\r \x01(\r\x12%\n\x05slots\x18\x0e \x03(\x0b\x32\x16.kvsidecar.v1.PushSlot\x12\x12\n\ntimeout_ms\x18\x0f \x01(\r\x12+\n\x04open\x18\x10 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x17\n\x0fopen_num_tokens\x18\x11 \x01(\r\x12\x10\n\x08notified\x18\x12 \x01(\x08\x12\x10\n\x08stopping\x18\x13 \x01(\x08\x12)\n\x07members\x18\x14 \x03(\x0b\x32\x18.kvsidecar.v1.PushMember\x12\x1b\n\x13reader_worker_agent\x18\x15 \x01(\t\x12\x18\n\x10source_in_worker\x18\x16 \x01(\x08\x12\x16\n\x0e\x66\x61ilure_notice\x18\x17 \x01(\x08\x12\x16\n\x0erefusal_notice\x18\x18 \x01(\x08\x12\x14\n\x0csource_agent\x18\x19 \x01(\t\"v\n\nPushMember\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bstart_token\x18\x04 \x01(\r\"?\n\x0cPushResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08push_key\x18\x03 \x01(\x0c\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x9c\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xbc\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12=\n\x04Push\x12\x19.kvsidecar.v1.PushRequest\x1a\x1a.kvsidecar.v1.PushResponse\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/status.proto\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xa5\x01\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.kvsidecar.v1.MemoryRegion\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x14\n\x0cworker_agent\x18\x04 \x01(\t\x12\x1d\n\x15worker_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"\xdb\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x11\n\tplan_hash\x18\x08 \x01(\t\"\xa5\x01\n\x0cSidecarRanks\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x16\n\x0estaged_workers\x18\x06 \x01(\x08\"\x82\x03\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nsidecar_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12&\n\x04spec\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\'\n\x05ranks\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.RankMemory\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12+\n\x07members\x18\x08 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\x12\x10\n\x08push_key\x18\t \x01(\x0c\x12\x14\n\x0cpush_members\x18\n \x01(\x08\x12\x17\n\x0fpush_members_v2\x18\x0b \x01(\x08\x12\x16\n\x0estaged_workers\x18\x0c \x01(\x08\x12\x14\n\x0c\x64one_batches\x18\r \x01(\x08\x12\x13\n\x0bmap_version\x18\x0e \x01(\x04\"\xe8\x01\n\x0fOpenReadRequest\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x04 \x01(\t\x12\x14\n\x0creader_ranks\x18\x05 \x03(\r\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12-\n\x0breader_spec\x18\x07 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x10\n\x08reply_id\x18\x08 \x01(\t\x12\x16\n\x0ereader_address\x18\t \x01(\t\"\xe8\x01\n\x10OpenReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x44\n\x0bgenerations\x18\x05 \x03(\x0b\x32/.kvsidecar.v1.OpenReadResponse.GenerationsEntry\x1a\x32\n\x10GenerationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"`\n\rOpenReadReply\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.OpenReadResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\">\n\x14PeerKeepAliveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"7\n\x15PeerKeepAliveResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x03(\x04\"\x8a\x01\n\x10\x43loseReadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12\x14\n\x0creader_ranks\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x08\x12\x0f\n\x07release\x18\x06 \x01(\x08\"\x13\n\x11\x43loseReadResponse\"+\n\x08PushSlot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\x8e\x05\n\x0bPushRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10reader_engine_id\x18\x03 \x01(\t\x12-\n\x0breader_spec\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12\x13\n\x0breader_rank\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12\x13\n\x0bstart_token\x18\x08 \x01(\r\x12\x13\n\x0btransfer_id\x18\t \x01(\t\x12\x14\n\x0creader_agent\x18\n \x01(\t\x12\x1d\n\x15reader_agent_metadata\x18\x0b \x01(\x0c\x12\x13\n\x0bmemory_kind\x18\x0c \x01(\t\x12\x11\n\tdevice_id\x18\r \x01(\r\x12%\n\x05slots\x18\x0e \x03(\x0b\x32\x16.kvsidecar.v1.PushSlot\x12\x12\n\ntimeout_ms\x18\x0f \x01(\r\x12+\n\x04open\x18\x10 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x17\n\x0fopen_num_tokens\x18\x11 \x01(\r\x12\x10\n\x08notified\x18\x12 \x01(\x08\x12\x10\n\x08stopping\x18\x13 \x01(\x08\x12)\n\x07members\x18\x14 \x03(\x0b\x32\x18.kvsidecar.v1.PushMember\x12\x1b\n\x13reader_worker_agent\x18\x15 \x01(\t\x12\x18\n\x10source_in_worker\x18\x16 \x01(\x08\x12\x16\n\x0e\x66\x61ilure_notice\x18\x17 \x01(\x08\x12\x16\n\x0erefusal_notice\x18\x18 \x01(\x08\x12\x14\n\x0csource_agent\x18\x19 \x01(\t\"v\n\nPushMember\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1d.kvsidecar.v1.OpenReadRequest\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0bstart_token\x18\x04 \x01(\r\"?\n\x0cPushResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08push_key\x18\x03 \x01(\x0c\"\x95\x01\n\x12ReportRanksRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12&\n\x04spec\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.EngineSpec\x12*\n\x06member\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.SidecarRanks\"(\n\x13ReportRanksResponse\x12\x11\n\tleader_id\x18\x01 \x01(\t\"\x9c\x01\n\x12PeerPublishRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\"\x15\n\x13PeerPublishResponse\"9\n\x10PeerAbortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xbc\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12I\n\x08OpenRead\x12\x1d.kvsidecar.v1.OpenReadRequest\x1a\x1e.kvsidecar.v1.OpenReadResponse\x12T\n\tKeepAlive\x12\".kvsidecar.v1.PeerKeepAliveRequest\x1a#.kvsidecar.v1.PeerKeepAliveResponse\x12L\n\tCloseRead\x12\x1e.kvsidecar.v1.CloseReadRequest\x1a\x1f.kvsidecar.v1.CloseReadResponse\x12=\n\x04Push\x12\x19.kvsidecar.v1.PushRequest\x1a\x1a.kvsidecar.v1.PushResponse\x12R\n\x0bReportRanks\x12 .kvsidecar.v1.ReportRanksRequest\x1a!.kvsidecar.v1.ReportRanksResponse\x12N\n\x07Publish\x12 .kvsidecar.v1.PeerPublishRequest\x1a!.kvsidecar.v1.PeerPublishResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvsidecar.v1.PeerAbortRequest\x1a\x1f.kvsidecar.v1.PeerAbortResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=332
   _globals['_HANDSHAKEREQUEST']._serialized_end=551
   _globals['_SIDECARRANKS']._serialized_start=554
-  _globals['_SIDECARRANKS']._serialized_end=695
-  _globals['_HANDSHAKERESPONSE']._serialized_start=698
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1084
-  _globals['_OPENREADREQUEST']._serialized_start=1087
-  _globals['_OPENREADREQUEST']._serialized_end=1319
-  _globals['_OPENREADRESPONSE']._serialized_start=1322
-  _globals['_OPENREADRESPONSE']._serialized_end=1554
-  _globals['_OPENREADRESPONSE_GENERATIONSENTRY']._serialized_start=1504
-  _globals['_OPENREADRESPONSE_GENERATIONSENTRY']._serialized_end=1554
-  _globals['_OPENREADREPLY']._serialized_start=1556
-  _globals['_OPENREADREPLY']._serialized_end=1652
-  _globals['_PEERKEEPALIVEREQUEST']._serialized_start=1654
-  _globals['_PEERKEEPALIVEREQUEST']._serialized_end=1716
-  _globals['_PEERKEEPALIVERESPONSE']._serialized_start=1718
-  _globals['_PEERKEEPALIVERESPONSE']._serialized_end=1773
-  _globals['_CLOSEREADREQUEST']._serialized_start=1776
-  _globals['_CLOSEREADREQUEST']._serialized_end=1914
-  _globals['_CLOSEREADRESPONSE']._serialized_start=1916
-  _globals['_CLOSEREADRESPONSE']._serialized_end=1935
-  _globals['_PUSHSLOT']._serialized_start=1937
-  _globals['_PUSHSLOT']._serialized_end=1980
-  _globals['_PUSHREQUEST']._serialized_start=1983
-  _globals['_PUSHREQUEST']._serialized_end=2637
-  _globals['_PUSHMEMBER']._serialized_start=2639
-  _globals['_PUSHMEMBER']._serialized_end=2757
-  _globals['_PUSHRESPONSE']._serialized_start=2759
-  _globals['_PUSHRESPONSE']._serialized_end=2822
-  _globals['_REPORTRANKSREQUEST']._serialized_start=2825
-  _globals['_REPORTRANKSREQUEST']._serialized_end=2974
-  _globals['_REPORTRANKSRESPONSE']._serialized_start=2976
-  _globals['_REPORTRANKSRESPONSE']._serialized_end=3016
-  _globals['_PEERPUBLISHREQUEST']._serialized_start=3019
-  _globals['_PEERPUBLISHREQUEST']._serialized_end=3175
-  _globals['_PEERPUBLISHRESPONSE']._serialized_start=3177
-  _globals['_PEERPUBLISHRESPONSE']._serialized_end=3198
-  _globals['_PEERABORTREQUEST']._serialized_start=3200
-  _globals['_PEERABORTREQUEST']._serialized_end=3257
-  _globals['_PEERABORTRESPONSE']._serialized_start=3259
-  _globals['_PEERABORTRESPONSE']._serialized_end=3293
-  _globals['_PEERSERVICE']._serialized_start=3296
-  _globals['_PEERSERVICE']._serialized_end=3996
+  _globals['_SIDECARRANKS']._serialized_end=719
+  _globals['_HANDSHAKERESPONSE']._serialized_start=722
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1108
+  _globals['_OPENREADREQUEST']._serialized_start=1111
+  _globals['_OPENREADREQUEST']._serialized_end=1343
+  _globals['_OPENREADRESPONSE']._serialized_start=1346
+  _globals['_OPENREADRESPONSE']._serialized_end=1578
+  _globals['_OPENREADRESPONSE_GENERATIONSENTRY']._serialized_start=1528
+  _globals['_OPENREADRESPONSE_GENERATIONSENTRY']._serialized_end=1578
+  _globals['_OPENREADREPLY']._serialized_start=1580
+  _globals['_OPENREADREPLY']._serialized_end=1676
+  _globals['_PEERKEEPALIVEREQUEST']._serialized_start=1678
+  _globals['_PEERKEEPALIVEREQUEST']._serialized_end=1740
+  _globals['_PEERKEEPALIVERESPONSE']._serialized_start=1742
+  _globals['_PEERKEEPALIVERESPONSE']._serialized_end=1797
+  _globals['_CLOSEREADREQUEST']._serialized_start=1800
+  _globals['_CLOSEREADREQUEST']._serialized_end=1938
+  _globals['_CLOSEREADRESPONSE']._serialized_start=1940
+  _globals['_CLOSEREADRESPONSE']._serialized_end=1959
+  _globals['_PUSHSLOT']._serialized_start=1961
+  _globals['_PUSHSLOT']._serialized_end=2004
+  _globals['_PUSHREQUEST']._serialized_start=2007
+  _globals['_PUSHREQUEST']._serialized_end=2661
+  _globals['_PUSHMEMBER']._serialized_start=2663
+  _globals['_PUSHMEMBER']._serialized_end=2781
+  _globals['_PUSHRESPONSE']._serialized_start=2783
+  _globals['_PUSHRESPONSE']._serialized_end=2846
+  _globals['_REPORTRANKSREQUEST']._serialized_start=2849
+  _globals['_REPORTRANKSREQUEST']._serialized_end=2998
+  _globals['_REPORTRANKSRESPONSE']._serialized_start=3000
+  _globals['_REPORTRANKSRESPONSE']._serialized_end=3040
+  _globals['_PEERPUBLISHREQUEST']._serialized_start=3043
+  _globals['_PEERPUBLISHREQUEST']._serialized_end=3199
+  _globals['_PEERPUBLISHRESPONSE']._serialized_start=3201
+  _globals['_PEERPUBLISHRESPONSE']._serialized_end=3222
+  _globals['_PEERABORTREQUEST']._serialized_start=3224
+  _globals['_PEERABORTREQUEST']._serialized_end=3281
+  _globals['_PEERABORTRESPONSE']._serialized_start=3283
+  _globals['_PEERABORTRESPONSE']._serialized_end=3317
+  _globals['_PEERSERVICE']._serialized_start=3320
+  _globals['_PEERSERVICE']._serialized_end=4020
 # @@protoc_insertion_point(module_scope)

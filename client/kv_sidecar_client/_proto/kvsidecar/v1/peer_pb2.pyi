@@ -55,18 +55,20 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engine_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., reader_spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
 
 class SidecarRanks(_message.Message):
-    __slots__ = ("sidecar_id", "peer_address", "agent_name", "agent_metadata", "ranks")
+    __slots__ = ("sidecar_id", "peer_address", "agent_name", "agent_metadata", "ranks", "staged_workers")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     peer_address: str
     agent_name: str
     agent_metadata: bytes
     ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
-    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
+    staged_workers: bool
+    def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., staged_workers: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_members_v2", "staged_workers", "done_batches", "map_version")
