@@ -187,6 +187,43 @@ def _run_both(rx: Any, tx: Any, thread: str) -> list[Any]:
     return out
 
 
+@contextlib.contextmanager
+def _small_rings() -> Iterator[tuple[DataPlane, DataPlane, ShmKVCache, ShmKVCache]]:
+    """Two planes with rings of 4 slots of 2 blocks of DST, and a cache of each spec."""
+    with (
+        _two_planes(SMALL_SLOTS) as (src_plane, dst_plane),
+        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
+        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
+    ):
+        yield src_plane, dst_plane, src, dst
+
+
+def _send_exact(
+    ends: tuple[DataPlane, DataPlane, ShmKVCache, ShmKVCache],
+    src_ids: list[int],
+    dst_ids: list[int],
+    seed: int,
+) -> Sent:
+    """A 500-token request (8 chunks) filled from `seed`, sent and received: every byte lands in
+    `dst_ids`, nothing else changes, nothing is left in flight."""
+    src_plane, dst_plane, src, dst = ends
+    logical = logical_kv(SRC, 500, seed=seed)
+    fill_request(SRC, 0, src.tensors, src_ids, logical)
+    before = [t.clone() for t in dst.tensors]
+    rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, 500)
+    assert len(job.chunks) == 8
+    tx = src_plane.send(job)
+    out = _run_both(rx, tx, "push")
+    while not rx.wait(0.05):  # the source returned first: the reader's last scatters
+        pass
+    rx.close(quiet=True)
+    assert len(out) == 1 and isinstance(out[0], Sent), out
+    assert out[0].chunks == 8 and rx.nbytes == out[0].nbytes > 0 and tx.quiet
+    assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
+    assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+    return out[0]
+
+
 def test_more_chunks_than_slots_reuse_every_slot_whichever_thread_scatters(
     scatters_on: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,32 +231,12 @@ def test_more_chunks_than_slots_reuse_every_slot_whichever_thread_scatters(
     each WRITE into a slot the reader gave back, and every byte lands, nothing else. The source
     gathers on its push thread; the reader scatters where `scatters_on` says."""
     seen = _spy_copies(monkeypatch)
-    num_tokens = 500
-    src_ids = list(range(32))[::-1]
     dst_ids = [7, 3, 15, 0, 9, 12, 1, 4, 14, 2, 11, 6, 8, 13, 5, 10]
-    with (
-        _two_planes(SMALL_SLOTS) as (src_plane, dst_plane),
-        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
-        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
-    ):
-        logical = logical_kv(SRC, num_tokens, seed=11)
-        fill_request(SRC, 0, src.tensors, src_ids, logical)
-        before = [t.clone() for t in dst.tensors]
-        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
-        assert len(job.chunks) == 8
-        tx = src_plane.send(job)
-        out = _run_both(rx, tx, "push")
-        while not rx.wait(0.05):  # the source returned first: the reader's last scatters
-            pass
-        rx.close(quiet=True)
-        assert len(out) == 1 and isinstance(out[0], Sent), out
-        assert out[0].chunks == 8 and rx.nbytes == out[0].nbytes > 0 and tx.quiet
-        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
-        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+    with _small_rings() as ends:
+        _send_exact(ends, list(range(32))[::-1], dst_ids, seed=11)
     gathers = [name for into, name in seen if into]
     scatters = {name for into, name in seen if not into}
-    assert len(gathers) == 8 and len(seen) == 16
-    assert gathers == ["push"] * 8
+    assert gathers == ["push"] * 8 and len(seen) == 16
     assert scatters == (
         {"nixl-plane-dst"} if scatters_on == "NIXL thread" else {threading.current_thread().name}
     )
@@ -231,16 +248,11 @@ def test_a_gather_that_fails_fails_its_transfer_and_leaves_the_ring_usable(
     """The third gather raises: the source's `run` raises that error, nothing is left in flight, the
     send slots go back to the ring, and the next transfer through it moves every byte."""
     seen = _spy_copies(monkeypatch, fail_gather=2)
-    num_tokens = 500
     src_ids, dst_ids = list(range(32)), list(range(16))
-    with (
-        _two_planes(SMALL_SLOTS) as (src_plane, dst_plane),
-        ShmKVCache(SRC.rank_tensor_shapes(), torch.float16) as src,
-        ShmKVCache(DST.rank_tensor_shapes(), torch.float16) as dst,
-    ):
-        logical = logical_kv(SRC, num_tokens, seed=5)
-        fill_request(SRC, 0, src.tensors, src_ids, logical)
-        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
+    with _small_rings() as ends:
+        src_plane, dst_plane, src, dst = ends
+        fill_request(SRC, 0, src.tensors, src_ids, logical_kv(SRC, 500, seed=5))
+        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, 500)
         tx = src_plane.send(job)
         out = _run_both(rx, tx, "push")
         rx.close(quiet=True)
@@ -251,18 +263,7 @@ def test_a_gather_that_fails_fails_its_transfer_and_leaves_the_ring_usable(
 
         monkeypatch.undo()  # the copies as they are
         seen = _spy_copies(monkeypatch)
-        logical = logical_kv(SRC, num_tokens, seed=6)
-        fill_request(SRC, 0, src.tensors, src_ids, logical)
-        before = [t.clone() for t in dst.tensors]
-        rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, num_tokens)
-        tx = src_plane.send(job)
-        out = _run_both(rx, tx, "push")
-        while not rx.wait(0.05):
-            pass
-        rx.close(quiet=True)
-        assert len(out) == 1 and isinstance(out[0], Sent) and out[0].chunks == 8, out
-        assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
-        assert changed_outside(DST, before, dst.tensors, dst_ids) == []
+        _send_exact(ends, src_ids, dst_ids, seed=6)
         assert sum(into for into, _ in seen) == 8
 
 
