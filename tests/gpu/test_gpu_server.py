@@ -297,6 +297,61 @@ def test_concurrent_staged_pulls_in_staged_workers(
     assert not errors, errors
 
 
+def test_a_member_sidecars_rank_sends_from_its_gpu_worker_once_reported() -> None:
+    """A prefill engine over a leader sidecar (rank 0) and a member sidecar (rank 1, on GPU_B), the decode
+    engine on a third, all with staged_workers: once the member reported its GPU worker to the leader
+    (its next refresh), rank 1's chunks come from that worker (its WRITEs grow, the member sidecar's own
+    do not), bit-exact; until then the member sidecar sends them. tests/e2e/test_staged_workers.py runs
+    the same on host rings and kills the worker."""
+    extra = [*SMALL_RINGS, "--staged-workers", "true", "--leader-wait-ms", "10000"]
+    sidecars = [SidecarProcess(f"gpu-swm-{role}", extra=extra) for role in ("leader", "member", "decode")]
+    lead, memb, dec = sidecars
+    pspec = EngineSpec.from_dict(BASE | {"tp_size": 2})
+    dspec = EngineSpec.from_dict(BASE | {"tp_size": 2, "layout": "flash_attn_hnd"})
+    engines: list[EngineProcess] = []
+    worker_writes = "kvsidecar_worker_nixl_descriptors_per_transfer_count"
+    own_writes = "kvsidecar_nixl_descriptors_per_transfer_count"
+    on_b = {"device": GPU_B.split(":")[1]}
+    try:
+        on_gpus = [GPU_A, GPU_B]  # rank r on on_gpus[r]
+        engines.append(leader := EngineProcess(lead.socket, "gpu-swm-p", pspec, ranks=[0], devices=on_gpus))
+        engines.append(
+            member := EngineProcess(
+                memb.socket, "gpu-swm-p", pspec, ranks=[1], devices=on_gpus, leader=lead.peer_address
+            )
+        )
+        engines.append(decode := EngineProcess(dec.socket, "gpu-swm-d", dspec, devices=[GPU_B, GPU_A]))
+        src = list(range(pspec.num_blocks - 1, -1, -3))[: -(-NUM_TOKENS // pspec.block_size)]
+        dst = list(range(1, dspec.num_blocks, 2))[: -(-NUM_TOKENS // dspec.block_size)]
+        deadline = time.monotonic() + 120
+        for n in range(10**6):
+            before = scrape.value(memb.metrics_port, worker_writes, **on_b)
+            own = scrape.value(memb.metrics_port, own_writes)
+            fill = {
+                "cmd": "prefill",
+                "request_id": f"r{n}",
+                "block_ids": src,
+                "num_tokens": NUM_TOKENS,
+                "seed": n,
+            }
+            assert member.send(fill | {"publish": False})["ok"]
+            pub = leader.send(fill)
+            assert pub["ok"], pub
+            res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n})
+            assert res["ok"] and res["path"] == "gpu-staged", res
+            assert res["verified"], res["errors"]
+            if scrape.value(memb.metrics_port, worker_writes, **on_b) > before:
+                assert scrape.value(memb.metrics_port, own_writes) == own, "rank 1 from the worker alone"
+                break
+            assert time.monotonic() < deadline, "the member's worker never sent rank 1"
+            time.sleep(0.2)
+    finally:
+        for e in engines:
+            e.stop()
+        codes = [s.stop() for s in sidecars]
+        assert codes == [0, 0, 0], "\n".join(line for s in sidecars for line in s.stderr_tail)
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(victim: str) -> None:
     """staged_workers on GPUs: the worker of the GPU a transfer runs on (the decode or the prefill side)
