@@ -291,8 +291,9 @@ def test_a_member_sidecars_ranks_send_from_its_worker_once_reported_and_after_it
 ) -> None:
     """A prefill engine over a leader and a member sidecar, all with workers: the member reports its
     worker's agent to the leader once the worker is ready, readers then take rank 1's chunks from that
-    worker (its WRITEs, none of the member sidecar's own). SIGKILLed, the worker is replaced; the member
-    tells its leader at once, every pull meanwhile is exact, and the new worker sends again."""
+    worker (its WRITEs, none of the member sidecar's own). SIGKILLed, the worker is replaced: every pull
+    meanwhile is exact, and the new worker sends again. (The member reports at once that its worker is
+    gone, so that readers are not handed the dead agent; how soon is not asserted here.)"""
     wait = ["--leader-wait-ms", "5000"]
     lead = spawn(SidecarProcess("swm-leader", extra=[*WORKERS, *wait]))
     memb = spawn(SidecarProcess("swm-member", extra=[*WORKERS, *wait]))
