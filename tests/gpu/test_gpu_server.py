@@ -301,7 +301,7 @@ def test_a_member_sidecars_rank_sends_from_its_gpu_worker_once_reported() -> Non
     """A prefill engine over a leader sidecar (rank 0) and a member sidecar (rank 1, on GPU_B), the decode
     engine on a third, all with staged_workers: once the member reported its GPU worker to the leader
     (its next refresh), rank 1's chunks come from that worker (its WRITEs grow, the member sidecar's own
-    do not), bit-exact; until then the member sidecar sends them. tests/e2e/test_staged_workers.py runs
+    do not), bit-exact; until then the member sidecar sends them. tests/e2e/test_member_workers.py runs
     the same on host rings and kills the worker."""
     extra = [*SMALL_RINGS, "--staged-workers", "true", "--leader-wait-ms", "10000"]
     sidecars = [SidecarProcess(f"gpu-swm-{role}", extra=extra) for role in ("leader", "member", "decode")]
