@@ -532,17 +532,18 @@ class NixlDriver:
     def prep_dlist(self, agent_name: str, descs: np.ndarray, mem_type: str = "DRAM") -> int:
         """Prepare an (N, 3) [addr, len, dev] list once; "" means local. Returns a key."""
 
-        def prep(a: Any) -> int:
-            target = agent_name or "NIXL_INIT_AGENT"
-            handle = a.prep_xfer_dlist(target, descs, mem_type)
-            key = self._next_reg
-            self._next_reg += 1
-            self._dlists[key] = handle
-            if agent_name:
-                self._dlist_agents[key] = agent_name
-            return key
+        return self.call(lambda a: self._prep(a, agent_name, descs, mem_type))
 
-        return self.call(prep)
+    def _prep(self, a: Any, agent_name: str, descs: np.ndarray, mem_type: str) -> int:
+        """On the driver thread: prepare a list and keep it under a new key (voided if `agent_name`,
+        "" for ours, is loaded again)."""
+        handle = a.prep_xfer_dlist(agent_name or "NIXL_INIT_AGENT", descs, mem_type)
+        key = self._next_reg
+        self._next_reg += 1
+        self._dlists[key] = handle
+        if agent_name:
+            self._dlist_agents[key] = agent_name
+        return key
 
     def release_dlist(self, key: int) -> None:
         def rel(a: Any) -> None:
@@ -794,14 +795,10 @@ class NixlDriver:
             if old is None:
                 return None
             self._drop_dlist(lists.pop(old))
-        handle = a.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", np.array([desc], dtype=np.int64), mem_type)
-        key = self._next_reg
-        self._next_reg += 1
-        self._dlists[key] = handle
-        if agent:
-            self._dlist_agents[key] = agent
-        lists[(agent, mem_type, desc)] = key
-        return key, handle
+        key = lists[(agent, mem_type, desc)] = self._prep(
+            a, agent, np.array([desc], dtype=np.int64), mem_type
+        )
+        return key, self._dlists[key]
 
     def _drop_dlist(self, key: int) -> None:
         """On the driver thread: release a prepared list (one voided by its agent's reload, or evicted)."""
