@@ -503,7 +503,13 @@ def test_registration_compiles_the_copy_kernel_so_that_no_pull_waits_for_the_com
                         "start_token": start,
                     }
                 )
-                assert res["ok"] and res["verified"] and res["path"] == path, (tokens, start, res)
+                # A str, not the dict: pytest cuts a message's repr short, and with it the errors
+                # (one failure under the whole suite's load, thirty-fourth session, showed neither
+                # the path nor what differed).
+                assert res["ok"] and res["verified"] and res["path"] == path, (
+                    f"{path} expected, {tokens} tokens from {start}: path {res['path']}, "
+                    f"error {res.get('error')!r}, errors {res.get('errors')}, {res}"
+                )
         for sc, what in ((b, "gpu-direct copies and scatters"), (a, "gathers")):
             launches = {
                 by: _metric(sc, "kvsidecar_gpu_launches_total", f'{{by="{by}"}}')
