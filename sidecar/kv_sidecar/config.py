@@ -35,6 +35,7 @@ class Settings:
     reader_probe_ms: int = 500
     lease_ms: int = 30_000
     leader_wait_ms: int = 10_000
+    member_refresh_ms: int = 2_000
     pull_timeout_ms: int = 30_000
     max_message_bytes: int = 64 << 20
     engine_workers: int = 256
@@ -114,6 +115,9 @@ class Settings:
         "lease_ms": "default lease of published blocks, in milliseconds",
         "leader_wait_ms": "how long a rank registering here under another sidecar's lead waits for that leader "
         "to hold a rank of the engine (an engine's ranks start together; the leader's may register second)",
+        "member_refresh_ms": "how often a member sidecar of a multi-node engine reports its ranks to the "
+        "engine's leader again unasked: a leader that forgot its map (it or its engine restarted) has it back "
+        "within this time. A member reports at once whatever changes here (a rank, a worker replaced or ready)",
         "pull_timeout_ms": "default timeout of one pull, in milliseconds",
         "max_message_bytes": "largest gRPC message accepted or sent",
         "engine_workers": "threads serving the engine API (started on demand). Each open event stream (one "
@@ -156,6 +160,7 @@ class Settings:
         "open_answer_wait_us": 0,
         "reader_probe_ms": 0,
         "leader_wait_ms": 0,
+        "member_refresh_ms": 100,
         "gpu_staging_reserve": 0,
     }
 

@@ -71,17 +71,27 @@ def test_a_members_report_gives_the_agent_a_running_worker_gave_and_a_replaced_w
     """A member sidecar reports its ranks' worker agents to its leader every refresh: `known_agent` gives
     what the running worker answered without asking it again (a worker busy with a long copy, or
     stopped here, would hold the report up), nothing once that worker died; `on_restart` names the
-    device as soon as the next worker was started, so that the member reports at once."""
+    device as soon as the next worker was started, and `on_ready` as soon as a worker (the first, the
+    next) is ready, so that the member reports at once that the agent left, then which one came."""
     restarted: list[int] = []
-    workers = CopyWorkers(Metrics(), ("agent-known", Settings(gpu_staging_bytes=4 << 20)), restarted.append)
+    ready: list[tuple[int, bool]] = []
+    workers = CopyWorkers(
+        Metrics(),
+        ("agent-known", Settings(gpu_staging_bytes=4 << 20)),
+        restarted.append,
+        lambda device: ready.append((device, workers.get(device).ready)),
+    )
     try:
         assert workers.ready_agent(HOST) is None  # none started: none is started for the report
         worker = workers.get(HOST)
         assert worker.known_agent() is None  # never asked
         deadline = time.monotonic() + 60
-        while (first := workers.ready_agent(HOST)) is None:  # asked once it is ready
+        while not ready:
             assert time.monotonic() < deadline
-            time.sleep(0.02)
+            time.sleep(0.005)
+        assert ready == [(HOST, True)]  # told once, when it is ready
+        first = workers.ready_agent(HOST)  # asked now that it is ready
+        assert first is not None
         assert first == worker.agent()
         pid = worker.pid
         assert pid is not None
@@ -97,9 +107,11 @@ def test_a_members_report_gives_the_agent_a_running_worker_gave_and_a_replaced_w
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert restarted == [HOST]
-        while (second := workers.ready_agent(HOST)) is None:
+        while len(ready) < 2:
             assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert second[0] == first[0] and second[1] != first[1]
+            time.sleep(0.005)
+        assert ready == [(HOST, True), (HOST, True)]
+        second = workers.ready_agent(HOST)
+        assert second is not None and second[0] == first[0] and second[1] != first[1]
     finally:
         workers.close()

@@ -19,6 +19,10 @@ from .test_device_workers import workers_of
 from .test_staged_workers import DESCRIPTORS, WORKER_DESCRIPTORS, WORKERS, _replaced
 
 SPLIT = EngineSpec.from_dict(spec_dict(tp_size=2))
+# The member's refresh, set far past PROMPT_S (what a worker's start and its report may take on a loaded
+# CI machine): a report that waited for it would fail the test.
+SLOW_REFRESH_MS = 600_000
+PROMPT_S = 60
 
 
 def _member_pull(
@@ -39,13 +43,15 @@ def test_a_member_sidecars_ranks_send_from_its_worker_once_reported_and_after_it
     spawn: Spawn,
 ) -> None:
     """A prefill engine over a leader and a member sidecar, all with workers: the member reports its
-    worker's agent to the leader once the worker is ready, readers then take rank 1's chunks from that
-    worker (its WRITEs, none of the member sidecar's own). SIGKILLed, the worker is replaced: every pull
-    meanwhile is exact, and the new worker sends again. (The member reports at once that its worker is
-    gone, so that readers are not handed the dead agent; how soon is not asserted here.)"""
+    worker's agent to the leader as soon as the worker is ready, readers then take rank 1's chunks from
+    that worker (its WRITEs, none of the member sidecar's own). SIGKILLed, the worker is replaced: every
+    pull meanwhile is exact, and the new worker sends again. The member's own refresh is set far past
+    the test's waits, so both reports must come when the worker changes, not at a refresh."""
     wait = ["--leader-wait-ms", "5000"]
     lead = spawn(SidecarProcess("swm-leader", extra=[*WORKERS, *wait]))
-    memb = spawn(SidecarProcess("swm-member", extra=[*WORKERS, *wait]))
+    memb = spawn(
+        SidecarProcess("swm-member", extra=[*WORKERS, *wait, "--member-refresh-ms", str(SLOW_REFRESH_MS)])
+    )
     ds = spawn(SidecarProcess("swm-decode", extra=WORKERS))
     leader = spawn(EngineProcess(lead.socket, "swm-p", SPLIT, ranks=[0]))
     member, decode = spawn.together(
@@ -62,14 +68,18 @@ def test_a_member_sidecars_ranks_send_from_its_worker_once_reported_and_after_it
         assert not sent or metric(memb.metrics_port, f"{DESCRIPTORS}_count") == own
         return sent
 
-    # Until its worker is ready and reported (the member's next refresh), the member sidecar sends.
+    # Until its worker is ready and reported, the member sidecar sends.
     n = itertools.count()
-    wait_for("the member's worker sends rank 1", lambda: through_worker(f"a{next(n)}", next(n)), timeout_s=60)
+    wait_for(
+        "the member's worker sends rank 1", lambda: through_worker(f"a{next(n)}", next(n)), timeout_s=PROMPT_S
+    )
     assert through_worker("steady", 7), "once reported, every pull of rank 1 goes through it"
 
     (old,) = workers_of(memb)
     os.kill(old, signal.SIGKILL)
     wait_for("the member's worker replaced", lambda: _replaced(memb, (old,)), timeout_s=60)
     assert logged(memb, "data-plane worker of device -1 died")
-    wait_for("the new worker sends rank 1", lambda: through_worker(f"b{next(n)}", next(n)), timeout_s=60)
+    wait_for(
+        "the new worker sends rank 1", lambda: through_worker(f"b{next(n)}", next(n)), timeout_s=PROMPT_S
+    )
     assert lead.alive and memb.alive and ds.alive

@@ -194,11 +194,18 @@ class DataPlane:
                 torch.cuda.device_count(),
                 "GPU and host" if self._host_in_workers else "GPU",
             )
-        # Called with the device when its worker died and was replaced (a member sidecar of a multi-node
-        # engine then tells its leader at once that the device's ranks run in the sidecar meanwhile).
+        # Called with the device when its worker died and was replaced, and when a worker became ready: a
+        # member sidecar of a multi-node engine then tells its leader at once which agent (none, while
+        # one starts) runs the device's staged transfers, rather than at its next refresh.
         self.on_worker_restart: Callable[[int], None] = lambda device: None
+        self.on_worker_ready: Callable[[int], None] = lambda device: None
         self.workers = (
-            CopyWorkers(metrics, staged, lambda device: self.on_worker_restart(device))
+            CopyWorkers(
+                metrics,
+                staged,
+                lambda device: self.on_worker_restart(device),
+                lambda device: self.on_worker_ready(device),
+            )
             if in_workers or staged
             else None
         )

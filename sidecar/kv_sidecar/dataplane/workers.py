@@ -165,13 +165,16 @@ class CopyWorker:
         metrics: Metrics,
         staged: tuple[str, Settings] | None = None,
         on_restart: Callable[[int], None] = lambda device: None,
+        on_ready: Callable[[int], None] = lambda device: None,
     ) -> None:
         """staged: the worker runs the device's staged transfers too, on a NIXL agent of that name.
-        on_restart: called with the device once a worker that died was replaced (its jobs failed)."""
+        on_restart: called with the device once a worker that died was replaced (its jobs failed);
+        on_ready: once a worker process (the first, or one that replaced it) is ready (`ready`)."""
         self.device = device
         self._metrics = metrics
         self._staged = staged
         self._on_restart = on_restart
+        self._on_ready = on_ready
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future[Any], _Job]] = {}
@@ -204,10 +207,13 @@ class CopyWorker:
         self._post("ping", None).add_done_callback(functools.partial(self._pinged, self.incarnation))
 
     def _pinged(self, incarnation: int, fut: Future[Any]) -> None:
-        if fut.exception() is None:
-            with self._lock:
-                if incarnation == self.incarnation:
-                    self._answered = incarnation
+        if fut.exception() is not None:
+            return
+        with self._lock:
+            if incarnation != self.incarnation:
+                return
+            self._answered = incarnation
+        self._on_ready(self.device)
 
     @property
     def ready(self) -> bool:
@@ -465,13 +471,15 @@ class CopyWorkers:
         metrics: Metrics,
         staged: tuple[str, Settings] | None = None,
         on_restart: Callable[[int], None] = lambda device: None,
+        on_ready: Callable[[int], None] = lambda device: None,
     ) -> None:
         """staged: (the sidecar's agent name, its settings): each worker also runs its device's staged
         transfers, on an agent named `<name>/gpu<N>` (`<name>/host`). on_restart: a worker that died was
-        replaced (CopyWorker)."""
+        replaced; on_ready: a worker became ready (CopyWorker)."""
         self._metrics = metrics
         self._staged = staged
         self._on_restart = on_restart
+        self._on_ready = on_ready
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
         self._ranks: dict[RankKey, _Memory] = {}  # every rank, for the workers started later
@@ -563,7 +571,9 @@ class CopyWorkers:
             staged = None
             if self._staged is not None:
                 staged = (_staged_agent(self._staged[0], device), self._staged[1])
-            w = self._workers[device] = CopyWorker(device, self._metrics, staged, self._on_restart)
+            w = self._workers[device] = CopyWorker(
+                device, self._metrics, staged, self._on_restart, self._on_ready
+            )
             for key, (spec, gpu, memory) in self._ranks.items():  # a GPU's every GPU rank; the host's, its
                 if gpu == (device != HOST):
                     w.attach(key, spec, gpu, memory)

@@ -73,12 +73,15 @@ class Membership:
         on_published: Callable[[Published, Iterable[RankEntry]], None],
         leader_wait_s: float = 10.0,
         worker_agents: Callable[[RankKey], tuple[str, bytes] | None] = lambda key: None,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         """on_published: a request was published here (the leader's, or a member's share); leader_wait_s:
         how long a rank registering as a member waits for its leader to hold a rank of the engine;
         worker_agents: the ready worker agent that runs a rank's staged transfers, if any
-        (DataPlane.ready_worker_agent): a member reports it to its leader, which hands it to readers."""
+        (DataPlane.ready_worker_agent): a member reports it to its leader, which hands it to readers;
+        refresh_s: how often a member reports again unasked (member_refresh_ms)."""
         self._leader_wait_s = leader_wait_s
+        self._refresh_s = refresh_s
         self._worker_agents = worker_agents
         self._me = identity
         self._engines = engines
@@ -215,7 +218,7 @@ class Membership:
         """Re-report every followed engine; ends when this sidecar follows none."""
         failing: set[str] = set()
         while True:
-            self._refresh_now.wait(REFRESH_S)
+            self._refresh_now.wait(self._refresh_s)
             self._refresh_now.clear()
             with self._lock:
                 engines = list(self._leaders)
