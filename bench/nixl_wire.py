@@ -9,7 +9,8 @@ processes: UCX reads its environment once), beside the NVLink ceiling (torch's p
 
 Rows: one WRITE of 2 MiB, 64 MiB, 256 MiB or 1 GiB at a time; and 1 GiB as 16 WRITEs of 64 MiB (or 4 of
 256 MiB) with at most --depth in flight, each posted as soon as one ends, as a ring of that many slots
-does. Every row's last pass is checked: the receiving buffer's checksum against the sender's.
+does. Every row is checked: the receiving buffer zeroed, one more pass, then each MiB's sum against the
+sender's, by place.
 
     python bench/nixl_wire.py                                  # default UCX, then the --variants
     python bench/nixl_wire.py --variants "UCX_CUDA_IPC_MAX_STREAMS=1" "nixl.num_workers=4"
@@ -66,6 +67,15 @@ def _mem(dev: int) -> str:
     return "DRAM" if dev < 0 else "VRAM"
 
 
+def checksum(b: Any) -> int:
+    """Each MiB's byte sum, weighted by its place: a chunk written at another offset changes it."""
+    import torch
+
+    rows = b.view(-1, MIB).sum(dim=1, dtype=torch.int64)
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    return int((rows * weights).sum().item())
+
+
 def _target(dev: int, env: dict[str, str], meta_q: Any, ctl_q: Any, res_q: Any) -> None:
     """The reader's side: owns the receive buffer, answers checksums until told to stop."""
     import torch
@@ -83,9 +93,14 @@ def _target(dev: int, env: dict[str, str], meta_q: Any, ctl_q: Any, res_q: Any) 
             continue
         if msg is None:
             break
+        if msg == "zero":
+            buf.zero_()
+            if dev >= 0:
+                torch.cuda.synchronize(dev)
+            res_q.put(0)
+            continue
         off, n = msg
-        res_q.put(int(buf[off : off + n].view(-1, MIB).sum(dim=1, dtype=torch.int64).sum().item()))
-        buf.zero_()
+        res_q.put(checksum(buf[off : off + n]))
 
 
 def _initiator(
@@ -140,9 +155,6 @@ def _initiator(
             inflight = [h for h in inflight if not done(h)]
         return time.perf_counter() - t0
 
-    def expect(n: int) -> int:
-        return int(buf[:n].view(-1, MIB).sum(dim=1, dtype=torch.int64).sum().item())
-
     rows = []
     cases = [(f"{s // MIB} MiB, one WRITE", s, 1, 1) for s in SIZES] + [
         (f"1 GiB as {k} x {c // MIB} MiB, {d} in flight", c, k, d)
@@ -153,8 +165,11 @@ def _initiator(
         for _ in range(3):
             run(chunk, count, inflight)  # warm-up: connection, the lists, UCX's handle cache
         ts = [run(chunk, count, inflight) for _ in range(iters)]
+        ctl_q.put("zero")  # the check reads one pass's bytes alone, none left by the passes before
+        chk_q.get()
+        run(chunk, count, inflight)
         ctl_q.put((0, chunk * count))
-        ok = chk_q.get() == expect(chunk * count)
+        ok = chk_q.get() == checksum(buf[: chunk * count])
         med = statistics.median(ts)
         rows.append((label, chunk * count, med, ok))
     ctl_q.put(None)
