@@ -76,6 +76,19 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 SAME_NODE_ONLY = {"mla_block16_to_64": (MLA, MLA | {"block_size": 64, "num_blocks": 12})}
 NUM_TOKENS = 150  # not a multiple of any block size: the last block is partial
+
+
+def pull_failure(res: dict[str, Any], *context: object) -> str:
+    """A failed pull's answer for an assertion's message, as a str: pytest cuts a non-str message's repr
+    short, and a dict's cut left out the path and the errors (one failure under the whole suite's load,
+    thirty-fourth session, showed neither)."""
+    head = " ".join(str(c) for c in context)
+    return (
+        f"{head}{': ' if head else ''}ok {res.get('ok')}, path {res.get('path')}, verified "
+        f"{res.get('verified')}, error {res.get('error')!r}, errors {res.get('errors')}; {res}"
+    )
+
+
 _count = iter(range(10**6))
 
 
@@ -230,7 +243,7 @@ def test_device_workers_auto_runs_gpu_copies_in_workers_on_four_gpus_and_host_co
             )
             assert pub["ok"], pub
             res = d.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n})
-            assert res["ok"] and res["verified"] and res["path"] == path, res
+            assert res["ok"] and res["verified"] and res["path"] == path, pull_failure(res)
 
         pull(prefill, decode, "gpu-direct", "first", list(range(10, 20)))  # in the sidecar; starts the worker
         deadline = time.monotonic() + 120
@@ -373,7 +386,7 @@ def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(v
             {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 1}
         )
         res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [1], "seed": 1})
-        assert res["ok"] and res["verified"], res
+        assert res["ok"] and res["verified"], pull_failure(res)
         sidecar = b if victim == "decode" else a
         (worker,) = sidecar.worker_pids()
         _long_staged_pull(a, prefill, decode, 16000)
@@ -503,12 +516,8 @@ def test_registration_compiles_the_copy_kernel_so_that_no_pull_waits_for_the_com
                         "start_token": start,
                     }
                 )
-                # A str, not the dict: pytest cuts a message's repr short, and with it the errors
-                # (one failure under the whole suite's load, thirty-fourth session, showed neither
-                # the path nor what differed).
-                assert res["ok"] and res["verified"] and res["path"] == path, (
-                    f"{path} expected, {tokens} tokens from {start}: path {res['path']}, "
-                    f"error {res.get('error')!r}, errors {res.get('errors')}, {res}"
+                assert res["ok"] and res["verified"] and res["path"] == path, pull_failure(
+                    res, path, "expected,", tokens, "tokens from", start
                 )
         for sc, what in ((b, "gpu-direct copies and scatters"), (a, "gathers")):
             launches = {
@@ -673,7 +682,7 @@ def test_staged_pull_timing_out_mid_transfer_stops_both_ends(
             {"cmd": "prefill", "request_id": "warm", "block_ids": [0], "num_tokens": 16, "seed": 0}
         )
         res = decode.send({"cmd": "pull", "params": warm["params"], "block_ids": [0], "seed": 0})
-        assert res["ok"] and res["verified"], res
+        assert res["ok"] and res["verified"], pull_failure(res)
         pub = prefill.send(
             {
                 "cmd": "prefill",
@@ -760,7 +769,7 @@ def test_a_pull_batch_of_staged_and_direct_members_arrives_bit_exact(
         *good, refused, unknown = out["results"]
         assert out["untouched_outside"], out["outside_errors"]
         for res, (_, _, path) in zip(good, sources.values(), strict=True):
-            assert res["ok"] and res["verified"] and res["path"] == path, res
+            assert res["ok"] and res["verified"] and res["path"] == path, pull_failure(res)
         assert refused["error_code"] == "INVALID_ARGUMENT", refused
         assert unknown["error_code"] == "NOT_FOUND", unknown
     finally:
@@ -818,7 +827,7 @@ def test_direct_members_of_one_engine_go_as_one_launch_bit_exact(
         out = decode.send({"cmd": "pull_many", "pulls": [*pulls, bad]})
         *good, refused = out["results"]
         for res in good:
-            assert res["ok"] and res["verified"] and res["path"] == "gpu-direct", res
+            assert res["ok"] and res["verified"] and res["path"] == "gpu-direct", pull_failure(res)
         assert refused["error_code"] == "INVALID_ARGUMENT" and str(dspec.num_blocks) in refused["error"], (
             refused
         )
@@ -876,7 +885,7 @@ def test_staged_reads_that_wait_go_as_one_transfer_bit_exact(
         out = decode.send({"cmd": "pull_many", "pulls": pulls, "timeout_s": 120})
         assert out["untouched_outside"], out["outside_errors"]
         for res in out["results"]:
-            assert res["ok"] and res["verified"] and res["path"] == "gpu-staged", res
+            assert res["ok"] and res["verified"] and res["path"] == "gpu-staged", pull_failure(res)
         transfers = _metric(b, "kvsidecar_staged_transfer_reads_count") - count0
         reads = _metric(b, "kvsidecar_staged_transfer_reads_sum") - reads0
         assert reads == 16 and transfers < 16, (transfers, reads)
