@@ -70,23 +70,24 @@ def test_a_worker_killed_that_still_reads_alive_hands_out_its_successors_agent()
 def test_a_members_report_gives_the_agent_a_running_worker_gave_and_a_replaced_worker_says_so() -> None:
     """A member sidecar reports its ranks' worker agents to its leader every refresh: `known_agent` gives
     what the running worker answered without asking it again (a worker busy with a long copy, or
-    stopped here, would hold the report up), nothing once that worker died; `on_restart` names the
-    device as soon as the next worker was started, and `on_ready` as soon as a worker (the first, the
-    next) is ready, so that the member reports at once that the agent left, then which one came."""
-    restarted: list[int] = []
-    ready: list[int] = []
-    workers = CopyWorkers(
-        Metrics(), ("agent-known", Settings(gpu_staging_bytes=4 << 20)), restarted.append, ready.append
-    )
+    stopped here, would hold the report up), nothing once that worker died; `on_change` names the
+    device as soon as a worker is ready (the first, the next) and as soon as the next one was started
+    for a dead one, so that the member reports at once that the agent left, then which one came."""
+    changes: list[tuple[int, int, bool]] = []  # (device, its restarts, ready) at each call
+
+    def changed(device: int) -> None:
+        changes.extend((d, restarts, ready) for d, _, restarts, ready in workers.processes() if d == device)
+
+    workers = CopyWorkers(Metrics(), ("agent-known", Settings(gpu_staging_bytes=4 << 20)), changed)
     try:
         assert workers.ready_agent(HOST) is None  # none started: none is started for the report
         worker = workers.get(HOST)
         assert worker.known_agent() is None  # never asked
         deadline = time.monotonic() + 60
-        while not ready:
+        while not changes:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        assert ready == [HOST] and worker.ready  # told once, when it is ready
+        assert changes == [(HOST, 0, True)]  # told once, when it is ready
         first = workers.ready_agent(HOST)  # asked now that it is ready
         assert first is not None
         assert first == worker.agent()
@@ -100,14 +101,12 @@ def test_a_members_report_gives_the_agent_a_running_worker_gave_and_a_replaced_w
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert worker.known_agent() is None  # the dead one's agent is not handed on
-        while not restarted:
+        while len(changes) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        assert restarted == [HOST]
-        while len(ready) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        assert ready == [HOST, HOST] and worker.ready and worker.incarnation == 2
+        # Told when the next one was started (not ready yet), then when it is ready.
+        assert changes == [(HOST, 0, True), (HOST, 1, False), (HOST, 1, True)]
+        assert worker.ready and worker.incarnation == 2
         second = workers.ready_agent(HOST)
         assert second is not None and second[0] == first[0] and second[1] != first[1]
     finally:

@@ -313,7 +313,7 @@ def test_concurrent_staged_pulls_in_staged_workers(
 def test_a_member_sidecars_rank_sends_from_its_gpu_worker_once_reported() -> None:
     """A prefill engine over a leader sidecar (rank 0) and a member sidecar (rank 1, on GPU_B), the decode
     engine on a third, all with staged_workers: once the member reported its GPU worker to the leader
-    (its next refresh), rank 1's chunks come from that worker (its WRITEs grow, the member sidecar's own
+    (when the worker is ready), rank 1's chunks come from that worker (its WRITEs grow, the member sidecar's own
     do not), bit-exact; until then the member sidecar sends them. tests/e2e/test_member_workers.py runs
     the same on host rings and kills the worker."""
     extra = [*SMALL_RINGS, "--staged-workers", "true", "--leader-wait-ms", "10000"]
@@ -351,7 +351,7 @@ def test_a_member_sidecars_rank_sends_from_its_gpu_worker_once_reported() -> Non
             pub = leader.send(fill)
             assert pub["ok"], pub
             res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": n})
-            assert res["ok"] and res["path"] == "gpu-staged", res
+            assert res["ok"] and res["path"] == "gpu-staged", pull_failure(res)
             assert res["verified"], res["errors"]
             if scrape.value(memb.metrics_port, worker_writes, **on_b) > before:
                 assert scrape.value(memb.metrics_port, own_writes) == own, "rank 1 from the worker alone"

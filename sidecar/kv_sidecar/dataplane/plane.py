@@ -197,15 +197,9 @@ class DataPlane:
         # Called with the device when its worker died and was replaced, and when a worker became ready: a
         # member sidecar of a multi-node engine then tells its leader at once which agent (none, while
         # one starts) runs the device's staged transfers, rather than at its next refresh.
-        self.on_worker_restart: Callable[[int], None] = lambda device: None
-        self.on_worker_ready: Callable[[int], None] = lambda device: None
+        self.on_worker_change: Callable[[int], None] = lambda device: None
         self.workers = (
-            CopyWorkers(
-                metrics,
-                staged,
-                lambda device: self.on_worker_restart(device),
-                lambda device: self.on_worker_ready(device),
-            )
+            CopyWorkers(metrics, staged, lambda device: self.on_worker_change(device))
             if in_workers or staged
             else None
         )

@@ -164,17 +164,15 @@ class CopyWorker:
         device: int,
         metrics: Metrics,
         staged: tuple[str, Settings] | None = None,
-        on_restart: Callable[[int], None] = lambda device: None,
-        on_ready: Callable[[int], None] = lambda device: None,
+        on_change: Callable[[int], None] = lambda device: None,
     ) -> None:
         """staged: the worker runs the device's staged transfers too, on a NIXL agent of that name.
-        on_restart: called with the device once a worker that died was replaced (its jobs failed);
-        on_ready: once a worker process (the first, or one that replaced it) is ready (`ready`)."""
+        on_change: called with the device when the process changed: once one that died was replaced (its
+        jobs failed), and once a process (the first, or one that replaced another) is ready (`ready`)."""
         self.device = device
         self._metrics = metrics
         self._staged = staged
-        self._on_restart = on_restart
-        self._on_ready = on_ready
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future[Any], _Job]] = {}
@@ -213,7 +211,7 @@ class CopyWorker:
             if incarnation != self.incarnation:
                 return
             self._answered = incarnation
-        self._on_ready(self.device)
+        self._on_change(self.device)
 
     @property
     def ready(self) -> bool:
@@ -304,7 +302,7 @@ class CopyWorker:
     def known_agent(self) -> tuple[str, bytes] | None:
         """What `agent` last answered, if the process that answered it still runs and is ready; None
         otherwise. Asks nothing: a worker busy with a long copy answers late, and its agent has not
-        changed (a restart makes a new incarnation, and `on_restart` says so)."""
+        changed (a restart makes a new incarnation, and `on_change` says so)."""
         seen = self._agent_of
         if seen is None or seen[0] != self.incarnation or not self.ready:
             return None
@@ -347,7 +345,7 @@ class CopyWorker:
         for fut, job in held.values():
             fut.set_exception(_died(self.device, proc.exitcode, job, closed))
         if not closed:
-            self._on_restart(self.device)
+            self._on_change(self.device)
 
     # -- what the data plane asks -------------------------------------------------------------------
     def attach(
@@ -470,16 +468,14 @@ class CopyWorkers:
         self,
         metrics: Metrics,
         staged: tuple[str, Settings] | None = None,
-        on_restart: Callable[[int], None] = lambda device: None,
-        on_ready: Callable[[int], None] = lambda device: None,
+        on_change: Callable[[int], None] = lambda device: None,
     ) -> None:
         """staged: (the sidecar's agent name, its settings): each worker also runs its device's staged
-        transfers, on an agent named `<name>/gpu<N>` (`<name>/host`). on_restart: a worker that died was
-        replaced; on_ready: a worker became ready (CopyWorker)."""
+        transfers, on an agent named `<name>/gpu<N>` (`<name>/host`). on_change: a worker that died was
+        replaced, or a worker became ready (CopyWorker)."""
         self._metrics = metrics
         self._staged = staged
-        self._on_restart = on_restart
-        self._on_ready = on_ready
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._workers: dict[int, CopyWorker] = {}
         self._ranks: dict[RankKey, _Memory] = {}  # every rank, for the workers started later
@@ -571,9 +567,7 @@ class CopyWorkers:
             staged = None
             if self._staged is not None:
                 staged = (_staged_agent(self._staged[0], device), self._staged[1])
-            w = self._workers[device] = CopyWorker(
-                device, self._metrics, staged, self._on_restart, self._on_ready
-            )
+            w = self._workers[device] = CopyWorker(device, self._metrics, staged, self._on_change)
             for key, (spec, gpu, memory) in self._ranks.items():  # a GPU's every GPU rank; the host's, its
                 if gpu == (device != HOST):
                     w.attach(key, spec, gpu, memory)

@@ -211,7 +211,8 @@ class Membership:
 
     def refresh_now(self) -> None:
         """Report every followed engine again now, not at the next refresh (any thread; never blocks):
-        a worker of ours was replaced, so the worker agent readers were given is gone."""
+        a worker of ours was replaced (the agent readers were given is gone) or became ready (its agent
+        may be handed out)."""
         self._refresh_now.set()
 
     def _refresh(self) -> None:
@@ -270,7 +271,7 @@ class Membership:
                     agent_name=self._me.sidecar_id,
                     agent_metadata=self._nixl.metadata() if entries else b"",
                     # A worker still starting (or restarting) is left out: its ranks' transfers run in
-                    # this sidecar until a refresh names it.
+                    # this sidecar until it is ready, when this is reported again (refresh_now).
                     ranks=[rank_memory(e, self._worker_agents(e.key)) for e in entries],
                     staged_workers=True,  # server/staged_source.py takes reader_worker_agent, source_in_worker
                 ),

@@ -128,9 +128,8 @@ class Sidecar:
             s.member_refresh_ms / 1000,
         )
         # A member's worker replaced: its leader hears at once that the worker agent it handed out is gone,
-        # and, once the next one is ready, which agent sends instead.
-        plane.on_worker_restart = lambda device: membership.refresh_now()
-        plane.on_worker_ready = lambda device: membership.refresh_now()
+        # and, once the next one (or the first) is ready, which agent sends instead.
+        plane.on_worker_change = lambda device: membership.refresh_now()
         releases = Releases(me.sidecar_id, published, engines, membership, peers, lease_view)
         pull_timeout_s = s.pull_timeout_ms / 1000
         refusals = PublishRefusals(metrics)
