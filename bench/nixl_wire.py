@@ -35,6 +35,12 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_pull import ceiling
+from report import write_section
+
+from kv_sidecar.transport.nixl_driver import import_nixl
+
 MIB = 1 << 20
 GIB = 1 << 30
 BUF = GIB + 256 * MIB  # room for 1 GiB at any offset below 256 MiB
@@ -46,12 +52,8 @@ def _agent(name: str, env: dict[str, str]) -> Any:
     """A NIXL agent with its UCX backend: `env`'s UCX_* keys set in the environment first (UCX reads it
     when the backend starts), its `nixl.K` keys given to the backend as parameter K."""
     os.environ.update({k: v for k, v in env.items() if not k.startswith("nixl.")})
-    os.environ.setdefault("UCX_PROTO_EMULATION_ENABLE", "n")  # as the sidecar runs (transport/nixl_driver.py)
-    try:
-        from nixl import _api
-    except ImportError:
-        from nixl_cu13 import _api
-    agent = _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    api = import_nixl()  # as the sidecar imports it (UCX's emulation off unless env says otherwise)
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
     params = dict(agent.get_plugin_params("UCX")) | {
         k[5:]: v for k, v in env.items() if k.startswith("nixl.")
     }
@@ -176,27 +178,6 @@ def _initiator(
     res_q.put(rows)
 
 
-def ceiling(src: int, dst: int) -> float:
-    """torch's peer copy of 1 GiB, GB/s: the link's ceiling (DESIGN.md section 1)."""
-    import torch
-
-    a = torch.empty(GIB, dtype=torch.uint8, device=f"cuda:{src}")
-    b = torch.empty(GIB, dtype=torch.uint8, device=f"cuda:{dst}")
-    ts = []
-    for i in range(13):
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        if i >= 3:
-            ts.append(time.perf_counter() - t0)
-    del a, b
-    torch.cuda.empty_cache()
-    return GIB / statistics.median(ts) / 1e9
-
-
 def one_variant(env: dict[str, str], src: int, dst: int, iters: int, depth: int) -> list[tuple[Any, ...]]:
     ctx = mp.get_context("spawn")
     meta_q, ctl_q, chk_q, res_q = (ctx.Queue() for _ in range(4))
@@ -241,7 +222,8 @@ def main() -> int:
 
     n = 0 if args.host else torch.cuda.device_count()
     src, dst = (-1, -1) if args.host else (0, 1 if n > 1 else 0)
-    ceil = 0.0 if args.host else ceiling(src, dst)
+    # The link's ceiling (gpu_pull.py's: torch's copy of 1 GiB, GPU0 -> GPU1), where there are two GPUs.
+    ceil = ceiling(10, 3)["gbps"] if n > 1 else 0.0
     base = {"UCX_PROTO_INFO": "y"} if args.proto_info else {}
     variants = [("default", base)] + [(v, parse_env(v)) for v in args.variants]
     results = {name: one_variant(env, src, dst, args.iters, args.depth) for name, env in variants}
@@ -270,9 +252,9 @@ def main() -> int:
             "",
             f"Medians of {args.iters} passes after 3 warm-up passes; every row's bytes checked."
             + (
-                ""
-                if args.host
-                else f" The link's ceiling (torch peer copy of 1 GiB, same run): **{ceil:.1f} GB/s**."
+                f" The link's ceiling (torch peer copy of 1 GiB, same run): **{ceil:.1f} GB/s**."
+                if ceil
+                else ""
             ),
             "",
             *lines,
@@ -280,9 +262,6 @@ def main() -> int:
     )
     print(body)
     if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from report import write_section
-
         write_section(
             Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md",
             "NIXL's WRITE between two GPUs' staging buffers, by UCX setting (bench/nixl_wire.py)",
