@@ -339,8 +339,10 @@ class SidecarClient:
         first_token: int = 0,
     ) -> TransferParams:
         """`block_ids` hold tokens [first_token, num_tokens): all of them, or a sliding-window request's
-        window from a block boundary (the blocks before it are not published). `timeout_s`: how long
-        to wait for the answer (default: the client's timeout)."""
+        window from a block boundary (the blocks before it are not published). On a GPU, publish
+        once the kernels that wrote them have completed: the sidecar's copies, in another process,
+        see nothing still queued. `timeout_s`: how long to wait for the answer (default: the
+        client's timeout)."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         req = engine_pb2.PublishRequest(

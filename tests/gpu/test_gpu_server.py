@@ -472,6 +472,53 @@ def test_the_sidecar_counts_its_kernel_launches(node: SidecarProcess) -> None:
         assert after["direct"] >= before["direct"] + 2, (before, after)  # the 2nd and 3rd copy at least
 
 
+def test_a_prefill_engine_publishes_only_what_its_gpu_has_written(
+    pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """The reference engine's own soundness, which every GPU test leans on: the sidecar reads an
+    engine's KV from another process, on its own streams, and sees only writes that have completed. Here
+    the prefill's writes are kernels queued behind one that spins 300 ms on the prefill GPU, as on a
+    GPU that other processes keep busy; the engine publishes once they are done (RefEngine._settle),
+    so both paths read the request's bytes, not the poison the blocks held before. (Without that wait
+    both pulls read poison: a blocking copy_ into a block's strided view returns before its last
+    kernel has run, the likely cause of one pull found wrong under the whole suite's load.)"""
+    a, b = pair
+    spec = EngineSpec.from_dict(BASE)
+    n = next(_count)
+    remote = EngineProcess(a.socket, f"late-pr-{n}", spec, devices=[GPU_A])
+    local = EngineProcess(b.socket, f"late-pl-{n}", spec, devices=[GPU_A])
+    decode = EngineProcess(b.socket, f"late-d-{n}", spec, devices=[GPU_B])
+    try:
+        blocks = -(-NUM_TOKENS // spec.block_size)
+        for i, (prefill, path) in enumerate(((local, "gpu-direct"), (remote, "gpu-staged"))):
+            # Its kernels loaded first: loading one (CUDA's lazy loading) waits for the device, which
+            # would wait for the fill's writes whether the engine does or not.
+            warm = {"cmd": "prefill", "block_ids": [blocks], "num_tokens": 1, "seed": 0, "publish": False}
+            assert prefill.send(warm | {"delay_ms": 1})["ok"]
+            seed = 100 * n + i
+            t0 = time.monotonic()
+            pub = prefill.send(
+                {
+                    "cmd": "prefill",
+                    "request_id": f"late{i}",
+                    "block_ids": list(range(blocks)),
+                    "num_tokens": NUM_TOKENS,
+                    "seed": seed,
+                    "delay_ms": 300,
+                }
+            )
+            assert pub["ok"], pub
+            waited = time.monotonic() - t0
+            res = decode.send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": list(range(blocks)), "seed": seed}
+            )
+            assert res["ok"] and res["verified"] and res["path"] == path, pull_failure(res, path, "expected")
+            assert waited >= 0.25, f"the prefill answered {waited:.3f} s after its call, before its writes"
+    finally:
+        for e in (remote, local, decode):
+            e.stop()
+
+
 def test_registration_compiles_the_copy_kernel_so_that_no_pull_waits_for_the_compiler() -> None:
     """RegisterRank compiles the copy kernel of a homogeneous pairing (execute/gpu.warm_up): the first
     gpu-direct pull and the first staged pull (the source's gather, the reader's scatter) launch the

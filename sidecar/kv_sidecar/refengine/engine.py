@@ -2,9 +2,10 @@
 
 Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "prefill", "request_id": .., "block_ids": [..], "num_tokens": N, "seed": S, "lease_ms": 0,
-   "fill": true, "publish": true, "first_token": 0}
+   "fill": true, "publish": true, "first_token": 0, "delay_ms": 0}
       -> {"ok": true, "params": {...}}   (fills the blocks from the seed, unless fill is false, publishes;
-      with first_token, block_ids hold tokens [first_token, N) only, as a sliding-window engine's)
+      with first_token, block_ids hold tokens [first_token, N) only, as a sliding-window engine's;
+      delay_ms: a kernel that long runs before the fill's, on the GPU, as on a busy one)
       with "publish": false only fills: the ranks of a multi-node engine that live
       on a member sidecar; the process on the leader's node publishes.
   {"cmd": "pull", "params": {...}, "block_ids": [..], "seed": S, "start_token": 0, "ranks": []}
@@ -107,6 +108,7 @@ class RefEngine:
             for t in cache.tensors:
                 t.view(torch.uint8).fill_(poison)  # poison: any byte we did not write is recognisable
             self.caches[r] = cache
+            self._settle()
             self.client.register_rank(engine_id, r, spec.to_dict(), cache.handles(), leader_address=leader)
             stream = self.client.events(engine_id, r)
             threading.Thread(target=self._follow, args=(r, stream), daemon=True).start()
@@ -126,13 +128,30 @@ class RefEngine:
         except KVSidecarError as e:
             self.events.put({"rank": rank, "kind": "stream_error", "error": str(e)})
 
+    def _settle(self) -> None:
+        """Wait for this engine's own writes to its GPU caches. The sidecar reads them from another
+        process on its own streams, which see only what has completed: an engine publishes a request
+        once the kernels that wrote its KV are done (vLLM's step has synchronised by then), and takes
+        a snapshot to compare with before a pull writes. A blocking `copy_` into a block's strided
+        view returns with its last kernel still queued, ms later on a GPU that other processes keep
+        busy (a pull under the GPU suite's load read such a block before it was written)."""
+        for dev in {c.device for c in self.caches.values() if isinstance(c, GpuKVCache)}:
+            torch.cuda.synchronize(dev)
+
     def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd.get("fill", True):  # benchmarks republish blocks filled once; filling 1 GiB costs seconds
             logical = logical_kv(self.spec, cmd["num_tokens"], cmd["seed"])
+            delay_ms = cmd.get("delay_ms", 0)
             for r, cache in self.caches.items():
-                fill_request(
-                    self.spec, r, cache.tensors, cmd["block_ids"], logical, cmd.get("first_token", 0)
-                )
+                src = logical
+                if delay_ms > 0 and isinstance(cache, GpuKVCache):
+                    # A busy GPU: the writes, all kernels from a copy on the device, queue behind one
+                    # that spins delay_ms (cycles at ~2 GHz: at least that long on the GPUs lent here).
+                    src = logical.to(cache.device)
+                    with torch.cuda.device(cache.device):
+                        torch.cuda._sleep(int(delay_ms * 2e6))
+                fill_request(self.spec, r, cache.tensors, cmd["block_ids"], src, cmd.get("first_token", 0))
+            self._settle()
         if not cmd.get("publish", True):
             return {"ok": True}
         params = self.client.publish(
@@ -151,6 +170,7 @@ class RefEngine:
         start = cmd.get("start_token", 0)
         verify = cmd.get("verify", True)
         before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks} if verify else {}
+        self._settle()
         t0 = time.perf_counter()
         res = self.client.pull(
             params,
@@ -209,6 +229,7 @@ class RefEngine:
         members = cmd["pulls"]
         ranks = sorted(self.caches)
         before = {r: [t.clone() for t in self.caches[r].tensors] for r in ranks}
+        self._settle()
         batch = [
             BatchPull(
                 params_from_json(m["params"]),
@@ -260,6 +281,7 @@ class RefEngine:
                 if t.device != g.device:
                     g = torch.Generator(device=t.device).manual_seed(cmd.get("seed", 0))
                 t.view(torch.uint8).random_(generator=g)
+        self._settle()
         return {"ok": True}
 
     def digest(self, cmd: dict[str, Any]) -> dict[str, Any]:

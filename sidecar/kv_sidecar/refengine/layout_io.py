@@ -114,7 +114,10 @@ def fill_request(
     for j, b in enumerate(block_ids, start=first_token // bs):
         t0, t1 = j * bs, min(tokens, (j + 1) * bs)
         for layer in range(spec.num_layers):
-            x = torch.zeros(logical.shape[1], bs, h1 - h0, spec.head_dim, dtype=logical.dtype)
+            # On `logical`'s device: from a GPU, every write is a kernel the host does not wait for.
+            x = torch.zeros(
+                logical.shape[1], bs, h1 - h0, spec.head_dim, dtype=logical.dtype, device=logical.device
+            )
             x[:, : t1 - t0] = logical[layer, :, t0:t1, h0:h1]
             write_block(spec, tensors, layer, b, x)
 
