@@ -242,88 +242,6 @@ def test_more_chunks_than_slots_reuse_every_slot_whichever_thread_scatters(
     )
 
 
-# 5 slots of 16 KiB a ring (2 blocks of DST), 4 of them for one peer: two pairs.
-FIVE_SLOTS = Settings(gpu_staging_bytes=2 * 5 * (16 << 10), gpu_staging_slots=5)
-
-
-def _paired_send(
-    ends: tuple[DataPlane, DataPlane, ShmKVCache, ShmKVCache],
-    seed: int,
-    monkeypatch: pytest.MonkeyPatch,
-    send_held: int = 0,
-) -> tuple[Sent, list[tuple[bool, str]], list[int]]:
-    """A 500-token request (8 chunks planned) into paired receive slots, sent and received, every byte
-    checked: what the source sent, each copy (gather or not), and the receive slots the Push named.
-    `send_held`: slots of the source's send ring another peer holds meanwhile."""
-    src_plane, dst_plane, src, dst = ends
-    seen = _spy_copies(monkeypatch)
-    src_ids, dst_ids = list(range(32))[::-1], [7, 3, 15, 0, 9, 12, 1, 4, 14, 2, 11, 6, 8, 13, 5, 10]
-    logical = logical_kv(SRC, 500, seed=seed)
-    fill_request(SRC, 0, src.tensors, src_ids, logical)
-    before = [t.clone() for t in dst.tensors]
-    rx, job = _staged(src_plane, dst_plane, src, dst, src_ids, dst_ids, 500, pair=True)
-    lengths = [n for _, n in job.reader_slots]
-    assert len(job.chunks) == 8
-    tx = src_plane.send(job)
-    out = _run_both(rx, tx, "push")
-    while not rx.wait(0.05):
-        pass
-    rx.close(quiet=True)
-    monkeypatch.undo()
-    assert len(out) == 1 and isinstance(out[0], Sent), out
-    assert rx.nbytes == out[0].nbytes > 0 and tx.quiet
-    assert check_request(DST, 0, dst.tensors, dst_ids, logical, 0) == []
-    assert changed_outside(DST, before, dst.tensors, dst_ids) == []
-    for plane in (src_plane, dst_plane):  # every slot back, and no pair given out twice
-        for role in ("send", "recv"):
-            ring = plane.device(-1).ring(role)
-            held = send_held if (plane, role) == (src_plane, "send") else 0
-            assert ring.pool.free == ring.slots - held, (role, ring.pool.describe())
-    return out[0], seen, lengths
-
-
-def test_paired_slots_carry_the_chunks_two_by_two_and_every_byte_lands(
-    scatters_on: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The reader offers its 4 slots as 2 pairs (Receive.pair_slots), the source pairs its own 4 and
-    sends the 8 planned chunks as 4 of twice the blocks: 4 gathers, 4 scatters, 4 WRITEs, every byte
-    where it belongs and nothing else changed, every slot of both rings back in its pool; twice, so the
-    second goes through slots the first used."""
-    with contextlib.ExitStack() as stack:
-        src_plane, dst_plane = stack.enter_context(_two_planes(FIVE_SLOTS))
-        src = stack.enter_context(ShmKVCache(SRC.rank_tensor_shapes(), torch.float16))
-        dst = stack.enter_context(ShmKVCache(DST.rank_tensor_shapes(), torch.float16))
-        ends = (src_plane, dst_plane, src, dst)
-        slot = 16 << 10
-        for seed in (21, 22):
-            sent, seen, lengths = _paired_send(ends, seed, monkeypatch)
-            assert lengths == [2 * slot, 2 * slot]
-            assert sent.chunks == 4
-            assert [into for into, _ in seen].count(True) == 4 and len(seen) == 8
-            src_plane.detach(RankKey("prefill", 0))
-            dst_plane.detach(RankKey("decode", 0))
-
-
-def test_a_source_that_cannot_pair_its_slots_sends_one_slot_chunks_into_paired_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Another peer holds the source's send slot 1, so the 4 it gets (0, 2, 3, 4) form one pair only:
-    it sends the 8 planned chunks as they are, into the reader's two pairs, every byte exact."""
-    with contextlib.ExitStack() as stack:
-        src_plane, dst_plane = stack.enter_context(_two_planes(FIVE_SLOTS))
-        src = stack.enter_context(ShmKVCache(SRC.rank_tensor_shapes(), torch.float16))
-        dst = stack.enter_context(ShmKVCache(DST.rank_tensor_shapes(), torch.float16))
-        pool = src_plane.device(-1).ring("send").pool
-        assert pool.acquire(2, _Until(5).remaining, "another-peer") == [0, 1]
-        pool.release([0])  # slot 1 stays the other peer's
-        try:
-            sent, seen, lengths = _paired_send((src_plane, dst_plane, src, dst), 23, monkeypatch, send_held=1)
-        finally:
-            pool.release([1])
-        assert lengths == [2 * (16 << 10)] * 2
-        assert sent.chunks == 8 and [into for into, _ in seen].count(True) == 8
-
-
 def test_a_gather_that_fails_fails_its_transfer_and_leaves_the_ring_usable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -358,25 +276,21 @@ def _staged(
     dst_ids: list[int],
     num_tokens: int,
     start: int = 0,
-    pair: bool = False,
 ) -> tuple[Any, Send]:
     """A staged transfer of tokens [start, num_tokens) set up on both planes, nothing sent (the caller
     filled the source's blocks): the reader's Reception and the source's Send, in chunks as large as
-    one slot of either side holds (the source's plan). `pair`: the reader offers paired slots, as to a
-    source whose handshake says it pairs its own."""
+    the reader's slots hold."""
     src_key, dst_key = RankKey("prefill", 0), RankKey("decode", 0)
     assert src_plane.attach_host(src_key, SRC, shm_tensors(src.handles())).kind == "DRAM"
     dst_plane.attach_host(dst_key, DST, shm_tensors(dst.handles()))
     heads = plan_pair(SRC, DST).decode_ranks[0].reads[0].heads
     tid = sp.new_transfer_id()
     tokens = Tokens(np.asarray(src_ids), np.asarray(dst_ids), num_tokens, start)
-    rx = dst_plane.receive(
-        Receive(dst_key, DST, heads, tokens, "plane-src", tid, pair_slots=pair), _Until(10)
-    )
+    rx = dst_plane.receive(Receive(dst_key, DST, heads, tokens, "plane-src", tid), _Until(10))
     assert rx is not None
     slots = rx.slots  # what the Push carries
     assert slots.memory_kind == "DRAM" and len(slots.addresses) >= 1
-    per_chunk = src_plane.blocks_per_chunk(src_key, DST, list(slots.lengths))
+    per_chunk = src_plane.blocks_per_chunk(src_key, DST, [slots.slot_bytes] * len(slots.addresses))
     job = Send(
         src_key,
         DST,
@@ -390,7 +304,7 @@ def _staged(
         tid,
         "plane-dst",
         slots.metadata,
-        tuple(zip(slots.addresses, slots.lengths, strict=True)),
+        tuple((a, slots.slot_bytes) for a in slots.addresses),
         slots.device_id,
         deadline=_Until(10)._deadline,
     )

@@ -3,7 +3,6 @@ both ends' state machines, including the two ends driven against each other by t
 
 from __future__ import annotations
 
-import itertools
 import queue
 import random
 import threading
@@ -60,72 +59,6 @@ def test_chunks_are_whole_blocks_and_cover_the_request() -> None:
         sp.plan_chunks(0, 150, 16, 0)
     assert sp.blocks_in(16, 144, 150) == 1
     assert sp.blocks_in(16, 32, 96) == 4
-
-
-@given(
-    st.integers(0, 8),
-    st.integers(1, 600),
-    st.sampled_from([1, 16, 32]),
-    st.integers(1, 6),
-    st.integers(1, 4),
-    st.integers(1, 3),
-)
-def test_merged_chunks_are_the_plan_two_by_two_where_a_pair_fits(
-    start_blocks: int, tokens: int, bs: int, per_chunk: int, per_block: int, cap_chunks: int
-) -> None:
-    """merge_chunks: the same tokens in the same order, each chunk either one of the plan's or the
-    union of two that follow each other (the first with the second, the third with the fourth, ...),
-    and a union only where its bytes fit the cap."""
-    start = start_blocks * bs
-    plan = sp.plan_chunks(start, max(start + 1, tokens), bs, per_chunk)
-    cap = cap_chunks * per_chunk * per_block
-    merged = sp.merge_chunks(plan, lambda t0, t1: sp.blocks_in(bs, t0, t1) * per_block, cap)
-    assert merged[0][0] == plan[0][0] and merged[-1][1] == plan[-1][1]
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(merged))
-    i = 0
-    for t0, t1 in merged:
-        if (t0, t1) == plan[i]:
-            i += 1
-        else:
-            assert i % 2 == 0 and (t0, t1) == (plan[i][0], plan[i + 1][1])
-            assert sp.blocks_in(bs, t0, t1) * per_block <= cap
-            i += 2
-    assert i == len(plan)
-    if cap_chunks >= 2:  # room for two whole chunks: every pair merges
-        assert len(merged) == -(-len(plan) // 2)
-
-
-def test_chunks_that_are_not_one_range_stay_apart() -> None:
-    assert sp.merge_chunks([(0, 16), (32, 48)], lambda t0, t1: 1, 10) == [(0, 16), (32, 48)]
-    assert sp.merge_chunks([(0, 16), (16, 32), (32, 40)], lambda t0, t1: t1 - t0, 32) == [(0, 32), (32, 40)]
-
-
-@given(st.sets(st.integers(0, 11), max_size=12))
-def test_merged_slots_are_adjacent_pairs_where_two_form_else_each_alone(slots: set[int]) -> None:
-    units, spare = sp.merge_slots(slots)
-    taken = [s for u in units for s in u]
-    assert sorted(taken + spare) == sorted(slots) and len(set(taken)) == len(taken)
-    if any(len(u) == 2 for u in units):
-        assert len(units) >= 2 and all(len(u) == 2 and u[1] == u[0] + 1 for u in units)
-    else:
-        assert spare == [] and units == [(s,) for s in sorted(slots)]
-
-
-def test_merge_slots_by_example() -> None:
-    assert sp.merge_slots([3, 0, 2, 1]) == ([(0, 1), (2, 3)], [])
-    assert sp.merge_slots([0, 2, 3, 4, 5]) == ([(2, 3), (4, 5)], [0])
-    assert sp.merge_slots([0, 1, 2]) == ([(0,), (1,), (2,)], [])  # one pair: two slots in flight beat it
-    assert sp.merge_slots([0, 2, 4, 6]) == ([(0,), (2,), (4,), (6,)], [])
-
-
-def test_the_pool_hands_out_its_lowest_free_slots() -> None:
-    """Lowest first, whatever order they came back in, so that a transfer's slots lie side by side
-    where they can (merge_slots)."""
-    pool = sp.SlotPool(6)
-    assert pool.acquire(6, forever, "a") == [0, 1, 2, 3, 4, 5]
-    pool.release([4, 1, 5, 2])
-    assert pool.acquire(2, forever, "b") == [1, 2]
-    assert pool.acquire(3, forever, "c") == [4, 5]
 
 
 # -- the slot pool ---------------------------------------------------------------------------

@@ -251,9 +251,6 @@ class Receive:
     # Its metadata, for a reception in a worker (staged_workers), whose own agent must load it to send
     # credits; empty: loaded already (the sidecar's agent loaded it at handshake).
     source_metadata: bytes = b""
-    # The source pairs its send slots (HandshakeResponse.paired_slots): offer it pairs of adjacent
-    # receive slots where at least two form (staged_protocol.merge_slots).
-    pair_slots: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,7 +258,7 @@ class ReceiveSlots:
     """What the source needs to WRITE into a reception's slots (it goes into the Push)."""
 
     addresses: tuple[int, ...]
-    lengths: tuple[int, ...]  # each address's bytes: one ring slot's, or two adjacent ones'
+    slot_bytes: int
     metadata: bytes  # NIXL partial metadata of the ring
     memory_kind: str
     device_id: int

@@ -47,7 +47,7 @@ class _Credits:
         state: sp.RecvState,
         ready: Callable[[Any], bool],
         ring: Ring,
-        units: list[tuple[int, ...]],
+        ring_slots: list[int],
         agent: str,
         transfer_id: str,
         inbox: Mailbox[Any],
@@ -56,7 +56,7 @@ class _Credits:
         self.state = state
         self.ready = ready
         self.ring = ring
-        self.units = units  # wire slot (position in the Push) -> our ring slots (one, or two adjacent)
+        self.ring_slots = ring_slots  # wire slot (position in the Push) -> our ring slot
         self.agent = agent
         self.tid = transfer_id
         self.inbox = inbox
@@ -82,7 +82,7 @@ class _Credits:
                     if self.state.scattered(slot):
                         self._credit(a, slot)
                     else:
-                        self.ring.pool.release(self.units[slot])
+                        self.ring.pool.release([self.ring_slots[slot]])
             except Exception as e:  # tell the reader's thread; it stops the transfer
                 self.closed = True
                 self.inbox.put(e)
@@ -134,24 +134,17 @@ class Reception:
         self._synchronized = False
         t = job.tokens
         try:
-            slots = ring.pool.acquire(
+            self._slots = ring.pool.acquire(
                 -(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining, sp.peer_of(job.source_agent)
             )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a receive slot: {ring.pool.describe()}") from None
-        # The units the source WRITEs into (wire slots): our slots one by one, or in adjacent pairs where
-        # the source pairs its own (Receive.pair_slots), the slots no pair took given back at once.
-        if job.pair_slots:
-            self._units, spare = sp.merge_slots(slots)
-            ring.pool.release(spare)
-        else:
-            self._units = [(s,) for s in slots]
         per_block = self._per_block
         self._state = sp.RecvState(
             t.start_token,
             t.num_tokens,
             job.spec.block_size,
-            {i: len(u) * ring.slot_bytes for i, u in enumerate(self._units)},
+            dict.fromkeys(range(len(self._slots)), ring.slot_bytes),
             lambda k: k * per_block,  # staging bytes are linear in blocks (tested)
         )
         self._prefix = sp.prefix(job.transfer_id)
@@ -161,15 +154,15 @@ class Reception:
             self._held.enter_context(rank.in_use())  # its memory stays until the last scatter ends
         except BaseException:
             self._nixl.unlisten(self._prefix)
-            ring.pool.release([s for u in self._units for s in u])
+            ring.pool.release(self._slots)
             raise
 
     @property
     def slots(self) -> ReceiveSlots:
         r = self._ring
         return ReceiveSlots(
-            tuple(r.slot_address(u[0]) for u in self._units),
-            tuple(len(u) * r.slot_bytes for u in self._units),
+            tuple(r.slot_address(s) for s in self._slots),
+            r.slot_bytes,
             r.metadata,
             r.mem_type,
             r.nixl_device,
@@ -207,9 +200,8 @@ class Reception:
             # launches the scatters: a compile there would hold every transfer's polls): it lands in
             # the first slot offered, as large as a slot holds (a source with smaller slots sends
             # smaller chunks, whose template is then computed on arrival; their kernel is the same).
-            unit = self._units[0]
-            t1 = min(t.num_tokens, t.start_token + len(unit) * self._blocks_per_slot * job.spec.block_size)
-            staged.prepare(t.start_token, t1, ring.slot_address(unit[0]))
+            t1 = min(t.num_tokens, t.start_token + self._blocks_per_slot * job.spec.block_size)
+            staged.prepare(t.start_token, t1, ring.slot_address(self._slots[0]))
             copies: GpuCopies | HostCopies = GpuCopies(staged)
         else:
             host = HostCopies(
@@ -221,7 +213,7 @@ class Reception:
             self._state,
             copies.ready,
             ring,
-            self._units,
+            self._slots,
             job.source_agent,
             job.transfer_id,
             self._inbox,
@@ -269,7 +261,7 @@ class Reception:
                 raise sp.ProtocolError(f"unexpected notification {msg[:64]!r} from {sender}")
             index, count, slot, t0, t1 = parsed[2]
             state.arrive(index, count, slot, t0, t1)
-            marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._units[slot][0]))
+            marker, moved = copies.launch(t0, t1, self._ring.slot_address(self._slots[slot]))
             self.nbytes += moved
             credits.add(marker, slot)
             return state.complete
@@ -332,7 +324,7 @@ class Reception:
         finally:
             self._held.close()
             self._nixl.unlisten(self._prefix)
-            held = [s for u in self._state.release_all() for s in self._units[u]]
+            held = [self._slots[s] for s in self._state.release_all()]
             if quiet:
                 self._ring.pool.release(held)
             elif settles is None:

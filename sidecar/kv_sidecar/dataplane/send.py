@@ -40,7 +40,6 @@ class _Pump:
         state: sp.SendState,
         copies: GpuCopies | HostCopies,
         ring: Ring,
-        addresses: list[int],
         job: Send,
         deadline: float,
         block_bytes: int,
@@ -50,7 +49,6 @@ class _Pump:
         self.state = state
         self.copies = copies
         self.ring = ring
-        self.addresses = addresses  # send slot (unit) -> its address in the ring
         self.job = job
         self.deadline = deadline
         self.block_bytes = block_bytes
@@ -74,7 +72,7 @@ class _Pump:
                     w.future = self.nixl.write_slot_now(
                         a,
                         job.reader_agent,
-                        (self.addresses[w.send_slot], length, self.ring.nixl_device),
+                        (self.ring.slot_address(w.send_slot), length, self.ring.nixl_device),
                         (job.reader_slots[w.recv_slot][0], length, job.reader_device),
                         notif,
                         max(0.001, self.deadline - time.monotonic()),
@@ -167,31 +165,13 @@ class Transmission:
         if not chunks:
             return Sent(0, 0)
         self._nixl.load_remote(job.reader_agent, job.reader_metadata)
-        # Receive slots of two of our slots each (Receive.pair_slots): pair ours too where two pairs
-        # form, and send the planned chunks two by two, half as many (staged_protocol.merge_slots).
-        reader_cap = min(n for _, n in job.reader_slots)
-        pair = reader_cap >= 2 * ring.slot_bytes and len(chunks) >= 4
-        units_wanted = min(-(-len(chunks) // 2) if pair else len(chunks), len(job.reader_slots) + 1)
         try:
-            slots = ring.pool.acquire(
-                units_wanted * (2 if pair else 1), halt.remaining, sp.peer_of(job.reader_agent)
+            send_slots = ring.pool.acquire(
+                min(len(chunks), len(job.reader_slots) + 1), halt.remaining, sp.peer_of(job.reader_agent)
             )
         except SidecarError as e:
             raise waited_for(e, f"waiting for a send slot: {ring.pool.describe()}") from None
-        units: list[tuple[int, ...]] = [(s,) for s in slots]
-        if pair:
-            units, spare = sp.merge_slots(slots)
-            ring.pool.release(spare)
-            if len(units[0]) == 2:
-                bs = job.reader_spec.block_size
-                chunks = sp.merge_chunks(
-                    chunks,
-                    lambda t0, t1: sp.blocks_in(bs, t0, t1) * per_block,
-                    min(reader_cap, 2 * ring.slot_bytes),
-                )
-        send_slots = [s for u in units for s in u]
-        addresses = [ring.slot_address(u[0]) for u in units]
-        state = sp.SendState(chunks, list(range(len(units))), list(range(len(job.reader_slots))))
+        state = sp.SendState(chunks, send_slots, list(range(len(job.reader_slots))))
         with self._lock:
             self._state = state
             stopped = self._stopped
@@ -227,9 +207,7 @@ class Transmission:
                     copies = HostCopies(
                         host.view, job.reader_spec, job.reader_rank, job.heads, ids, ring, True
                     )
-                pump = _Pump(
-                    self._nixl, self._metrics, state, copies, ring, addresses, job, job.deadline, per_block
-                )
+                pump = _Pump(self._nixl, self._metrics, state, copies, ring, job, job.deadline, per_block)
                 state.on_writable = pump.wake
                 self.quiet = False
                 self._nixl.add_poller(pump.poll)
@@ -238,7 +216,7 @@ class Transmission:
                     while (g := state.next_gather(halt.remaining)) is not None:
                         index, slot = g
                         t0, t1 = chunks[index]
-                        marker, moved = copies.launch(t0, t1, addresses[slot])
+                        marker, moved = copies.launch(t0, t1, ring.slot_address(slot))
                         nbytes += moved
                         state.gathered(index, slot, marker)
                     state.wait_finished(halt.remaining)

@@ -22,7 +22,6 @@ takes the state's lock.
 
 from __future__ import annotations
 
-import heapq
 import re
 import secrets
 import threading
@@ -150,26 +149,6 @@ def blocks_in(block_size: int, t0: int, t1: int) -> int:
     return -(-t1 // block_size) - t0 // block_size
 
 
-def merge_chunks(
-    chunks: Sequence[tuple[int, int]], bytes_of: Callable[[int, int], int], cap: int
-) -> list[tuple[int, int]]:
-    """Chunks two by two (the first with the second, the third with the fourth, ...) where the pair is
-    one token range and its bytes (`bytes_of(t0, t1)`) fit `cap`: half the chunks, each paying once
-    the host work a chunk costs on both sides (a 64 MiB chunk's is about its wire time on NVLink)."""
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(chunks):
-        if i + 1 < len(chunks):
-            (a0, a1), (b0, b1) = chunks[i], chunks[i + 1]
-            if a1 == b0 and bytes_of(a0, b1) <= cap:
-                out.append((a0, b1))
-                i += 2
-                continue
-        out.append(chunks[i])
-        i += 1
-    return out
-
-
 # -- slots ---------------------------------------------------------------------------------
 _WORKER_AGENT = re.compile(r"/(gpu\d+|host)$")
 
@@ -179,26 +158,6 @@ def peer_of(agent: str) -> str:
     worker's agent (<sidecar_id>/gpu<N>, <sidecar_id>/host) is its sidecar's, so that a source node
     of several GPUs that hangs holds one peer's share of a ring, not one per GPU."""
     return _WORKER_AGENT.sub("", agent)
-
-
-def merge_slots(slots: Iterable[int]) -> tuple[list[tuple[int, ...]], list[int]]:
-    """A transfer's ring slots as the units its chunks go into: pairs of adjacent slots (one region of
-    twice a slot's bytes) where at least two pairs form, so that two chunks can still be in flight,
-    and the slots no pair took, to give back; otherwise each slot alone and nothing left over."""
-    slots = sorted(slots)
-    pairs: list[tuple[int, ...]] = []
-    spare: list[int] = []
-    i = 0
-    while i < len(slots):
-        if i + 1 < len(slots) and slots[i + 1] == slots[i] + 1:
-            pairs.append((slots[i], slots[i + 1]))
-            i += 2
-        else:
-            spare.append(slots[i])
-            i += 1
-    if len(pairs) < 2:
-        return [(s,) for s in slots], []
-    return pairs, spare
 
 
 def _after(delay_s: float, fn: Callable[[], None]) -> None:
@@ -232,8 +191,7 @@ class SlotPool:
             raise ValueError("a ring has at least one slot")
         self.slots = slots
         self.per_peer = max(1, slots - max(0, reserve))
-        # Lowest first (a heap): a transfer's slots then lie side by side where they can (merge_slots).
-        self._free: list[int] = list(range(slots))
+        self._free: deque[int] = deque(range(slots))
         self._lock = threading.Lock()
         # One Condition per waiter, on `_lock`, with its peer, in arrival order.
         self._waiting: deque[tuple[threading.Condition, str]] = deque()
@@ -289,7 +247,7 @@ class SlotPool:
             if not self._may(peer) or self._next() is not None:
                 self._wait_turn(peer, remaining)
             held = self._held.get(peer, 0)
-            got = [heapq.heappop(self._free) for _ in range(min(want, len(self._free), self.per_peer - held))]
+            got = [self._free.popleft() for _ in range(min(want, len(self._free), self.per_peer - held))]
             self._held[peer] = held + len(got)
             for s in got:
                 self._owner[s] = peer
@@ -321,7 +279,7 @@ class SlotPool:
             for s in slots:
                 if not 0 <= s < self.slots or s in self._free:
                     raise ValueError(f"slot {s} released twice or never acquired")
-                heapq.heappush(self._free, s)
+                self._free.append(s)
                 peer = self._owner.pop(s, "")
                 left = self._held.get(peer, 0) - 1
                 if left > 0:

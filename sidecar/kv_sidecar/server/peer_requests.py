@@ -101,7 +101,6 @@ class PeerRequests:
             push_members_v2=True,  # ... each from its own start, decode blocks a multiple of ours
             staged_workers=True,  # server/staged_source.py takes reader_worker_agent and source_in_worker
             done_batches=True,  # server/reads.py: SourceReads.readers_done
-            paired_slots=True,  # dataplane/send.py: Transmission pairs its send slots where it can
         )
 
     def _worker_agent(self, entry: RankEntry) -> tuple[str, bytes] | None:

@@ -73,8 +73,6 @@ class RemoteEngine:
     workers: dict[int, tuple[str, bytes]] = field(default_factory=dict)
     # The peer takes done notifications of several requests in one (to its own agent: DONES_TAG).
     done_batches: bool = False
-    # The peer's staged sources pair their send slots, so ours may offer paired receive slots.
-    paired_slots: bool = False
     agent_metadata: bytes = field(default=b"", repr=False)
     # The version of the leader's rank->sidecar map this handshake holds (HandshakeResponse.map_version).
     map_version: int = 0
@@ -354,7 +352,6 @@ class Peers:
             push_members_v2=resp.push_members_v2,
             staged_workers=resp.staged_workers,
             done_batches=resp.done_batches,
-            paired_slots=resp.paired_slots,
             workers={r.rank: (r.worker_agent, r.worker_agent_metadata) for r in resp.ranks if r.worker_agent},
             agent_metadata=resp.agent_metadata,
             map_version=resp.map_version,

@@ -532,19 +532,8 @@ class StagedReader:
             self._nixl.load_remote(sender, sender_md)  # our own agent sends it credits
         waiting = _UntilLost(halt, self._lost, address, min(r.since for r in reads))
         waiting.remaining()  # found out of reach while these waited: not even the slots
-        # Paired receive slots only for the leader's own ranks: a member may run another version.
-        pair = remote.paired_slots and (holder is None or holder.sidecar_id == remote.sidecar_id)
         rx = self._plane.receive(
-            Receive(
-                entry.key,
-                job.plan.decode,
-                heads,
-                tokens,
-                sender,
-                tid,
-                sender_md if in_worker else b"",
-                pair_slots=pair,
-            ),
+            Receive(entry.key, job.plan.decode, heads, tokens, sender, tid, sender_md if in_worker else b""),
             waiting,
             in_worker,
         )
@@ -572,10 +561,7 @@ class StagedReader:
                 reader_agent_metadata=slots.metadata,
                 memory_kind=slots.memory_kind,
                 device_id=slots.device_id,
-                slots=[
-                    peer_pb2.PushSlot(address=a, length=n)
-                    for a, n in zip(slots.addresses, slots.lengths, strict=True)
-                ],
+                slots=[peer_pb2.PushSlot(address=a, length=slots.slot_bytes) for a in slots.addresses],
                 timeout_ms=max(1, int(halt.remaining() * 1000)),
                 notified=bool(key),
                 failure_notice=bool(key),

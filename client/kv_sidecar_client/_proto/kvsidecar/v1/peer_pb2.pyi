@@ -71,7 +71,7 @@ class SidecarRanks(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., staged_workers: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_members_v2", "staged_workers", "done_batches", "map_version", "paired_slots")
+    __slots__ = ("protocol_version", "sidecar_id", "agent_name", "agent_metadata", "spec", "ranks", "plan_hash", "members", "push_key", "push_members", "push_members_v2", "staged_workers", "done_batches", "map_version")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -86,7 +86,6 @@ class HandshakeResponse(_message.Message):
     STAGED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DONE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
-    PAIRED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     sidecar_id: str
     agent_name: str
@@ -101,8 +100,7 @@ class HandshakeResponse(_message.Message):
     staged_workers: bool
     done_batches: bool
     map_version: int
-    paired_slots: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_members_v2: _Optional[bool] = ..., staged_workers: _Optional[bool] = ..., done_batches: _Optional[bool] = ..., map_version: _Optional[int] = ..., paired_slots: _Optional[bool] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., sidecar_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., spec: _Optional[_Union[_common_pb2.EngineSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., members: _Optional[_Iterable[_Union[SidecarRanks, _Mapping]]] = ..., push_key: _Optional[bytes] = ..., push_members: _Optional[bool] = ..., push_members_v2: _Optional[bool] = ..., staged_workers: _Optional[bool] = ..., done_batches: _Optional[bool] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
     __slots__ = ("sidecar_id", "engine_id", "request_id", "reader_engine_id", "reader_ranks", "plan_hash", "reader_spec", "reply_id", "reader_address")
