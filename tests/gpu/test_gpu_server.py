@@ -480,8 +480,9 @@ def test_a_prefill_engine_publishes_only_what_its_gpu_has_written(
     the prefill's writes are kernels queued behind one that spins 300 ms on the prefill GPU, as on a
     GPU that other processes keep busy; the engine publishes once they are done (RefEngine._settle),
     so both paths read the request's bytes, not the poison the blocks held before. (Without that wait
-    both pulls read poison: a blocking copy_ into a block's strided view returns before its last
-    kernel has run, the likely cause of one pull found wrong under the whole suite's load.)"""
+    the gpu-direct pull, the first, was answered ok with every token poison, on 2x H200. A blocking
+    copy_ into a block's strided view returns before its last kernel has run: the likely cause of
+    one pull found wrong under the whole suite's load.)"""
     a, b = pair
     spec = EngineSpec.from_dict(BASE)
     n = next(_count)
