@@ -133,8 +133,8 @@ class RefEngine:
         process on its own streams, which see only what has completed: an engine publishes a request
         once the kernels that wrote its KV are done (vLLM's step has synchronised by then), and takes
         a snapshot to compare with before a pull writes. A blocking `copy_` into a block's strided
-        view returns with its last kernel still queued, ms later on a GPU that other processes keep
-        busy (a pull under the GPU suite's load read such a block before it was written)."""
+        view returns with its last kernel still queued, which runs ms later on a GPU that other
+        processes keep busy: the likely cause of a pull found wrong under the GPU suite's load."""
         for dev in {c.device for c in self.caches.values() if isinstance(c, GpuKVCache)}:
             torch.cuda.synchronize(dev)
 
