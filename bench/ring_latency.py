@@ -155,6 +155,8 @@ def main() -> int:
         pcache, dcache = ShmKVCache(shapes, torch.bfloat16), ShmKVCache(shapes, torch.bfloat16)
     for t in pcache.tensors:
         t.view(torch.uint8).random_()
+    if args.gpu:  # the sidecars read it from their own processes: only once the kernels are done
+        torch.cuda.synchronize(0)
     clients = {j: SidecarClient(sc.socket) for j, sc in procs.items()}
     rng = np.random.default_rng(3)
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
