@@ -34,6 +34,7 @@ def test_precedence_flags_env_yaml_defaults(tmp_path: Path) -> None:
         ("device_workers", "sometimes", "device_workers must be one of auto, true, false; got 'sometimes'"),
         ("engine_workers", "4", "engine_workers must be at least 8, got 4"),
         ("nixl_quiet_poll_ms", "0", "nixl_quiet_poll_ms must be at least 1, got 0"),
+        ("nixl_lone_poll_us", "-5", "nixl_lone_poll_us must be at least 0, got -5"),
         ("open_answer_wait_us", "-1", "open_answer_wait_us must be at least 0, got -1"),
     ],
 )

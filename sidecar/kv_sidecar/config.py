@@ -29,6 +29,7 @@ class Settings:
     device_workers: str = "false"
     staged_workers: bool = False
     nixl_busy_poll_us: int = 20
+    nixl_lone_poll_us: int = 5
     nixl_quiet_poll_ms: int = 50
     push_notifications: bool = True
     open_answer_wait_us: int = 2000
@@ -93,6 +94,10 @@ class Settings:
         "dies fails its transfers (UNAVAILABLE, naming the blocks) and is restarted",
         "nixl_busy_poll_us": "while NIXL transfers are in flight, the NIXL thread polls them every this many "
         "microseconds, sleeping in between so that the sidecar's other threads get the GIL (0: spin)",
+        "nixl_lone_poll_us": "while the NIXL thread's only staged transfer is one of several chunks (a large "
+        "pull alone), it polls every this many microseconds instead of nixl_busy_poll_us: each chunk's "
+        "hand-offs (gather done, WRITE done, its notification, the credit back) are heard sooner, at more "
+        "of a core while it runs (0: spin)",
         "nixl_quiet_poll_ms": "once the NIXL thread has had nothing to do for a second, it polls every this many "
         "milliseconds (at least 1): an idle sidecar's CPU against how late it hears a notification nothing "
         "announced. A Publish while readers are about, a reader's Handshake or OpenRead, and a served read wake "
@@ -157,6 +162,8 @@ class Settings:
         "max_pull_batch": 1,
         "staged_group_reads": 1,
         "nixl_quiet_poll_ms": 1,
+        "nixl_busy_poll_us": 0,
+        "nixl_lone_poll_us": 0,
         "open_answer_wait_us": 0,
         "reader_probe_ms": 0,
         "leader_wait_ms": 0,

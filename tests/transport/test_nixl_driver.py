@@ -104,6 +104,56 @@ def test_a_parked_poller_is_not_run_until_resumed_and_is_told_of_shutdown() -> N
     assert calls[-1] is None, "a parked poller must hear that the driver is shutting down"
 
 
+def test_an_eager_poller_alone_is_polled_at_the_lone_period_and_with_others_at_the_busy_one() -> None:
+    """A lone staged transfer of several chunks polls faster (nixl_lone_poll_us); once another
+    transfer's poller joins, both go at the busy period, and the lone one speeds up again when it
+    leaves. Periods far apart (1 ms against 50 ms) so that the rates tell them apart on a loaded host."""
+    driver = NixlDriver("lone-test", on_notif=lambda agent, msg: None, busy_wait_s=0.05, lone_wait_s=0.001)
+    driver.start()
+    eager: list[float] = []
+    other_done = threading.Event()
+
+    def fast(_agent: object) -> bool:
+        eager.append(time.monotonic())
+        return False
+
+    def other(agent: object) -> bool:
+        return agent is None or other_done.is_set()
+
+    def turns(seconds: float) -> int:
+        start = len(eager)
+        time.sleep(seconds)
+        return len(eager) - start
+
+    try:
+        driver.add_poller(fast, eager=True)
+        wait_until(lambda: len(eager) > 0)
+        alone = turns(0.3)
+        driver.add_poller(other)
+        time.sleep(0.06)  # one busy wait for the loop to take it
+        shared = turns(0.3)
+        other_done.set()
+        time.sleep(0.06)
+        alone_again = turns(0.3)
+    finally:
+        driver.stop()
+    assert alone > 60, alone  # ~300 at 1 ms
+    assert shared < 15, shared  # ~6 at 50 ms
+    assert alone_again > 60, alone_again
+
+    plain = NixlDriver("plain-test", on_notif=lambda agent, msg: None, busy_wait_s=0.05, lone_wait_s=0.001)
+    plain.start()
+    calls: list[float] = []
+    try:
+        plain.add_poller(lambda _a: calls.append(0.0) or False)  # not eager: a one-chunk transfer
+        wait_until(lambda: len(calls) > 0)
+        start = len(calls)
+        time.sleep(0.3)
+        assert len(calls) - start < 15
+    finally:
+        plain.stop()
+
+
 def test_a_transfer_past_its_own_deadline_has_ended_and_only_a_pending_one_has_not() -> None:
     """The driver fails a transfer whose NIXL deadline passed with TimeoutError, having released its
     handle: it has ended, like a done or failed one. A source that took that TimeoutError for its own

@@ -134,9 +134,8 @@ class Reception:
         self._synchronized = False
         t = job.tokens
         try:
-            self._slots = ring.pool.acquire(
-                -(-len(t.dst_blocks) // self._blocks_per_slot), halt.remaining, sp.peer_of(job.source_agent)
-            )
+            self._chunks = -(-len(t.dst_blocks) // self._blocks_per_slot)  # as our slots hold them
+            self._slots = ring.pool.acquire(self._chunks, halt.remaining, sp.peer_of(job.source_agent))
         except SidecarError as e:
             raise waited_for(e, f"waiting for a receive slot: {ring.pool.describe()}") from None
         per_block = self._per_block
@@ -219,7 +218,7 @@ class Reception:
             self._inbox,
             self._nixl.resume,
         )
-        self._nixl.add_poller(credits.poll)
+        self._nixl.add_poller(credits.poll, eager=self._chunks > 1)
         with self._lock:
             self._copies, self._credits = copies, credits
             self._on_nixl_thread = copies.enqueues

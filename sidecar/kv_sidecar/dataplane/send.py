@@ -210,7 +210,7 @@ class Transmission:
                 pump = _Pump(self._nixl, self._metrics, state, copies, ring, job, job.deadline, per_block)
                 state.on_writable = pump.wake
                 self.quiet = False
-                self._nixl.add_poller(pump.poll)
+                self._nixl.add_poller(pump.poll, eager=len(chunks) > 1)
                 try:
                     nbytes = 0
                     while (g := state.next_gather(halt.remaining)) is not None:

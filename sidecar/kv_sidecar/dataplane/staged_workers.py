@@ -107,6 +107,7 @@ class StagedServer:
             agent_name,
             on_notif=lambda agent, msg: None,  # its loop then progresses the agent; transfers listen
             busy_wait_s=settings.nixl_busy_poll_us / 1e6,
+            lone_wait_s=settings.nixl_lone_poll_us / 1e6,
             quiet_wait_s=max(1, settings.nixl_quiet_poll_ms) / 1000,
         )
         self._nixl.start()

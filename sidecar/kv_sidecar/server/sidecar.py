@@ -91,6 +91,7 @@ class Sidecar:
             me.sidecar_id,
             on_notif=routes.dispatch,
             busy_wait_s=s.nixl_busy_poll_us / 1e6,
+            lone_wait_s=s.nixl_lone_poll_us / 1e6,
             quiet_wait_s=s.nixl_quiet_poll_ms / 1e3,
             # Poll at the serving rate while reads are served, or while readers push (a Push
             # notification waits for our next poll: at the idle rate, 2 ms, it would lose to gRPC).

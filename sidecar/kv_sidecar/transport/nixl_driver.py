@@ -156,6 +156,7 @@ class NixlDriver:
         idle_wait_s: float = 0.002,
         quiet_wait_s: float = 0.05,
         busy_wait_s: float = 20e-6,
+        lone_wait_s: float | None = None,
         serving: Callable[[], bool] | None = None,
         serving_wait_s: float = 0.0001,
     ) -> None:
@@ -164,6 +165,7 @@ class NixlDriver:
         self._idle = idle_wait_s
         self._quiet = quiet_wait_s
         self._busy = busy_wait_s
+        self._lone = busy_wait_s if lone_wait_s is None else lone_wait_s
         self._serving = serving or (lambda: False)
         self._serving_wait = serving_wait_s
         self._last_activity = 0.0
@@ -196,6 +198,7 @@ class NixlDriver:
         # thread, and notification listeners by message prefix (all of one length).
         self._pollers: list[Poller] = []
         self._parked: set[Poller] = set()
+        self._eager: set[Poller] = set()  # pollers of transfers of several chunks (`add_poller`)
         self._listeners: dict[bytes, Callable[[str, bytes], None]] = {}
         self._listen_len = 0
         self._routed: tuple[bytes, ...] = ()  # prefixes of messages that only listeners take
@@ -291,8 +294,15 @@ class NixlDriver:
         time goes"). Recently busy: a short wait, so notifications
         ("consumed") arrive promptly. Quiet for a second: a longer one, so an
         idle sidecar costs ~1 % of a core instead of waking 500 times a second.
+        While the only poller is an eager one (a staged transfer of several
+        chunks): `lone_wait_s`. Each chunk waits on a few of these polls (its
+        gather done, its WRITE done, its notification, the credit back), so a
+        lone large pull gains from a shorter period; with several transfers in
+        flight it gained nothing and cost the reader CPU (docs/benchmarks.md).
         """
         if self._inflight or self._pollers or self._parked:  # parked: still waiting for notifications
+            if self._eager and len(self._pollers) + len(self._parked) == 1:
+                return self._lone  # that one poller is an eager one, alone
             return self._busy
         if self._serving():
             return self._serving_wait
@@ -399,6 +409,8 @@ class NixlDriver:
                 self._parked.add(fn)
             elif not finished:
                 keep.append(fn)
+            else:
+                self._eager.discard(fn)
         self._pollers = keep
 
     def _shutdown(self) -> None:
@@ -409,6 +421,7 @@ class NixlDriver:
                 log.debug("poller failed at shutdown", exc_info=True)
         self._pollers.clear()
         self._parked.clear()
+        self._eager.clear()
         for x in self._inflight:
             x.future.set_exception(TransferError("sidecar is shutting down"))
         self._inflight.clear()
@@ -660,9 +673,10 @@ class NixlDriver:
         return fut
 
     # -- the staged protocol: pollers, listeners, WRITEs from the driver thread --------
-    def add_poller(self, fn: Poller) -> None:
+    def add_poller(self, fn: Poller, eager: bool = False) -> None:
         """Run `fn(agent)` on the driver thread every loop turn until it returns True; one that
-        returns PARK is not run again until `resume(fn)`.
+        returns PARK is not run again until `resume(fn)`. `eager`: while it is the only poller,
+        the loop polls every `lone_wait_s` instead of `busy_wait_s`.
 
         While any poller is registered the loop does not idle-wait, so a poller
         sees CUDA events, completions and notifications within microseconds.
@@ -671,7 +685,13 @@ class NixlDriver:
         """
         if not self._thread.is_alive():
             raise TransferError("NIXL driver is not running")
-        self._queue.put((lambda a: self._pollers.append(fn), Future()))
+
+        def add(_a: Any) -> None:
+            self._pollers.append(fn)
+            if eager:
+                self._eager.add(fn)
+
+        self._queue.put((add, Future()))
 
     def resume(self, fn: Poller) -> None:
         """Poll `fn` again from the next loop turn if it parked (any thread; nothing if it did not).
