@@ -40,6 +40,7 @@ WORKER_FAMILIES = (
     "kvsidecar_gpu_launches",
     "kvsidecar_nixl_held",
     "kvsidecar_nixl_release_failures",
+    "kvsidecar_nixl_lone_polls",
 )
 # A family as it crosses the pipe: name, type, help, samples (name, labels, value).
 Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
@@ -251,6 +252,22 @@ class Metrics:
         for kind in ("registrations", "dlists", "remote_agents", "transfers_open"):
             self.nixl_held.labels(kind).set_function(functools.partial(_count_of, counts, kind))
         self.nixl_release_failures.set_function(lambda: counts()["release_failures"])
+        self.registry.register(_LonePolls(counts))
+
+
+class _LonePolls(Collector):
+    """kvsidecar_nixl_lone_polls_total: read from the NIXL driver's own count at each scrape."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "kvsidecar_nixl_lone_polls",
+            "Polls of the NIXL thread at nixl_lone_poll_us: while its only staged transfer was one of "
+            "several chunks (a large pull alone); the others wait nixl_busy_poll_us",
+            value=self._counts()["lone_polls"],
+        )
 
 
 class _GpuLaunches(Collector):

@@ -88,6 +88,8 @@ COUNTERS = {
     "kvsidecar_worker_ucx_emulation_detected_total",
     "kvsidecar_worker_gpu_launches_total",
     "kvsidecar_publishes_refused_total",
+    "kvsidecar_nixl_lone_polls_total",
+    "kvsidecar_worker_nixl_lone_polls_total",
 }
 HISTOGRAMS = {
     "kvsidecar_pull_duration_seconds",

@@ -193,6 +193,53 @@ def test_concurrent_pulls_share_the_slots(ring_pair: tuple[SidecarProcess, Sidec
         dst_cache.close()
 
 
+def test_only_a_transfer_of_several_chunks_polls_at_the_lone_period(
+    ring_pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """nixl_lone_poll_us applies while a staged transfer of several chunks is the NIXL thread's only
+    one, at both ends: a one-block pull leaves kvsidecar_nixl_lone_polls_total where it was on both
+    sidecars, a three-chunk pull moves it on both."""
+    a, b = ring_pair
+    spec = EngineSpec.from_dict(spec_dict(num_blocks=16))
+    prefill, decode = together(
+        lambda: EngineProcess(a.socket, f"lp-{next(_ids)}", spec),
+        lambda: EngineProcess(b.socket, f"ld-{next(_ids)}", spec),
+    )
+
+    def pull(rid: str, tokens: int) -> None:
+        blocks = math.ceil(tokens / spec.block_size)
+        pub = prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": rid,
+                "block_ids": list(range(blocks)),
+                "num_tokens": tokens,
+                "seed": 3,
+            }
+        )
+        assert pub["ok"], pub
+        res = decode.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": list(range(8, 8 + blocks)), "seed": 3}
+        )
+        assert res["ok"] and res["path"] == "host-ring" and res["verified"], res
+        rings_idle(a, b)  # its pollers are gone
+
+    def lone_polls() -> tuple[float, float]:
+        return metric(a, "kvsidecar_nixl_lone_polls_total"), metric(b, "kvsidecar_nixl_lone_polls_total")
+
+    try:
+        rings_idle(a, b)
+        before = lone_polls()
+        pull("one-block", 16)
+        assert lone_polls() == before
+        pull("three-chunks", TOKENS)  # 5 blocks through slots of 2
+        after = lone_polls()
+        assert after[0] > before[0] and after[1] > before[1], (before, after)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 def test_pushes_start_from_their_notification_once(ring_pair: tuple[SidecarProcess, SidecarProcess]) -> None:
     """A reader that got the source's push key (in the handshake) sends each Push as a NIXL
     notification too; the source starts the transfer from whichever copy comes first, and never from

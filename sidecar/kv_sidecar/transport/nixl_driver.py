@@ -208,6 +208,7 @@ class NixlDriver:
         self._posted = 0
         self._released = 0
         self._release_failures = 0
+        self._lone_polls = 0  # loop turns that waited lone_wait_s (metrics, tests)
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -302,6 +303,7 @@ class NixlDriver:
         """
         if self._inflight or self._pollers or self._parked:  # parked: still waiting for notifications
             if self._eager and len(self._pollers) + len(self._parked) == 1:
+                self._lone_polls += 1
                 return self._lone  # that one poller is an eager one, alone
             return self._busy
         if self._serving():
@@ -451,6 +453,7 @@ class NixlDriver:
             "remote_agents": len(self._remotes),
             "transfers_open": self._posted - self._released,
             "release_failures": self._release_failures,
+            "lone_polls": self._lone_polls,
         }
 
     # -- calls from other threads -------------------------------------------
