@@ -269,6 +269,20 @@ def test_cross_sidecar_staged_ring(pair: tuple[SidecarProcess, SidecarProcess], 
     run_case(a.socket, b.socket, name, "gpu-staged")
 
 
+def test_a_staged_transfer_of_several_chunks_polls_at_the_lone_period_at_both_ends(
+    pair: tuple[SidecarProcess, SidecarProcess],
+) -> None:
+    """nixl_lone_poll_us is in effect on the GPU path (docs/gpu.md): the homogeneous case, 10 blocks
+    through 64 KiB slots (5 chunks), alone on the pair, moves kvsidecar_nixl_lone_polls_total at the
+    source and at the reader (tests/e2e/test_staged_ring.py checks that a one-chunk pull does not)."""
+    a, b = pair
+    _rings_idle(a, b)
+    before = [_metric(sc, "kvsidecar_nixl_lone_polls_total") for sc in pair]
+    run_case(a.socket, b.socket, "homogeneous", "gpu-staged")
+    after = [_metric(sc, "kvsidecar_nixl_lone_polls_total") for sc in pair]
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+
+
 @pytest.fixture(scope="module")
 def worker_pair() -> Iterator[tuple[SidecarProcess, SidecarProcess]]:
     extra = [*SMALL_RINGS, "--staged-workers", "true"]
