@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kv_sidecar import logs
 from kv_sidecar.logs import JsonFormatter, TextFormatter, configure_logging
+from kv_sidecar.server.transfers import TransferTracker
 
 STDLIB = logging.Formatter("ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
 
@@ -73,12 +74,13 @@ def test_json_keeps_reserved_field_names_apart() -> None:
 @pytest.fixture
 def root_logger() -> Iterator[None]:
     """configure_logging replaces the root logger's handlers and level: put pytest's back after."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    root, transfers = logging.getLogger(), logging.getLogger(logs.TRANSFER_LOGGER)
+    handlers, level, transfer_level = root.handlers[:], root.level, transfers.level
     yield
     logs._stop_writer()
     root.handlers[:] = handlers
     root.setLevel(level)
+    transfers.setLevel(transfer_level)
 
 
 @pytest.mark.usefixtures("root_logger")
@@ -109,6 +111,45 @@ def test_the_writer_writes_every_record_in_order_in_batches(
             time.sleep(0.02)
         assert "level=WARNING" in out.read_text().splitlines()[-1]
         logs._stop_writer()  # before the file closes
+
+
+def _finish_transfers(tracker: TransferTracker) -> None:
+    """A pull and a served read that succeed, and one of each that fails, their records run as a pull's
+    adapter runs them (after its answer)."""
+    for rid, outcome in (("ok-1", "ok"), ("bad-1", "error")):
+        pull = tracker.begin_pull("dec", f"pull-{rid}", "pre", "10.0.0.2:50061")
+        tracker.end_pull(
+            pull, 4096 if outcome == "ok" else 0, "host-nixl", outcome, "" if outcome == "ok" else "X"
+        )()
+        tracker.begin_serve("pre", f"serve-{rid}", "dec", "ipv4:10.0.0.3:1", [0], 4096, "host-nixl")
+        if outcome == "ok":
+            tracker.serve_rank_done("pre", f"serve-{rid}", "dec", 0)
+        else:
+            tracker.serve_failed("pre", f"serve-{rid}", "dec")
+
+
+@pytest.mark.parametrize(
+    ("setting", "kept"),
+    [
+        ("failed", ["pull-bad-1 WARNING", "serve-bad-1 WARNING"]),
+        ("all", ["pull-ok-1 INFO", "serve-ok-1 INFO", "pull-bad-1 WARNING", "serve-bad-1 WARNING"]),
+    ],
+)
+@pytest.mark.usefixtures("root_logger")
+def test_transfer_log_keeps_the_failed_transfers_or_all_of_them(
+    monkeypatch: pytest.MonkeyPatch, setting: str, kept: list[str]
+) -> None:
+    """transfer_log: failed (the default) writes no record of a transfer that succeeded, and every record
+    of one that failed; all writes each. Other records at INFO are written either way."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    configure_logging("info", "json", setting)
+    _finish_transfers(TransferTracker())
+    logging.getLogger("kv_sidecar.server").info("registered")
+    logs._stop_writer()
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [f"{r['request_id']} {r['level']}" for r in records if "request_id" in r] == kept
+    assert [r["msg"] for r in records if "request_id" not in r] == ["registered"]
 
 
 @pytest.mark.usefixtures("root_logger")

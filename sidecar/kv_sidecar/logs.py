@@ -227,7 +227,13 @@ def _stop_writer() -> None:
         listener.stop()
 
 
-def configure_logging(level: str, fmt: str = "text") -> None:
+TRANSFER_LOGGER = "kv_sidecar.transfer"
+
+
+def configure_logging(level: str, fmt: str = "text", transfer_log: str = "failed") -> None:
+    """`transfer_log`: "all" logs every finished transfer (at `level` and above); "failed" only those
+    that failed, which are WARNING records: a busy node finishes thousands a second, and formatting a
+    record each holds the interpreter that the pulls need."""
     global _listener
     # A busy sidecar makes a record per transfer, thousands a second, and neither format prints the
     # caller's file and line, thread or process: skip collecting them (the logging HOWTO's
@@ -244,3 +250,5 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [_Deferred(records)]
     root.setLevel(level.upper())
+    quiet = transfer_log.lower() == "failed"
+    logging.getLogger(TRANSFER_LOGGER).setLevel(logging.WARNING if quiet else logging.NOTSET)

@@ -24,10 +24,13 @@ BYTES = 3 * 2 * 2 * 16 * 4 * 16 * 2  # 3 blocks x layers x K/V x tokens x heads 
 
 @pytest.fixture(scope="module")
 def pulled() -> Iterator[tuple[SidecarProcess, SidecarProcess, str]]:
-    """A pair logging JSON (flag on one, environment on the other) after one pull a -> b."""
+    """A pair logging JSON and every transfer (flags on one, environment on the other) after one pull
+    a -> b."""
     a, b = together(
-        lambda: SidecarProcess("obs-prefill", extra=["--log-format", "json"]),
-        lambda: SidecarProcess("obs-decode", env={"KV_SIDECAR_LOG_FORMAT": "json"}),
+        lambda: SidecarProcess("obs-prefill", extra=["--log-format", "json", "--transfer-log", "all"]),
+        lambda: SidecarProcess(
+            "obs-decode", env={"KV_SIDECAR_LOG_FORMAT": "json", "KV_SIDECAR_TRANSFER_LOG": "all"}
+        ),
     )
     prefill, decode = together(
         lambda: EngineProcess(a.socket, "obs-p", SPEC), lambda: EngineProcess(b.socket, "obs-d", SPEC)

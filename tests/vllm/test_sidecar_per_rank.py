@@ -25,8 +25,9 @@ def split_prefill(
     workdir = str(tmp_path_factory.mktemp("sockets"))
     # Sockets workdir/rank0.sock and workdir/rank1.sock: one sidecar per prefill rank.
     sp0, sp1, sd = together(
-        lambda: SidecarProcess("rank0", workdir=workdir),
-        lambda: SidecarProcess("rank1", workdir=workdir),
+        # Records of reads served (read by _served) are kept only with transfer_log: all.
+        lambda: SidecarProcess("rank0", workdir=workdir, extra=["--transfer-log", "all"]),
+        lambda: SidecarProcess("rank1", workdir=workdir, env={"KV_SIDECAR_TRANSFER_LOG": "all"}),
         lambda: SidecarProcess("decode-node"),
     )
     P = VllmEngine(

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kv-sidecar: {e}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, settings.transfer_log)
     from kv_sidecar.server.sidecar import Sidecar  # heavy imports (torch, NIXL) only when serving
 
     try:

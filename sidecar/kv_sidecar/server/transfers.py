@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kv_sidecar.transfer")
 
 
+def _nothing() -> None:
+    """A pull's record where records of its outcome are off (`transfer_log: failed`)."""
+
+
 @dataclass
 class Transfer:
     kind: str  # "pull" | "serve"
@@ -89,6 +93,9 @@ class TransferTracker:
         with self._lock:
             self._inflight.pop(id(t), None)
             self._record("pull", outcome == "ok", nbytes, duration)
+        level = logging.INFO if outcome == "ok" else logging.WARNING
+        if not log.isEnabledFor(level):
+            return _nothing
 
         def record() -> None:
             fields = {
@@ -105,11 +112,7 @@ class TransferTracker:
             }
             if error:
                 fields["error"] = error
-            log.log(
-                logging.INFO if outcome == "ok" else logging.WARNING,
-                "pull finished",
-                extra={"fields": fields},
-            )
+            log.log(level, "pull finished", extra={"fields": fields})
 
         return record
 
@@ -184,6 +187,9 @@ class TransferTracker:
         duration = t.elapsed()
         with self._lock:
             self._record("serve", outcome == "ok", t.bytes, duration)
+        level = logging.INFO if outcome == "ok" else logging.WARNING
+        if not log.isEnabledFor(level):
+            return
         fields = {
             "event": "serve",
             "request_id": t.request_id,
@@ -197,7 +203,7 @@ class TransferTracker:
         }
         if error:
             fields["error"] = error
-        log.log(logging.INFO if outcome == "ok" else logging.WARNING, "read served", extra={"fields": fields})
+        log.log(level, "read served", extra={"fields": fields})
 
     def _expire_serves(self) -> None:
         with self._lock:
