@@ -156,8 +156,8 @@ class Settings:
         "log_format": "text (key=value) or json (one object per line)",
         "transfer_log": "which finished transfers get a log record (logger kv_sidecar.transfer): failed (those "
         "that did not succeed, at WARNING) or all (each pull and served read, at INFO when it succeeded). A "
-        "busy node finishes thousands a second, which its metrics count: formatting a record each cost a "
-        "loaded sidecar 1.1-1.2x its pulls/s (docs/operations.md, 10)",
+        "busy node finishes thousands a second, which its metrics count; formatting a record each cost a "
+        "loaded sidecar up to 1.25x the CPU a pull (docs/operations.md, 10)",
     }
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
