@@ -461,6 +461,7 @@ class Node:
                     "prefix": f"b{self.batches}-{i}-",
                     "block_ids": [ids for ids, _ in sources],
                     "num_tokens": tokens,
+                    "lease_ms": LEASE_MS,
                 },
                 timeout_s=600,
             )
@@ -615,6 +616,12 @@ class Node:
         side_by_side(*(e.stop for e in (*self.prefill, *self.decode)))
         sidecars = {id(s): s for pair in self.pair_sidecars for s in pair}
         side_by_side(*(s.stop for s in sidecars.values()))
+
+
+# A row's requests are all published before its first pull: under py-spy (which stops the sidecars
+# hundreds of times a second) 6,000 pulls a pair took longer than the default 30 s lease, and the last
+# ones failed with FAILED_PRECONDITION (lease expired), as they must (2026-11-30).
+LEASE_MS = 600_000
 
 
 def _spy(out: Path, procs: dict[str, Any], label: str, gil: bool) -> list[subprocess.Popen[bytes]]:
