@@ -82,7 +82,7 @@ class Settings:
         "its own, so that one device's copies do not wait for the sidecar's one interpreter (GIL); a worker "
         "that dies fails its copies (UNAVAILABLE, naming the blocks) and is restarted. Staged and NIXL "
         "paths still run in the sidecar. true: every device's copies; auto: the GPU copies, where the "
-        "sidecar sees at least 4 GPUs (two GPU pairs: 1.5-1.7x the GB/s at 64 MiB and 1.1-1.2x the "
+        "sidecar sees at least 4 GPUs (two GPU pairs: 1.3-1.7x the GB/s at 64 MiB and 1.0-1.2x the "
         "pulls/s at 2 MiB of batches, while one pair alone loses 6-24 %). auto is for a sidecar that "
         "serves a node's engines: one that sees every GPU of the node but serves one pod's engine "
         "(deploy/k8s/base) would start a worker, ~1 GiB of GPU memory, per engine GPU for copies it never "
