@@ -235,9 +235,9 @@ def configure_logging(level: str, fmt: str = "text", transfer_log: str = "failed
     that failed, which are WARNING records: a busy node finishes thousands a second, and formatting a
     record each holds the interpreter that the pulls need."""
     global _listener
-    # A busy sidecar makes a record per transfer, thousands a second, and neither format prints the
-    # caller's file and line, thread or process: skip collecting them (the logging HOWTO's
-    # "Optimization"; 33 -> 27 us a record here, writer included).
+    # A busy sidecar with transfer_log: all makes a record per transfer, thousands a second, and neither
+    # format prints the caller's file and line, thread or process: skip collecting them (the logging
+    # HOWTO's "Optimization"; 33 -> 27 us a record here, writer included).
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = _Batched(sys.stderr)
