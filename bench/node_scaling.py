@@ -1000,6 +1000,12 @@ def main() -> int:
         "(the first is the variants' and the baseline's)",
     )
     ap.add_argument(
+        "--batches-only",
+        action="store_true",
+        help="with --per-call: leave out this tree's rows of Pull calls (the targets' rows are PullBatches; on "
+        "a GPU machine whose calls are limited in time they took a third of a run, 2026-11-30)",
+    )
+    ap.add_argument(
         "--split-sidecars",
         action="store_true",
         help="also run this tree with each GPU pair on sidecars of its own, side by side: what one process "
@@ -1110,6 +1116,10 @@ def main() -> int:
             trees.append((f"this tree, {v}", None, extra + v.split(), 1, False, 0))
     if args.split_sidecars:
         trees.append(("this tree, sidecars per GPU pair", None, extra, 1, True, 0))
+    if args.batches_only:
+        if first_batch == 1:
+            ap.error("--batches-only needs --per-call K with K > 1")
+        trees = [t for t in trees if t[0] != "this tree"]
     base: tuple[str, dict[str, str]] | None = None
     if args.baseline:
         base = (baseline.describe(args.baseline), baseline.env(baseline.export(args.baseline)))
