@@ -20,7 +20,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("kv_sidecar.transfer")
+from kv_sidecar.logs import TRANSFER_LOGGER
+
+log = logging.getLogger(TRANSFER_LOGGER)  # its level says which records are kept (transfer_log)
 
 
 def _nothing() -> None:
