@@ -3,7 +3,6 @@ engine lane when the sidecar serves one: lane.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,20 +11,23 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, status_pb2
-from kv_sidecar_client.lane import Lane, LaneBatch, LanePull, lane_for, raise_for_answer
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2, status_pb2
+from kv_sidecar_client.lane import Lane, LaneBatch, LanePull, raise_for_answer
 from kv_sidecar_client.results import (
     BatchMember,
+    EndedPull,
     KVSidecarError,
     PendingBatch,
     PendingPull,
     PullResult,
+    SplitPull,
     WholeBatch,
     batch_failed,
     batch_results,
     pull_failure,
     pull_success,
 )
+from kv_sidecar_client.routes import Conn, Routes
 
 __all__ = ["BatchPull", "KVSidecarError", "PendingPull", "PullResult", "pull_failure"]
 
@@ -268,15 +270,26 @@ class SidecarClient:
         yes, unless the environment sets KV_SIDECAR_ENGINE_LANE=0)."""
         self.target = target = target_of(target)
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=list(channel_options))
-        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        self._lock = threading.Lock()
-        self.lane = lane_for(target, lane)
+        options = list(channel_options)
+        home = Conn.open(target, options, lane)
+        self._channel, self._stub, self.lane = home.channel, home.stub, home.lane
+        # Where the sidecar given runs control shards, each engine's calls go to its shard (routes.py).
+        self.routes = Routes(home, lambda shard: Conn.open(shard, options, lane))
 
     def close(self) -> None:
-        if self.lane is not None:
-            self.lane.close()
-        self._channel.close()
+        self.routes.close()
+        self.routes.home.close()
+
+    def _route(self, engine_id: str, rank: int | None = None, timeout_s: float | None = None) -> Conn:
+        try:
+            return self.routes.route(engine_id, rank, timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e, self.target) from None
+
+    def engine_target(self, engine_id: str, rank: int | None = None) -> str:
+        """The gRPC target that serves `engine_id` (its `rank`): the sidecar given, or its shard. For a
+        client of one's own on the same sidecar (e.g. `PolledPulls`)."""
+        return self._route(engine_id, rank).target
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -291,11 +304,15 @@ class SidecarClient:
         except grpc.FutureTimeoutError:
             raise KVSidecarError("UNAVAILABLE", f"sidecar at {self.target} is not reachable") from None
 
-    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    def _call(
+        self, method: str, request: Any, timeout_s: float | None = None, conn: Conn | None = None
+    ) -> Any:
+        """`conn`: the sidecar process to call (an engine's shard); default the one given."""
+        conn = conn or self.routes.home
         try:
-            return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+            return getattr(conn.stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise _error(e, conn.target) from None
 
     # -- registration -------------------------------------------------------------
     def register_rank(
@@ -306,21 +323,30 @@ class SidecarClient:
         tensors: Sequence[TensorHandle],
         leader_address: str = "",
     ) -> engine_pb2.RegisterRankResponse:
-        """`leader_address`: peer address of the engine's leader sidecar when its ranks span several nodes."""
+        """`leader_address`: peer address of the engine's leader sidecar when its ranks span several nodes.
+        On a front door of control shards the rank registers on its engine's shard (that of its rank 0's
+        GPU)."""
+        tensors = list(tensors)
+        device = next((t.cuda_ipc.device_uuid for t in tensors if t.HasField("cuda_ipc")), "")
+        try:
+            conn = self.routes.route(engine_id, rank, self.timeout_s, device, bool(leader_address))
+        except grpc.RpcError as e:
+            raise _error(e, self.target) from None
         req = engine_pb2.RegisterRankRequest(
             engine_id=engine_id,
             rank=rank,
             spec=spec_message(spec),
-            tensors=list(tensors),
+            tensors=tensors,
             leader_address=leader_address,
         )
-        return self._call("RegisterRank", req)
+        return self._call("RegisterRank", req, conn=conn)
 
     def unregister_rank(self, engine_id: str, rank: int) -> None:
-        self._call("UnregisterRank", engine_pb2.UnregisterRankRequest(engine_id=engine_id, rank=rank))
+        req = engine_pb2.UnregisterRankRequest(engine_id=engine_id, rank=rank)
+        self._call("UnregisterRank", req, conn=self._route(engine_id, rank))
 
     def events(self, engine_id: str, rank: int, unregister_on_close: bool = True) -> EventStream:
-        call = self._stub.Events(
+        call = self._route(engine_id, rank).stub.Events(
             engine_pb2.EventsRequest(
                 engine_id=engine_id, rank=rank, unregister_on_close=unregister_on_close, batched=True
             )
@@ -353,12 +379,13 @@ class SidecarClient:
             lease_ms=lease_ms,
             first_token=first_token,
         )
-        if self.lane is not None:
-            answer = self.lane.call(engine_pb2.LaneCall(publish=req), timeout_s)
+        conn = self._route(engine_id, None, timeout_s)
+        if conn.lane is not None:
+            answer = conn.lane.call(engine_pb2.LaneCall(publish=req), max(0.001, deadline - time.monotonic()))
             if answer is not None:
                 return raise_for_answer(answer).publish.params
         # What the lane's wait for a hello left of the timeout (a sidecar that does not answer).
-        return self._call("Publish", req, max(0.001, deadline - time.monotonic())).params
+        return self._call("Publish", req, max(0.001, deadline - time.monotonic()), conn).params
 
     # -- decode -----------------------------------------------------------------------
     def pull(
@@ -387,13 +414,31 @@ class SidecarClient:
         """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
         so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
-        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout, group)
-        if self.lane is not None:
-            pending = start_lane_pull(self.lane, req, timeout)
+        try:
+            groups = self.routes.by_shard(engine_id, ranks, timeout)
+        except grpc.RpcError as e:  # not even asked where it goes: failed, every block unfilled
+            err = _error(e, self.target)
+            return EndedPull(
+                PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=list(block_ids))
+            )
+        parts = [
+            self._start_pull(
+                conn, pull_request(params, engine_id, block_ids, in_group, start_token, timeout, group)
+            )
+            for conn, in_group in groups
+        ]
+        # Ranks on several shards of a front door: a pull on each, one outcome.
+        return parts[0] if len(parts) == 1 else SplitPull(parts)
+
+    @staticmethod
+    def _start_pull(conn: Conn, req: engine_pb2.PullRequest) -> PendingPull:
+        timeout = req.timeout_ms / 1000
+        if conn.lane is not None:
+            pending = start_lane_pull(conn.lane, req, timeout)
             if pending is not None:
                 return pending
         return PullCall(
-            self._stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(block_ids), self.target
+            conn.stub.Pull.future(req, timeout=timeout + PULL_GRACE_S), list(req.block_ids), conn.target
         )
 
     def pull_batch(
@@ -410,25 +455,39 @@ class SidecarClient:
     ) -> list[PendingPull]:
         """Start a PullBatch and return at once: a PendingPull per member (see `start_batch`)."""
         timeout = timeout_s or self.timeout_s
+        ranks = next((m.ranks for m in pulls if m.ranks), ())
+        try:
+            conn = self.routes.route(engine_id, ranks[0] if ranks else None, timeout)
+        except grpc.RpcError as e:  # not even asked where it goes: every member failed
+            err = _error(e, self.target)
+            return [
+                EndedPull(r) for r in batch_failed(err.code, err.message, [list(m.block_ids) for m in pulls])
+            ]
 
         def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
             return BatchCall(
-                self._stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks, self.target
+                conn.stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks, conn.target
             )
 
-        return start_batch(self.lane, engine_id, pulls, timeout, over_grpc)
+        return start_batch(conn.lane, engine_id, pulls, timeout, over_grpc)
 
-    def keep_alive(self, params: Sequence[TransferParams]) -> list[int]:
-        return list(
-            self._call("KeepAlive", engine_pb2.KeepAliveRequest(params=list(params))).lease_deadline_unix_ms
-        )
+    def keep_alive(self, params: Sequence[TransferParams], engine_id: str = "") -> list[int]:
+        """Extend the leases of requests this engine will pull later (its sidecar asks their sources).
+        `engine_id`: the decode engine; on a front door of shards, its shard asks (default: any)."""
+        req = engine_pb2.KeepAliveRequest(params=list(params))
+        return list(self._call("KeepAlive", req, conn=self._route(engine_id)).lease_deadline_unix_ms)
 
     # -- either side -----------------------------------------------------------------
     def abort(self, engine_id: str, request_id: str, params: TransferParams | None = None) -> bool:
         """Give a request up. Prefill: free its blocks. Decode: stop its pull; with `params`, the
         prefill side also releases its blocks now (it gets a "released" event)."""
         req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
-        return self._call("Abort", req).found
+        try:
+            conns = self.routes.shards(engine_id, self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e, self.target) from None
+        # On a front door, every shard: the engine's pulls run on the shards of their ranks.
+        return any([self._call("Abort", req, conn=c).found for c in conns])
 
     def status(self, timeout_s: float | None = None) -> status_pb2.StatusResponse:
         """What the sidecar is doing: registered ranks, peers, transfers in flight (`kv-sidecar status`)."""

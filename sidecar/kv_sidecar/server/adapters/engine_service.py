@@ -164,3 +164,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
     ) -> status_pb2.StatusResponse:
         return self._status()
+
+    def Route(
+        self, request: engine_pb2.RouteRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.RouteResponse:
+        """A sidecar without control shards serves every engine itself (an empty target)."""
+        return engine_pb2.RouteResponse()

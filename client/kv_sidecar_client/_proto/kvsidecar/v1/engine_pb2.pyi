@@ -8,6 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RouteRequest(_message.Message):
+    __slots__ = ("engine_id", "rank", "device_uuid", "own_leader")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OWN_LEADER_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: int
+    device_uuid: str
+    own_leader: bool
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_uuid: _Optional[str] = ..., own_leader: _Optional[bool] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("engine_target", "shard", "shard_targets")
+    ENGINE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    engine_target: str
+    shard: int
+    shard_targets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_target: _Optional[str] = ..., shard: _Optional[int] = ..., shard_targets: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RegisterRankRequest(_message.Message):
     __slots__ = ("engine_id", "rank", "spec", "tensors", "leader_address")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -81,6 +81,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Route',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -163,6 +168,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Where an engine's calls go. A sidecar that runs control shards (`control_shards`,
+        docs/operations.md) is a front door: it answers this and Status, and refuses every other call
+        with FAILED_PRECONDITION; the client asks once per engine (and per rank), then calls the shard it
+        names. A sidecar without shards answers with an empty engine_target: call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +225,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=kvsidecar_dot_v1_dot_status__pb2.StatusRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_status__pb2.StatusResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.RouteRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -456,6 +476,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Status',
             kvsidecar_dot_v1_dot_status__pb2.StatusRequest.SerializeToString,
             kvsidecar_dot_v1_dot_status__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Route',
+            kvsidecar_dot_v1_dot_engine__pb2.RouteRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,
