@@ -54,6 +54,7 @@ class Settings:
     drain_timeout_s: float = 25.0
     log_format: str = "text"
     transfer_log: str = "failed"
+    control_shards: int = 1
 
     HELP = {
         "engine_socket": "unix socket path of the engine API",
@@ -158,6 +159,14 @@ class Settings:
         "that did not succeed, at WARNING) or all (each pull and served read, at INFO when it succeeded). A "
         "busy node finishes thousands a second, which its metrics count; formatting a record each cost a "
         "loaded sidecar up to 1.25x the CPU a pull (docs/operations.md, 10)",
+        "control_shards": "run the sidecar as this many sidecar processes (shards), each with its own "
+        "interpreter, NIXL agent, engine socket (<engine_socket>.shard<K>) and peer port (peer_port+1+K; "
+        "free ports for 0), behind a front door on engine_socket, peer_port (health) and metrics_port (every "
+        "shard's metrics, labelled shard). A rank goes to the shard of its GPU (the visible GPUs split into "
+        "contiguous groups), a host rank by its engine id; an engine spread over shards is led by its rank "
+        "0's. Pulls between engines on one shard stay gpu-direct/host-direct; between shards they are "
+        "staged. One process serves ~5,000 pulls/s at most: shards let a node past that "
+        '(docs/operations.md, "Control shards"). 1: one process',
     }
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
@@ -174,6 +183,7 @@ class Settings:
         "leader_wait_ms": 0,
         "member_refresh_ms": 100,
         "gpu_staging_reserve": 0,
+        "control_shards": 1,
     }
 
     CHOICES = {

@@ -186,3 +186,15 @@ def test_the_status_mapping_is_the_adapters_alone() -> None:
         if "StatusCode" in path.read_text()
     }
     assert users <= {"adapters/grpc_status.py", "adapters/drain_gate.py"}, sorted(users)
+
+
+def test_control_shards_run_sidecars_as_processes_and_know_grpc_in_the_front_door_alone() -> None:
+    """shards/ never holds a sidecar in-process: nothing of the server, the data plane or torch (the
+    front door stays a light process); gRPC only where it serves (front_door.py)."""
+    inside = ("kv_sidecar.server", *(f"kv_sidecar.{p}" for p in LOWER_LAYERS if p != "plan"))
+    for path in sorted((PACKAGE / "shards").rglob("*.py")):
+        names = imports(path)
+        bad = {n for n in names if n.startswith(inside) or n.split(".")[0] in ("torch", "triton", "nixl")}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+        if path.name != "front_door.py":
+            assert not any(is_grpc(n) for n in names), f"{path.relative_to(PACKAGE)} imports grpc"

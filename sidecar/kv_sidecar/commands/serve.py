@@ -69,6 +69,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-sidecar: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, settings.transfer_log)
+    from kv_sidecar.shards.children import die_with_front_door
+
+    if not die_with_front_door():
+        logging.getLogger("kv_sidecar").error("the front door that started this shard is gone: not starting")
+        return 1
+    if settings.control_shards > 1:  # a front door and its shards, each shard a sidecar of its own
+        from kv_sidecar.shards.run import run_front_door
+
+        return run_front_door(settings)
     from kv_sidecar.server.sidecar import Sidecar  # heavy imports (torch, NIXL) only when serving
 
     try:

@@ -70,6 +70,8 @@ def _size(n: float) -> str:
 
 
 def render(st: status_pb2.StatusResponse) -> str:
+    if st.shards:
+        return render_front_door(st)
     state = "DRAINING" if st.draining else "serving"
     lines = [
         f"sidecar {st.sidecar_id} (kv-sidecar {st.version}), {state}, up {st.uptime_s:.0f} s",
@@ -125,6 +127,21 @@ def render(st: status_pb2.StatusResponse) -> str:
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(p.last_unix_s))}: {p.last_message[:200]}"
         for p in st.publish_refusals
     ]
+    return "\n".join(lines)
+
+
+def render_front_door(st: status_pb2.StatusResponse) -> str:
+    """A node sidecar of control shards: the front door, then each shard as a sidecar of its own."""
+    state = "DRAINING" if st.draining else "serving"
+    lines = [
+        f"sidecar {st.sidecar_id} (kv-sidecar {st.version}), {state}, up {st.uptime_s:.0f} s: front door "
+        f"of {len(st.shards)} control shards",
+        f"  peer address {st.peer_address} (health only; peers call the shards)",
+    ]
+    for index, shard in enumerate(st.shards):
+        lines.append(f"shard {index}:")
+        body = render(shard) if shard.sidecar_id else "not answering (starting again?)"
+        lines += ["  " + line for line in body.splitlines()]
     return "\n".join(lines)
 
 

@@ -1,0 +1,207 @@
+"""The front door of control shards: the node sidecar's engine socket, peer port and metrics port, where
+engines learn their shard (Route) and operators see the node (Status, health, /metrics). It moves no
+bytes and holds no engine: every other engine call is refused with the way to the shards, so that an
+engine with a client from before Route fails at once and clearly, instead of registering nowhere.
+
+The only module of shards/ that knows gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kv_sidecar import __version__
+from kv_sidecar.config import Settings
+from kv_sidecar.security import PeerSecurity
+from kv_sidecar.shards.children import ShardSet
+from kv_sidecar.shards.metrics import ShardMetrics
+from kv_sidecar.shards.placement import EngineShards, Placement
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, status_pb2
+
+log = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+STATUS_TIMEOUT_S = 2.0
+
+
+def _fail(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    context.abort(code, details)
+    raise AssertionError("context.abort returned")  # it raises; the type stubs do not say so
+
+
+class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(
+        self,
+        placement: Placement,
+        shards: ShardSet,
+        leader_wait_s: float,
+        identity: tuple[str, str],
+        draining: threading.Event,
+    ) -> None:
+        """`identity`: the front door's (sidecar id, peer address)."""
+        self._placement = placement
+        self._shards = shards
+        self._engines = EngineShards()
+        self._wait_s = leader_wait_s
+        self._identity = identity
+        self._draining = draining
+        self._started = time.monotonic()
+        self._status_stubs = [
+            engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(s.target)) for s in shards.shards
+        ]
+
+    def Route(
+        self, request: engine_pb2.RouteRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.RouteResponse:
+        targets = [s.target for s in self._shards.shards]
+        engine = request.engine_id
+        if not engine:  # a call that names no engine of its own (KeepAlive): any shard forwards it
+            shard: int | None = 0
+        elif request.HasField("rank") and (request.rank == 0 or not request.device_uuid):
+            # Rank 0 places the engine; a host engine's every rank goes by its id alone.
+            shard = self._placement.shard_of(engine, request.device_uuid)
+            self._engines.set(engine, shard)
+        elif request.HasField("rank") and request.own_leader:
+            # Ranks of an engine led from another node, without their rank 0 here: by their GPU.
+            shard = self._placement.shard_of(engine, request.device_uuid)
+        else:
+            shard = self._engines.wait(engine, self._wait_s)
+        if shard is None:
+            _fail(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {engine!r}: its rank 0 was not routed within {self._wait_s:g} s; this node "
+                f"sidecar runs {len(targets)} control shards and puts an engine on its rank 0's shard "
+                "(register rank 0 too, or name a leader_address of the engine's own)",
+            )
+        return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard, shard_targets=targets)
+
+    def Status(
+        self, request: status_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> status_pb2.StatusResponse:
+        answers = [
+            stub.Status.future(status_pb2.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+            for stub in self._status_stubs
+        ]
+        shards = []
+        for answer in answers:
+            try:
+                shards.append(answer.result())
+            except grpc.RpcError:
+                shards.append(status_pb2.StatusResponse())  # not answering: an empty id says so
+        sidecar_id, peer_address = self._identity
+        return status_pb2.StatusResponse(
+            sidecar_id=sidecar_id,
+            version=__version__,
+            peer_address=peer_address,
+            draining=self._draining.is_set(),
+            uptime_s=time.monotonic() - self._started,
+            published_requests=sum(s.published_requests for s in shards),
+            shards=shards,
+        )
+
+    def _refuse(self, context: grpc.ServicerContext) -> Any:
+        _fail(
+            context,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this node sidecar runs {len(self._shards.shards)} control shards: ask Route which shard serves "
+            "the engine and call it (kv-sidecar-client does); a client from before Route can name a shard's "
+            f"socket itself, {self._shards.shards[0].socket} and on",
+        )
+
+    def RegisterRank(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def UnregisterRank(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def Events(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def Publish(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def Pull(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def PullBatch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def KeepAlive(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+    def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._refuse(context)
+
+
+class FrontDoorServers:
+    """The engine socket (EngineService's Route and Status, health, reflection), the peer port (health
+    and reflection: Kubernetes probes it; peers call the shards) and the merged /metrics."""
+
+    def __init__(self, settings: Settings, security: PeerSecurity) -> None:
+        self._settings = settings
+        self._security = security
+        self._engine = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="door"))
+        self._peer = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="door-peer"))
+        self._health = [health.HealthServicer(), health.HealthServicer()]
+        for server, hs in zip((self._engine, self._peer), self._health, strict=True):
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        reflection.enable_server_reflection((ENGINE_SERVICE, _HEALTH, reflection.SERVICE_NAME), self._engine)
+        reflection.enable_server_reflection((_HEALTH, reflection.SERVICE_NAME), self._peer)
+        self.metrics_port = 0
+        self._http: Any = None
+
+    def bind(self) -> int:
+        """Listen on the engine socket and the peer port; the peer port (the one given for 0)."""
+        s = self._settings
+        os.makedirs(os.path.dirname(os.path.abspath(s.engine_socket)), exist_ok=True)
+        if os.path.exists(s.engine_socket):
+            os.unlink(s.engine_socket)  # a stale socket from a previous run
+        self._engine.add_insecure_port(f"unix:{s.engine_socket}")
+        address = f"{s.peer_host}:{s.peer_port}"
+        creds = self._security.server_credentials()
+        port = self._peer.add_secure_port(address, creds) if creds else self._peer.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    def serve(self, engine: FrontDoorEngine, metrics: ShardMetrics) -> None:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, self._engine)
+        self._engine.start()
+        self._peer.start()
+        s = self._settings
+        if s.metrics_port >= 0:
+            registry = CollectorRegistry()
+            registry.register(metrics)
+            self._http, _ = start_http_server(
+                s.metrics_port, addr=s.peer_host or "0.0.0.0", registry=registry
+            )
+            self.metrics_port = self._http.server_port
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for hs in self._health:
+            hs.set("", status)
+        self._health[0].set(ENGINE_SERVICE, status)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        for server in (self._engine, self._peer):
+            server.stop(1.0).wait(2.0)
+        if os.path.exists(self._settings.engine_socket):
+            os.unlink(self._settings.engine_socket)

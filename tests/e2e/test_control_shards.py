@@ -1,0 +1,215 @@
+"""A node sidecar run as control shards (`control_shards: 2`): one real front door process and its two
+shard processes on loopback, with reference engines that know only the front door's socket.
+
+A host engine goes, all its ranks, to a shard by its engine id (placement.py); the engine ids here are
+picked so that one decode engine shares its prefill engine's shard (host-direct) and one does not
+(host-nixl between the shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kv_sidecar.plan.spec import EngineSpec
+from kv_sidecar.refengine.layout_io import fill_request, logical_kv
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.shards.children import shard_socket
+from kv_sidecar.shards.placement import Placement
+from kv_sidecar_client import Backoff, EngineSession, Event, SidecarClient, params_to_json
+from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kv_sidecar_client.lane import LANE_SUFFIX
+from kv_sidecar_client.shm import ShmKVCache
+
+from .conftest import Spawn, consumed_events, spec_dict, wait_for
+
+SHARDS = 2
+_placement = Placement(SHARDS)
+
+
+def engine_on(shard: int, prefix: str, taken: set[str]) -> str:
+    """An engine id whose rank 0 the front door puts on `shard` (host ranks go by their engine id)."""
+    for i in range(1000):
+        name = f"{prefix}-{i}"
+        if name not in taken and _placement.shard_of(name) == shard:
+            taken.add(name)
+            return name
+    raise AssertionError("no engine id for that shard")
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[SidecarProcess]:
+    sc = SidecarProcess("node", extra=["--control-shards", str(SHARDS), "--leader-wait-ms", "3000"])
+    yield sc
+    code = sc.stop()
+    left = [
+        p
+        for k in range(SHARDS)
+        for p in (sc.socket, shard_socket(sc.socket, k), shard_socket(sc.socket, k) + LANE_SUFFIX)
+        if os.path.exists(p)
+    ]
+    assert code == 0, "\n".join(sc.stderr_tail)
+    assert not left, f"SIGTERM must remove the front door's and the shards' sockets: {left}"
+
+
+def shard_of_ranks(node: SidecarProcess) -> dict[tuple[str, int], int]:
+    with SidecarClient(node.socket, lane=False) as client:
+        st = client.status()
+    assert len(st.shards) == SHARDS and all(s.sidecar_id for s in st.shards), st
+    return {(r.engine_id, r.rank): k for k, s in enumerate(st.shards) for r in s.ranks}
+
+
+def prefill_and_pull(prefill: EngineProcess, decode: EngineProcess, request_id: str, seed: int) -> dict:
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": request_id, "block_ids": [1, 2, 3], "num_tokens": 40, "seed": seed}
+    )
+    assert pub["ok"], pub
+    return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [9, 4, 6], "seed": seed})
+
+
+def test_engines_pull_bit_exact_within_a_shard_and_across_shards(node: SidecarProcess, spawn: Spawn) -> None:
+    spec = EngineSpec.from_dict(spec_dict())
+    taken: set[str] = set()
+    p, same, other = engine_on(0, "p", taken), engine_on(0, "d", taken), engine_on(1, "d", taken)
+    prefill, d_same, d_other = (spawn(EngineProcess(node.socket, e, spec)) for e in (p, same, other))
+    placed = shard_of_ranks(node)
+    assert (placed[(p, 0)], placed[(same, 0)], placed[(other, 0)]) == (0, 0, 1), placed
+
+    res = prefill_and_pull(prefill, d_same, "within", seed=5)
+    assert res["ok"] and res["verified"] and res["path"] == "host-direct", res
+    res = prefill_and_pull(prefill, d_other, "across", seed=6)
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+    assert consumed_events(prefill, 2) == 2
+
+
+def test_a_tp_engine_goes_whole_to_one_shard(node: SidecarProcess, spawn: Spawn) -> None:
+    """Every rank of an engine on its shard: a pull reads either its own shard's ranks or another's,
+    never both (which no pull does, across nodes either)."""
+    spec = EngineSpec.from_dict(spec_dict(tp_size=2))
+    taken: set[str] = set()
+    p, d = engine_on(1, "tp-p", taken), engine_on(0, "tp-d", taken)
+    prefill, decode = spawn(EngineProcess(node.socket, p, spec)), spawn(EngineProcess(node.socket, d, spec))
+    placed = shard_of_ranks(node)
+    assert (placed[(p, 0)], placed[(p, 1)], placed[(d, 0)], placed[(d, 1)]) == (1, 1, 0, 0), placed
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "tp", "block_ids": [2, 3], "num_tokens": 30, "seed": 8}
+    )
+    assert pub["ok"], pub
+    with SidecarClient(node.socket, lane=False) as client:
+        assert pub["params"]["sidecar_address"] == client.status().shards[1].peer_address
+    res = decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [7, 8], "seed": 8})
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+
+
+def test_the_front_door_refuses_engine_calls_with_the_way_to_the_shards(node: SidecarProcess) -> None:
+    with grpc.insecure_channel(f"unix:{node.socket}") as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Publish(engine_pb2.PublishRequest(engine_id="x", request_id="r"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "control shards" in e.value.details() and shard_socket(node.socket, 0) in e.value.details()
+
+
+def test_routes(node: SidecarProcess) -> None:
+    """A host rank goes by its engine id at once; an engine's own route waits for its rank 0's (a GPU
+    engine's other ranks do too), and is refused when none comes."""
+    with grpc.insecure_channel(f"unix:{node.socket}") as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Route(engine_pb2.RouteRequest(engine_id="never-registered"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+        assert "rank 0 was not routed" in e.value.details()
+        targets = [f"unix:{shard_socket(node.socket, k)}" for k in range(SHARDS)]
+        shard = _placement.shard_of("x")
+        answer = stub.Route(engine_pb2.RouteRequest(engine_id="x", rank=3), timeout=5)
+        assert (answer.engine_target, answer.shard, list(answer.shard_targets)) == (
+            targets[shard],
+            shard,
+            targets,
+        )
+        answer = stub.Route(engine_pb2.RouteRequest(engine_id="x"), timeout=5)
+        assert answer.engine_target == targets[shard]
+
+
+def test_health_and_metrics_cover_every_shard(node: SidecarProcess) -> None:
+    host, port = node.peer_address.rsplit(":", 1)
+    with grpc.insecure_channel(f"{host}:{port}") as ch:
+        answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    text = _metrics(node)
+    for k in range(SHARDS):
+        assert f'kvsidecar_shard_up{{shard="{k}"}} 1.0' in text, text[:2000]
+        # A shard's own series, labelled with it.
+        assert f'kvsidecar_staging_bytes_capacity{{shard="{k}"}}' in text, text[:2000]
+
+
+def _metrics(node: SidecarProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as answer:
+        return str(answer.read().decode())
+
+
+def _shard_pid(node: SidecarProcess, index: int) -> int:
+    sock = shard_socket(node.socket, index)
+    for tid in os.listdir(f"/proc/{node.proc.pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{node.proc.pid}/task/{tid}/children") as f:
+            for child in f.read().split():
+                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as c:
+                    if sock.encode() + b"\0" in c.read():
+                        return int(child)
+    raise AssertionError(f"no process of shard {index}")
+
+
+def test_a_killed_shard_is_started_again_and_its_engines_come_back(
+    node: SidecarProcess, spawn: Spawn
+) -> None:
+    """SIGKILL one shard: the front door stays up and starts it again; an engine session on it registers
+    again there (the route it learnt still holds: the shard's socket path) and serves pulls; the other
+    shard's engine pulls from it as before."""
+    spec = EngineSpec.from_dict(spec_dict())
+    taken: set[str] = set()
+    p, d = engine_on(1, "k-p", taken), engine_on(0, "k-d", taken)
+    decode = spawn(EngineProcess(node.socket, d, spec))
+    reconnected = threading.Event()
+
+    def on_event(engine_id: str, rank: int, ev: Event) -> None:
+        if ev.kind == "reconnected":
+            reconnected.set()
+
+    with (
+        ShmKVCache(spec.rank_tensor_shapes(), torch.float16) as cache,
+        EngineSession(node.socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
+    ):
+        session.register_rank(p, 0, spec.to_dict(), cache.handles())
+        assert session.client.engine_target(p, 0) == f"unix:{shard_socket(node.socket, 1)}"
+        fill_request(spec, 0, cache.tensors, [1, 2], logical_kv(spec, 20, seed=11))
+        params = session.client.publish(p, "before", [1, 2], 20)
+        res = decode.send({"cmd": "pull", "params": params_to_json(params), "block_ids": [5, 6], "seed": 11})
+        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+
+        os.kill(_shard_pid(node, 1), signal.SIGKILL)
+        assert reconnected.wait(60), f"no re-registration; last error {session.last_error}"
+        assert node.alive
+        fill_request(spec, 0, cache.tensors, [3, 4], logical_kv(spec, 20, seed=12))
+        params = session.client.publish(p, "after", [3, 4], 20)
+        res = decode.send({"cmd": "pull", "params": params_to_json(params), "block_ids": [7, 8], "seed": 12})
+        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+    text = _metrics(node)
+    assert 'kvsidecar_shard_restarts{shard="1"} 1.0' in text and 'kvsidecar_shard_up{shard="1"} 1.0' in text
+
+
+def test_shards_end_with_a_front_door_killed(spawn: Spawn) -> None:
+    """SIGKILL the front door (no drain): the kernel ends its shards, which remove their sockets."""
+    door = spawn(SidecarProcess("doomed", extra=["--control-shards", str(SHARDS)]))
+    pids = [_shard_pid(door, k) for k in range(SHARDS)]
+    door.kill()
+    wait_for("the shards to end", lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 30)
+    assert not any(os.path.exists(shard_socket(door.socket, k)) for k in range(SHARDS))
