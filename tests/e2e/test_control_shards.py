@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -150,6 +152,18 @@ def test_health_and_metrics_cover_every_shard(node: SidecarProcess) -> None:
         assert f'kvsidecar_shard_up{{shard="{k}"}} 1.0' in text, text[:2000]
         # A shard's own series, labelled with it.
         assert f'kvsidecar_staging_bytes_capacity{{shard="{k}"}}' in text, text[:2000]
+
+
+def test_kv_sidecar_status_shows_the_front_door_and_each_shard(node: SidecarProcess) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kv_sidecar", "status", "--engine-socket", node.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"front door of {SHARDS} control shards" in out.stdout, out.stdout
+    assert all(f"shard {k}:\n  sidecar " in out.stdout for k in range(SHARDS)), out.stdout
 
 
 def _metrics(node: SidecarProcess) -> str:

@@ -48,14 +48,16 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         leader_wait_s: float,
         identity: tuple[str, str],
         draining: threading.Event,
+        security: str = "",
     ) -> None:
-        """`identity`: the front door's (sidecar id, peer address)."""
+        """`identity`: the front door's (sidecar id, peer address); `security`: its peer port's mode."""
         self._placement = placement
         self._shards = shards
         self._engines = EngineShards()
         self._wait_s = leader_wait_s
         self._identity = identity
         self._draining = draining
+        self._security = security
         self._started = time.monotonic()
         self._status_stubs = [
             engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(s.target)) for s in shards.shards
@@ -105,6 +107,7 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
             sidecar_id=sidecar_id,
             version=__version__,
             peer_address=peer_address,
+            peer_security=self._security,
             draining=self._draining.is_set(),
             uptime_s=time.monotonic() - self._started,
             published_requests=sum(s.published_requests for s in shards),
@@ -152,7 +155,8 @@ class FrontDoorServers:
     def __init__(self, settings: Settings, security: PeerSecurity) -> None:
         self._settings = settings
         self._security = security
-        self._engine = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="door"))
+        # A GPU engine's ranks other than 0 each hold a thread while their Route waits for rank 0's.
+        self._engine = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="door"))
         self._peer = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="door-peer"))
         self._health = [health.HealthServicer(), health.HealthServicer()]
         for server, hs in zip((self._engine, self._peer), self._health, strict=True):

@@ -43,7 +43,8 @@ def visible_gpus() -> tuple[str, ...]:
 
 def run_front_door(settings: Settings) -> int:
     placement = Placement(settings.control_shards, visible_gpus())
-    servers = FrontDoorServers(settings, PeerSecurity.from_settings(settings))
+    security = PeerSecurity.from_settings(settings)
+    servers = FrontDoorServers(settings, security)
     try:
         port = servers.bind()
     except OSError as e:
@@ -62,7 +63,12 @@ def run_front_door(settings: Settings) -> int:
         return 1
     draining = threading.Event()
     engine = FrontDoorEngine(
-        placement, shards, settings.leader_wait_ms / 1000, (sidecar_id, f"{host}:{port}"), draining
+        placement,
+        shards,
+        settings.leader_wait_ms / 1000,
+        (sidecar_id, f"{host}:{port}"),
+        draining,
+        security.describe(),
     )
     metrics_host = settings.peer_host if settings.peer_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     servers.serve(engine, ShardMetrics(shards.shards, metrics_host))

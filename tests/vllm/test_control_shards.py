@@ -1,0 +1,80 @@
+"""Real vLLM engines on one node sidecar run as control shards (`control_shards: 2`).
+
+Both engines name the node sidecar's one socket; the connector's clients ask its front door which
+shard serves their engine (the scheduler's Publish, each worker's registration and polled pulls).
+The engine ids are picked so that the TP 1 prefill engine and the TP 2 decode engine land on different
+shards: every pull goes between the two shard processes (host-nixl-staged: each decode rank reads its
+half of the heads). The decode engine's output must
+equal what it computes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kv_sidecar.refengine.procs import SidecarProcess
+from kv_sidecar.shards.placement import Placement
+
+from .engine import write_model
+from .harness import VllmEngine, metric, prefill_then_decode, start_all
+from .test_pd import BLOCK, prompt
+
+PLACEMENT = Placement(2)
+PREFILL_ID = next(f"shard-p{i}" for i in range(100) if PLACEMENT.shard_of(f"shard-p{i}") == 0)
+DECODE_ID = next(f"shard-d{i}" for i in range(100) if PLACEMENT.shard_of(f"shard-d{i}") == 1)
+
+
+@pytest.fixture(scope="module")
+def on_shards(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[VllmEngine, VllmEngine, SidecarProcess]]:
+    model = write_model(str(tmp_path_factory.mktemp("vllm-shards") / "model"))
+    node = SidecarProcess("shards-node", extra=["--control-shards", "2"])
+    P = VllmEngine(
+        "prefill-shard0",
+        {
+            "model": model,
+            "block_size": BLOCK,
+            "connector": {"sidecar_socket": node.socket, "engine_id": PREFILL_ID},
+        },
+    )
+    D = VllmEngine(
+        "decode-shard1",
+        {
+            "model": model,
+            "block_size": BLOCK,
+            "tensor_parallel_size": 2,
+            "prefix_caching": False,  # so that its own run of a prompt is a clean reference
+            "connector": {"sidecar_socket": node.socket, "engine_id": DECODE_ID},
+        },
+    )
+    try:
+        start_all(P, D)
+        yield P, D, node
+    finally:
+        P.stop()
+        D.stop()
+        assert node.stop() == 0, "\n".join(node.stderr_tail)
+
+
+def test_pd_through_a_node_sidecar_of_control_shards_equals_the_decode_engine_alone(
+    on_shards: tuple[VllmEngine, VllmEngine, SidecarProcess],
+) -> None:
+    P, D, node = on_shards
+    prompts = {f"r{n}": prompt(n, seed=80 + n) for n in (9, 64, 200)}
+    want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
+    staged = {"outcome": "ok", "shard": "1", "path": "host-nixl-staged"}
+    before = metric(node.metrics_port, "kvsidecar_pulls_total", **staged)
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
+    # One pull per decode rank per request, each by the decode engine's shard from the prefill
+    # engine's (the decode rank's half of the heads: host-nixl-staged), none failed: equal output
+    # alone would not show it, vLLM computes what a failed pull did not fill.
+    pulls = metric(
+        node.metrics_port, "kvsidecar_pulls_total", outcome="ok", shard="1", path="host-nixl-staged"
+    )
+    assert pulls - before == 2 * len(prompts)
+    assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
+    settled = P.settle(30)
+    assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
