@@ -320,7 +320,10 @@ GROUP_METRIC = "kvsidecar_staged_transfer_reads"
 
 def staged_transfers(metrics_port: int) -> tuple[int, int] | None:
     """(transfers, reads) a sidecar's staged receptions counted so far; None if it has no such metric."""
-    values = {s.name: s.value for s in scrape.samples(metrics_port) if s.name.startswith(GROUP_METRIC)}
+    values: dict[str, float] = {}
+    for s in scrape.samples(metrics_port):  # summed over shards (control_shards: a sample per shard)
+        if s.name.startswith(GROUP_METRIC):
+            values[s.name] = values.get(s.name, 0.0) + s.value
     if GROUP_METRIC + "_count" not in values:
         return None
     return int(values[GROUP_METRIC + "_count"]), int(values[GROUP_METRIC + "_sum"])
