@@ -482,12 +482,7 @@ class SidecarClient:
         """Give a request up. Prefill: free its blocks. Decode: stop its pull; with `params`, the
         prefill side also releases its blocks now (it gets a "released" event)."""
         req = engine_pb2.AbortRequest(engine_id=engine_id, request_id=request_id, params=params)
-        try:
-            conns = self.routes.shards(engine_id, self.timeout_s)
-        except grpc.RpcError as e:
-            raise _error(e, self.target) from None
-        # On a front door, every shard: the engine's pulls run on the shards of their ranks.
-        return any([self._call("Abort", req, conn=c).found for c in conns])
+        return self._call("Abort", req, conn=self._route(engine_id)).found
 
     def status(self, timeout_s: float | None = None) -> status_pb2.StatusResponse:
         """What the sidecar is doing: registered ranks, peers, transfers in flight (`kv-sidecar status`)."""

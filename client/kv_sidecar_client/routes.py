@@ -54,7 +54,6 @@ class Routes:
         self._front: bool | None = None  # None: not known yet; False: home serves every engine
         self._routes: dict[_Key, Conn] = {}
         self._conns: dict[str, Conn] = {}
-        self._shard_targets: list[str] = []
         self._lock = threading.Lock()
 
     @property
@@ -94,7 +93,6 @@ class Routes:
             return self.home
         with self._lock:
             self._front = True
-            self._shard_targets = list(answer.shard_targets) or self._shard_targets
             conn = self._conns.get(answer.engine_target)
             if conn is None:
                 conn = self._conns[answer.engine_target] = self._open(answer.engine_target)
@@ -121,23 +119,6 @@ class Routes:
             conn = next(iter(groups.values()))[0] if groups else self.route(engine_id, None, timeout_s)
             return [(conn, [])]
         return list(groups.values())
-
-    def shards(self, engine_id: str, timeout_s: float) -> list[Conn]:
-        """Every process that may run the engine's calls: the home sidecar, or each shard (an Abort that
-        stops an engine's pulls into ranks on several shards goes to each)."""
-        conn = self.route(engine_id, None, timeout_s)
-        if not self._front:
-            return [conn]
-        with self._lock:
-            targets = list(self._shard_targets)
-        out = []
-        for target in targets:
-            with self._lock:
-                c = self._conns.get(target)
-                if c is None:
-                    c = self._conns[target] = self._open(target)
-            out.append(c)
-        return out or [conn]
 
     def close(self) -> None:
         with self._lock:

@@ -706,7 +706,7 @@ class SidecarScheduler:
                 by_peer[p.sidecar_address].append(p)
             for address, batch in by_peer.items():  # one dead prefill sidecar must not stall the others
                 try:
-                    self.client.keep_alive(batch)
+                    self.client.keep_alive(batch, self.engine_id)
                 except KVSidecarError as e:
                     log.warning(
                         "KVSidecarConnector: keep-alive of %d request(s) at %s failed: %s",

@@ -87,7 +87,7 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
                 f"sidecar runs {len(targets)} control shards and puts an engine on its rank 0's shard "
                 "(register rank 0 too, or name a leader_address of the engine's own)",
             )
-        return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard, shard_targets=targets)
+        return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard)
 
     def Status(
         self, request: status_pb2.StatusRequest, context: grpc.ServicerContext

@@ -21,14 +21,12 @@ class RouteRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_uuid: _Optional[str] = ..., own_leader: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("engine_target", "shard", "shard_targets")
+    __slots__ = ("engine_target", "shard")
     ENGINE_TARGET_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
-    SHARD_TARGETS_FIELD_NUMBER: _ClassVar[int]
     engine_target: str
     shard: int
-    shard_targets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_target: _Optional[str] = ..., shard: _Optional[int] = ..., shard_targets: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, engine_target: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class RegisterRankRequest(_message.Message):
     __slots__ = ("engine_id", "rank", "spec", "tensors", "leader_address")
