@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kv_sidecar import __version__
 from kv_sidecar.config import Settings
+from kv_sidecar.listeners import listen_engine_socket, listen_peer_port
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.shards.children import ShardSet
 from kv_sidecar.shards.metrics import ShardMetrics
@@ -169,16 +170,8 @@ class FrontDoorServers:
     def bind(self) -> int:
         """Listen on the engine socket and the peer port; the peer port (the one given for 0)."""
         s = self._settings
-        os.makedirs(os.path.dirname(os.path.abspath(s.engine_socket)), exist_ok=True)
-        if os.path.exists(s.engine_socket):
-            os.unlink(s.engine_socket)  # a stale socket from a previous run
-        self._engine.add_insecure_port(f"unix:{s.engine_socket}")
-        address = f"{s.peer_host}:{s.peer_port}"
-        creds = self._security.server_credentials()
-        port = self._peer.add_secure_port(address, creds) if creds else self._peer.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot listen on {address}")
-        return port
+        listen_engine_socket(self._engine, s.engine_socket)
+        return listen_peer_port(self._peer, s.peer_host, s.peer_port, self._security)
 
     def serve(self, engine: FrontDoorEngine, metrics: ShardMetrics) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, self._engine)

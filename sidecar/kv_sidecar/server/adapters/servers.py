@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kv_sidecar.config import Settings
+from kv_sidecar.listeners import listen_engine_socket, listen_peer_port
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.drain_gate import drain_gate
 from kv_sidecar.server.adapters.engine_lane import EngineLane
@@ -84,17 +85,8 @@ class Servers:
     def bind(self) -> int:
         """Listen on the engine socket and the peer port; returns the peer port (for port 0, the one given)."""
         s = self._settings
-        sock = s.engine_socket
-        os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
-        if os.path.exists(sock):
-            os.unlink(sock)  # a stale socket from a previous run
-        self._engine.add_insecure_port(f"unix:{sock}")
-        address = f"{s.peer_host}:{s.peer_port}"
-        creds = self._security.server_credentials()
-        port = self._peer.add_secure_port(address, creds) if creds else self._peer.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot listen on {address}")
-        return port
+        listen_engine_socket(self._engine, s.engine_socket)
+        return listen_peer_port(self._peer, s.peer_host, s.peer_port, self._security)
 
     def serve(
         self,
