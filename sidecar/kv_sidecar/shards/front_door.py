@@ -8,7 +8,6 @@ The only module of shards/ that knows gRPC.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -28,8 +27,6 @@ from kv_sidecar.shards.children import ShardSet
 from kv_sidecar.shards.metrics import ShardMetrics
 from kv_sidecar.shards.placement import EngineShards, Placement
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc, status_pb2
-
-log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
