@@ -20,7 +20,6 @@ from kv_sidecar_client.results import (
     PendingBatch,
     PendingPull,
     PullResult,
-    SplitPull,
     WholeBatch,
     batch_failed,
     batch_results,
@@ -414,21 +413,17 @@ class SidecarClient:
         """Start a pull and return at once: poll `done()`, then `result()`. No thread of ours waits on it,
         so an engine loop that holds the GIL is not interrupted to hand the answer over."""
         timeout = timeout_s or self.timeout_s
+        req = pull_request(params, engine_id, block_ids, ranks, start_token, timeout, group)
         try:
-            groups = self.routes.by_shard(engine_id, ranks, timeout)
+            # A worker pulls its own rank: its rank's route (that of the engine's shard, as a rank of an
+            # engine goes whole to one shard, but for one led from another node, placed by its GPU).
+            conn = self.routes.route(engine_id, ranks[0] if ranks else None, timeout)
         except grpc.RpcError as e:  # not even asked where it goes: failed, every block unfilled
             err = _error(e, self.target)
             return EndedPull(
                 PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=list(block_ids))
             )
-        parts = [
-            self._start_pull(
-                conn, pull_request(params, engine_id, block_ids, in_group, start_token, timeout, group)
-            )
-            for conn, in_group in groups
-        ]
-        # Ranks on several shards of a front door: a pull on each, one outcome.
-        return parts[0] if len(parts) == 1 else SplitPull(parts)
+        return self._start_pull(conn, req)
 
     @staticmethod
     def _start_pull(conn: Conn, req: engine_pb2.PullRequest) -> PendingPull:

@@ -154,38 +154,6 @@ class PendingPull(Protocol):
         ...
 
 
-class SplitPull:
-    """A pull into ranks that several processes serve (control shards), as one PendingPull: a pull per
-    process, one outcome. It succeeds when every part does; otherwise it fails with the first failed
-    part's error and names the blocks those parts left unfilled."""
-
-    def __init__(self, parts: Sequence[PendingPull]) -> None:
-        self._parts = list(parts)
-
-    @property
-    def done_at(self) -> float:
-        return max(p.done_at for p in self._parts) if self.done() else 0.0
-
-    def done(self) -> bool:
-        return all(p.done() for p in self._parts)
-
-    def cancel(self) -> None:
-        for p in self._parts:
-            p.cancel()
-
-    def result(self) -> PullResult:
-        results = [p.result() for p in self._parts]
-        failed = [r for r in results if not r.ok]
-        if not failed:
-            return PullResult(
-                True, sum(r.bytes for r in results), max(r.duration_s for r in results), results[0].path
-            )
-        unfilled = sorted({b for r in failed for b in r.unfilled_blocks})
-        return PullResult(
-            False, error_code=failed[0].error_code, error=failed[0].error, unfilled_blocks=unfilled
-        )
-
-
 class EndedPull:
     """A pull that ended before it was sent (its sidecar could not be asked where to send it), as a
     PendingPull: done, with its outcome."""

@@ -11,7 +11,7 @@ A sidecar without shards answers with an empty target, and an older one with UNI
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,27 +98,6 @@ class Routes:
                 conn = self._conns[answer.engine_target] = self._open(answer.engine_target)
             self._routes[key] = conn
         return conn
-
-    def by_shard(
-        self, engine_id: str, ranks: Sequence[int], timeout_s: float
-    ) -> list[tuple[Conn, list[int]]]:
-        """A pull's `ranks` grouped by the process that serves them, in the order given: one group
-        where the sidecar has no shards. No ranks (every rank): the ranks of the engine this client
-        routed, grouped, where they are on several shards; else one group with no ranks, on the
-        process that serves them all (the sidecar, or the engine's one shard)."""
-        asked = list(ranks)
-        mine: list[int] = []
-        if not asked and self._front:
-            with self._lock:
-                mine = sorted(r for (e, r) in self._routes if e == engine_id and r is not None)
-        groups: dict[str, tuple[Conn, list[int]]] = {}
-        for rank in asked or mine:
-            conn = self.route(engine_id, rank, timeout_s)
-            groups.setdefault(conn.target, (conn, []))[1].append(rank)
-        if not asked and len(groups) <= 1:
-            conn = next(iter(groups.values()))[0] if groups else self.route(engine_id, None, timeout_s)
-            return [(conn, [])]
-        return list(groups.values())
 
     def close(self) -> None:
         with self._lock:
