@@ -10,8 +10,7 @@ sessions of their own went unanswered for seconds and their NIXL connections for
 (tests/vllm/test_control_shards.py failed 4 runs in 6, and passed 5 in 5 in the front door's
 session). It also asks for SIGTERM when the front door dies (PR_SET_PDEATHSIG), so that no shard
 outlives its node sidecar (`die_with_front_door`). The kernel sends that signal when the thread that
-started the shard ends: the front door's main thread, or its watch thread for shards started again,
-both of which live as long as the front door serves.
+started the shard ends, so every shard is started on the front door's main thread (`ShardSet`).
 """
 
 from __future__ import annotations
@@ -174,14 +173,19 @@ class Shard:
 
 
 class ShardSet:
-    """Every shard: started together, watched, restarted when one dies; stopped by `stop`."""
+    """Every shard: started together, tended (a dead one started again), stopped by `stop`.
+
+    `start` and `tend` run on the front door's main thread, which lives as long as the front door:
+    the kernel sends a shard its parent-death signal when the thread that started it ends, so a shard
+    started again by a helper thread would get SIGTERM when that thread ended (at the front door's own
+    stop, a second signal that cuts the shard's drain short)."""
 
     def __init__(self, settings: Settings, on_change: Callable[[], None] = lambda: None) -> None:
         self.shards = [Shard(k, settings) for k in range(settings.control_shards)]
         self._drain_s = settings.drain_timeout_s
         self._on_change = on_change
-        self._stopping = threading.Event()
-        self._watch: threading.Thread | None = None
+        self._due: dict[int, float] = {}  # shard index -> when to start it again
+        self._backoff = {s.index: RESTART_BACKOFF_S[0] for s in self.shards}
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start every shard at once (NIXL's start-up dominates); ShardError, none left, if one fails."""
@@ -194,8 +198,7 @@ class ShardSet:
                 errors.append(e)
 
         for shard in self.shards:
-            shard.spawn()  # on this thread, the front door's main thread
-
+            shard.spawn()
         threads = [threading.Thread(target=one, args=(s,)) for s in self.shards]
         for t in threads:
             t.start()
@@ -204,47 +207,53 @@ class ShardSet:
         if errors:
             self.stop()
             raise errors[0]
-        self._watch = threading.Thread(target=self._watch_loop, daemon=True, name="shard-watch")
-        self._watch.start()
 
     @property
     def all_up(self) -> bool:
         return all(s.info is not None for s in self.shards)
 
-    def _watch_loop(self) -> None:
-        waits = {s.index: RESTART_BACKOFF_S[0] for s in self.shards}
-        while not self._stopping.wait(0.1):
-            for shard in self.shards:
-                proc = shard.proc
-                if proc is None or proc.poll() is None:
-                    continue
-                if shard.info is not None:
-                    log.error(
-                        "shard %d (pid %d) exited with %s: starting it again in %.1f s; its engines "
-                        "register again (their sessions reconnect), pulls it held failed",
-                        shard.index,
-                        proc.pid,
-                        proc.returncode,
-                        waits[shard.index],
-                    )
-                    shard.info = None
-                    self._on_change()
-                if self._stopping.wait(waits[shard.index]):
-                    return
-                waits[shard.index] = min(RESTART_BACKOFF_S[1], waits[shard.index] * 2)
-                try:
-                    shard.start(timeout_s=300.0)
-                except ShardError as e:
-                    log.error("%s", e)
-                    continue
-                shard.restarts += 1
-                waits[shard.index] = RESTART_BACKOFF_S[0]
-                info = shard.info
-                if info is not None:
-                    log.info(
-                        "shard %d started again: pid %d, peer %s", shard.index, info.pid, info.peer_address
-                    )
+    def tend(self) -> None:
+        """Note a shard that died and start it again once its wait is over (0.5 s, doubling up to 10 s
+        while it fails to start); its ready line is awaited on a thread of its own. Called every ~0.1 s
+        on the thread that ran `start`."""
+        now = time.monotonic()
+        for shard in self.shards:
+            proc = shard.proc
+            if proc is None or proc.poll() is None:
+                continue  # running, or starting
+            index = shard.index
+            if shard.info is not None:
+                log.error(
+                    "shard %d (pid %d) exited with %s: starting it again in %.1f s; its engines "
+                    "register again (their sessions reconnect), pulls it held failed",
+                    index,
+                    proc.pid,
+                    proc.returncode,
+                    self._backoff[index],
+                )
+                shard.info = None
                 self._on_change()
+                self._due[index] = now + self._backoff[index]
+            elif index not in self._due:  # a start again that failed: wait longer
+                self._backoff[index] = min(RESTART_BACKOFF_S[1], self._backoff[index] * 2)
+                self._due[index] = now + self._backoff[index]
+            if now >= self._due[index]:
+                del self._due[index]
+                shard.spawn()
+                threading.Thread(target=self._ready_again, args=(shard,), daemon=True).start()
+
+    def _ready_again(self, shard: Shard) -> None:
+        try:
+            shard.wait_ready(timeout_s=300.0)
+        except ShardError as e:
+            log.error("%s", e)
+            return
+        shard.restarts += 1
+        self._backoff[shard.index] = RESTART_BACKOFF_S[0]
+        info = shard.info
+        if info is not None:
+            log.info("shard %d started again: pid %d, peer %s", shard.index, info.pid, info.peer_address)
+        self._on_change()
 
     def cut_short(self) -> None:
         """A second signal: the shards skip the rest of their drains. Called from a signal handler, so
@@ -254,9 +263,6 @@ class ShardSet:
 
     def stop(self) -> list[int | None]:
         """SIGTERM each (each drains, up to drain_timeout_s) and wait; the exit codes (killed: None)."""
-        self._stopping.set()
-        if self._watch is not None:
-            self._watch.join()
         for shard in self.shards:
             shard.signal(signal.SIGTERM)
         codes: list[int | None] = []

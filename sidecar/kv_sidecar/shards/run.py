@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 
 from kv_sidecar.commands.signals import ShutdownSignals
 from kv_sidecar.config import Settings
@@ -54,14 +55,17 @@ def run_front_door(settings: Settings) -> int:
     host = advertised_host(settings.advertise_address) or (
         settings.peer_host if settings.peer_host not in ("0.0.0.0", "::", "") else socket.gethostname()
     )
-    shards = ShardSet(settings, on_change=lambda: servers.set_serving(shards.all_up))
+    draining = threading.Event()
+    # SERVING while every shard is up, and never again once draining (a shard started again late).
+    shards = ShardSet(
+        settings, on_change=lambda: servers.set_serving(shards.all_up and not draining.is_set())
+    )
     try:
         shards.start()
     except ShardError as e:
         log.error("could not start: %s", e)
         servers.stop()
         return 1
-    draining = threading.Event()
     engine = FrontDoorEngine(
         placement,
         shards,
@@ -87,7 +91,9 @@ def run_front_door(settings: Settings) -> int:
         f"metrics_port={servers.metrics_port} shards={len(shards.shards)}",
         flush=True,
     )
-    signals.wait()
+    while not signals.count:  # the handler only counts (commands/signals.py)
+        shards.tend()
+        time.sleep(0.1)
     draining.set()
     servers.set_serving(False)
     codes = shards.stop()
