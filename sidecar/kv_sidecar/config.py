@@ -19,6 +19,7 @@ class Settings:
     peer_host: str = "0.0.0.0"
     peer_port: int = 50061
     metrics_port: int = 9464
+    metrics_host: str = ""  # default: peer_host
     advertise_address: str = ""  # host:port peers dial; default <hostname>:<peer_port>
     staging_bytes: int = 256 << 20
     gpu_staging_bytes: int = 640 << 20
@@ -63,6 +64,8 @@ class Settings:
         "peer_host": "address the peer API listens on",
         "peer_port": "TCP port of the peer API (0 picks a free port)",
         "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
+        "metrics_host": "address the /metrics endpoint listens on (empty: peer_host); a front door of "
+        "control_shards gives its shards 127.0.0.1, where only it reads them",
         "advertise_address": "host or host:port other sidecars use to reach this one (bare host: the peer port is added)",
         "staging_bytes": "bytes of sidecar-owned host staging memory for layout/TP conversions",
         "gpu_staging_bytes": "bytes of GPU staging memory per GPU for cross-sidecar transfers "

@@ -83,6 +83,7 @@ def test_a_shard_gets_its_own_socket_ports_and_id_and_everything_else_as_given()
     v = shard_settings(s, 2)
     assert v["engine_socket"] == "/run/kv/engine.sock.shard2"
     assert (v["peer_port"], v["metrics_port"], v["control_shards"]) == (50064, 0, 1)
+    assert v["metrics_host"] == "127.0.0.1", "a shard's metrics are for its front door alone"
     assert (v["advertise_address"], v["sidecar_id"]) == ("10.0.0.7", "node-a-shard2")
     assert v["staged_workers"] is True and v["lease_ms"] == s.lease_ms
     argv = serve_argv(v)

@@ -33,6 +33,7 @@ from kv_sidecar.config import Settings
 log = logging.getLogger(__name__)
 
 SHARD_SUFFIX = ".shard"
+SHARD_METRICS_HOST = "127.0.0.1"  # a shard's /metrics: read by its front door alone
 PARENT_ENV = "KVS_SHARD_FRONT_DOOR_PID"  # set for a shard: its front door's pid
 _READY = re.compile(r"^kv-sidecar ready id=(\S+) .*peer=(\S+) metrics_port=(-?\d+)")
 _PR_SET_PDEATHSIG = 1
@@ -59,6 +60,7 @@ def shard_settings(settings: Settings, index: int) -> dict[str, object]:
         engine_socket=shard_socket(settings.engine_socket, index),
         peer_port=settings.peer_port + 1 + index if settings.peer_port else 0,
         metrics_port=0 if settings.metrics_port >= 0 else -1,  # the front door serves them merged
+        metrics_host=SHARD_METRICS_HOST,
         advertise_address=advertised_host(settings.advertise_address),
         sidecar_id=f"{settings.sidecar_id}-shard{index}" if settings.sidecar_id else "",
         control_shards=1,

@@ -17,7 +17,7 @@ import time
 from kv_sidecar.commands.signals import ShutdownSignals
 from kv_sidecar.config import Settings
 from kv_sidecar.security import PeerSecurity
-from kv_sidecar.shards.children import ShardError, ShardSet, advertised_host
+from kv_sidecar.shards.children import SHARD_METRICS_HOST, ShardError, ShardSet, advertised_host
 from kv_sidecar.shards.front_door import FrontDoorEngine, FrontDoorServers
 from kv_sidecar.shards.metrics import ShardMetrics
 from kv_sidecar.shards.placement import Placement
@@ -74,8 +74,7 @@ def run_front_door(settings: Settings) -> int:
         draining,
         security.describe(),
     )
-    metrics_host = settings.peer_host if settings.peer_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    servers.serve(engine, ShardMetrics(shards.shards, metrics_host))
+    servers.serve(engine, ShardMetrics(shards.shards, SHARD_METRICS_HOST))
     servers.set_serving(True)
     signals = ShutdownSignals(on_again=shards.cut_short)
     signals.install()

@@ -105,7 +105,7 @@ class Servers:
             self._start_lane(lane)
         if s.metrics_port >= 0:
             self._http, _ = start_http_server(
-                s.metrics_port, addr=s.peer_host or "0.0.0.0", registry=registry
+                s.metrics_port, addr=s.metrics_host or s.peer_host or "0.0.0.0", registry=registry
             )
             self.metrics_port = self._http.server_port
         self.set_serving(True)
