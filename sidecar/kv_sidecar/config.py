@@ -168,7 +168,7 @@ class Settings:
         "shard's metrics, labelled shard). A rank goes to the shard of its GPU (the visible GPUs split into "
         "contiguous groups), a host rank by its engine id; an engine spread over shards is led by its rank "
         "0's. Pulls between engines on one shard stay gpu-direct/host-direct; between shards they are "
-        "staged. One process serves ~5,000 pulls/s at most: shards let a node past that "
+        "staged. One process serves 3,000-6,000 pulls/s of 2 MiB at most (a core): shards let a node past that "
         '(docs/operations.md, "Control shards"). 1: one process',
     }
 
