@@ -8,7 +8,7 @@ A shard that does not answer in time is left out of that scrape, and `kvsidecar_
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,11 +20,10 @@ SCRAPE_TIMEOUT_S = 2.0
 
 
 class ShardMetrics(Collector):
-    def __init__(self, shards: list[Shard], host: str, read: Callable[[str], str] | None = None) -> None:
+    def __init__(self, shards: list[Shard], host: str) -> None:
         """`host`: where the shards' metrics listen, seen from here."""
         self._shards = shards
         self._host = host
-        self._read = read or _read_url
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
@@ -41,7 +40,7 @@ class ShardMetrics(Collector):
             text = None
             if info is not None and info.metrics_port > 0:
                 try:
-                    text = self._read(f"http://{self._host}:{info.metrics_port}/metrics")
+                    text = _read_url(f"http://{self._host}:{info.metrics_port}/metrics")
                 except OSError:
                     text = None
             up.add_metric([label], 1.0 if text is not None else 0.0)

@@ -7,6 +7,7 @@ their drains). Exit 0 when every shard exited 0.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -31,8 +32,6 @@ def visible_gpus() -> tuple[str, ...]:
     from kv_sidecar_client.cuda_ipc import CudaIpcError, cuda_driver, device_uuid
 
     try:
-        import ctypes
-
         lib = cuda_driver()
         count = ctypes.c_int()
         if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
