@@ -271,7 +271,7 @@ class SidecarClient:
         self.timeout_s = timeout_s
         options = list(channel_options)
         home = Conn.open(target, options, lane)
-        self._channel, self._stub, self.lane = home.channel, home.stub, home.lane
+        self.lane = home.lane
         # Where the sidecar given runs control shards, each engine's calls go to its shard (routes.py).
         self.routes = Routes(home, lambda shard: Conn.open(shard, options, lane))
 
@@ -279,9 +279,17 @@ class SidecarClient:
         self.routes.close()
         self.routes.home.close()
 
-    def _route(self, engine_id: str, rank: int | None = None, timeout_s: float | None = None) -> Conn:
+    def _route(
+        self,
+        engine_id: str,
+        rank: int | None = None,
+        timeout_s: float | None = None,
+        device_uuid: str = "",
+        own_leader: bool = False,
+    ) -> Conn:
+        """The connection that serves `engine_id`'s `rank` (routes.py); KVSidecarError as a call's."""
         try:
-            return self.routes.route(engine_id, rank, timeout_s or self.timeout_s)
+            return self.routes.route(engine_id, rank, timeout_s or self.timeout_s, device_uuid, own_leader)
         except grpc.RpcError as e:
             raise _error(e, self.target) from None
 
@@ -299,7 +307,7 @@ class SidecarClient:
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the sidecar's socket accepts connections."""
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            grpc.channel_ready_future(self.routes.home.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             raise KVSidecarError("UNAVAILABLE", f"sidecar at {self.target} is not reachable") from None
 
@@ -327,10 +335,7 @@ class SidecarClient:
         GPU)."""
         tensors = list(tensors)
         device = next((t.cuda_ipc.device_uuid for t in tensors if t.HasField("cuda_ipc")), "")
-        try:
-            conn = self.routes.route(engine_id, rank, self.timeout_s, device, bool(leader_address))
-        except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+        conn = self._route(engine_id, rank, None, device, bool(leader_address))
         req = engine_pb2.RegisterRankRequest(
             engine_id=engine_id,
             rank=rank,
@@ -417,11 +422,10 @@ class SidecarClient:
         try:
             # A worker pulls its own rank: its rank's route (that of the engine's shard, as a rank of an
             # engine goes whole to one shard, but for one led from another node, placed by its GPU).
-            conn = self.routes.route(engine_id, ranks[0] if ranks else None, timeout)
-        except grpc.RpcError as e:  # not even asked where it goes: failed, every block unfilled
-            err = _error(e, self.target)
+            conn = self._route(engine_id, ranks[0] if ranks else None, timeout)
+        except KVSidecarError as e:  # not even asked where it goes: failed, every block unfilled
             return EndedPull(
-                PullResult(False, error_code=err.code, error=err.message, unfilled_blocks=list(block_ids))
+                PullResult(False, error_code=e.code, error=e.message, unfilled_blocks=list(block_ids))
             )
         return self._start_pull(conn, req)
 
@@ -452,12 +456,9 @@ class SidecarClient:
         timeout = timeout_s or self.timeout_s
         ranks = next((m.ranks for m in pulls if m.ranks), ())
         try:
-            conn = self.routes.route(engine_id, ranks[0] if ranks else None, timeout)
-        except grpc.RpcError as e:  # not even asked where it goes: every member failed
-            err = _error(e, self.target)
-            return [
-                EndedPull(r) for r in batch_failed(err.code, err.message, [list(m.block_ids) for m in pulls])
-            ]
+            conn = self._route(engine_id, ranks[0] if ranks else None, timeout)
+        except KVSidecarError as e:  # not even asked where it goes: every member failed
+            return [EndedPull(r) for r in batch_failed(e.code, e.message, [list(m.block_ids) for m in pulls])]
 
         def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
             return BatchCall(

@@ -107,11 +107,10 @@ class SidecarWorker:
         self.session.register_rank(
             self.engine_id, self.rank, desc.spec, handles, leader_address=self.config.leader_address
         )
-        shard = self.session.client.engine_target(self.engine_id, self.rank)
         if self._polled is not None and self.session.client.routes.sharded:
             # A front door of control shards: this rank's pulls go to its shard, as its registration did.
             self._polled.close()
-            self._polled = PolledPulls(shard)
+            self._polled = PolledPulls(self.session.client.engine_target(self.engine_id, self.rank))
         log.info(
             "KVSidecarConnector: engine %s rank %d registered with kv-sidecar at %s: %s",
             self.engine_id,

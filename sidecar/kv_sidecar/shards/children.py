@@ -116,11 +116,6 @@ class Shard:
         self.info: ShardInfo | None = None  # None while down
         self.restarts = 0
 
-    def start(self, timeout_s: float) -> None:
-        """Start it and wait for its ready line; ShardError (and nothing left running) if none comes."""
-        self.spawn()
-        self.wait_ready(timeout_s)
-
     def spawn(self) -> None:
         """Start the process. On a thread that lives as long as the shard should: the kernel sends the
         parent-death signal when the thread that started a child ends, not only its process."""
@@ -133,6 +128,7 @@ class Shard:
         )
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Wait for its ready line; ShardError (and nothing left running) if none comes."""
         proc = self.proc
         assert proc is not None
         lines: list[str] = []
