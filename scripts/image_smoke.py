@@ -28,7 +28,13 @@ socket directory and /dev/shm. Checked, each failing loudly:
      sidecar reports NOT_SERVING, refuses new work as draining, lets the pull finish once the prefill
      side runs again, removes its sockets and exits 0; the prefill sidecar then stops with 0 too;
   7. neither sidecar wrote into the image's root file system outside its volumes (the manifest runs
-     it read-only).
+     it read-only);
+  8. a third container runs the node sidecar as control shards (SHARD_OVERRIDES: `control_shards: 2`,
+     docs/operations.md, "Control shards"): its startup probe passes once both shards serve, each
+     shard runs as the container's user, engines that know only the front door's socket pull from
+     each other within a shard (host-direct) and across the shards (host-nixl), every byte
+     compared; the front door's /metrics carries both shards' series; SIGTERM drains the shards,
+     the front door exits 0 and no process of the container is left.
 
 Run as root with the project's venv: `.venv/bin/python scripts/image_smoke.py [IMAGE]`.
 """
@@ -63,6 +69,9 @@ CONTAINER = "kv-sidecar"
 POD_IP = "127.0.0.1"
 # The settings the smoke test changes, because its two pods share one network namespace.
 PORT_OVERRIDES = ("KV_SIDECAR_PEER_HOST", "KV_SIDECAR_PEER_PORT", "KV_SIDECAR_METRICS_PORT")
+# What the third pod (check 8) sets on top: the manifest's sidecar run as control shards.
+SHARDS = 2
+SHARD_OVERRIDES = {"KV_SIDECAR_CONTROL_SHARDS": str(SHARDS)}
 
 
 @dataclass(frozen=True)
@@ -233,12 +242,14 @@ def status_fields(pid: int) -> dict[str, str]:
 class Pod:
     """One kv-sidecar container (a buildah working container of the image)."""
 
-    def __init__(self, name: str, image: str, plan: PodPlan, work: Path) -> None:
+    def __init__(
+        self, name: str, image: str, plan: PodPlan, work: Path, more_env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.plan = name, plan
         self.dir = work / name
         self.dir.mkdir()
         self.peer_port, self.metrics_port = free_port(), free_port()
-        self.env = smoke_env(plan, self.peer_port, self.metrics_port)
+        self.env = smoke_env(plan, self.peer_port, self.metrics_port) | (more_env or {})
         self.volumes = host_volumes(plan, self.dir)
         (sock_dir,) = [h for h, c, _ in self.volumes if c == os.path.dirname(self.setting("engine_socket"))]
         self.socket = os.path.join(sock_dir, os.path.basename(self.setting("engine_socket")))
@@ -282,7 +293,8 @@ class Pod:
         raise Failed(f"{self.name}: startup probe failed {p.failure_threshold} times:\n{self.tail()}")
 
     def find_pid(self) -> int:
-        """The kv-sidecar process: the descendant of `buildah run` that runs the manifest's argv."""
+        """The kv-sidecar process: the descendant of `buildah run` that runs the manifest's argv (with
+        control shards, the front door: the shards it starts run `serve` too, below it)."""
         assert self.proc is not None
         todo, found = [self.proc.pid], []
         while todo:
@@ -291,6 +303,7 @@ class Pod:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
                 if "serve" in argv and not any("buildah" in a for a in argv[:1]):
                     found.append(pid)
+                    continue
             todo += children(pid)
         if len(found) != 1:
             raise Failed(f"{self.name}: expected one kv-sidecar process under buildah run, found {found}")
@@ -514,9 +527,9 @@ def smoke(image: str) -> None:
             assert r1["path"] == "host-nixl", r1["path"]
             r2 = transfer("smoke-staged", decode2, 100, [11, 30, 4, 25, 8, 44, 2], [20, 6, 13, 31])
             assert r2["path"] == "host-nixl-staged", r2["path"]
-            for rid, r in (("smoke-same", r1), ("smoke-staged", r2)):
+            for rid, done in (("smoke-same", r1), ("smoke-staged", r2)):
                 print(
-                    f"      {rid}: {r['path']}, {r['bytes']} bytes in {r['duration_s'] * 1e3:.2f} ms, verified"
+                    f"      {rid}: {done['path']}, {done['bytes']} bytes in {done['duration_s'] * 1e3:.2f} ms, verified"
                 )
 
         with check("/metrics scraped from both containers"):
@@ -623,6 +636,10 @@ def smoke(image: str) -> None:
             for pod in pods:
                 written = pod.rootfs_writes()
                 assert not written, f"{pod.name} wrote {written[:20]}"
+
+        node = Pod("node", image, plan, work, SHARD_OVERRIDES)
+        pods.append(node)
+        shards_check(node, plan, pspec, engines, check)
     except Exception:
         if not checks.failed:
             raise
@@ -642,6 +659,69 @@ def smoke(image: str) -> None:
         print(f"image smoke test FAILED: {', '.join(checks.failed)}", flush=True)
         sys.exit(1)
     print(f"image smoke test passed: {image}", flush=True)
+
+
+def shards_check(node: Pod, plan: PodPlan, spec: Any, engines: list[Any], check: Any) -> None:
+    """Check 8: the node sidecar as control shards, in a container of its own."""
+    from kv_sidecar.shards.children import shard_socket
+    from kv_sidecar.shards.placement import Placement
+
+    with check(f"a container running {SHARDS} control shards passes its startup probe"):
+        node.start()
+        took = node.wait_started()
+        shard_pids = descendants(node.pid)
+        shard_pids = [p for p in shard_pids if "serve" in Path(f"/proc/{p}/cmdline").read_bytes().decode()]
+        assert len(shard_pids) == SHARDS, f"shard processes under the front door: {shard_pids}"
+        for pid in shard_pids:
+            st = status_fields(pid)
+            assert set(st["Uid"].split()) == {str(plan.uid)} and int(st["CapEff"], 16) == 0, st["Uid"]
+        socks = [shard_socket(node.socket, k) for k in range(SHARDS)]
+        assert all(os.path.exists(s) for s in socks), socks
+        print(f"      started in {took:.1f} s: front door {node.pid}, shards {shard_pids}")
+
+    # Host engines go to a shard by their engine id: two on shard 0, one on shard 1.
+    place = Placement(SHARDS)
+    names = (f"node-e{i}" for i in range(1000))
+    on0 = [n for n in names if place.shard_of(n) == 0][:2]
+    on1 = next(n for n in (f"node-f{i}" for i in range(1000)) if place.shard_of(n) == 1)
+    with check("engines that know only the front door pull within a shard and across shards, verified"):
+        from kv_sidecar.refengine.procs import together
+
+        prefill, near, far = together(*(lambda n=n: node.engine(n, spec) for n in (*on0, on1)))
+        engines.extend((prefill, near, far))
+        for rid, dst, path in (("shards-near", near, "host-direct"), ("shards-far", far, "host-nixl")):
+            pub = prefill.send(
+                {"cmd": "prefill", "request_id": rid, "block_ids": [3, 9, 27], "num_tokens": 40, "seed": 5}
+            )
+            assert pub["ok"], pub
+            res = dst.send({"cmd": "pull", "params": pub["params"], "block_ids": [8, 1, 30], "seed": 5})
+            assert res["ok"] and res["verified"], f"{rid}: {res}"
+            assert res["path"] == path, f"{rid}: {res['path']}"
+            print(f"      {rid}: {res['path']}, {res['bytes']} bytes, verified")
+
+    with check("the front door's /metrics carries both shards"):
+        text = (
+            urllib.request.urlopen(f"http://{POD_IP}:{node.metrics_port}/metrics", timeout=5).read().decode()
+        )
+        for k in range(SHARDS):
+            assert f'kvsidecar_shard_up{{shard="{k}"}} 1.0' in text, f"shard {k} not up"
+        pulls = re.findall(r'^kvsidecar_pulls_total\{[^}]*shard="(\d+)"[^}]*\} (\S+)$', text, re.MULTILINE)
+        assert sum(float(v) for _, v in pulls) >= 2, pulls
+
+    with check("SIGTERM: the shards drain, the front door exits 0, no process of the container is left"):
+        for e in engines:
+            e.stop()
+        engines.clear()
+        below = descendants(node.pid)
+        node.signal(signal.SIGTERM)
+        code = node.wait_exit(float(node.setting("drain_timeout_s")) + 10)
+        assert code == 0, f"exit code {code}:\n{node.tail()}"
+        left = [p for p in below if Path(f"/proc/{p}").exists()]
+        assert not left, f"still running: {left}"
+        socks = [node.socket, *(shard_socket(node.socket, k) for k in range(SHARDS))]
+        assert not any(os.path.exists(s) for s in socks), socks
+        written = node.rootfs_writes()
+        assert not written, f"wrote {written[:20]}"
 
 
 def main() -> None:

@@ -131,6 +131,9 @@ def test_the_smoke_overrides_only_the_ports_it_must(
     # Each override names a key of config.yaml: the rest of the file is used as it is.
     for name in smoke.PORT_OVERRIDES:
         assert name.removeprefix("KV_SIDECAR_").lower() in config
+    # The third pod (check 8) only runs the same sidecar as control shards, a key the file leaves at 1.
+    assert list(smoke.SHARD_OVERRIDES) == ["KV_SIDECAR_CONTROL_SHARDS"]
+    assert config["control_shards"] == 1 and int(smoke.SHARD_OVERRIDES["KV_SIDECAR_CONTROL_SHARDS"]) > 1
 
 
 def test_the_smoke_mounts_every_volume_of_the_manifest(

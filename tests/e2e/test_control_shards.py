@@ -223,3 +223,69 @@ def test_shards_end_with_a_front_door_killed(spawn: Spawn) -> None:
     door.kill()
     wait_for("the shards to end", lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 30)
     assert not any(os.path.exists(shard_socket(door.socket, k)) for k in range(SHARDS))
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (a child is listed under the thread that started it)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = {int(c) for c in f.read().split()} - found
+                    found |= kids
+                    todo += kids
+    return found
+
+
+def test_shards_with_device_workers_copy_exactly_and_leave_no_process_behind(spawn: Spawn) -> None:
+    """`device_workers` with shards: each shard starts a worker of its own for its local copies, and a
+    pull within a shard goes through it byte-exact, a pull across shards over NIXL beside it. SIGKILL
+    of the front door (no drain) ends the shards, and with each shard its worker: nothing of the node
+    sidecar outlives its main process, as a container's restart expects."""
+    door = spawn(
+        SidecarProcess("door-workers", extra=["--control-shards", str(SHARDS), "--device-workers", "true"])
+    )
+    spec = EngineSpec.from_dict(spec_dict())
+    taken: set[str] = set()
+    p, near, far = engine_on(0, "w-p", taken), engine_on(0, "w-d", taken), engine_on(1, "w-f", taken)
+    prefill, decode, remote = spawn.together(
+        lambda: EngineProcess(door.socket, p, spec),
+        lambda: EngineProcess(door.socket, near, spec),
+        lambda: EngineProcess(door.socket, far, spec),
+    )
+    res = prefill_and_pull(prefill, decode, "first", seed=1)  # runs in the shard, starts its worker
+    assert res["ok"] and res["verified"] and res["path"] == "host-direct", res
+
+    def shard0_worker() -> list[int]:
+        with SidecarClient(door.socket, lane=False) as client:
+            shard = client.status().shards[0]
+        return [w.pid for w in shard.workers if w.pid and not w.starting and w.local_copies]
+
+    wait_for("shard 0's host worker, answering", lambda: len(shard0_worker()) == 1)
+    worker = shard0_worker()[0]
+    assert worker in _descendants(_shard_pid(door, 0))
+    for i, engine in enumerate((decode, remote, decode)):
+        res = prefill_and_pull(prefill, engine, f"r{i}", seed=10 + i)
+        assert res["ok"] and res["verified"], res  # every byte, and nothing outside the blocks
+        assert res["path"] == ("host-direct" if engine is decode else "host-nixl"), res
+
+    below = _descendants(door.proc.pid)
+    assert worker in below and len(below) >= SHARDS + 1, below
+    door.kill()
+    wait_for(
+        "every shard and worker to end",
+        lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in below),
+        30,
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie that waits for a parent to reap it (init reaps orphans at its pace)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
