@@ -23,11 +23,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec
-from kv_sidecar.refengine.layout_io import fill_request, logical_kv
+from kv_sidecar.refengine.layout_io import check_request, fill_request, logical_kv
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.shards.children import shard_socket
 from kv_sidecar.shards.placement import Placement
-from kv_sidecar_client import Backoff, EngineSession, Event, SidecarClient, params_to_json
+from kv_sidecar_client import (
+    Backoff,
+    EngineSession,
+    Event,
+    PullResult,
+    SidecarClient,
+    params_from_json,
+    params_to_json,
+)
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kv_sidecar_client.lane import LANE_SUFFIX
 from kv_sidecar_client.shm import ShmKVCache
@@ -214,6 +222,63 @@ def test_a_killed_shard_is_started_again_and_its_engines_come_back(
         assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
     text = _metrics(node)
     assert 'kvsidecar_shard_restarts{shard="1"} 1.0' in text and 'kvsidecar_shard_up{shard="1"} 1.0' in text
+
+
+def test_a_pull_in_flight_on_a_killed_shard_fails_clearly_and_loses_nothing(spawn: Spawn) -> None:
+    """The decode engine's shard is SIGKILLed while its pull waits for the prefill's shard (frozen by
+    SIGSTOP): the pull fails UNAVAILABLE with every block named unfilled, the prefill's shard and the
+    front door stay up, and the request is not lost: once the shard is back and the engine's session
+    has registered again, the same params pull every byte."""
+    door = spawn(SidecarProcess("door-kill", extra=["--control-shards", str(SHARDS)]))
+    spec = EngineSpec.from_dict(spec_dict())
+    taken: set[str] = set()
+    p, d = engine_on(1, "x-p", taken), engine_on(0, "x-d", taken)
+    prefill = spawn(EngineProcess(door.socket, p, spec))
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "held", "block_ids": [1, 2, 3], "num_tokens": 40, "seed": 21}
+    )
+    assert pub["ok"], pub
+    params = params_from_json(pub["params"])
+    reconnected = threading.Event()
+
+    def on_event(engine_id: str, rank: int, ev: Event) -> None:
+        if ev.kind == "reconnected":
+            reconnected.set()
+
+    with (
+        ShmKVCache(spec.rank_tensor_shapes(), torch.float16) as cache,
+        EngineSession(door.socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
+    ):
+        session.register_rank(d, 0, spec.to_dict(), cache.handles())
+        box: list[PullResult] = []
+        source = _shard_pid(door, 1)
+        os.kill(source, signal.SIGSTOP)  # the prefill's shard answers nothing: the pull stays in flight
+        try:
+            pulling = threading.Thread(
+                target=lambda: box.append(session.client.pull(params, d, [9, 4, 6], timeout_s=60)),
+                daemon=True,
+            )
+            pulling.start()
+
+            def in_flight() -> bool:
+                with SidecarClient(door.socket, lane=False) as client:
+                    return any(x.request_id == "held" for x in client.status().shards[0].inflight)
+
+            wait_for("the pull to be in flight on shard 0", in_flight)
+            os.kill(_shard_pid(door, 0), signal.SIGKILL)
+            pulling.join(30)
+        finally:
+            os.kill(source, signal.SIGCONT)
+        assert box, "the pull never returned"
+        (res,) = box
+        assert not res.ok and res.error_code == "UNAVAILABLE", res
+        assert sorted(res.unfilled_blocks) == [4, 6, 9], res
+        assert door.alive and _shard_pid(door, 1) == source, "the front door and the other shard stay up"
+
+        assert reconnected.wait(60), f"no re-registration; last error {session.last_error}"
+        again = session.client.pull(params, d, [9, 4, 6], timeout_s=30)
+        assert again.ok, again
+        assert check_request(spec, 0, cache.tensors, [9, 4, 6], logical_kv(spec, 40, seed=21)) == []
 
 
 def test_shards_end_with_a_front_door_killed(spawn: Spawn) -> None:
