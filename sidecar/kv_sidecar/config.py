@@ -56,6 +56,7 @@ class Settings:
     log_format: str = "text"
     transfer_log: str = "failed"
     control_shards: int = 1
+    control_shard_gpus: str = ""  # default: contiguous groups
 
     HELP = {
         "engine_socket": "unix socket path of the engine API",
@@ -166,9 +167,13 @@ class Settings:
         "interpreter, NIXL agent, engine socket (<engine_socket>.shard<K>) and peer port (peer_port+1+K; "
         "free ports for 0), behind a front door on engine_socket, peer_port (health) and metrics_port (every "
         "shard's metrics, labelled shard). An engine goes whole to one shard: that of its rank 0's GPU (the "
-        "visible GPUs split into contiguous groups), a host engine by its engine id. Pulls between engines on "
+        "visible GPUs split into contiguous groups, or as control_shard_gpus says), a host engine by its engine id. Pulls between engines on "
         "one shard stay gpu-direct/host-direct; between shards they are staged. One process serves 3,000-6,000 pulls/s of 2 MiB at most (a core): shards let a node past that "
         '(docs/operations.md, "Control shards"). 1: one process',
+        "control_shard_gpus": "with control_shards: each shard's GPUs, by ordinal as this sidecar sees them, "
+        "groups separated by ';' and GPUs by ',' (e.g. '0,4;1,5;2,6;3,7': each prefill GPU on a shard with "
+        "the decode GPU it feeds, so that their pulls stay gpu-direct). One group per shard, every GPU in "
+        "one. Empty: the GPUs in order, split into contiguous groups",
     }
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
@@ -201,6 +206,13 @@ class Settings:
         for name, least in self.MINIMA.items():
             if getattr(self, name) < least:
                 raise ConfigError(f"{name} must be at least {least}, got {getattr(self, name)}")
+        if self.control_shard_gpus.strip():
+            from kv_sidecar.shards.placement import gpu_groups
+
+            try:  # which GPUs there are is known only where it runs (shards/run.py checks that)
+                gpu_groups(self.control_shard_gpus, self.control_shards)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 class ConfigError(ValueError):

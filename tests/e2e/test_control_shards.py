@@ -16,6 +16,7 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -354,3 +355,34 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_front_door_whose_gpu_groups_name_gpus_it_does_not_see_refuses_to_start(tmp_path: Path) -> None:
+    """`control_shard_gpus` names GPUs by ordinal: one this node does not see (here none) is a mistake the
+    operator hears of at start-up, with no shard started and no socket left, not an engine without a
+    shard later."""
+    sock = tmp_path / "door.sock"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kv_sidecar",
+            "serve",
+            "--engine-socket",
+            str(sock),
+            "--peer-port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--control-shards",
+            "2",
+            "--control-shard-gpus",
+            "0;1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out
+    assert "control_shard_gpus names GPU 0, but this node sees 0 GPU(s)" in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir()), "no socket, no shard"

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import threading
 import time
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_sidecar.config import load_settings
+from kv_sidecar.config import ConfigError, load_settings
 from kv_sidecar.shards.children import advertised_host, serve_argv, shard_settings
-from kv_sidecar.shards.placement import EngineShards, Placement
+from kv_sidecar.shards.placement import EngineShards, Placement, gpu_groups
 
 GPUS = tuple(f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(8))
 
@@ -102,3 +105,61 @@ def test_advertised_host() -> None:
         "[::1]",
         "",
     ]
+
+
+@given(
+    perm=st.permutations(range(8)),
+    cuts=st.lists(st.integers(1, 7), min_size=0, max_size=7, unique=True),
+)
+def test_named_gpu_groups_put_each_gpus_engines_on_its_group_s_shard(
+    perm: list[int], cuts: list[int]
+) -> None:
+    """Any partition of the GPUs into groups (control_shard_gpus): an engine goes to the shard of the group
+    that holds its rank 0's GPU; a host engine still by its id."""
+    bounds = [0, *sorted(cuts), 8]
+    groups = tuple(tuple(perm[a:b]) for a, b in itertools.pairwise(bounds))
+    text = ";".join(",".join(map(str, g)) for g in groups)
+    assert gpu_groups(text, len(groups)) == groups
+    p = Placement(len(groups), GPUS, groups)
+    for k, group in enumerate(groups):
+        assert all(p.shard_of("e", GPUS[g]) == k for g in group)
+    assert p.shard_of("host-engine") == Placement(len(groups)).shard_of("host-engine")
+
+
+def test_prefill_and_decode_gpus_apart_share_shards_when_grouped() -> None:
+    """Prefill engines on GPUs 0-3 and decode engines on 4-7: contiguous groups would put every pair on
+    two shards (staged between them); named pairs keep each on one."""
+    paired = Placement(4, GPUS, gpu_groups("0,4;1,5;2,6;3,7", 4))
+    assert [paired.shard_of("e", GPUS[g]) for g in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [Placement(4, GPUS).shard_of("e", GPUS[g]) for g in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("text", "shards", "message"),
+    [
+        ("0,1;2", 3, "names 2 groups of GPUs; control_shards is 3"),
+        ("0,1;1,2", 2, "puts GPU 1 in more than one group"),
+        ("0,a;1", 2, "'0,a' is not a list of GPU ordinals"),
+        ("0;;1", 3, "'' is not a list of GPU ordinals"),
+        ("0;-1", 2, "not negative"),
+    ],
+)
+def test_gpu_groups_refuse_what_they_cannot_mean(text: str, shards: int, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gpu_groups(text, shards)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_settings({"control_shards": shards, "control_shard_gpus": text}, env={})
+
+
+def test_named_groups_must_cover_the_gpus_this_node_sees() -> None:
+    with pytest.raises(ValueError, match="names GPU 4, but this node sees 4 GPU"):
+        Placement(2, GPUS[:4], ((0, 1), (2, 4)))
+    with pytest.raises(ValueError, match="leaves GPU 3 in no group"):
+        Placement(2, GPUS[:4], ((0, 1), (2,)))
+
+
+def test_a_shard_is_told_no_groups_of_its_own() -> None:
+    s = load_settings({"control_shards": 2, "control_shard_gpus": "0,2;1,3"}, env={})
+    v = shard_settings(s, 1)
+    assert (v["control_shards"], v["control_shard_gpus"]) == (1, "")
+    load_settings(v, env={})  # a shard's settings load as they are

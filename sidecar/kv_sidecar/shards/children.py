@@ -64,6 +64,7 @@ def shard_settings(settings: Settings, index: int) -> dict[str, object]:
         advertise_address=advertised_host(settings.advertise_address),
         sidecar_id=f"{settings.sidecar_id}-shard{index}" if settings.sidecar_id else "",
         control_shards=1,
+        control_shard_gpus="",
     )
     return values
 

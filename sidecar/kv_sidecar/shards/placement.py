@@ -4,8 +4,9 @@ An engine goes to one shard, all its ranks: a pull then reads either the engine'
 shard (host-direct, gpu-direct) or those of another shard (staged), never a mix, which a pull cannot
 do (routing.by_holder). A GPU engine goes to the shard of its rank 0's GPU: the visible GPUs, in
 ordinal order, split into contiguous groups, one per shard, so that the engines of a GPU pair that
-sit next to each other share a shard and their pulls stay gpu-direct. A host engine has no GPU to go
-by: its engine id (CRC-32, stable across restarts and processes) picks the shard.
+sit next to each other share a shard and their pulls stay gpu-direct; or into the groups the operator
+names (`control_shard_gpus`), for pairs that do not sit next to each other. A host engine has no GPU
+to go by: its engine id (CRC-32, stable across restarts and processes) picks the shard.
 """
 
 from __future__ import annotations
@@ -16,20 +17,68 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+GpuGroups = tuple[tuple[int, ...], ...]
+
+
+def gpu_groups(text: str, shards: int) -> GpuGroups:
+    """`control_shard_gpus` read: one group of GPU ordinals per shard, groups separated by ";" and GPUs by
+    "," ("0,4;1,5"); empty: none named (contiguous groups). ValueError names what is wrong."""
+    if not text.strip():
+        return ()
+    groups: list[tuple[int, ...]] = []
+    for part in text.split(";"):
+        try:
+            group = tuple(int(g) for g in part.split(","))
+        except ValueError:
+            raise ValueError(
+                f"control_shard_gpus {text!r}: {part.strip()!r} is not a list of GPU ordinals ('0,4;1,5')"
+            ) from None
+        if any(g < 0 for g in group):
+            raise ValueError(f"control_shard_gpus {text!r}: GPU ordinals are not negative")
+        groups.append(group)
+    if len(groups) != shards:
+        raise ValueError(
+            f"control_shard_gpus {text!r} names {len(groups)} groups of GPUs; control_shards is {shards}: "
+            "one group per shard"
+        )
+    named = [g for group in groups for g in group]
+    twice = sorted({g for g in named if named.count(g) > 1})
+    if twice:
+        raise ValueError(f"control_shard_gpus {text!r} puts GPU {twice[0]} in more than one group")
+    return tuple(groups)
+
 
 @dataclass(frozen=True)
 class Placement:
     shards: int
     devices: tuple[str, ...] = ()  # the visible GPUs' UUIDs, by driver ordinal
+    groups: GpuGroups = ()  # each shard's GPU ordinals (gpu_groups); () for contiguous groups
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError(f"shards must be at least 1, got {self.shards}")
+        if self.groups:
+            if len(self.groups) != self.shards:
+                raise ValueError(f"{len(self.groups)} groups of GPUs for {self.shards} shards")
+            # Every GPU this node sees in a group, and no group naming one it does not: an engine on a
+            # GPU left out would have no shard, and a group of GPUs not there none of its engines.
+            named = {g for group in self.groups for g in group}
+            seen = set(range(len(self.devices)))
+            if named - seen:
+                raise ValueError(
+                    f"control_shard_gpus names GPU {min(named - seen)}, but this node sees "
+                    f"{len(self.devices)} GPU(s) (ordinals as CUDA numbers them here)"
+                )
+            if seen - named:
+                raise ValueError(f"control_shard_gpus leaves GPU {min(seen - named)} in no group")
 
     def shard_of(self, engine_id: str, device_uuid: str = "") -> int:
         """The shard of `engine_id`, whose rank 0's tensors are on `device_uuid` (empty: host memory)."""
         if device_uuid in self.devices:
-            return self.devices.index(device_uuid) * self.shards // len(self.devices)
+            ordinal = self.devices.index(device_uuid)
+            if self.groups:
+                return next(k for k, group in enumerate(self.groups) if ordinal in group)
+            return ordinal * self.shards // len(self.devices)
         return zlib.crc32(engine_id.encode()) % self.shards
 
 

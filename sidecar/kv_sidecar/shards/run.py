@@ -21,7 +21,7 @@ from kv_sidecar.security import PeerSecurity
 from kv_sidecar.shards.children import SHARD_METRICS_HOST, ShardError, ShardSet, advertised_host
 from kv_sidecar.shards.front_door import FrontDoorEngine, FrontDoorServers
 from kv_sidecar.shards.metrics import ShardMetrics
-from kv_sidecar.shards.placement import Placement
+from kv_sidecar.shards.placement import Placement, gpu_groups
 
 log = logging.getLogger("kv_sidecar.shards")
 
@@ -42,7 +42,12 @@ def visible_gpus() -> tuple[str, ...]:
 
 
 def run_front_door(settings: Settings) -> int:
-    placement = Placement(settings.control_shards, visible_gpus())
+    try:
+        groups = gpu_groups(settings.control_shard_gpus, settings.control_shards)
+        placement = Placement(settings.control_shards, visible_gpus(), groups)
+    except ValueError as e:  # a group naming a GPU this node does not see, or one left out
+        log.error("could not start: %s", e)
+        return 1
     security = PeerSecurity.from_settings(settings)
     servers = FrontDoorServers(settings, security)
     try:
@@ -78,11 +83,12 @@ def run_front_door(settings: Settings) -> int:
     signals = ShutdownSignals(on_again=shards.cut_short)
     signals.install()
     log.info(
-        "front door %s up: %d control shards (%s), %d GPUs seen",
+        "front door %s up: %d control shards (%s), %d GPUs seen, %s",
         sidecar_id,
         len(shards.shards),
         ", ".join(f"{s.index}: {s.info.peer_address}" for s in shards.shards if s.info),
         len(placement.devices),
+        f"grouped {settings.control_shard_gpus}" if groups else "in contiguous groups",
     )
     print(
         f"kv-sidecar ready id={sidecar_id} engine_socket={settings.engine_socket} peer={host}:{port} "
