@@ -168,7 +168,8 @@ def test_kv_sidecar_status_shows_the_front_door_and_each_shard(node: SidecarProc
     )
     assert out.returncode == 0, out.stderr
     assert f"front door of {SHARDS} control shards" in out.stdout, out.stdout
-    assert all(f"shard {k}:\n  sidecar " in out.stdout for k in range(SHARDS)), out.stdout
+    # This machine has no GPU: each shard serves host engines alone.
+    assert all(f"shard {k} (no GPU):\n  sidecar " in out.stdout for k in range(SHARDS)), out.stdout
 
 
 def _metrics(node: SidecarProcess) -> str:

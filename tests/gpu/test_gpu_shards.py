@@ -71,6 +71,11 @@ def test_gpu_engines_pull_bit_exact_on_and_across_shards(node: SidecarProcess, n
             shards = client.status().shards
         placed = {r.engine_id: k for k, s in enumerate(shards) for r in s.ranks}
         last = len(shards) - 1
+        # The front door says which GPUs each shard serves: every GPU once, GPU 0 on shard 0.
+        gpus = [list(s.shard_gpus) for s in shards]
+        assert (
+            sorted(g for s in gpus for g in s) == list(range(torch.cuda.device_count())) and gpus[0][0] == 0
+        ), gpus
         assert placed[f"p-{name}"] == 0 and placed[f"d-{name}"] == (0 if path == "gpu-direct" else last), (
             placed
         )

@@ -163,3 +163,15 @@ def test_a_shard_is_told_no_groups_of_its_own() -> None:
     v = shard_settings(s, 1)
     assert (v["control_shards"], v["control_shard_gpus"]) == (1, "")
     load_settings(v, env={})  # a shard's settings load as they are
+
+
+@given(shards=st.integers(1, 8), gpus=st.integers(0, 8))
+def test_gpus_of_a_shard_are_those_placed_on_it(shards: int, gpus: int) -> None:
+    """What `kv-sidecar status` shows per shard (gpus_of) is where shard_of puts each GPU's engines."""
+    for p in (
+        Placement(shards, GPUS[:gpus]),
+        *([Placement(1, GPUS[:gpus], (tuple(range(gpus)),))] if gpus else []),
+    ):
+        for k in range(p.shards):
+            assert all(p.shard_of("e", GPUS[g]) == k for g in p.gpus_of(k))
+        assert sorted(g for k in range(p.shards) for g in p.gpus_of(k)) == list(range(gpus))

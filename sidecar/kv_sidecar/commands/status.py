@@ -139,7 +139,8 @@ def render_front_door(st: status_pb2.StatusResponse) -> str:
         f"  peer address {st.peer_address} (health only; peers call the shards)",
     ]
     for index, shard in enumerate(st.shards):
-        lines.append(f"shard {index}:")
+        gpus = ", ".join(map(str, shard.shard_gpus))
+        lines.append(f"shard {index} ({f'GPUs {gpus}' if gpus else 'no GPU'}):")
         body = render(shard) if shard.sidecar_id else "not answering (starting again?)"
         lines += ["  " + line for line in body.splitlines()]
     return "\n".join(lines)

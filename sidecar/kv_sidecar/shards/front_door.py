@@ -95,11 +95,13 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
             for stub in self._status_stubs
         ]
         shards = []
-        for answer in answers:
+        for index, answer in enumerate(answers):
             try:
-                shards.append(answer.result())
+                shard = answer.result()
             except grpc.RpcError:
-                shards.append(status_pb2.StatusResponse())  # not answering: an empty id says so
+                shard = status_pb2.StatusResponse()  # not answering: an empty id says so
+            shard.shard_gpus.extend(self._placement.gpus_of(index))
+            shards.append(shard)
         sidecar_id, peer_address = self._identity
         return status_pb2.StatusResponse(
             sidecar_id=sidecar_id,

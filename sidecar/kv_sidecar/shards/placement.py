@@ -72,6 +72,13 @@ class Placement:
             if seen - named:
                 raise ValueError(f"control_shard_gpus leaves GPU {min(seen - named)} in no group")
 
+    def gpus_of(self, shard: int) -> tuple[int, ...]:
+        """The ordinals of the GPUs whose engines go to `shard` (as `shard_of` places them)."""
+        if self.groups:
+            return tuple(sorted(self.groups[shard]))
+        n = len(self.devices)
+        return tuple(o for o in range(n) if o * self.shards // n == shard)
+
     def shard_of(self, engine_id: str, device_uuid: str = "") -> int:
         """The shard of `engine_id`, whose rank 0's tensors are on `device_uuid` (empty: host memory)."""
         if device_uuid in self.devices:

@@ -111,7 +111,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., local_copies: _Optional[bool] = ..., staged: _Optional[bool] = ..., starting: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals", "device_workers", "workers", "shards")
+    __slots__ = ("sidecar_id", "version", "peer_address", "peer_security", "draining", "uptime_s", "ranks", "published_requests", "peers", "inflight", "recent", "engine_lane", "engine_lane_connections", "publish_refusals", "device_workers", "workers", "shards", "shard_gpus")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class StatusResponse(_message.Message):
     DEVICE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_GPUS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     version: str
     peer_address: str
@@ -146,4 +147,5 @@ class StatusResponse(_message.Message):
     device_workers: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     shards: _containers.RepeatedCompositeFieldContainer[StatusResponse]
-    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ..., publish_refusals: _Optional[_Iterable[_Union[PublishRefusal, _Mapping]]] = ..., device_workers: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StatusResponse, _Mapping]]] = ...) -> None: ...
+    shard_gpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sidecar_id: _Optional[str] = ..., version: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_security: _Optional[str] = ..., draining: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., published_requests: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., inflight: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ..., recent: _Optional[_Union[RecentThroughput, _Mapping]] = ..., engine_lane: _Optional[str] = ..., engine_lane_connections: _Optional[int] = ..., publish_refusals: _Optional[_Iterable[_Union[PublishRefusal, _Mapping]]] = ..., device_workers: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StatusResponse, _Mapping]]] = ..., shard_gpus: _Optional[_Iterable[int]] = ...) -> None: ...
