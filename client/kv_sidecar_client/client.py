@@ -332,10 +332,11 @@ class SidecarClient:
     ) -> engine_pb2.RegisterRankResponse:
         """`leader_address`: peer address of the engine's leader sidecar when its ranks span several nodes.
         On a front door of control shards the rank registers on its engine's shard (that of its rank 0's
-        GPU)."""
+        GPU), or, where the front door spreads ranks, on its own GPU's shard, led by its rank 0's."""
         tensors = list(tensors)
         device = next((t.cuda_ipc.device_uuid for t in tensors if t.HasField("cuda_ipc")), "")
         conn = self._route(engine_id, rank, None, device, bool(leader_address))
+        leader_address = leader_address or self.routes.leader(engine_id, rank)
         req = engine_pb2.RegisterRankRequest(
             engine_id=engine_id,
             rank=rank,

@@ -53,6 +53,8 @@ class Routes:
         self._open = open_conn
         self._front: bool | None = None  # None: not known yet; False: home serves every engine
         self._routes: dict[_Key, Conn] = {}
+        # Ranks the front door spreads to a shard of their own: their engine's leader there (RouteResponse).
+        self._leaders: dict[_Key, str] = {}
         self._conns: dict[str, Conn] = {}
         self._lock = threading.Lock()
 
@@ -97,11 +99,20 @@ class Routes:
             if conn is None:
                 conn = self._conns[answer.engine_target] = self._open(answer.engine_target)
             self._routes[key] = conn
+            if answer.leader_address:
+                self._leaders[key] = answer.leader_address
         return conn
+
+    def leader(self, engine_id: str, rank: int) -> str:
+        """The leader address a routed rank registers with on its shard (control_shard_ranks "spread");
+        empty for a rank that registers as on a plain sidecar."""
+        with self._lock:
+            return self._leaders.get((engine_id, rank), "")
 
     def close(self) -> None:
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
             self._routes.clear()
+            self._leaders.clear()
         for c in conns:
             c.close()

@@ -57,6 +57,7 @@ class Settings:
     transfer_log: str = "failed"
     control_shards: int = 1
     control_shard_gpus: str = ""  # default: contiguous groups
+    control_shard_ranks: str = "whole"
 
     HELP = {
         "engine_socket": "unix socket path of the engine API",
@@ -174,6 +175,11 @@ class Settings:
         "groups separated by ';' and GPUs by ',' (e.g. '0,4;1,5;2,6;3,7': each prefill GPU on a shard with "
         "the decode GPU it feeds, so that their pulls stay gpu-direct). One group per shard, every GPU in "
         "one. Empty: the GPUs in order, split into contiguous groups",
+        "control_shard_ranks": "with control_shards: whole (an engine's ranks all on its rank 0's shard) or "
+        "spread (each rank on its own GPU's shard, a host rank round robin from its rank 0's: a TP engine's "
+        "ranks then pull and serve in processes of their own, as an engine across nodes, led by its rank 0's "
+        "shard). Spread engines pull from and serve other sidecars (nodes); between two engines of one node "
+        "sidecar pulls need whole",
     }
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an
@@ -199,6 +205,7 @@ class Settings:
         "tls_client_auth": ("require", "none"),
         "log_format": ("text", "json"),
         "transfer_log": ("failed", "all"),
+        "control_shard_ranks": ("whole", "spread"),
         "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     }
 

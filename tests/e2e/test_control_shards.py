@@ -387,3 +387,68 @@ def test_a_front_door_whose_gpu_groups_name_gpus_it_does_not_see_refuses_to_star
     assert out.returncode == 1, out
     assert "control_shard_gpus names GPU 0, but this node sees 0 GPU(s)" in out.stderr, out.stderr
     assert not list(tmp_path.iterdir()), "no socket, no shard"
+
+
+def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn) -> None:
+    """`control_shard_ranks: spread`: a TP 2 engine's rank 1 goes to another shard than its rank 0, and
+    registers there led by rank 0's shard, as a rank on another node names its leader. A TP 2 prefill
+    engine spread so serves a decode engine on another sidecar, each rank from the shard that holds it,
+    and each rank hears "consumed" there; a TP 2 decode engine spread so pulls each rank on its own
+    shard. Every byte compared."""
+    door = spawn(
+        SidecarProcess(
+            "door-spread",
+            extra=[
+                "--control-shards",
+                str(SHARDS),
+                "--control-shard-ranks",
+                "spread",
+                "--leader-wait-ms",
+                "5000",
+            ],
+        )
+    )
+    other = spawn(SidecarProcess("other-node"))
+    spec = EngineSpec.from_dict(spec_dict(tp_size=2))
+    prefill, decode = spawn.together(
+        lambda: EngineProcess(door.socket, "spread-p", spec),
+        lambda: EngineProcess(other.socket, "plain-d", spec),
+    )
+    placed = shard_of_ranks(door)
+    assert {placed[("spread-p", 0)], placed[("spread-p", 1)]} == set(range(SHARDS)), placed
+    res = prefill_and_pull(prefill, decode, "spread-out", seed=31)
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
+    assert sorted((e["kind"], e["rank"]) for e in events) == [("consumed", 0), ("consumed", 1)], events
+
+    source, reader = spawn.together(
+        lambda: EngineProcess(other.socket, "plain-p", spec),
+        lambda: EngineProcess(door.socket, "spread-d", spec),
+    )
+    placed = shard_of_ranks(door)
+    assert placed[("spread-d", 0)] != placed[("spread-d", 1)], placed
+    pub = source.send(
+        {"cmd": "prefill", "request_id": "spread-in", "block_ids": [1, 2, 3], "num_tokens": 40, "seed": 32}
+    )
+    assert pub["ok"], pub
+    for rank in (0, 1):  # each worker of a TP engine pulls its own rank, on that rank's shard
+        res = reader.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": [9, 4, 6], "seed": 32, "ranks": [rank]}
+        )
+        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", (rank, res)
+
+    # Both engines on this node sidecar, both spread: a rank's pull either moves every byte right or is
+    # refused whole, where the prefill engine spans the reading shard and another (docs/operations.md).
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "spread-both", "block_ids": [4, 5, 6], "num_tokens": 40, "seed": 33}
+    )
+    assert pub["ok"], pub
+    for rank in (0, 1):
+        res = reader.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": [10, 11, 12], "seed": 33, "ranks": [rank]}
+        )
+        if not res["ok"]:
+            assert res["error_code"] == "UNIMPLEMENTED" and "spans the reading sidecar" in res["error"], res
+            assert sorted(res["unfilled_blocks"]) == [10, 11, 12], res
+        else:
+            assert res["verified"], (rank, res)

@@ -175,3 +175,13 @@ def test_gpus_of_a_shard_are_those_placed_on_it(shards: int, gpus: int) -> None:
         for k in range(p.shards):
             assert all(p.shard_of("e", GPUS[g]) == k for g in p.gpus_of(k))
         assert sorted(g for k in range(p.shards) for g in p.gpus_of(k)) == list(range(gpus))
+
+
+@given(engine=st.text(max_size=20), shards=st.integers(1, 8), tp=st.integers(1, 16))
+def test_spread_host_ranks_go_round_robin_from_rank_0s_shard(engine: str, shards: int, tp: int) -> None:
+    p = Placement(shards, GPUS[:2])
+    first = p.shard_of(engine)
+    got = [p.rank_shard(engine, r) for r in range(tp)]
+    assert got[0] == first and got == [(first + r) % shards for r in range(tp)]
+    # A GPU rank goes by its GPU alone.
+    assert [p.rank_shard(engine, 5, g) for g in GPUS[:2]] == [p.shard_of(engine, g) for g in GPUS[:2]]

@@ -47,9 +47,12 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         identity: tuple[str, str],
         draining: threading.Event,
         security: str = "",
+        spread: bool = False,
     ) -> None:
-        """`identity`: the front door's (sidecar id, peer address); `security`: its peer port's mode."""
+        """`identity`: the front door's (sidecar id, peer address); `security`: its peer port's mode;
+        `spread`: an engine's ranks on their own shards (control_shard_ranks)."""
         self._placement = placement
+        self._spread = spread
         self._shards = shards
         self._engines = EngineShards()
         self._wait_s = leader_wait_s
@@ -68,6 +71,8 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         engine = request.engine_id
         if not engine:  # a call that names no engine of its own (KeepAlive): any shard forwards it
             shard: int | None = 0
+        elif request.HasField("rank") and request.rank > 0 and self._spread and not request.own_leader:
+            return self._spread_rank(request, context)
         elif request.HasField("rank") and (request.rank == 0 or not request.device_uuid):
             # Rank 0 places the engine; a host engine's every rank goes by its id alone.
             shard = self._placement.shard_of(engine, request.device_uuid)
@@ -86,6 +91,34 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
                 "(register rank 0 too, or name a leader_address of the engine's own)",
             )
         return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard)
+
+    def _spread_rank(
+        self, request: engine_pb2.RouteRequest, context: grpc.ServicerContext
+    ) -> engine_pb2.RouteResponse:
+        """A rank other than 0 of an engine spread over shards: on its own shard; where that is not its
+        rank 0's, it registers there as a member of the engine, led by rank 0's shard."""
+        shards = self._shards.shards
+        engine = request.engine_id
+        leader = self._engines.wait(engine, self._wait_s)
+        if leader is None:
+            _fail(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {engine!r}: its rank 0 was not routed within {self._wait_s:g} s; this node sidecar "
+                "spreads an engine's ranks over its control shards, led by rank 0's shard (register rank 0 too)",
+            )
+        own = self._placement.rank_shard(engine, request.rank, request.device_uuid)
+        address = ""
+        if own != leader:
+            info = shards[leader].info
+            if info is None:
+                _fail(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {engine!r}: shard {leader}, which leads it, is starting again; try again",
+                )
+            address = info.peer_address
+        return engine_pb2.RouteResponse(engine_target=shards[own].target, shard=own, leader_address=address)
 
     def Status(
         self, request: status_pb2.StatusRequest, context: grpc.ServicerContext

@@ -79,6 +79,14 @@ class Placement:
         n = len(self.devices)
         return tuple(o for o in range(n) if o * self.shards // n == shard)
 
+    def rank_shard(self, engine_id: str, rank: int, device_uuid: str = "") -> int:
+        """Where a rank goes when an engine's ranks are spread (control_shard_ranks "spread"): a GPU rank
+        to its own GPU's shard, a host rank to the shard after its rank 0's, `rank` shards on (round
+        robin): rank 0's is `shard_of`'s."""
+        if device_uuid in self.devices:
+            return self.shard_of(engine_id, device_uuid)
+        return (self.shard_of(engine_id) + rank) % self.shards
+
     def shard_of(self, engine_id: str, device_uuid: str = "") -> int:
         """The shard of `engine_id`, whose rank 0's tensors are on `device_uuid` (empty: host memory)."""
         if device_uuid in self.devices:

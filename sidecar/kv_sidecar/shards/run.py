@@ -77,6 +77,7 @@ def run_front_door(settings: Settings) -> int:
         (sidecar_id, f"{host}:{port}"),
         draining,
         security.describe(),
+        spread=settings.control_shard_ranks == "spread",
     )
     servers.serve(engine, ShardMetrics(shards.shards, SHARD_METRICS_HOST))
     servers.set_serving(True)

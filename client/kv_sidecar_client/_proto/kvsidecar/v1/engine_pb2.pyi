@@ -21,12 +21,14 @@ class RouteRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_uuid: _Optional[str] = ..., own_leader: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("engine_target", "shard")
+    __slots__ = ("engine_target", "shard", "leader_address")
     ENGINE_TARGET_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     engine_target: str
     shard: int
-    def __init__(self, engine_target: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
+    leader_address: str
+    def __init__(self, engine_target: _Optional[str] = ..., shard: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class RegisterRankRequest(_message.Message):
     __slots__ = ("engine_id", "rank", "spec", "tensors", "leader_address")
