@@ -5,7 +5,8 @@ shard serves their engine (the scheduler's Publish, each worker's registration a
 The engine ids are picked so that the TP 1 prefill engine and the TP 2 decode engine land on different
 shards: every pull goes between the two shard processes (host-nixl-staged: each decode rank reads its
 half of the heads). The decode engine's output must
-equal what it computes alone.
+equal what it computes alone. Then a TP 2 decode engine whose ranks the node sidecar spreads over its
+shards (`control_shard_ranks: spread`), fed from a sidecar of its own: each rank pulls on its shard.
 """
 
 from __future__ import annotations
@@ -75,6 +76,57 @@ def test_pd_through_a_node_sidecar_of_control_shards_equals_the_decode_engine_al
         node.metrics_port, "kvsidecar_pulls_total", outcome="ok", shard="1", path="host-nixl-staged"
     )
     assert pulls - before == 2 * len(prompts)
+    assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
+    settled = P.settle(30)
+    assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
+
+
+@pytest.fixture(scope="module")
+def spread(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[VllmEngine, VllmEngine, SidecarProcess, SidecarProcess]]:
+    """A TP 2 decode engine on a node sidecar that spreads an engine's ranks over its 2 shards
+    (`control_shard_ranks: spread`), fed by a TP 1 prefill engine on a sidecar of its own (another
+    node): each decode worker registers its rank on its own shard, rank 1 led by rank 0's shard."""
+    model = write_model(str(tmp_path_factory.mktemp("vllm-spread") / "model"))
+    node = SidecarProcess("spread-node", extra=["--control-shards", "2", "--control-shard-ranks", "spread"])
+    other = SidecarProcess("prefill-node")
+    P = VllmEngine(
+        "prefill-other-node",
+        {"model": model, "block_size": BLOCK, "connector": {"sidecar_socket": other.socket}},
+    )
+    D = VllmEngine(
+        "decode-spread",
+        {
+            "model": model,
+            "block_size": BLOCK,
+            "tensor_parallel_size": 2,
+            "prefix_caching": False,
+            "connector": {"sidecar_socket": node.socket},
+        },
+    )
+    try:
+        start_all(P, D)
+        yield P, D, node, other
+    finally:
+        P.stop()
+        D.stop()
+        assert node.stop() == 0, "\n".join(node.stderr_tail)
+        assert other.stop() == 0, "\n".join(other.stderr_tail)
+
+
+def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(
+    spread: tuple[VllmEngine, VllmEngine, SidecarProcess, SidecarProcess],
+) -> None:
+    P, D, node, _ = spread
+    prompts = {f"s{n}": prompt(n, seed=90 + n) for n in (9, 64, 200)}
+    want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
+    ok = {"outcome": "ok", "path": "host-nixl-staged"}
+    before = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
+    # Each decode rank pulls its half of the heads on its own shard: one pull a request on each.
+    after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
     assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
     settled = P.settle(30)
     assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
