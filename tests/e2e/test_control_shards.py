@@ -188,6 +188,23 @@ def _shard_pid(node: SidecarProcess, index: int) -> int:
     raise AssertionError(f"no process of shard {index}")
 
 
+@contextlib.contextmanager
+def _session(socket: str, spec: EngineSpec) -> Iterator[tuple[ShmKVCache, EngineSession, threading.Event]]:
+    """A host KV cache and an engine session on `socket`, with an event set once the session has
+    registered its ranks again (their shard was started again)."""
+    reconnected = threading.Event()
+
+    def on_event(engine_id: str, rank: int, ev: Event) -> None:
+        if ev.kind == "reconnected":
+            reconnected.set()
+
+    with (
+        ShmKVCache(spec.rank_tensor_shapes(), torch.float16) as cache,
+        EngineSession(socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
+    ):
+        yield cache, session, reconnected
+
+
 def test_a_killed_shard_is_started_again_and_its_engines_come_back(
     node: SidecarProcess, spawn: Spawn
 ) -> None:
@@ -198,16 +215,7 @@ def test_a_killed_shard_is_started_again_and_its_engines_come_back(
     taken: set[str] = set()
     p, d = engine_on(1, "k-p", taken), engine_on(0, "k-d", taken)
     decode = spawn(EngineProcess(node.socket, d, spec))
-    reconnected = threading.Event()
-
-    def on_event(engine_id: str, rank: int, ev: Event) -> None:
-        if ev.kind == "reconnected":
-            reconnected.set()
-
-    with (
-        ShmKVCache(spec.rank_tensor_shapes(), torch.float16) as cache,
-        EngineSession(node.socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
-    ):
+    with _session(node.socket, spec) as (cache, session, reconnected):
         session.register_rank(p, 0, spec.to_dict(), cache.handles())
         assert session.client.engine_target(p, 0) == f"unix:{shard_socket(node.socket, 1)}"
         fill_request(spec, 0, cache.tensors, [1, 2], logical_kv(spec, 20, seed=11))
@@ -241,16 +249,7 @@ def test_a_pull_in_flight_on_a_killed_shard_fails_clearly_and_loses_nothing(spaw
     )
     assert pub["ok"], pub
     params = params_from_json(pub["params"])
-    reconnected = threading.Event()
-
-    def on_event(engine_id: str, rank: int, ev: Event) -> None:
-        if ev.kind == "reconnected":
-            reconnected.set()
-
-    with (
-        ShmKVCache(spec.rank_tensor_shapes(), torch.float16) as cache,
-        EngineSession(door.socket, on_event, Backoff(initial_s=0.05, max_s=0.5)) as session,
-    ):
+    with _session(door.socket, spec) as (cache, session, reconnected):
         session.register_rank(d, 0, spec.to_dict(), cache.handles())
         box: list[PullResult] = []
         source = _shard_pid(door, 1)

@@ -70,7 +70,7 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         targets = [s.target for s in self._shards.shards]
         engine = request.engine_id
         if not engine:  # a call that names no engine of its own (KeepAlive): any shard forwards it
-            shard: int | None = 0
+            shard = 0
         elif request.HasField("rank") and request.rank > 0 and self._spread and not request.own_leader:
             return self._spread_rank(request, context)
         elif request.HasField("rank") and (request.rank == 0 or not request.device_uuid):
@@ -81,16 +81,21 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
             # Ranks of an engine led from another node, without their rank 0 here: by their GPU.
             shard = self._placement.shard_of(engine, request.device_uuid)
         else:
-            shard = self._engines.wait(engine, self._wait_s)
+            shard = self._rank0_shard(engine, context)
+        return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard)
+
+    def _rank0_shard(self, engine: str, context: grpc.ServicerContext) -> int:
+        """The shard of the engine's rank 0, waited for as a member waits for its leader; else refused."""
+        shard = self._engines.wait(engine, self._wait_s)
         if shard is None:
             _fail(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"engine {engine!r}: its rank 0 was not routed within {self._wait_s:g} s; this node "
-                f"sidecar runs {len(targets)} control shards and puts an engine on its rank 0's shard "
-                "(register rank 0 too, or name a leader_address of the engine's own)",
+                f"sidecar runs {len(self._shards.shards)} control shards and places an engine by its rank "
+                "0 (register rank 0 too, or name a leader_address of the engine's own)",
             )
-        return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard)
+        return shard
 
     def _spread_rank(
         self, request: engine_pb2.RouteRequest, context: grpc.ServicerContext
@@ -99,14 +104,7 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         rank 0's, it registers there as a member of the engine, led by rank 0's shard."""
         shards = self._shards.shards
         engine = request.engine_id
-        leader = self._engines.wait(engine, self._wait_s)
-        if leader is None:
-            _fail(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"engine {engine!r}: its rank 0 was not routed within {self._wait_s:g} s; this node sidecar "
-                "spreads an engine's ranks over its control shards, led by rank 0's shard (register rank 0 too)",
-            )
+        leader = self._rank0_shard(engine, context)
         own = self._placement.rank_shard(engine, request.rank, request.device_uuid)
         address = ""
         if own != leader:
