@@ -81,7 +81,14 @@ from typing import Any
 
 from kv_sidecar.plan.spec import EngineSpec, rank_block_bytes
 from kv_sidecar.refengine import scrape
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks, side_by_side, together
+from kv_sidecar.refengine.procs import (
+    EngineProcess,
+    SidecarProcess,
+    cpu_ticks,
+    descendants,
+    side_by_side,
+    together,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
@@ -208,23 +215,9 @@ def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
 def child_ticks(pid: int) -> dict[int, int]:
     """CPU ticks of every process below `pid` (device_workers' workers, multiprocessing's helpers)."""
     out: dict[int, int] = {}
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for kid in kids:
-                with contextlib.suppress(OSError):
-                    out[kid] = cpu_ticks(kid)
-                todo.append(kid)
+    for kid in descendants(pid):
+        with contextlib.suppress(OSError):
+            out[kid] = cpu_ticks(kid)
     return out
 
 

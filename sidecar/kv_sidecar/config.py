@@ -167,10 +167,12 @@ class Settings:
         "control_shards": "run the sidecar as this many sidecar processes (shards), each with its own "
         "interpreter, NIXL agent, engine socket (<engine_socket>.shard<K>) and peer port (peer_port+1+K; "
         "free ports for 0), behind a front door on engine_socket, peer_port (health) and metrics_port (every "
-        "shard's metrics, labelled shard). An engine goes whole (unless control_shard_ranks spreads it) to one shard: that of its rank 0's GPU (the "
-        "visible GPUs split into contiguous groups, or as control_shard_gpus says), a host engine by its engine id. Pulls between engines on "
-        "one shard stay gpu-direct/host-direct; between shards they are staged. One process serves 3,000-6,000 pulls/s of 2 MiB at most (a core): shards let a node past that "
-        '(docs/operations.md, "Control shards"). 1: one process',
+        "shard's metrics, labelled shard). An engine goes whole (unless control_shard_ranks spreads it) to "
+        "one shard: that of its rank 0's GPU (the visible GPUs split into contiguous groups, or as "
+        "control_shard_gpus says), a host engine by its engine id. Pulls between engines on one shard stay "
+        "gpu-direct/host-direct; between shards they are staged. One process serves 3,000-6,000 pulls/s of "
+        '2 MiB at most (a core): shards let a node past that (docs/operations.md, "Control shards"). 1: one '
+        "process",
         "control_shard_gpus": "with control_shards: each shard's GPUs, by ordinal as this sidecar sees them, "
         "groups separated by ';' and GPUs by ',' (e.g. '0,4;1,5;2,6;3,7': each prefill GPU on a shard with "
         "the decode GPU it feeds, so that their pulls stay gpu-direct). One group per shard, every GPU in "

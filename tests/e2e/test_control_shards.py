@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.layout_io import check_request, fill_request, logical_kv
-from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
+from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, children, descendants
 from kv_sidecar.shards.children import shard_socket
 from kv_sidecar.shards.placement import Placement
 from kv_sidecar_client import (
@@ -179,12 +179,10 @@ def _metrics(node: SidecarProcess) -> str:
 
 def _shard_pid(node: SidecarProcess, index: int) -> int:
     sock = shard_socket(node.socket, index)
-    for tid in os.listdir(f"/proc/{node.proc.pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{node.proc.pid}/task/{tid}/children") as f:
-            for child in f.read().split():
-                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as c:
-                    if sock.encode() + b"\0" in c.read():
-                        return int(child)
+    for child in children(node.proc.pid):
+        with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as c:
+            if sock.encode() + b"\0" in c.read():
+                return child
     raise AssertionError(f"no process of shard {index}")
 
 
@@ -291,21 +289,6 @@ def test_shards_end_with_a_front_door_killed(spawn: Spawn) -> None:
     assert not any(os.path.exists(shard_socket(door.socket, k)) for k in range(SHARDS))
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` (a child is listed under the thread that started it)."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{parent}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = {int(c) for c in f.read().split()} - found
-                    found |= kids
-                    todo += kids
-    return found
-
-
 def test_shards_with_device_workers_copy_exactly_and_leave_no_process_behind(spawn: Spawn) -> None:
     """`device_workers` with shards: each shard starts a worker of its own for its local copies, and a
     pull within a shard goes through it byte-exact, a pull across shards over NIXL beside it. SIGKILL
@@ -332,13 +315,13 @@ def test_shards_with_device_workers_copy_exactly_and_leave_no_process_behind(spa
 
     wait_for("shard 0's host worker, answering", lambda: len(shard0_worker()) == 1)
     worker = shard0_worker()[0]
-    assert worker in _descendants(_shard_pid(door, 0))
+    assert worker in descendants(_shard_pid(door, 0))
     for i, engine in enumerate((decode, remote, decode)):
         res = prefill_and_pull(prefill, engine, f"r{i}", seed=10 + i)
         assert res["ok"] and res["verified"], res  # every byte, and nothing outside the blocks
         assert res["path"] == ("host-direct" if engine is decode else "host-nixl"), res
 
-    below = _descendants(door.proc.pid)
+    below = descendants(door.proc.pid)
     assert worker in below and len(below) >= SHARDS + 1, below
     door.kill()
     wait_for(

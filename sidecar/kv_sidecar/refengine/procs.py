@@ -49,6 +49,28 @@ def cpu_ticks(pid: int, tid: int | None = None) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, in the order /proc lists them (each under the thread that started
+    it); none once it is gone."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, theirs, and so on."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 P = TypeVar("P", bound="_Proc")
 
 
@@ -394,13 +416,8 @@ class SidecarProcess(_Proc):
     def worker_pids(self) -> list[int]:
         """The sidecar's data-plane worker processes (device_workers, staged_workers): its children
         that multiprocessing's spawn started, in the order /proc lists them."""
-        pid = self.proc.pid
-        children: list[int] = []
-        for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed under the thread that started it
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-                children += [int(c) for c in f.read().split()]
         out = []
-        for c in children:
+        for c in children(self.proc.pid):
             with contextlib.suppress(OSError), open(f"/proc/{c}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():
                     out.append(c)
