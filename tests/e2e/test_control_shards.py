@@ -376,7 +376,9 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     registers there led by rank 0's shard, as a rank on another node names its leader. A TP 2 prefill
     engine spread so serves a decode engine on another sidecar, each rank from the shard that holds it,
     and each rank hears "consumed" there; a TP 2 decode engine spread so pulls each rank on its own
-    shard. Every byte compared."""
+    shard. Both engines spread on this node, each decode rank beside the prefill rank it reads: each
+    shard copies its own rank (host-direct). Misaligned, the rank whose prefill rank leads on another
+    shard is read over NIXL and the other is refused whole. Every byte compared."""
     door = spawn(
         SidecarProcess(
             "door-spread",
@@ -403,12 +405,17 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
     assert sorted((e["kind"], e["rank"]) for e in events) == [("consumed", 0), ("consumed", 1)], events
 
-    source, reader = spawn.together(
+    taken = {"spread-p"}
+    aligned = engine_on(placed[("spread-p", 0)], "spread-d", taken)
+    misaligned = engine_on(placed[("spread-p", 1)], "spread-x", taken)
+    source, reader, crossed = spawn.together(
         lambda: EngineProcess(other.socket, "plain-p", spec),
-        lambda: EngineProcess(door.socket, "spread-d", spec),
+        lambda: EngineProcess(door.socket, aligned, spec),
+        lambda: EngineProcess(door.socket, misaligned, spec),
     )
     placed = shard_of_ranks(door)
-    assert placed[("spread-d", 0)] != placed[("spread-d", 1)], placed
+    assert all(placed[(aligned, r)] == placed[("spread-p", r)] for r in (0, 1)), placed
+    assert all(placed[(misaligned, r)] != placed[("spread-p", r)] for r in (0, 1)), placed
     pub = source.send(
         {"cmd": "prefill", "request_id": "spread-in", "block_ids": [1, 2, 3], "num_tokens": 40, "seed": 32}
     )
@@ -419,8 +426,7 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
         )
         assert res["ok"] and res["verified"] and res["path"] == "host-nixl", (rank, res)
 
-    # Both engines on this node sidecar, both spread: a rank's pull either moves every byte right or is
-    # refused whole, where the prefill engine spans the reading shard and another (docs/operations.md).
+    # Both engines on this node sidecar, both spread, each decode rank on its prefill rank's shard.
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "spread-both", "block_ids": [4, 5, 6], "num_tokens": 40, "seed": 33}
     )
@@ -429,8 +435,27 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
         res = reader.send(
             {"cmd": "pull", "params": pub["params"], "block_ids": [10, 11, 12], "seed": 33, "ranks": [rank]}
         )
-        if not res["ok"]:
-            assert res["error_code"] == "UNIMPLEMENTED" and "spans the reading sidecar" in res["error"], res
-            assert sorted(res["unfilled_blocks"]) == [10, 11, 12], res
-        else:
-            assert res["verified"], (rank, res)
+        assert res["ok"] and res["verified"] and res["path"] == "host-direct", (rank, res)
+    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
+    assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
+        ("consumed", "spread-both", 0),
+        ("consumed", "spread-both", 1),
+    ], events
+
+    # Misaligned: decode rank 1 sits on the shard that leads the prefill engine and reads its rank 1 on
+    # the other shard (refused whole: a leader reads no rank of its own engine over the wire); decode
+    # rank 0 sits on that other shard and reads prefill rank 0 from the leader, over NIXL.
+    pub = prefill.send(
+        {"cmd": "prefill", "request_id": "spread-crossed", "block_ids": [7, 8], "num_tokens": 30, "seed": 34}
+    )
+    assert pub["ok"], pub
+    res = crossed.send(
+        {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [1]}
+    )
+    assert not res["ok"] and res["error_code"] == "UNIMPLEMENTED", res
+    assert "which other sidecars hold" in res["error"] and sorted(res["unfilled_blocks"]) == [13, 14], res
+    assert res["untouched"], res
+    res = crossed.send(
+        {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [0]}
+    )
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res

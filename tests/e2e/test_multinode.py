@@ -115,6 +115,23 @@ CASES = {
         {"c": [0], "d": [1]},
         "host-nixl",
     ),
+    # Both engines spread over the same two sidecars, each decode rank beside the prefill ranks it
+    # reads: each sidecar copies its own ranks (the leader, and the member from the request the leader
+    # forwarded it), and each prefill rank hears "consumed" where it lives.
+    "p2-over-a,b-to-d2-over-a,b": (
+        {"tp_size": 2},
+        {"a": [0], "b": [1]},
+        {"tp_size": 2},
+        {"a": [0], "b": [1]},
+        "host-direct",
+    ),
+    "p4-over-a,b-to-d2-over-a,b-converted": (
+        {"tp_size": 4},
+        {"a": [0, 1], "b": [2, 3]},
+        {"tp_size": 2, "layout": "flash_attn_hnd", "block_size": 32},
+        {"a": [0], "b": [1]},
+        "host-direct",
+    ),
     # Every prefill rank is consumed by decode ranks on both decode sidecars (MLA round robin).
     "mla-p2-on-a-to-d4-over-c,d": (
         {"tp_size": 2, "num_kv_heads": 1, "head_dim": 32, "layout": "mla"},
@@ -183,6 +200,47 @@ def test_split_engines_are_bit_exact(nodes: Nodes, case: str) -> None:
 
 
 SPEC = EngineSpec.from_dict(spec_dict(tp_size=2))
+
+
+def test_a_pull_that_reads_a_spread_engine_both_here_and_elsewhere_is_refused_whole(nodes: Nodes) -> None:
+    """A prefill engine over a (leader) and b: a decode rank on either that reads both prefill ranks is
+    refused UNIMPLEMENTED, naming every block unfilled, with no byte written, and so is one on the
+    leader that reads only b's rank. The request is not lost: a reader on c then pulls it whole, and
+    each prefill rank hears "consumed" once."""
+    n = next(_ids)
+    one = EngineSpec.from_dict(spec_dict(tp_size=1))
+    prefill = _engine(nodes, {"a": [0], "b": [1]}, f"mix-p-{n}", SPEC)
+    procs = list(prefill.values())
+    try:
+        procs += [
+            EngineProcess(nodes["a"].socket, f"mix-da-{n}", one),
+            EngineProcess(nodes["b"].socket, f"mix-db-{n}", one),
+            EngineProcess(nodes["a"].socket, f"mix-r1-{n}", SPEC, ranks=[1]),
+            EngineProcess(nodes["c"].socket, f"mix-dc-{n}", SPEC),
+        ]
+        on_a, on_b, rank1_on_a, on_c = procs[2:]
+        fill = {"cmd": "prefill", "request_id": "mixed", "block_ids": [4, 5], "num_tokens": 20, "seed": 7}
+        assert prefill["b"].send(fill | {"publish": False})["ok"]
+        pub = prefill["a"].send(fill)
+        assert pub["ok"], pub
+        for reader, why in (
+            (on_a, "which other sidecars hold"),  # the leader's direct path
+            (on_b, "registered on this sidecar while others are not"),  # a member's route
+            (rank1_on_a, "which other sidecars hold"),
+        ):
+            res = reader.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 7})
+            assert not res["ok"] and res["error_code"] == "UNIMPLEMENTED", res
+            assert why in res["error"] and sorted(res["unfilled_blocks"]) == [2, 3], res
+            assert res["untouched"], res  # the refused pull wrote nothing at all
+        for proc in prefill.values():
+            _no_event(proc)
+        res = on_c.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 7})
+        assert res["ok"] and res["verified"], res
+        assert _events(prefill["a"], 1) == [("consumed", "mixed", 0)]
+        assert _events(prefill["b"], 1) == [("consumed", "mixed", 1)]
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @pytest.fixture

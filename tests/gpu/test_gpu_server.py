@@ -379,6 +379,61 @@ def test_a_member_sidecars_rank_sends_from_its_gpu_worker_once_reported() -> Non
         assert codes == [0, 0, 0], "\n".join(line for s in sidecars for line in s.stderr_tail)
 
 
+@pytest.mark.parametrize(
+    ("pover", "dover"),
+    [({"tp_size": 2}, {"tp_size": 2}), ({"tp_size": 4}, {"tp_size": 2, "layout": "flash_attn_hnd"})],
+    ids=["identity", "converted"],
+)
+def test_engines_spread_over_the_same_two_sidecars_copy_gpu_direct_on_each(
+    pover: dict[str, Any], dover: dict[str, Any]
+) -> None:
+    """A prefill and a decode engine both spread over a leader sidecar (the first half of each's ranks,
+    on GPU_A) and a member (the rest, on GPU_B), as control shards' `spread` places a node's engines:
+    each decode rank reads only prefill ranks beside it, so each sidecar copies them gpu-direct (the
+    member from the request its leader forwarded), bit-exact, and every prefill rank hears "consumed"
+    where it lives."""
+    sidecars = [SidecarProcess(f"gpu-spread-{role}", extra=["--leader-wait-ms", "10000"]) for role in "ab"]
+    lead, memb = sidecars
+    pspec, dspec = EngineSpec.from_dict(BASE | pover), EngineSpec.from_dict(BASE | dover)
+    engines: dict[tuple[str, str], EngineProcess] = {}
+    try:
+        for role, spec in (("p", pspec), ("d", dspec)):
+            half = spec.tp_size // 2
+            devices = [GPU_A] * half + [GPU_B] * half  # rank r on devices[r]
+            engines[role, "a"] = EngineProcess(
+                lead.socket, f"gpu-spread-{role}", spec, ranks=list(range(half)), devices=devices
+            )
+            engines[role, "b"] = EngineProcess(
+                memb.socket,
+                f"gpu-spread-{role}",
+                spec,
+                ranks=list(range(half, spec.tp_size)),
+                devices=devices,
+                leader=lead.peer_address,
+            )
+        src = list(range(pspec.num_blocks - 1, -1, -3))[: -(-NUM_TOKENS // pspec.block_size)]
+        dst = list(range(1, dspec.num_blocks, 2))[: -(-NUM_TOKENS // dspec.block_size)]
+        fill = {"cmd": "prefill", "request_id": "both", "block_ids": src, "num_tokens": NUM_TOKENS, "seed": 5}
+        assert engines["p", "b"].send(fill | {"publish": False})["ok"]
+        pub = engines["p", "a"].send(fill)
+        assert pub["ok"], pub
+        for side in "ab":
+            res = engines["d", side].send(
+                {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": 5}
+            )
+            assert res["ok"] and res["path"] == "gpu-direct", pull_failure(res, side)
+            assert res["verified"], res["errors"]
+        half = pspec.tp_size // 2
+        for side, ranks in (("a", range(half)), ("b", range(half, pspec.tp_size))):
+            got = [engines["p", side].send({"cmd": "next_event", "timeout_s": 30}) for _ in ranks]
+            assert sorted((e["kind"], e["rank"]) for e in got) == [("consumed", r) for r in ranks], got
+    finally:
+        for e in engines.values():
+            e.stop()
+        codes = [s.stop() for s in sidecars]
+        assert codes == [0, 0], "\n".join(line for s in sidecars for line in s.stderr_tail)
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(victim: str) -> None:
     """staged_workers on GPUs: the worker of the GPU a transfer runs on (the decode or the prefill side)

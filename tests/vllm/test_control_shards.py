@@ -6,7 +6,9 @@ The engine ids are picked so that the TP 1 prefill engine and the TP 2 decode en
 shards: every pull goes between the two shard processes (host-nixl-staged: each decode rank reads its
 half of the heads). The decode engine's output must
 equal what it computes alone. Then a TP 2 decode engine whose ranks the node sidecar spreads over its
-shards (`control_shard_ranks: spread`), fed from a sidecar of its own: each rank pulls on its shard.
+shards (`control_shard_ranks: spread`), fed from a sidecar of its own: each rank pulls on its shard;
+and fed from a TP 2 prefill engine spread over the same shards, each decode rank beside the prefill rank
+it reads: each shard copies its own rank (host-direct).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from .test_pd import BLOCK, prompt
 PLACEMENT = Placement(2)
 PREFILL_ID = next(f"shard-p{i}" for i in range(100) if PLACEMENT.shard_of(f"shard-p{i}") == 0)
 DECODE_ID = next(f"shard-d{i}" for i in range(100) if PLACEMENT.shard_of(f"shard-d{i}") == 1)
+# Host ranks spread round robin from rank 0's shard, which goes by engine id: rank r of both on one shard.
+SPREAD_P_ID = next(f"spread-p{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-p{i}") == 0)
+SPREAD_D_ID = next(f"spread-d{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-d{i}") == 0)
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +86,30 @@ def test_pd_through_a_node_sidecar_of_control_shards_equals_the_decode_engine_al
     assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
 
 
+Spread = tuple[VllmEngine, VllmEngine, VllmEngine, SidecarProcess]
+
+
 @pytest.fixture(scope="module")
-def spread(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[VllmEngine, VllmEngine, SidecarProcess, SidecarProcess]]:
+def spread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spread]:
     """A TP 2 decode engine on a node sidecar that spreads an engine's ranks over its 2 shards
     (`control_shard_ranks: spread`), fed by a TP 1 prefill engine on a sidecar of its own (another
-    node): each decode worker registers its rank on its own shard, rank 1 led by rank 0's shard."""
+    node) and by a TP 2 prefill engine spread over the same shards: each worker registers its rank on
+    its own shard, rank 1 led by rank 0's shard."""
     model = write_model(str(tmp_path_factory.mktemp("vllm-spread") / "model"))
     node = SidecarProcess("spread-node", extra=["--control-shards", "2", "--control-shard-ranks", "spread"])
     other = SidecarProcess("prefill-node")
     P = VllmEngine(
         "prefill-other-node",
         {"model": model, "block_size": BLOCK, "connector": {"sidecar_socket": other.socket}},
+    )
+    near = VllmEngine(
+        "prefill-spread",
+        {
+            "model": model,
+            "block_size": BLOCK,
+            "tensor_parallel_size": 2,
+            "connector": {"sidecar_socket": node.socket, "engine_id": SPREAD_P_ID},
+        },
     )
     D = VllmEngine(
         "decode-spread",
@@ -102,29 +118,45 @@ def spread(
             "block_size": BLOCK,
             "tensor_parallel_size": 2,
             "prefix_caching": False,
-            "connector": {"sidecar_socket": node.socket},
+            "connector": {"sidecar_socket": node.socket, "engine_id": SPREAD_D_ID},
         },
     )
     try:
-        start_all(P, D)
-        yield P, D, node, other
+        start_all(P, near, D)
+        yield P, near, D, node
     finally:
         P.stop()
+        near.stop()
         D.stop()
         assert node.stop() == 0, "\n".join(node.stderr_tail)
         assert other.stop() == 0, "\n".join(other.stderr_tail)
 
 
-def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(
-    spread: tuple[VllmEngine, VllmEngine, SidecarProcess, SidecarProcess],
-) -> None:
-    P, D, node, _ = spread
+def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(spread: Spread) -> None:
+    P, _, D, node = spread
     prompts = {f"s{n}": prompt(n, seed=90 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     ok = {"outcome": "ok", "path": "host-nixl-staged"}
     before = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
     assert prefill_then_decode(P, D, prompts, 10)[0] == want
     # Each decode rank pulls its half of the heads on its own shard: one pull a request on each.
+    after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
+    assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
+    settled = P.settle(30)
+    assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
+
+
+def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(spread: Spread) -> None:
+    """Both engines spread over the node sidecar's shards, rank r of each on shard r: each decode rank's
+    pull is a copy on its own shard from the prefill rank beside it, the request held there for that
+    rank (its leader shard forwarded the publish), and "consumed" frees the prefill engine's blocks."""
+    _, P, D, node = spread
+    prompts = {f"n{n}": prompt(n, seed=95 + n) for n in (9, 64, 200)}
+    want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
+    ok = {"outcome": "ok", "path": "host-direct"}
+    before = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
     after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
     assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
     assert metric(node.metrics_port, "kvsidecar_failures_total") == 0

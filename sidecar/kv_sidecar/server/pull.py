@@ -215,8 +215,8 @@ class Puller:
         cheap; a member that must wait for a peer after all (an OpenRead: TP gather, several holders,
         params that do not plan; a handshake again) steps `Apart` first, and the unit lets it go."""
         p = req.params
-        if p.sidecar_id == self._sidecar_id:
-            return True
+        if p.sidecar_id == self._sidecar_id or self._direct.follows(p.engine_id):
+            return True  # a copy here (or, where this member holds none of its ranks, it steps Apart)
         remote = self._peers.known_engine(
             p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id, p.map_version
         )
@@ -240,6 +240,9 @@ class Puller:
             # (which would fix this engine as its reader); the source's record is checked again later.
             check_start(req.start_token, p.first_token, p.num_tokens)
             local = self._local_ranks(req, cancel.ranks)
+            if not remote_here and self._direct.serves(p.engine_id, local):
+                remote_here = True  # a spread engine's member: the ranks it reads are held here
+                route[0] = "host-direct"
             if remote_here:
                 deadline = time.monotonic() + timeout_s
                 if any(e.on_gpu for e in local):

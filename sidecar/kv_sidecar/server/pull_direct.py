@@ -2,6 +2,10 @@
 `gpu-direct` (GPU memory, one launch per read on the decode GPU, over NVLink). The copies are the
 data plane's (dataplane/local_copies.py); no NIXL, no peer. A pull yields its copy (`DirectCopy`,
 server/pull_steps.py), so that a PullBatch's copies launch together and wait once.
+
+An engine spread over several sidecars (docs/multinode.md; control shards' `spread`) is read here when
+every prefill rank the pull's decode ranks read or notify is registered here: this sidecar holds the
+request for those ranks (its leader forwarded the publish), so its own record and copies serve them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable
 from kv_sidecar.dataplane.jobs import LocalCopy, RankRead, StateCopy
 from kv_sidecar.dataplane.plane import DataPlane
 from kv_sidecar.errors import Code, SidecarError
+from kv_sidecar.plan.pair import PairPlan
+from kv_sidecar.plan.spec import PlanError
 from kv_sidecar.server.after_answer import Later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
 from kv_sidecar.server.inflight import PullTicket
@@ -28,7 +34,8 @@ from kv_sidecar.server.pull_job import (
     state_group,
 )
 from kv_sidecar.server.pull_steps import DirectCopy, Steps
-from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2
+from kv_sidecar.server.routing import depends_on
+from kv_sidecar_client._proto.kvsidecar.v1 import common_pb2, engine_pb2
 
 PATH_DIRECT = "gpu-direct"
 
@@ -40,10 +47,30 @@ class DirectPulls:
         plane: DataPlane,
         membership: Membership,
         published: PublishedStore,
-        release: Callable[[str, str, str, str], object],
+        release: Callable[[common_pb2.TransferParams, str, str], object],
     ) -> None:
         self._engines, self._plane, self._membership, self._published = engines, plane, membership, published
-        self._release = release  # (engine, request, reader, reason): end a request published here
+        # (params, reader, reason): end a request where it was published (its leader, for a spread engine)
+        self._release = release
+
+    def follows(self, engine_id: str) -> bool:
+        """Whether this sidecar holds ranks of the engine `engine_id` as a member, led by another."""
+        return self._membership.leader_of(engine_id) is not None
+
+    def serves(self, engine_id: str, local: list[RankEntry]) -> bool:
+        """Whether this sidecar, a member for the spread engine `engine_id` (its params name the leader),
+        holds every prefill rank that `local` read or notify, so that the pull is a copy here. False where
+        it holds none or only some of them (the pull goes to their holders, which refuse a mix), or
+        where the specs do not plan (the handshake says why)."""
+        if not self.follows(engine_id):
+            return False
+        try:
+            src_ranks = self._engines.engine_ranks(engine_id)
+            plan = cached_plan(src_ranks[0].spec, local[0].spec)
+        except (SidecarError, PlanError):
+            return False
+        here = {e.rank for e in src_ranks}
+        return all(r in here for r in needed_ranks(plan, local))
 
     def pull(
         self,
@@ -56,15 +83,11 @@ class DirectPulls:
     ) -> Steps[tuple[int, str]]:
         """Copy the request's blocks from the prefill ranks registered here; "consumed" once answered."""
         p = req.params
-        if self._membership.is_split(p.engine_id):
-            raise SidecarError(
-                Code.UNIMPLEMENTED,
-                f"engine {p.engine_id!r} spans this sidecar and others: pulling from an engine that spans "
-                f"the reading sidecar and others is not supported",
-            )
         src_ranks = self._engines.engine_ranks(p.engine_id)
         plan = cached_plan(src_ranks[0].spec, local[0].spec)
-        if len(src_ranks) != plan.prefill.tp_size:
+        if self._membership.is_split(p.engine_id):
+            self._check_spread(p.engine_id, req, plan, local, src_ranks)
+        elif len(src_ranks) != plan.prefill.tp_size:
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
                 f"engine {p.engine_id!r} has {len(src_ranks)} of {plan.prefill.tp_size} ranks registered",
@@ -89,8 +112,36 @@ class DirectPulls:
             return (yield from self._copy(job, src_ranks, after))
         except Exception:
             if release_now(cancel):
-                self._release(p.engine_id, p.request_id, req.engine_id, "the reader gave it up")
+                self._release(p, req.engine_id, "the reader gave it up")
             raise
+
+    @staticmethod
+    def _check_spread(
+        engine_id: str,
+        req: engine_pb2.PullRequest,
+        plan: PairPlan,
+        local: list[RankEntry],
+        src_ranks: list[RankEntry],
+    ) -> None:
+        """UNIMPLEMENTED unless every prefill rank the pull depends on is registered here; a Mamba
+        state converted between TP sizes reads every prefill rank, so it needs the whole engine here."""
+        here = {e.rank for e in src_ranks}
+        away = [r for r in needed_ranks(plan, local) if r not in here]
+        if away:
+            raise SidecarError(
+                Code.UNIMPLEMENTED,
+                f"decode ranks {[e.rank for e in local]} of engine {req.engine_id!r} read prefill ranks "
+                f"{away} of engine {engine_id!r}, which other sidecars hold, and ranks "
+                f"{sorted(here)} are registered here: a pull that reads a spread engine's ranks both here "
+                "and on other sidecars is not supported (docs/multinode.md)",
+            )
+        if state_group(req, plan) is not None:
+            raise SidecarError(
+                Code.UNIMPLEMENTED,
+                f"engine {engine_id!r} spans this sidecar and others, and its Mamba state is converted "
+                f"for engine {req.engine_id!r} (another TP size or page geometry): a conversion reads "
+                "every prefill rank, so it needs the whole engine on one sidecar",
+            )
 
     def _copy_state(
         self, job: PullJob, group: int, src_ranks: list[RankEntry], after: Later
@@ -122,8 +173,9 @@ class DirectPulls:
         """The copies, then "consumed" once the pull has answered (`after`): the prefill engine frees
         its blocks no sooner than the bytes are in place, and the event's wake-up of the prefill's
         event stream no longer competes with the answer."""
+        by_rank = {e.rank: e for e in src_ranks}  # a spread engine's ranks here, not all of them
         reads = tuple(
-            RankRead(entry.key, src_ranks[read.prefill_rank].key, read.heads)
+            RankRead(entry.key, by_rank[read.prefill_rank].key, read.heads)
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True)
             for read in rplan.reads
         )
@@ -136,3 +188,8 @@ class DirectPulls:
         nbytes = yield DirectCopy(copy, job)
         after.append(functools.partial(self._mark_done, job))
         return nbytes, path
+
+
+def needed_ranks(plan: PairPlan, local: list[RankEntry]) -> list[int]:
+    """The prefill ranks that the decode ranks `local` read or only notify, in order."""
+    return sorted({p for e in local for p in depends_on(plan.decode_ranks[e.rank])})

@@ -55,7 +55,8 @@ def by_holder(
             raise SidecarError(
                 Code.UNIMPLEMENTED,
                 f"rank {p} of engine {remote.engine_id!r} is registered on this sidecar while others are "
-                f"not: pulling from an engine that spans the reading sidecar and others is not supported",
+                "not: a pull that reads a spread engine's ranks both here and on other sidecars is not "
+                "supported (docs/multinode.md)",
             )
         ranks = out.setdefault(holder, [])
         if p not in ranks:

@@ -171,7 +171,7 @@ class Sidecar:
             lease_view,
             peers,
             opener,
-            DirectPulls(engines, plane, membership, published, releases.here),
+            DirectPulls(engines, plane, membership, published, releases.source),
             plane,
             staged_reader,
             nixl,
