@@ -377,8 +377,8 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     engine spread so serves a decode engine on another sidecar, each rank from the shard that holds it,
     and each rank hears "consumed" there; a TP 2 decode engine spread so pulls each rank on its own
     shard. Both engines spread on this node, each decode rank beside the prefill rank it reads: each
-    shard copies its own rank (host-direct). Misaligned, the rank whose prefill rank leads on another
-    shard is read over NIXL and the other is refused whole. Every byte compared."""
+    shard copies its own rank (host-direct); misaligned, each reads its prefill rank from the other
+    shard over NIXL. Every byte compared."""
     door = spawn(
         SidecarProcess(
             "door-spread",
@@ -443,19 +443,19 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     ], events
 
     # Misaligned: decode rank 1 sits on the shard that leads the prefill engine and reads its rank 1 on
-    # the other shard (refused whole: a leader reads no rank of its own engine over the wire); decode
-    # rank 0 sits on that other shard and reads prefill rank 0 from the leader, over NIXL.
+    # the other shard (through a handshake with itself), decode rank 0 on that other shard reads prefill
+    # rank 0 from the leader: each over NIXL between the shards.
     pub = prefill.send(
         {"cmd": "prefill", "request_id": "spread-crossed", "block_ids": [7, 8], "num_tokens": 30, "seed": 34}
     )
     assert pub["ok"], pub
-    res = crossed.send(
-        {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [1]}
-    )
-    assert not res["ok"] and res["error_code"] == "UNIMPLEMENTED", res
-    assert "which other sidecars hold" in res["error"] and sorted(res["unfilled_blocks"]) == [13, 14], res
-    assert res["untouched"], res
-    res = crossed.send(
-        {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [0]}
-    )
-    assert res["ok"] and res["verified"] and res["path"] == "host-nixl", res
+    for rank in (1, 0):
+        res = crossed.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [rank]}
+        )
+        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", (rank, res)
+    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
+    assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
+        ("consumed", "spread-crossed", 0),
+        ("consumed", "spread-crossed", 1),
+    ], events

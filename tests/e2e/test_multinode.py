@@ -202,42 +202,66 @@ def test_split_engines_are_bit_exact(nodes: Nodes, case: str) -> None:
 SPEC = EngineSpec.from_dict(spec_dict(tp_size=2))
 
 
-def test_a_pull_that_reads_a_spread_engine_both_here_and_elsewhere_is_refused_whole(nodes: Nodes) -> None:
-    """A prefill engine over a (leader) and b: a decode rank on either that reads both prefill ranks is
-    refused UNIMPLEMENTED, naming every block unfilled, with no byte written, and so is one on the
-    leader that reads only b's rank. The request is not lost: a reader on c then pulls it whole, and
-    each prefill rank hears "consumed" once."""
+def test_readers_that_hold_some_of_a_spread_engines_ranks_read_the_others_from_their_holders(
+    nodes: Nodes,
+) -> None:
+    """A TP 2 prefill engine over a (leader, rank 0) and b (rank 1). Decode engines on a and b read
+    ranks of both: each copies the rank its sidecar holds and reads the other from its holder, the
+    leader through a handshake with itself. Bit-exact, nothing outside the blocks written, each
+    prefill rank hears "consumed" once, where it lives. A failed such pull leaves the request to
+    another reader (here one on c), which reads it whole."""
     n = next(_ids)
     one = EngineSpec.from_dict(spec_dict(tp_size=1))
     prefill = _engine(nodes, {"a": [0], "b": [1]}, f"mix-p-{n}", SPEC)
     procs = list(prefill.values())
     try:
-        procs += [
-            EngineProcess(nodes["a"].socket, f"mix-da-{n}", one),
-            EngineProcess(nodes["b"].socket, f"mix-db-{n}", one),
-            EngineProcess(nodes["a"].socket, f"mix-r1-{n}", SPEC, ranks=[1]),
-            EngineProcess(nodes["c"].socket, f"mix-dc-{n}", SPEC),
-        ]
-        on_a, on_b, rank1_on_a, on_c = procs[2:]
-        fill = {"cmd": "prefill", "request_id": "mixed", "block_ids": [4, 5], "num_tokens": 20, "seed": 7}
-        assert prefill["b"].send(fill | {"publish": False})["ok"]
-        pub = prefill["a"].send(fill)
-        assert pub["ok"], pub
-        for reader, why in (
-            (on_a, "which other sidecars hold"),  # the leader's direct path
-            (on_b, "registered on this sidecar while others are not"),  # a member's route
-            (rank1_on_a, "which other sidecars hold"),
-        ):
-            res = reader.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 7})
-            assert not res["ok"] and res["error_code"] == "UNIMPLEMENTED", res
-            assert why in res["error"] and sorted(res["unfilled_blocks"]) == [2, 3], res
-            assert res["untouched"], res  # the refused pull wrote nothing at all
-        for proc in prefill.values():
-            _no_event(proc)
-        res = on_c.send({"cmd": "pull", "params": pub["params"], "block_ids": [2, 3], "seed": 7})
+        readers = {
+            # name: (sidecar, spec, ranks, path): the plan TP 2 -> TP 1 converts (staged READ);
+            # TP 2 -> TP 2 is the identity, read whole from the other holder
+            "tp1-on-leader": ("a", one, None, "host-nixl-staged"),
+            "tp1-on-member": ("b", one, None, "host-nixl-staged"),
+            "tp2-on-leader": ("a", SPEC, None, "host-nixl"),
+            "rank1-on-leader": ("a", SPEC, [1], "host-nixl"),
+            "rank0-on-member": ("b", SPEC, [0], "host-nixl"),
+            "plain-on-c": ("c", one, None, "host-nixl-staged"),
+        }
+        engines = {}
+        for name, (node, spec, ranks, _) in readers.items():
+            engines[name] = EngineProcess(nodes[node].socket, f"mix-{name}-{n}", spec, ranks=ranks)
+            procs.append(engines[name])
+
+        def publish(rid: str, seed: int) -> dict:
+            fill = {"cmd": "prefill", "request_id": rid, "block_ids": [4, 5], "num_tokens": 20, "seed": seed}
+            assert prefill["b"].send(fill | {"publish": False})["ok"]
+            pub = prefill["a"].send(fill)
+            assert pub["ok"], pub
+            return pub["params"]
+
+        for k, (name, (_, spec, ranks, path)) in enumerate(readers.items()):
+            params = publish(f"mixed-{k}", seed=10 + k)
+            res = engines[name].send({"cmd": "pull", "params": params, "block_ids": [2, 3], "seed": 10 + k})
+            assert res["ok"] and res["verified"] and res["path"] == path, (name, res)
+            # Each prefill rank that every decode rank which depends on it has read hears "consumed".
+            plan = plan_pair(SPEC, spec)
+            read = set(ranks if ranks is not None else range(spec.tp_size))
+            for node, rank in (("a", 0), ("b", 1)):
+                if plan.consumers_of(rank) <= read:
+                    assert _events(prefill[node], 1) == [("consumed", f"mixed-{k}", rank)], name
+                _no_event(prefill[node])
+
+        # A failed pull that read from both (a destination block out of range, found once the opens have
+        # answered): nothing written, and the request is left to a reader on another sidecar.
+        params = publish("taken-over", seed=40)
+        res = engines["tp1-on-member"].send(
+            {"cmd": "pull", "params": params, "block_ids": [2, 10**6], "seed": 40}
+        )
+        assert not res["ok"] and sorted(res["unfilled_blocks"]) == [2, 10**6], res
+        assert res["untouched"], res
+        res = engines["plain-on-c"].send({"cmd": "pull", "params": params, "block_ids": [2, 3], "seed": 40})
         assert res["ok"] and res["verified"], res
-        assert _events(prefill["a"], 1) == [("consumed", "mixed", 0)]
-        assert _events(prefill["b"], 1) == [("consumed", "mixed", 1)]
+        assert _events(prefill["a"], 1) == [("consumed", "taken-over", 0)]
+        assert _events(prefill["b"], 1) == [("consumed", "taken-over", 1)]
+        no_transfer_in_flight(*nodes.values())
     finally:
         for p in procs:
             p.stop()

@@ -434,6 +434,64 @@ def test_engines_spread_over_the_same_two_sidecars_copy_gpu_direct_on_each(
         assert codes == [0, 0], "\n".join(line for s in sidecars for line in s.stderr_tail)
 
 
+def test_readers_that_hold_some_of_a_spread_engines_ranks_copy_them_and_stage_the_others() -> None:
+    """A TP 2 prefill engine over a leader sidecar (rank 0, GPU_A) and a member (rank 1, GPU_B). Decode
+    engines on either that read both ranks copy the one beside them (gpu-direct) and take the other from
+    its holder (gpu-staged; the leader through a handshake with itself); one on the leader that reads
+    only rank 1 stages it all. Bit-exact, and each prefill rank hears "consumed" where it lives."""
+    sidecars = [SidecarProcess(f"gpu-mixed-{role}", extra=["--leader-wait-ms", "10000"]) for role in "ab"]
+    lead, memb = sidecars
+    pspec = EngineSpec.from_dict(BASE | {"tp_size": 2})
+    one = EngineSpec.from_dict(BASE | {"layout": "flash_attn_hnd"})
+    engines: list[EngineProcess] = []
+    try:
+        on_gpus = [GPU_A, GPU_B]
+        engines.append(leader := EngineProcess(lead.socket, "gpu-mixed-p", pspec, ranks=[0], devices=on_gpus))
+        engines.append(
+            member := EngineProcess(
+                memb.socket, "gpu-mixed-p", pspec, ranks=[1], devices=on_gpus, leader=lead.peer_address
+            )
+        )
+        readers = [
+            ("tp1-on-leader", EngineProcess(lead.socket, "gpu-mixed-d1", one, devices=[GPU_A]), (0, 1)),
+            ("tp1-on-member", EngineProcess(memb.socket, "gpu-mixed-d2", one, devices=[GPU_B]), (0, 1)),
+            (
+                "rank1-on-leader",
+                EngineProcess(lead.socket, "gpu-mixed-d3", pspec, ranks=[1], devices=on_gpus),
+                (1,),
+            ),
+        ]
+        engines += [e for _, e, _ in readers]
+        src = list(range(pspec.num_blocks - 1, -1, -3))[: -(-NUM_TOKENS // pspec.block_size)]
+        dst = list(range(1, one.num_blocks, 2))[: -(-NUM_TOKENS // one.block_size)]
+        for k, (name, reader, consumed) in enumerate(readers):
+            fill = {
+                "cmd": "prefill",
+                "request_id": f"m{k}",
+                "block_ids": src,
+                "num_tokens": NUM_TOKENS,
+                "seed": k,
+            }
+            assert member.send(fill | {"publish": False})["ok"]
+            pub = leader.send(fill)
+            assert pub["ok"], pub
+            res = reader.send({"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": k})
+            assert res["ok"] and res["path"] == "gpu-staged", pull_failure(res, name)
+            assert res["verified"], res["errors"]
+            for rank, proc in ((0, leader), (1, member)):
+                if rank in consumed:
+                    ev = proc.send({"cmd": "next_event", "timeout_s": 30})
+                    assert (ev["kind"], ev["request_id"], ev["rank"]) == ("consumed", f"m{k}", rank), (
+                        name,
+                        ev,
+                    )
+    finally:
+        for e in engines:
+            e.stop()
+        codes = [s.stop() for s in sidecars]
+        assert codes == [0, 0], "\n".join(line for s in sidecars for line in s.stderr_tail)
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_a_staged_worker_killed_mid_transfer_is_restarted_and_its_pull_retried(victim: str) -> None:
     """staged_workers on GPUs: the worker of the GPU a transfer runs on (the decode or the prefill side)

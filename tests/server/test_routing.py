@@ -76,8 +76,11 @@ def test_missing_and_own_ranks_are_refused() -> None:
         holders_needed(remote, remote.plan.decode_ranks, "reader")
     assert info.value.code is Code.FAILED_PRECONDITION and "no sidecar holds rank 1" in info.value.message
     with pytest.raises(SidecarError) as info:
-        by_holder(remote, [0], "leader")  # the reader itself holds rank 0
-    assert info.value.code is Code.UNIMPLEMENTED
+        by_holder(remote, [0], "leader")  # the map puts rank 0 here, and it is not registered here now
+    assert info.value.code is Code.FAILED_PRECONDITION and "handshake again" in info.value.message
+    # Ranks the reader holds itself and copies (own_ranks.py) are left out, whoever the map names.
+    assert by_holder(remote, [0], "leader", own={0}) == {}
+    assert by_holder(remote, [0], "reader", own={0}) == {}
 
 
 def _done_reads(remote: RemoteEngine, request: str) -> DoneReads:
@@ -115,6 +118,18 @@ def test_done_notifications_go_one_by_one_to_a_peer_without_done_batches_and_alo
     single.done_batches = True
     ((agent, msg),) = done_messages([_done_reads(single, "r1")], "reader")[0]
     assert agent == "leader" and n.parse_done_notification(msg) == ("p", "r1", "d", 0, [0])
+
+
+def test_done_notifications_leave_out_the_ranks_the_reader_holds_itself() -> None:
+    """A reader that holds some of a spread engine's ranks (it leads the engine, or follows its leader)
+    marks those done in its own record (own_ranks.py): it notifies only the other holders."""
+    remote = _remote({"tp_size": 4}, {"tp_size": 2}, {0: LEADER, 1: LEADER, 2: MEMBER, 3: MEMBER})
+    reads = DoneReads(remote, "r1", "d", list(enumerate(remote.plan.decode_ranks)), own={0, 1})
+    messages, addresses = done_messages([reads], "leader")
+    assert addresses == {MEMBER.address}
+    assert [(a, n.parse_done_notification(m)) for a, m in messages] == [
+        ("member", ("p", "r1", "d", 1, [2, 3]))
+    ]
 
 
 def test_done_notifications_joined_are_split_at_max_dones() -> None:

@@ -8,7 +8,8 @@ half of the heads). The decode engine's output must
 equal what it computes alone. Then a TP 2 decode engine whose ranks the node sidecar spreads over its
 shards (`control_shard_ranks: spread`), fed from a sidecar of its own: each rank pulls on its shard;
 and fed from a TP 2 prefill engine spread over the same shards, each decode rank beside the prefill rank
-it reads: each shard copies its own rank (host-direct).
+it reads: each shard copies its own rank (host-direct). A TP 1 decode engine on the prefill engine's
+leader shard reads both of its ranks: the one there as a copy, the other from the other shard.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ DECODE_ID = next(f"shard-d{i}" for i in range(100) if PLACEMENT.shard_of(f"shard
 # Host ranks spread round robin from rank 0's shard, which goes by engine id: rank r of both on one shard.
 SPREAD_P_ID = next(f"spread-p{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-p{i}") == 0)
 SPREAD_D_ID = next(f"spread-d{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-d{i}") == 0)
+MIXED_D_ID = next(f"mixed-d{i}" for i in range(100) if PLACEMENT.shard_of(f"mixed-d{i}") == 0)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_pd_through_a_node_sidecar_of_control_shards_equals_the_decode_engine_al
     assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
 
 
-Spread = tuple[VllmEngine, VllmEngine, VllmEngine, SidecarProcess]
+Spread = tuple[VllmEngine, VllmEngine, VllmEngine, VllmEngine, SidecarProcess]
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +123,27 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spread]:
             "connector": {"sidecar_socket": node.socket, "engine_id": SPREAD_D_ID},
         },
     )
+    D1 = VllmEngine(
+        "decode-tp1-on-the-leader-shard",
+        {
+            "model": model,
+            "block_size": BLOCK,
+            "prefix_caching": False,
+            "connector": {"sidecar_socket": node.socket, "engine_id": MIXED_D_ID},
+        },
+    )
     try:
-        start_all(P, near, D)
-        yield P, near, D, node
+        start_all(P, near, D, D1)
+        yield P, near, D, D1, node
     finally:
-        P.stop()
-        near.stop()
-        D.stop()
+        for engine in (P, near, D, D1):
+            engine.stop()
         assert node.stop() == 0, "\n".join(node.stderr_tail)
         assert other.stop() == 0, "\n".join(other.stderr_tail)
 
 
 def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(spread: Spread) -> None:
-    P, _, D, node = spread
+    P, _, D, _, node = spread
     prompts = {f"s{n}": prompt(n, seed=90 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     ok = {"outcome": "ok", "path": "host-nixl-staged"}
@@ -151,7 +161,7 @@ def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(sp
     """Both engines spread over the node sidecar's shards, rank r of each on shard r: each decode rank's
     pull is a copy on its own shard from the prefill rank beside it, the request held there for that
     rank (its leader shard forwarded the publish), and "consumed" frees the prefill engine's blocks."""
-    _, P, D, node = spread
+    _, P, D, _, node = spread
     prompts = {f"n{n}": prompt(n, seed=95 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
     ok = {"outcome": "ok", "path": "host-direct"}
@@ -159,6 +169,22 @@ def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(sp
     assert prefill_then_decode(P, D, prompts, 10)[0] == want
     after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
     assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
+    assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
+    settled = P.settle(30)
+    assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
+
+
+def test_pd_from_a_spread_engine_into_one_on_its_leader_shard_reads_both_shards(spread: Spread) -> None:
+    """A TP 1 decode engine on the shard that leads the TP 2 prefill engine: each pull reads prefill rank
+    0 there as a copy and rank 1 from the other shard (host-nixl-staged, through the leader shard's
+    handshake with itself); the output equals the decode engine's alone."""
+    _, P, _, D, node = spread
+    prompts = {f"m{n}": prompt(n, seed=70 + n) for n in (9, 64, 200)}
+    want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
+    ok = {"outcome": "ok", "shard": "0", "path": "host-nixl-staged"}
+    before = metric(node.metrics_port, "kvsidecar_pulls_total", **ok)
+    assert prefill_then_decode(P, D, prompts, 10)[0] == want
+    assert metric(node.metrics_port, "kvsidecar_pulls_total", **ok) - before == len(prompts)
     assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
     settled = P.settle(30)
     assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled

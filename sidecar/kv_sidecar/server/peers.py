@@ -315,7 +315,8 @@ class Peers:
                 f"{resp.sidecar_id}{' (this one)' if resp.sidecar_id == me else ''} now: the other restarted "
                 f"or moved, and the request is gone with it; prefill it again",
             )
-        if resp.sidecar_id == me:  # never NIXL-read from our own agent
+        itself = resp.sidecar_id == me
+        if itself and publisher != me:  # never NIXL-read from our own agent
             metrics.handshakes.labels("error").inc()
             raise SidecarError(
                 Code.INVALID_ARGUMENT,
@@ -337,7 +338,9 @@ class Peers:
                 f"plan mismatch with peer {link.address}: ours {plan.hash()}, theirs {resp.plan_hash} "
                 f"(different kv-sidecar versions?)",
             )
-        agent = nixl.add_remote(resp.agent_metadata, resp.agent_name)
+        # This sidecar leads an engine spread over it and others, and reads the others' ranks (its own
+        # it copies: own_ranks.py): its own agent is never loaded as a peer's.
+        agent = resp.agent_name if itself else nixl.add_remote(resp.agent_metadata, resp.agent_name)
         link.handshaken(resp.push_key)
         remote = RemoteEngine(
             sidecar_id=resp.sidecar_id,

@@ -39,6 +39,7 @@ from kv_sidecar.server.after_answer import Joined, Later, run_later
 from kv_sidecar.server.engines import EngineRegistry, RankEntry
 from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
+from kv_sidecar.server.own_ranks import Own, OwnRanks
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
 from kv_sidecar.server.pull_direct import PATH_DIRECT, DirectPulls
 from kv_sidecar.server.pull_job import (
@@ -73,9 +74,11 @@ class DoneNotices(Joined):
         req: engine_pb2.PullRequest,
         remote: RemoteEngine,
         job: PullJob,
+        own: Own | None = None,
     ) -> None:
         super().__init__(send_done)
         self.req, self.remote, self.job = req, remote, job
+        self.own = frozenset(own or ())  # prefill ranks held here: marked done here (OwnRanks.done)
 
 
 class _Retry(Exception):
@@ -140,6 +143,7 @@ class Puller:
         peers: Peers,
         opener: Opener,
         direct: DirectPulls,
+        own: OwnRanks,
         plane: DataPlane,
         staged: StagedReader,
         nixl: NixlDriver,
@@ -156,6 +160,7 @@ class Puller:
         self._peers = peers
         self._opener = opener
         self._direct = direct
+        self._own = own
         self._plane = plane
         self._staged_reader = staged
         self._nixl = nixl
@@ -240,9 +245,11 @@ class Puller:
             # (which would fix this engine as its reader); the source's record is checked again later.
             check_start(req.start_token, p.first_token, p.num_tokens)
             local = self._local_ranks(req, cancel.ranks)
-            if not remote_here and self._direct.serves(p.engine_id, local):
-                remote_here = True  # a spread engine's member: the ranks it reads are held here
-                route[0] = "host-direct"
+            if remote_here != self._direct.serves(p.engine_id, local, remote_here):
+                # An engine spread over this sidecar and others: copied here where every rank the pull
+                # reads is held here, else read from the others (and here, as copies: own_ranks.py).
+                remote_here = not remote_here
+                route[0] = "host-direct" if remote_here else "host-nixl"
             if remote_here:
                 deadline = time.monotonic() + timeout_s
                 if any(e.on_gpu for e in local):
@@ -343,6 +350,7 @@ class Puller:
         opened_on: list[Holder] = []
         early: list[PostedRead] = []
         opening: Opening | None = None
+        own: Own = {}
         try:
             check_address("params.sidecar_address", p.sidecar_address)
             known = self._peers.known_engine(
@@ -362,10 +370,33 @@ class Puller:
                     lambda: stopped_error(cancel, p.request_id),
                     p.sidecar_id,
                 )
-            # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map.
+            # Each source rank's sidecar: the leader for a one-node engine, else from the leader's map;
+            # ranks of a spread engine that this sidecar holds itself are copied here (own_ranks.py).
+            own = self._own.held(p.engine_id, remote.plan, local)
             holders = list(
-                holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id)
+                holders_needed(remote, [remote.plan.decode_ranks[r] for r in ranks], self._sidecar_id, own)
             )
+            if own:
+                if not holders:  # DirectPulls.serves takes these; the ranks here changed in between
+                    raise SidecarError(
+                        Code.FAILED_PRECONDITION,
+                        f"every rank of engine {p.engine_id!r} that the pull reads is registered here now; "
+                        "try again",
+                    )
+                # Opened on the other holders and on this sidecar's own record, which must agree; then
+                # each read from another holder as from any peer, from a rank held here as a copy.
+                yield Apart()  # the opens wait for the other holders
+                item = self._own.open(req, remote.plan, local, own, deadline)
+                opening = self._opener.open(remote, holders, req, ranks)
+                opened_on = opening.touched
+                opened = opening.finish(deadline)
+                opened_on = holders
+                self._own.agree(item, opened, holders[0].address)
+                return (
+                    yield from self._read_remote(
+                        req, local, remote, opened, cancel, deadline, after, route, own
+                    )
+                )
             pushed = self._push_with_open(req, local, remote, holders, cancel, deadline)
             if pushed is not None:
                 opened_on = holders  # a failure closes the read that the Push opened
@@ -419,6 +450,8 @@ class Puller:
             release = not retry and self._release_now(cancel)
             if opened_on:
                 self._opener.close_reads(opened_on, req, ranks, failed=True, release=release)
+            if own:
+                self._own.failed(req, release)
             if retry:
                 log.warning(
                     "pull of %r from %s failed (%s): handshake again and retry once",
@@ -505,10 +538,19 @@ class Puller:
         deadline: float,
         after: Later,
         route: list[str],
+        own: Own | None = None,
     ) -> Steps[tuple[int, str]]:
+        """`own`: ranks held here, each read as a copy (own_ranks.py); the rest from their holders."""
         p = req.params
         group = state_group(req, remote.plan)
         if group is not None:
+            if own:
+                raise SidecarError(
+                    Code.UNIMPLEMENTED,
+                    f"engine {p.engine_id!r} spans this sidecar and others, and its Mamba state is converted "
+                    f"for engine {req.engine_id!r} (another TP size or page geometry): a conversion reads "
+                    "every prefill rank, so it needs the whole engine on one sidecar",
+                )
             route[0] = PATH_STATE
             return self._read_state(req, local, remote, group, opened, cancel, deadline, after)
         job = build_job(
@@ -531,19 +573,23 @@ class Puller:
             )
         route[0] = _ring_path(job) if ring else "host-nixl" if identity else "host-nixl-staged"
         nbytes = 0
-        if identity and not ring:
+        if identity and not ring and not own:
             nbytes = self._plane.finish_reads(self._plane.post_reads(_block_reads(job, remote), job), job)
         else:
             for entry, rplan in zip(job.local, job.rank_plans(), strict=True):
                 for read in rplan.reads:
                     job.remaining()  # stopped before touching (possibly unregistered) memory
-                    if ring:
+                    if own and read.prefill_rank in own:
+                        nbytes += yield self._own.copy(job, entry, own[read.prefill_rank], read.heads)
+                    elif ring:
                         nbytes += yield StagedRead(job, remote, entry, read.prefill_rank)
                     else:
                         src = remote.remote_rank(read.prefill_rank)
                         converted = ConvertedRead(entry.key, src, job.plan, read.heads, job.tokens)
                         nbytes += self._plane.read_converted(converted, job)
-        after.append(DoneNotices(self.send_done, req, remote, job))
+        if own:
+            after.append(self._own.done(job, own))
+        after.append(DoneNotices(self.send_done, req, remote, job, own))
         return nbytes, route[0]
 
     def _read_state(
@@ -585,6 +631,7 @@ class Puller:
                 d.req.params.request_id,
                 d.req.engine_id,
                 [(e.rank, plan) for e, plan in zip(d.job.local, d.job.rank_plans(), strict=True)],
+                d.own,
             )
             for d in pulls
         )

@@ -5,7 +5,8 @@ server/pull_steps.py), so that a PullBatch's copies launch together and wait onc
 
 An engine spread over several sidecars (docs/multinode.md; control shards' `spread`) is read here when
 every prefill rank the pull's decode ranks read or notify is registered here: this sidecar holds the
-request for those ranks (its leader forwarded the publish), so its own record and copies serve them.
+request for those ranks (its leader forwarded the publish, or it leads the engine), so its own record
+and copies serve them. Where only some are, server/pull.py reads the others from their holders.
 """
 
 from __future__ import annotations
@@ -57,18 +58,22 @@ class DirectPulls:
         """Whether this sidecar holds ranks of the engine `engine_id` as a member, led by another."""
         return self._membership.leader_of(engine_id) is not None
 
-    def serves(self, engine_id: str, local: list[RankEntry]) -> bool:
-        """Whether this sidecar, a member for the spread engine `engine_id` (its params name the leader),
-        holds every prefill rank that `local` read or notify, so that the pull is a copy here. False where
-        it holds none or only some of them (the pull goes to their holders, which refuse a mix), or
-        where the specs do not plan (the handshake says why)."""
-        if not self.follows(engine_id):
+    def serves(self, engine_id: str, local: list[RankEntry], published_here: bool) -> bool:
+        """Whether a pull of `engine_id`'s request into `local` is a copy here. `published_here`: its
+        params name this sidecar. An engine spread over this sidecar and others (this sidecar leads it,
+        or follows its leader) is copied here only where every prefill rank that `local` read or
+        notify is registered here; else the pull reads from the other holders (server/pull.py, which
+        copies the ranks held here: own_ranks.py). False also where the specs do not plan, for the
+        handshake to say why."""
+        if published_here and not self._membership.is_split(engine_id):
+            return True
+        if not published_here and not self.follows(engine_id):
             return False
         try:
             src_ranks = self._engines.engine_ranks(engine_id)
             plan = cached_plan(src_ranks[0].spec, local[0].spec)
         except (SidecarError, PlanError):
-            return False
+            return published_here  # the direct path reports it
         here = {e.rank for e in src_ranks}
         return all(r in here for r in needed_ranks(plan, local))
 
@@ -123,17 +128,15 @@ class DirectPulls:
         local: list[RankEntry],
         src_ranks: list[RankEntry],
     ) -> None:
-        """UNIMPLEMENTED unless every prefill rank the pull depends on is registered here; a Mamba
+        """Every prefill rank the pull depends on must be registered here (`serves` said so); a Mamba
         state converted between TP sizes reads every prefill rank, so it needs the whole engine here."""
         here = {e.rank for e in src_ranks}
         away = [r for r in needed_ranks(plan, local) if r not in here]
-        if away:
+        if away:  # registered here when the path was chosen, gone since
             raise SidecarError(
-                Code.UNIMPLEMENTED,
-                f"decode ranks {[e.rank for e in local]} of engine {req.engine_id!r} read prefill ranks "
-                f"{away} of engine {engine_id!r}, which other sidecars hold, and ranks "
-                f"{sorted(here)} are registered here: a pull that reads a spread engine's ranks both here "
-                "and on other sidecars is not supported (docs/multinode.md)",
+                Code.FAILED_PRECONDITION,
+                f"prefill ranks {away} of engine {engine_id!r}, which decode ranks {[e.rank for e in local]} "
+                f"of engine {req.engine_id!r} read, are not registered on this sidecar any more; try again",
             )
         if state_group(req, plan) is not None:
             raise SidecarError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from kv_sidecar.errors import Code, SidecarError
@@ -38,11 +38,14 @@ def depends_on(rank_plan: DecodeRankPlan) -> list[int]:
 
 
 def by_holder(
-    remote: RemoteEngine, prefill_ranks: Iterable[int], own_sidecar_id: str
+    remote: RemoteEngine, prefill_ranks: Iterable[int], own_sidecar_id: str, own: Collection[int] = ()
 ) -> dict[Holder, list[int]]:
-    """Group prefill ranks by the sidecar holding them (dict order: first seen)."""
+    """Group prefill ranks by the sidecar holding them (dict order: first seen), less `own`: those this
+    sidecar holds itself and reads as copies (server/own_ranks.py)."""
     out: dict[Holder, list[int]] = {}
     for p in prefill_ranks:
+        if p in own:
+            continue
         holder = remote.holders.get(p)
         if holder is None:
             known = sorted(remote.holders)
@@ -51,12 +54,11 @@ def by_holder(
                 f"no sidecar holds rank {p} of engine {remote.engine_id!r} (its leader knows ranks {known}); "
                 f"are all its ranks registered?",
             )
-        if holder.sidecar_id == own_sidecar_id:
+        if holder.sidecar_id == own_sidecar_id:  # the map is older than this sidecar's registrations
             raise SidecarError(
-                Code.UNIMPLEMENTED,
-                f"rank {p} of engine {remote.engine_id!r} is registered on this sidecar while others are "
-                "not: a pull that reads a spread engine's ranks both here and on other sidecars is not "
-                "supported (docs/multinode.md)",
+                Code.FAILED_PRECONDITION,
+                f"rank {p} of engine {remote.engine_id!r} is not registered on this sidecar any more, where "
+                "the handshake put it; handshake again",
             )
         ranks = out.setdefault(holder, [])
         if p not in ranks:
@@ -72,6 +74,7 @@ class DoneReads(NamedTuple):
     request_id: str
     reader: str
     ranks: Sequence[tuple[int, DecodeRankPlan]]
+    own: Collection[int] = ()  # prefill ranks held here: marked done here, not notified
 
 
 def done_messages(
@@ -91,7 +94,7 @@ def done_messages(
             dones = [
                 (rank, holder, done)
                 for rank, rank_plan in pull.ranks
-                for holder, done in by_holder(remote, depends_on(rank_plan), own_sidecar_id).items()
+                for holder, done in by_holder(remote, depends_on(rank_plan), own_sidecar_id, pull.own).items()
             ]
         except SidecarError as e:
             log.warning("no done notification for request %r: %s", pull.request_id, e.message)
@@ -111,10 +114,10 @@ def done_messages(
 
 
 def holders_needed(
-    remote: RemoteEngine, rank_plans: Sequence[DecodeRankPlan], own_sidecar_id: str
+    remote: RemoteEngine, rank_plans: Sequence[DecodeRankPlan], own_sidecar_id: str, own: Collection[int] = ()
 ) -> dict[Holder, list[int]]:
-    """Every holder the given decode ranks depend on, with the prefill ranks they need there."""
-    return by_holder(remote, (p for rp in rank_plans for p in depends_on(rp)), own_sidecar_id)
+    """Every other holder the given decode ranks depend on, with the prefill ranks they need there."""
+    return by_holder(remote, (p for rp in rank_plans for p in depends_on(rp)), own_sidecar_id, own)
 
 
 CLOSE_TIMEOUT_S = 2.0

@@ -29,6 +29,7 @@ from kv_sidecar.server.inflight import InflightPulls
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.notified_opens import NotifiedOpens, OpenAnswers
+from kv_sidecar.server.own_ranks import OwnRanks
 from kv_sidecar.server.peer_requests import PeerRequests
 from kv_sidecar.server.peers import Peers
 from kv_sidecar.server.publish_refusals import PublishRefusals
@@ -172,6 +173,7 @@ class Sidecar:
             peers,
             opener,
             DirectPulls(engines, plane, membership, published, releases.source),
+            OwnRanks(engines, published, membership, releases.here),
             plane,
             staged_reader,
             nixl,
