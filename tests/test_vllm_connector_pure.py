@@ -39,6 +39,8 @@ def test_config_defaults_and_int_for_float() -> None:
     assert cfg.pull_timeout_s == 5.0 and isinstance(cfg.pull_timeout_s, float)
     assert cfg.sidecar_socket == "/run/kv-sidecar/engine.sock" and cfg.engine_id == "p"
     assert ConnectorConfig.from_extra_config(None) == ConnectorConfig()
+    assert ConnectorConfig().shard_placement == ""  # control shards: by engine id
+    assert ConnectorConfig.from_extra_config({"shard_placement": "pair-1"}).shard_placement == "pair-1"
 
 
 @pytest.mark.parametrize(

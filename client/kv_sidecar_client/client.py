@@ -264,16 +264,19 @@ class SidecarClient:
         timeout_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
         lane: bool | None = None,
+        placement: str = "",
     ) -> None:
         """`lane`: send Publish and Pull over the sidecar's engine lane when it serves one (default:
-        yes, unless the environment sets KV_SIDECAR_ENGINE_LANE=0)."""
+        yes, unless the environment sets KV_SIDECAR_ENGINE_LANE=0). `placement`: where the sidecar runs
+        control shards, host engines of this client that name the same key as others go to their shard
+        (a P/D pair of one node: its pulls are then copies in one process); empty: by engine id."""
         self.target = target = target_of(target)
         self.timeout_s = timeout_s
         options = list(channel_options)
         home = Conn.open(target, options, lane)
         self.lane = home.lane
         # Where the sidecar given runs control shards, each engine's calls go to its shard (routes.py).
-        self.routes = Routes(home, lambda shard: Conn.open(shard, options, lane))
+        self.routes = Routes(home, lambda shard: Conn.open(shard, options, lane), placement)
 
     def close(self) -> None:
         self.routes.close()

@@ -48,9 +48,11 @@ class Routes:
     """The routes one client has learnt. Thread-safe; a Route call runs outside the lock (two threads
     that ask together get the same answer)."""
 
-    def __init__(self, home: Conn, open_conn: Callable[[str], Conn]) -> None:
+    def __init__(self, home: Conn, open_conn: Callable[[str], Conn], placement: str = "") -> None:
+        """`placement`: the host engines' placement key sent with every Route (RouteRequest.placement)."""
         self.home = home
         self._open = open_conn
+        self._placement = placement
         self._front: bool | None = None  # None: not known yet; False: home serves every engine
         self._routes: dict[_Key, Conn] = {}
         # Ranks the front door spreads to a shard of their own: their engine's leader there (RouteResponse).
@@ -81,7 +83,11 @@ class Routes:
         if known is not None:
             return known
         request = engine_pb2.RouteRequest(
-            engine_id=engine_id, rank=rank, device_uuid=device_uuid, own_leader=own_leader
+            engine_id=engine_id,
+            rank=rank,
+            device_uuid=device_uuid,
+            own_leader=own_leader,
+            placement=self._placement,
         )
         try:
             answer = self.home.stub.Route(request, timeout=timeout_s)

@@ -88,10 +88,14 @@ class EngineSession:
         on_event: EventHandler | None = None,
         backoff: Backoff = Backoff(),
         timeout_s: float = 30.0,
+        placement: str = "",
     ) -> None:
+        """`placement`: SidecarClient's (host engines' shard by a key of their own)."""
         self._backoff = backoff
         self._on_event = on_event or (lambda engine_id, rank, ev: None)
-        self.client = SidecarClient(target, timeout_s, channel_options=reconnect_options(backoff))
+        self.client = SidecarClient(
+            target, timeout_s, channel_options=reconnect_options(backoff), placement=placement
+        )
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()

@@ -102,6 +102,21 @@ def test_engines_pull_bit_exact_within_a_shard_and_across_shards(node: SidecarPr
     assert consumed_events(prefill, 2) == 2
 
 
+def test_host_engines_that_name_one_placement_key_share_a_shard(node: SidecarProcess, spawn: Spawn) -> None:
+    """Engine ids that the front door would put on two shards, with one placement key (RouteRequest
+    .placement, `SidecarClient(placement=...)`): both on the key's shard, and the pull a copy there."""
+    spec = EngineSpec.from_dict(spec_dict())
+    taken: set[str] = set()
+    key = next(f"pair-{i}" for i in range(100) if _placement.shard_of(f"pair-{i}") == 1)
+    p, d = engine_on(0, "keyed-p", taken), engine_on(0, "keyed-d", taken)
+    prefill, decode = (spawn(EngineProcess(node.socket, e, spec, placement=key)) for e in (p, d))
+    placed = shard_of_ranks(node)
+    assert (placed[(p, 0)], placed[(d, 0)]) == (1, 1), placed
+    res = prefill_and_pull(prefill, decode, "keyed", seed=8)
+    assert res["ok"] and res["verified"] and res["path"] == "host-direct", res
+    assert consumed_events(prefill, 1) == 1
+
+
 def test_a_tp_engine_goes_whole_to_one_shard(node: SidecarProcess, spawn: Spawn) -> None:
     """Every rank of an engine on its shard: a pull reads either its own shard's ranks or another's,
     never both (which no pull does, across nodes either)."""

@@ -44,6 +44,25 @@ def test_a_host_engine_goes_by_its_id_alone(engine: str, shards: int) -> None:
     assert q.shard_of(engine, "GPU-not-visible-here") == s
 
 
+@given(
+    a=st.text(max_size=20),
+    b=st.text(max_size=20),
+    key=st.text(min_size=1, max_size=20),
+    shards=st.integers(1, 8),
+    rank=st.integers(0, 16),
+)
+def test_host_engines_that_name_one_placement_key_share_a_shard(
+    a: str, b: str, key: str, shards: int, rank: int
+) -> None:
+    """A P/D pair of host engines names one key: both go to its shard, whatever their ids, and so do
+    their spread ranks, rank by rank; GPU ranks still go by their GPU; no key: by engine id."""
+    p = Placement(shards, GPUS[:2])
+    assert p.shard_of(a, key=key) == p.shard_of(b, key=key) == p.shard_of(key)
+    assert p.rank_shard(a, rank, key=key) == p.rank_shard(b, rank, key=key)
+    assert p.shard_of(a, GPUS[1], key=key) == p.shard_of(b, GPUS[1])
+    assert p.shard_of(a, key="") == p.shard_of(a)
+
+
 def test_host_engines_spread_over_the_shards() -> None:
     p = Placement(4)
     counts = [0] * 4

@@ -31,7 +31,9 @@ DECODE_ID = next(f"shard-d{i}" for i in range(100) if PLACEMENT.shard_of(f"shard
 # Host ranks spread round robin from rank 0's shard, which goes by engine id: rank r of both on one shard.
 SPREAD_P_ID = next(f"spread-p{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-p{i}") == 0)
 SPREAD_D_ID = next(f"spread-d{i}" for i in range(100) if PLACEMENT.shard_of(f"spread-d{i}") == 0)
-MIXED_D_ID = next(f"mixed-d{i}" for i in range(100) if PLACEMENT.shard_of(f"mixed-d{i}") == 0)
+# An id that would go to shard 1, and a placement key (the connector's shard_placement) that puts it on 0.
+MIXED_D_ID = next(f"mixed-d{i}" for i in range(100) if PLACEMENT.shard_of(f"mixed-d{i}") == 1)
+MIXED_KEY = next(f"node-pair-{i}" for i in range(100) if PLACEMENT.shard_of(f"node-pair-{i}") == 0)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,11 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spread]:
             "model": model,
             "block_size": BLOCK,
             "prefix_caching": False,
-            "connector": {"sidecar_socket": node.socket, "engine_id": MIXED_D_ID},
+            "connector": {
+                "sidecar_socket": node.socket,
+                "engine_id": MIXED_D_ID,
+                "shard_placement": MIXED_KEY,
+            },
         },
     )
     try:
@@ -175,9 +181,10 @@ def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(sp
 
 
 def test_pd_from_a_spread_engine_into_one_on_its_leader_shard_reads_both_shards(spread: Spread) -> None:
-    """A TP 1 decode engine on the shard that leads the TP 2 prefill engine: each pull reads prefill rank
-    0 there as a copy and rank 1 from the other shard (host-nixl-staged, through the leader shard's
-    handshake with itself); the output equals the decode engine's alone."""
+    """A TP 1 decode engine on the shard that leads the TP 2 prefill engine (placed there by the
+    connector's `shard_placement`, against its engine id): each pull reads prefill rank 0 there as a
+    copy and rank 1 from the other shard (host-nixl-staged, through the leader shard's handshake with
+    itself); the output equals the decode engine's alone."""
     _, P, _, D, node = spread
     prompts = {f"m{n}": prompt(n, seed=70 + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}

@@ -30,6 +30,10 @@ class ConnectorConfig:
     sidecar_socket: str = DEFAULT_SOCKET
     # The id this engine registers under; empty: vLLM's kv_transfer_config.engine_id.
     engine_id: str = ""
+    # A node sidecar of control shards: host (CPU) engines that name the same key go to the same shard,
+    # e.g. a P/D pair of one node, whose pulls are then copies; empty: by engine id. GPU engines go by
+    # their GPU (control_shard_gpus).
+    shard_placement: str = ""
     # Peer address (host:port) of the engine's leader sidecar when its TP ranks span nodes.
     leader_address: str = ""
     # How long published blocks are held for a reader (0: the sidecar's default lease).

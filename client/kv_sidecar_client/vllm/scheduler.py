@@ -172,7 +172,10 @@ class SidecarScheduler:
         # Reconnecting as the workers' sessions do: publishes and retried releases reach a restarted sidecar
         # within a second, not after gRPC's default reconnect backoff.
         self.client = SidecarClient(
-            self.socket, timeout_s=config.pull_timeout_s, channel_options=reconnect_options()
+            self.socket,
+            timeout_s=config.pull_timeout_s,
+            channel_options=reconnect_options(),
+            placement=config.shard_placement,
         )
         wait_for_sidecar(self.client, config, self.socket)
         self._lock = threading.Lock()

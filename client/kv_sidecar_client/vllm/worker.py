@@ -52,7 +52,9 @@ class PullRecord:
 
 def connect_session(config: ConnectorConfig, socket: str, on_event: Any) -> EngineSession:
     """An EngineSession on this rank's sidecar socket, or an error naming it (engine start fails)."""
-    session = EngineSession(socket, on_event, timeout_s=config.pull_timeout_s)
+    session = EngineSession(
+        socket, on_event, timeout_s=config.pull_timeout_s, placement=config.shard_placement
+    )
     wait_for_sidecar(session.client, config, socket)
     return session
 

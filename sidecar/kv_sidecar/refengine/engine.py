@@ -80,13 +80,14 @@ class RefEngine:
         devices: list[torch.device] | None = None,
         leader: str = "",
         shm_names: str = "",
+        placement: str = "",
     ) -> None:
         """`shm_names`: host caches in objects named `<shm_names>-<rank>`, made anew (one left by an
         engine before is removed), as an engine that names them by its pid does in a fresh container
-        (vLLM's pool); default: a random name each."""
+        (vLLM's pool); default: a random name each. `placement`: SidecarClient's (control shards)."""
         self.spec = spec
         self.engine_id = engine_id
-        self.client = SidecarClient(socket)
+        self.client = SidecarClient(socket, placement=placement)
         self.client.wait_ready()
         self.caches: dict[int, ShmKVCache | GpuKVCache] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -471,13 +472,24 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="host caches in /dev/shm/<this>-<rank>, made anew (default: random names)",
     )
+    ap.add_argument(
+        "--placement", default="", help="control shards: host engines that name one key share a shard"
+    )
     args = ap.parse_args(argv)
     spec = EngineSpec.from_dict(json.loads(args.spec))
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(spec.tp_size))
     try:
         devices = [torch.device(d) for d in args.devices.split(",") if d]
         engine = RefEngine(
-            args.socket, args.engine_id, spec, ranks, args.poison, devices, args.leader, args.shm_names
+            args.socket,
+            args.engine_id,
+            spec,
+            ranks,
+            args.poison,
+            devices,
+            args.leader,
+            args.shm_names,
+            args.placement,
         )
     except KVSidecarError as e:
         print(json.dumps({"ok": False, "error_code": e.code, "error": e.message}), flush=True)

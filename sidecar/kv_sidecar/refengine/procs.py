@@ -461,9 +461,11 @@ class EngineProcess(_Proc):
         env: dict[str, str] | None = None,
         python: list[str] | None = None,
         shm_names: str = "",
+        placement: str = "",
     ) -> None:
         """`leader`: the engine's leader sidecar (peer address) when its ranks span several sidecars.
         `shm_names`: host caches in /dev/shm/<shm_names>-<rank> (refengine --shm-names).
+        `placement`: control shards' placement key (refengine --placement).
         `env`: added to the engine's environment (e.g. KV_SIDECAR_ENGINE_LANE=0).
         `python`: the command that runs Python (default: this interpreter), e.g. one in a container
         (scripts/image_smoke.py)."""
@@ -486,6 +488,8 @@ class EngineProcess(_Proc):
             argv += ["--leader", leader]
         if shm_names:
             argv += ["--shm-names", shm_names]
+        if placement:
+            argv += ["--placement", placement]
         super().__init__(argv, f"engine {engine_id}", env)
         self.spec = spec
         self.engine_id = engine_id

@@ -74,12 +74,12 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         elif request.HasField("rank") and request.rank > 0 and self._spread and not request.own_leader:
             return self._spread_rank(request, context)
         elif request.HasField("rank") and (request.rank == 0 or not request.device_uuid):
-            # Rank 0 places the engine; a host engine's every rank goes by its id alone.
-            shard = self._placement.shard_of(engine, request.device_uuid)
+            # Rank 0 places the engine; a host engine's every rank goes by its key or id alone.
+            shard = self._placement.shard_of(engine, request.device_uuid, request.placement)
             self._engines.set(engine, shard)
         elif request.HasField("rank") and request.own_leader:
             # Ranks of an engine led from another node, without their rank 0 here: by their GPU.
-            shard = self._placement.shard_of(engine, request.device_uuid)
+            shard = self._placement.shard_of(engine, request.device_uuid, request.placement)
         else:
             shard = self._rank0_shard(engine, context)
         return engine_pb2.RouteResponse(engine_target=targets[shard], shard=shard)
@@ -105,7 +105,7 @@ class FrontDoorEngine(engine_pb2_grpc.EngineServiceServicer):
         shards = self._shards.shards
         engine = request.engine_id
         leader = self._rank0_shard(engine, context)
-        own = self._placement.rank_shard(engine, request.rank, request.device_uuid)
+        own = self._placement.rank_shard(engine, request.rank, request.device_uuid, request.placement)
         address = ""
         if own != leader:
             info = shards[leader].info

@@ -1,12 +1,12 @@
 """Which shard serves an engine (pure: no I/O, no gRPC).
 
-An engine goes to one shard, all its ranks: a pull then reads either the engine's ranks on its own
-shard (host-direct, gpu-direct) or those of another shard (staged), never a mix, which a pull cannot
-do (routing.by_holder). A GPU engine goes to the shard of its rank 0's GPU: the visible GPUs, in
+An engine goes to one shard, all its ranks (`control_shard_ranks: whole`), or each rank to its own
+GPU's shard (`spread`, `rank_shard`). A GPU engine goes to the shard of its rank 0's GPU: the visible GPUs, in
 ordinal order, split into contiguous groups, one per shard, so that the engines of a GPU pair that
 sit next to each other share a shard and their pulls stay gpu-direct; or into the groups the operator
 names (`control_shard_gpus`), for pairs that do not sit next to each other. A host engine has no GPU
-to go by: its engine id (CRC-32, stable across restarts and processes) picks the shard.
+to go by: its placement key, or else its engine id (CRC-32, stable across restarts and processes),
+picks the shard, so that host engines that name one key (a P/D pair) share a shard.
 """
 
 from __future__ import annotations
@@ -79,22 +79,23 @@ class Placement:
         n = len(self.devices)
         return tuple(o for o in range(n) if o * self.shards // n == shard)
 
-    def rank_shard(self, engine_id: str, rank: int, device_uuid: str = "") -> int:
+    def rank_shard(self, engine_id: str, rank: int, device_uuid: str = "", key: str = "") -> int:
         """Where a rank goes when an engine's ranks are spread (control_shard_ranks "spread"): a GPU rank
         to its own GPU's shard, a host rank to the shard after its rank 0's, `rank` shards on (round
         robin): rank 0's is `shard_of`'s."""
         if device_uuid in self.devices:
             return self.shard_of(engine_id, device_uuid)
-        return (self.shard_of(engine_id) + rank) % self.shards
+        return (self.shard_of(engine_id, key=key) + rank) % self.shards
 
-    def shard_of(self, engine_id: str, device_uuid: str = "") -> int:
-        """The shard of `engine_id`, whose rank 0's tensors are on `device_uuid` (empty: host memory)."""
+    def shard_of(self, engine_id: str, device_uuid: str = "", key: str = "") -> int:
+        """The shard of `engine_id`, whose rank 0's tensors are on `device_uuid` (empty: host memory);
+        a host engine's by its placement `key` where it names one."""
         if device_uuid in self.devices:
             ordinal = self.devices.index(device_uuid)
             if self.groups:
                 return next(k for k, group in enumerate(self.groups) if ordinal in group)
             return ordinal * self.shards // len(self.devices)
-        return zlib.crc32(engine_id.encode()) % self.shards
+        return zlib.crc32((key or engine_id).encode()) % self.shards
 
 
 class EngineShards:

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "device_uuid", "own_leader")
+    __slots__ = ("engine_id", "rank", "device_uuid", "own_leader", "placement")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     OWN_LEADER_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     device_uuid: str
     own_leader: bool
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_uuid: _Optional[str] = ..., own_leader: _Optional[bool] = ...) -> None: ...
+    placement: str
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_uuid: _Optional[str] = ..., own_leader: _Optional[bool] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("engine_target", "shard", "leader_address")
