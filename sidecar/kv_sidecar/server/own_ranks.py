@@ -19,6 +19,7 @@ from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.pull_direct import needed_ranks
 from kv_sidecar.server.pull_job import PullJob
 from kv_sidecar.server.pull_steps import DirectCopy
 from kv_sidecar.server.routing import depends_on
@@ -45,8 +46,7 @@ class OwnRanks:
         if not self._membership.is_split(engine_id):
             return {}
         here = {e.rank: e for e in self._engines.all() if e.engine_id == engine_id}
-        needed = {p for e in local for p in depends_on(plan.decode_ranks[e.rank])}
-        return {p: here[p] for p in sorted(needed) if p in here}
+        return {p: here[p] for p in needed_ranks(plan, local) if p in here}
 
     def open(
         self,

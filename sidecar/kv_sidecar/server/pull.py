@@ -2,7 +2,9 @@
 
 The paths, each in its own module:
 - host-direct, gpu-direct: the prefill engine is registered on this sidecar (server/pull_direct.py);
-  no NIXL.
+  no NIXL. A prefill engine spread over this sidecar and others (docs/multinode.md) too, where every
+  rank the pull reads is here; a pull that needs others too reads those as below and copies the ranks
+  held here (server/own_ranks.py).
 - host-nixl: another sidecar, the plan the identity (same layout, TP, block size): NIXL READs every
   block chunk straight into the destination blocks; posted early, before OpenRead answers, where the
   lease surely holds (server/lease_view.py).
@@ -221,7 +223,7 @@ class Puller:
         params that do not plan; a handshake again) steps `Apart` first, and the unit lets it go."""
         p = req.params
         if p.sidecar_id == self._sidecar_id or self._direct.follows(p.engine_id):
-            return True  # a copy here (or, where this member holds none of its ranks, it steps Apart)
+            return True  # a copy here; else, read from the engine's other sidecars, it steps Apart first
         remote = self._peers.known_engine(
             p.sidecar_address, p.engine_id, req.engine_id, p.sidecar_id, p.map_version
         )

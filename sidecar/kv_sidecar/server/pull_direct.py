@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kv_sidecar.dataplane.jobs import LocalCopy, RankRead, StateCopy
 from kv_sidecar.dataplane.plane import DataPlane
@@ -193,6 +193,6 @@ class DirectPulls:
         return nbytes, path
 
 
-def needed_ranks(plan: PairPlan, local: list[RankEntry]) -> list[int]:
+def needed_ranks(plan: PairPlan, local: Sequence[RankEntry]) -> list[int]:
     """The prefill ranks that the decode ranks `local` read or only notify, in order."""
     return sorted({p for e in local for p in depends_on(plan.decode_ranks[e.rank])})
