@@ -148,19 +148,27 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spread]:
         assert other.stop() == 0, "\n".join(other.stderr_tail)
 
 
-def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(spread: Spread) -> None:
-    P, _, D, _, node = spread
-    prompts = {f"s{n}": prompt(n, seed=90 + n) for n in (9, 64, 200)}
+def _pd_with_a_pull_per_shard(
+    P: VllmEngine, D: VllmEngine, node: SidecarProcess, prefix: str, seed: int, path: str
+) -> None:
+    """P/D equals D alone, each request one `path` pull on each of the two shards (one per decode rank),
+    none failed, and P's blocks all freed."""
+    prompts = {f"{prefix}{n}": prompt(n, seed=seed + n) for n in (9, 64, 200)}
     want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
-    ok = {"outcome": "ok", "path": "host-nixl-staged"}
+    ok = {"outcome": "ok", "path": path}
     before = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
     assert prefill_then_decode(P, D, prompts, 10)[0] == want
-    # Each decode rank pulls its half of the heads on its own shard: one pull a request on each.
     after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
     assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
     assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
     settled = P.settle(30)
     assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
+
+
+def test_pd_into_a_tp_engine_spread_over_shards_equals_the_decode_engine_alone(spread: Spread) -> None:
+    """Each decode rank pulls its half of the heads on its own shard."""
+    P, _, D, _, node = spread
+    _pd_with_a_pull_per_shard(P, D, node, "s", 90, "host-nixl-staged")
 
 
 def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(spread: Spread) -> None:
@@ -168,16 +176,7 @@ def test_pd_between_two_tp_engines_spread_over_the_same_shards_copies_on_each(sp
     pull is a copy on its own shard from the prefill rank beside it, the request held there for that
     rank (its leader shard forwarded the publish), and "consumed" frees the prefill engine's blocks."""
     _, P, D, _, node = spread
-    prompts = {f"n{n}": prompt(n, seed=95 + n) for n in (9, 64, 200)}
-    want = {rid: out["tokens"] for rid, out in D.generate(prompts, 10).items()}
-    ok = {"outcome": "ok", "path": "host-direct"}
-    before = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
-    assert prefill_then_decode(P, D, prompts, 10)[0] == want
-    after = [metric(node.metrics_port, "kvsidecar_pulls_total", shard=str(k), **ok) for k in (0, 1)]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [len(prompts)] * 2, (before, after)
-    assert metric(node.metrics_port, "kvsidecar_failures_total") == 0
-    settled = P.settle(30)
-    assert settled["ok"] and settled["free_blocks"] == P.ready["free_blocks"], settled
+    _pd_with_a_pull_per_shard(P, D, node, "n", 95, "host-direct")
 
 
 def test_pd_from_a_spread_engine_into_one_on_its_leader_shard_reads_both_shards(spread: Spread) -> None:
