@@ -13,12 +13,13 @@ from collections.abc import Iterator
 import pytest
 
 from kv_sidecar.config import Settings
+from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 from kv_sidecar.security import PeerSecurity
 from kv_sidecar.server.adapters.peer_client import probe_sidecar
 from kv_sidecar.server.gone_readers import Probe, ReaderSidecar, Seen
 
-from .conftest import Spawn, consumed_events, frozen, logged, metric
+from .conftest import Spawn, consumed_events, frozen, logged, metric, spec_dict
 from .events import no_event
 from .long_pull import BLOCKS, DST, READS, SRC, STAGING_BYTES, start_long_pull, wait_transfer_started
 
@@ -166,3 +167,31 @@ def test_a_stopped_reader_sidecar_keeps_its_request(spawn: Spawn) -> None:
     assert first["ok"] and first["verified"], first
     assert metric(a.metrics_port, *TAKEN_OVER) == 0
     assert consumed_events(prefill, 1) == 1
+
+
+def test_a_reader_that_holds_a_rank_of_the_request_takes_it_over_from_a_gone_reader(spawn: Spawn) -> None:
+    """A prefill engine spread over sidecars a (leader, rank 0) and b (rank 1). A reader on c dies mid-read;
+    a TP 1 reader on b then reads rank 1 from b's own record of the request (a copy) and rank 0 from a:
+    b's record, too, proves c gone and gives the request over, as a's OpenRead does, and the pull
+    arrives whole and exact, long before the lease; each prefill rank hears "consumed" once."""
+    src = EngineSpec.from_dict(spec_dict(num_blocks=2048, tp_size=2))
+    a = spawn(SidecarProcess("own-src-a", extra=["--leader-wait-ms", "5000"]))
+    b = spawn(SidecarProcess("own-src-b", extra=["--leader-wait-ms", "5000"]))
+    c = _reader_sidecar(spawn, "own-gone-c")
+    leader = spawn(EngineProcess(a.socket, "own-p", src, ranks=[0]))
+    member = spawn(EngineProcess(b.socket, "own-p", src, ranks=[1], leader=a.peer_address))
+    doomed = spawn(EngineProcess(c.socket, "own-d1", DST))
+    mixed = spawn(EngineProcess(b.socket, "own-d2", DST))
+    fill = {"cmd": "prefill", "request_id": "long", "block_ids": list(range(BLOCKS)), "seed": 23}
+    assert member.send(fill | {"num_tokens": BLOCKS * src.block_size, "publish": False})["ok"]
+    reads = metric(c.metrics_port, READS)
+    _, params = start_long_pull(leader, doomed, 30, seed=23)
+    wait_transfer_started(c, reads)
+    c.proc.kill()
+    c.proc.wait(5)
+    t0 = time.monotonic()
+    res = _pull_again(mixed, params, 23)
+    assert res["ok"] and res["verified"] and res["path"] == "host-nixl-staged", res
+    assert time.monotonic() - t0 < 10  # not after the lease (30 s)
+    assert logged(b, "takes it over from engine own-d1, whose sidecar is gone")
+    assert consumed_events(leader, 1) == 1 and consumed_events(member, 1) == 1

@@ -17,8 +17,9 @@ from kv_sidecar.dataplane.jobs import LocalCopy, RankRead
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
+from kv_sidecar.server.gone_readers import GoneReaders, Seen
 from kv_sidecar.server.membership import Membership
-from kv_sidecar.server.published import Published, PublishedStore
+from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
 from kv_sidecar.server.pull_direct import needed_ranks
 from kv_sidecar.server.pull_job import PullJob
 from kv_sidecar.server.pull_steps import DirectCopy
@@ -35,10 +36,13 @@ class OwnRanks:
         published: PublishedStore,
         membership: Membership,
         release: Callable[[str, str, str, str], object],
+        gone: GoneReaders,
     ) -> None:
-        """release(engine, request, reader, reason): end a request held here (Releases.here)."""
+        """release(engine, request, reader, reason): end a request held here (Releases.here); gone: tells
+        whether another reader's sidecars are gone, as for an OpenRead (server/gone_readers.py)."""
         self._engines, self._published, self._membership = engines, published, membership
         self._release = release
+        self._gone = gone
 
     def held(self, engine_id: str, plan: PairPlan, local: Sequence[RankEntry]) -> Own:
         """The prefill ranks `local` read or notify that are registered here; none unless the engine is
@@ -58,17 +62,31 @@ class OwnRanks:
     ) -> Published:
         """Open this sidecar's record of the request for the reader, as a holder opens it for OpenRead:
         it fixes the reader, holds the lease while the pull runs, and refuses a rank registered again
-        since the publish (its blocks hold other bytes)."""
+        since the publish (its blocks hold other bytes). A request that another engine reads is taken
+        over where that reader's sidecars are proven gone, as the other holders' OpenRead takes it
+        (a router retries a request on another decode instance once the first one's sidecar died)."""
         p = req.params
-        return self._published.open_read(
-            p.engine_id,
-            p.request_id,
-            req.engine_id,
-            plan,
-            [e.rank for e in local],
-            max(0.0, deadline - time.monotonic()),
-            sources=generations(list(own.values())),
-        )
+
+        def open_it() -> Published:
+            return self._published.open_read(
+                p.engine_id,
+                p.request_id,
+                req.engine_id,
+                plan,
+                [e.rank for e in local],
+                max(0.0, deadline - time.monotonic()),
+                sources=generations(list(own.values())),
+            )
+
+        try:
+            return open_it()
+        except ReadByAnother as e:
+            probed = self._gone.verdict(e.sidecars)
+            if probed is None or probed.seen is not Seen.GONE:
+                detail = probed.detail if probed is not None else "its sidecars not asked"
+                raise SidecarError(e.code, f"{e.message} ({detail})") from None
+            self._published.reader_gone(p.engine_id, p.request_id, e.reader, e.sidecars, probed.detail)
+        return open_it()
 
     @staticmethod
     def agree(item: Published, opened: peer_pb2.OpenReadResponse, address: str) -> None:

@@ -173,7 +173,7 @@ class Sidecar:
             peers,
             opener,
             DirectPulls(engines, plane, membership, published, releases.source),
-            OwnRanks(engines, published, membership, releases.here),
+            OwnRanks(engines, published, membership, releases.here, gone),
             plane,
             staged_reader,
             nixl,
