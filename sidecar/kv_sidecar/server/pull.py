@@ -252,6 +252,7 @@ class Puller:
                 # reads is held here, else read from the others (and here, as copies: own_ranks.py).
                 remote_here = not remote_here
                 route[0] = "host-direct" if remote_here else "host-nixl"
+                track.peer = "local" if remote_here else p.sidecar_address
             if remote_here:
                 deadline = time.monotonic() + timeout_s
                 if any(e.on_gpu for e in local):
