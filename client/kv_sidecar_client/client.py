@@ -255,6 +255,19 @@ class EventStream:
         self._call.cancel()
 
 
+def _grpc_batch(
+    conn: Conn, timeout_s: float
+) -> Callable[[engine_pb2.PullBatchRequest, list[list[int]]], PendingBatch]:
+    """How `start_batch` sends a PullBatch to `conn` over gRPC, where the lane does not take it."""
+
+    def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
+        return BatchCall(
+            conn.stub.PullBatch.future(req, timeout=timeout_s + PULL_GRACE_S), blocks, conn.target
+        )
+
+    return over_grpc
+
+
 class SidecarClient:
     """Synchronous client. `target` is a unix socket path or a gRPC target string."""
 
@@ -456,20 +469,30 @@ class SidecarClient:
     def pull_batch_async(
         self, engine_id: str, pulls: Sequence[BatchPull], timeout_s: float | None = None
     ) -> list[PendingPull]:
-        """Start a PullBatch and return at once: a PendingPull per member (see `start_batch`)."""
+        """Start a PullBatch and return at once: a PendingPull per member (see `start_batch`). On a front
+        door of control shards whose engine's ranks are spread over several shards, the members go as
+        one PullBatch per shard, each to the shard of its first rank (a member that names none: the
+        engine's rank 0's); a member whose shard could not be asked fails alone."""
+        if not pulls:  # the sidecar refuses an empty batch; there is no member to fail
+            return []
         timeout = timeout_s or self.timeout_s
-        ranks = next((m.ranks for m in pulls if m.ranks), ())
-        try:
-            conn = self._route(engine_id, ranks[0] if ranks else None, timeout)
-        except KVSidecarError as e:  # not even asked where it goes: every member failed
-            return [EndedPull(r) for r in batch_failed(e.code, e.message, [list(m.block_ids) for m in pulls])]
-
-        def over_grpc(req: engine_pb2.PullBatchRequest, blocks: list[list[int]]) -> PendingBatch:
-            return BatchCall(
-                conn.stub.PullBatch.future(req, timeout=timeout + PULL_GRACE_S), blocks, conn.target
+        out: list[PendingPull | None] = [None] * len(pulls)
+        shards: dict[str, tuple[Conn, list[int]]] = {}
+        for i, m in enumerate(pulls):
+            try:
+                conn = self._route(engine_id, m.ranks[0] if m.ranks else None, timeout)
+            except KVSidecarError as e:  # not even asked where it goes
+                (failed,) = batch_failed(e.code, e.message, [list(m.block_ids)])
+                out[i] = EndedPull(failed)
+                continue
+            shards.setdefault(conn.target, (conn, []))[1].append(i)
+        for conn, members in shards.values():
+            sent = start_batch(
+                conn.lane, engine_id, [pulls[i] for i in members], timeout, _grpc_batch(conn, timeout)
             )
-
-        return start_batch(conn.lane, engine_id, pulls, timeout, over_grpc)
+            for i, pending in zip(members, sent, strict=True):
+                out[i] = pending
+        return [p for p in out if p is not None]
 
     def keep_alive(self, params: Sequence[TransferParams], engine_id: str = "") -> list[int]:
         """Extend the leases of requests this engine will pull later (its sidecar asks their sources).

@@ -457,6 +457,42 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
         ("consumed", "spread-both", 1),
     ], events
 
+    # One PullBatch with a member for each rank: the client sends each rank's members to its shard.
+    pubs = [
+        prefill.send(
+            {
+                "cmd": "prefill",
+                "request_id": f"spread-batch-{r}",
+                "block_ids": [20 + 2 * r, 21 + 2 * r],
+                "num_tokens": 30,
+                "seed": 40 + r,
+            }
+        )
+        for r in (0, 1)
+    ]
+    assert all(p["ok"] for p in pubs), pubs
+    got = reader.send(
+        {
+            "cmd": "pull_many",
+            "pulls": [
+                {
+                    "params": pubs[r]["params"],
+                    "block_ids": [30 + 2 * r, 31 + 2 * r],
+                    "seed": 40 + r,
+                    "ranks": [r],
+                }
+                for r in (0, 1)
+            ],
+        }
+    )
+    assert got["ok"] and got["untouched_outside"], got
+    assert [(m["verified"], m["path"]) for m in got["results"]] == [(True, "host-direct")] * 2, got
+    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
+    assert sorted((e["request_id"], e["rank"]) for e in events) == [
+        ("spread-batch-0", 0),
+        ("spread-batch-1", 1),
+    ]
+
     # Misaligned: decode rank 1 sits on the shard that leads the prefill engine and reads its rank 1 on
     # the other shard (through a handshake with itself), decode rank 0 on that other shard reads prefill
     # rank 0 from the leader: each over NIXL between the shards.
