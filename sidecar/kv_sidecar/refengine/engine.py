@@ -23,14 +23,16 @@ Driven by JSON lines on stdin, answering one JSON line each on stdout:
   {"cmd": "publish_batch", "prefix": "b0-", "block_ids": [[..], ..], "num_tokens": N, "lease_ms": 0}
       -> {"ok": true, "params": [{...}, ..]}   (request prefix+i of block_ids[i], filled before)
   {"cmd": "pull_batch", "items": [{"params": {...}, "block_ids": [..], "seed": S, "start_token": 0}, ..],
-   "concurrency": C, "num_tokens": N, "start_token": 0, "start_at": T, "per_call": K}
+   "concurrency": C, "num_tokens": N, "start_token": 0, "start_at": T, "per_call": K, "own_ranks": false}
       -> {"ok": .., "lat": [..], "wall_s": .., "cpu_s": .., "t_end": .., "paths": {..}, "errors": [..]}
       (C threads pull the items in turn, each into blocks no other item shares; with start_at, a
       time.time() on this host, the pulls start then: several engines' batches start together; with
       per_call K > 1, each thread takes K items at a time and pulls them in one PullBatch call; an
       item's start_token pulls past a prefix held, the batch's (the same for all) is what verify checks;
       an item with "expect_error": true must fail: "bad": {"count", "codes"}, and "lat" leaves it out;
-      cpu_s: this process's CPU seconds from the pulls' start to their end, not the checks around them)
+      cpu_s: this process's CPU seconds from the pulls' start to their end, not the checks around them;
+      own_ranks: each pull names this process's ranks, as a TP worker's does where the engine's other
+      ranks are other processes on the same sidecar)
   {"cmd": "verify_batch"} -> {"ok": .., "checked": n, "errors": [..], "bad_untouched": ..}
       (every byte the last pull_batch's pulls wrote, against their seeds; bad_untouched: whether the
       blocks of its items meant to fail kept their bytes, which a failed pull may write: host-nixl's
@@ -328,6 +330,9 @@ class RefEngine:
         lock = threading.Lock()
         order = iter(range(len(items)))
         per_call = cmd.get("per_call", 1)
+        # "own_ranks": pull only this process's ranks, as a TP worker does where its engine's other ranks
+        # are other processes on the same sidecar (else every rank registered there is filled).
+        ranks = sorted(self.caches) if cmd.get("own_ranks") else ()
 
         def worker() -> None:
             while True:
@@ -342,6 +347,7 @@ class RefEngine:
                         params_from_json(items[i]["params"]),
                         self.engine_id,
                         items[i]["block_ids"],
+                        ranks=ranks,
                         start_token=items[i].get("start_token", 0),
                     )
                 else:
@@ -349,6 +355,7 @@ class RefEngine:
                         BatchPull(
                             params_from_json(items[i]["params"]),
                             items[i]["block_ids"],
+                            ranks=ranks,
                             start_token=items[i].get("start_token", 0),
                         )
                         for i in take
