@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,10 +168,9 @@ class Setup:
             )["count"]
             for p, n in zip(self.prefill, [len(r) for r in self.p_ranks], strict=True)
         )
-        paths: dict[str, int] = {}
+        paths: Counter[str] = Counter()
         for g in got:
-            for k, v in g.get("paths", {}).items():
-                paths[k] = paths.get(k, 0) + v
+            paths.update(g.get("paths", {}))
         return Row(
             setup=self.name,
             round=self.rounds,
@@ -180,7 +180,7 @@ class Setup:
             cpu=cpu,
             verified=all(g["ok"] for g in got) and all(c["ok"] and c["checked"] == pulls for c in checked),
             consumed=consumed,
-            paths=paths,
+            paths=dict(paths),
             errors=[e for g in got for e in g.get("errors", [])][:5],
         )
 
