@@ -4,6 +4,8 @@ events; a pull that lands on wrong bytes is caught by the check."""
 
 from __future__ import annotations
 
+import json
+
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess
 
@@ -113,3 +115,27 @@ def test_pulls_meant_to_fail_fail_alone_and_are_counted_apart(
     fresh[0]["expect_error"] = True
     got = decode.send({"cmd": "pull_batch", "items": fresh, "concurrency": 1, "num_tokens": 16})
     assert not got["ok"] and any("meant to fail" in e for e in got["errors"]), got
+
+
+def test_workers_of_one_engine_pull_their_own_ranks(
+    spawn: Spawn, sidecar_pair: tuple[SidecarProcess, SidecarProcess]
+) -> None:
+    """`own_ranks` (bench/spread_ranks.py): a TP 2 decode engine as two processes on one sidecar, one per
+    rank, as vLLM's workers are; each pulls only its rank, so both pull every request without meeting."""
+    a, b = sidecar_pair
+    tp2 = EngineSpec.from_dict(spec_dict(tp_size=2))
+    prefill = spawn(EngineProcess(a.socket, "own-p", tp2))
+    workers = spawn.together(*[lambda r=r: EngineProcess(b.socket, "own-d", tp2, ranks=[r]) for r in (0, 1)])
+    assert prefill.send({"cmd": "prefill", "block_ids": [0], "num_tokens": 16, "seed": 7, "publish": False})[
+        "ok"
+    ]
+    got = prefill.send({"cmd": "publish_batch", "prefix": "own-", "block_ids": [[0]] * 6, "num_tokens": 16})
+    items = [{"params": p, "block_ids": [10 + i], "seed": 7} for i, p in enumerate(got["params"])]
+    for w in workers:
+        w.post({"cmd": "pull_batch", "items": items, "concurrency": 2, "num_tokens": 16, "own_ranks": True})
+    for w in workers:
+        res = json.loads(w.readline(60))
+        assert res["ok"] and res["paths"] == {"host-nixl": 6}, res
+        checked = w.send({"cmd": "verify_batch"})
+        assert checked["ok"] and checked["checked"] == 6, checked
+    assert prefill.send({"cmd": "count_events", "kind": "consumed", "expect": 12})["count"] == 12
