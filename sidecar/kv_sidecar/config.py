@@ -169,7 +169,8 @@ class Settings:
         "free ports for 0), behind a front door on engine_socket, peer_port (health) and metrics_port (every "
         "shard's metrics, labelled shard). An engine goes whole (unless control_shard_ranks spreads it) to "
         "one shard: that of its rank 0's GPU (the visible GPUs split into contiguous groups, or as "
-        "control_shard_gpus says), a host engine by its engine id. Pulls between engines on one shard stay "
+        "control_shard_gpus says), a host engine by its client's placement key or else its engine id. Pulls "
+        "between engines on one shard stay "
         "gpu-direct/host-direct; between shards they are staged. One process serves 3,000-6,000 pulls/s of "
         '2 MiB at most (a core): shards let a node past that (docs/operations.md, "Control shards"). 1: one '
         "process",
@@ -180,8 +181,8 @@ class Settings:
         "control_shard_ranks": "with control_shards: whole (an engine's ranks all on its rank 0's shard) or "
         "spread (each rank on its own GPU's shard, a host rank round robin from its rank 0's: a TP engine's "
         "ranks then pull and serve in processes of their own, as an engine across nodes, led by its rank 0's "
-        "shard). Spread engines pull from and serve other sidecars (nodes); between two engines of one node "
-        "sidecar pulls need whole",
+        "shard). Between engines of one node sidecar a decode rank copies the prefill ranks its shard holds "
+        "and reads the others from their shards",
     }
 
     # Below these the sidecar cannot work: event streams would starve the engine API's other calls, an

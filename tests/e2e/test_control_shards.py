@@ -1,9 +1,9 @@
 """A node sidecar run as control shards (`control_shards: 2`): one real front door process and its two
 shard processes on loopback, with reference engines that know only the front door's socket.
 
-A host engine goes, all its ranks, to a shard by its engine id (placement.py); the engine ids here are
-picked so that one decode engine shares its prefill engine's shard (host-direct) and one does not
-(host-nixl between the shards).
+A host engine goes, all its ranks, to a shard by its engine id (placement.py; or by a placement key its
+client names); the engine ids here are picked so that one decode engine shares its prefill engine's
+shard (host-direct) and one does not (host-nixl between the shards).
 """
 
 from __future__ import annotations
