@@ -49,7 +49,10 @@ class OwnRanks:
         spread over this sidecar and others (a one-sidecar engine elsewhere shares no rank with us)."""
         if not self._membership.is_split(engine_id):
             return {}
-        here = {e.rank: e for e in self._engines.all() if e.engine_id == engine_id}
+        try:
+            here = {e.rank: e for e in self._engines.engine_ranks(engine_id)}
+        except SidecarError:  # a member whose last rank of it left meanwhile
+            return {}
         return {p: here[p] for p in needed_ranks(plan, local) if p in here}
 
     def open(

@@ -43,7 +43,7 @@ from kv_sidecar.server.inflight import InflightPulls, PullTicket, stopped_error
 from kv_sidecar.server.lease_view import LeaseView
 from kv_sidecar.server.own_ranks import Own, OwnRanks
 from kv_sidecar.server.peers import Holder, Peers, RemoteEngine
-from kv_sidecar.server.pull_direct import PATH_DIRECT, DirectPulls
+from kv_sidecar.server.pull_direct import PATH_DIRECT, DirectPulls, spread_state_refused
 from kv_sidecar.server.pull_job import (
     PullJob,
     build_job,
@@ -548,12 +548,7 @@ class Puller:
         group = state_group(req, remote.plan)
         if group is not None:
             if own:
-                raise SidecarError(
-                    Code.UNIMPLEMENTED,
-                    f"engine {p.engine_id!r} spans this sidecar and others, and its Mamba state is converted "
-                    f"for engine {req.engine_id!r} (another TP size or page geometry): a conversion reads "
-                    "every prefill rank, so it needs the whole engine on one sidecar",
-                )
+                raise spread_state_refused(p.engine_id, req.engine_id)
             route[0] = PATH_STATE
             return self._read_state(req, local, remote, group, opened, cancel, deadline, after)
         job = build_job(

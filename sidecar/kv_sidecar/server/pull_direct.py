@@ -139,12 +139,7 @@ class DirectPulls:
                 f"of engine {req.engine_id!r} read, are not registered on this sidecar any more; try again",
             )
         if state_group(req, plan) is not None:
-            raise SidecarError(
-                Code.UNIMPLEMENTED,
-                f"engine {engine_id!r} spans this sidecar and others, and its Mamba state is converted "
-                f"for engine {req.engine_id!r} (another TP size or page geometry): a conversion reads "
-                "every prefill rank, so it needs the whole engine on one sidecar",
-            )
+            raise spread_state_refused(engine_id, req.engine_id)
 
     def _copy_state(
         self, job: PullJob, group: int, src_ranks: list[RankEntry], after: Later
@@ -191,6 +186,17 @@ class DirectPulls:
         nbytes = yield DirectCopy(copy, job)
         after.append(functools.partial(self._mark_done, job))
         return nbytes, path
+
+
+def spread_state_refused(engine_id: str, reader: str) -> SidecarError:
+    """A Mamba state converted between TP sizes (or page geometries) reads every prefill rank into each
+    state block: refused from an engine spread over the reading sidecar and others."""
+    return SidecarError(
+        Code.UNIMPLEMENTED,
+        f"engine {engine_id!r} spans this sidecar and others, and its Mamba state is converted for engine "
+        f"{reader!r} (another TP size or page geometry): a conversion reads every prefill rank, so it needs "
+        "the whole engine on one sidecar",
+    )
 
 
 def needed_ranks(plan: PairPlan, local: Sequence[RankEntry]) -> list[int]:
