@@ -127,7 +127,11 @@ class Membership:
         return {r.rank: m.sidecar_id for m in self.members(engine_id) for r in m.ranks}
 
     def is_split(self, engine_id: str) -> bool:
-        return engine_id in self._leaders or bool(self.members(engine_id))
+        """Whether the engine's ranks span this sidecar and others (asked on every pull: no copy)."""
+        if engine_id in self._leaders:
+            return True
+        with self._lock:
+            return bool(self._members.get(engine_id))
 
     def held_here(self, engine_id: str) -> list[int] | None:
         """Prefill ranks a published request waits for on this sidecar; None: all (a one-sidecar engine)."""
