@@ -16,10 +16,13 @@ pull; rank pulls/s: N times TP over it. Every byte of every pull is checked afte
 prefill rank must hear "consumed" N times. Each sidecar's CPU is reported (100 % = one core). The
 setups alternate their order round by round; only ratios within a run compare.
 
-On one GPU every rank shares it (a node's ranks would not): what is measured is the host side's work,
-which one process per rank splits.
+With --gpus G, prefill rank r sits on GPU r mod G and decode rank r on GPU (r + TP) mod G where G holds
+both engines' ranks apart (G >= 2 TP), else on GPU r mod G beside its prefill rank: on 2 GPUs and TP 2,
+rank r of both engines on GPU r, as `control_shard_gpus "0;1"` would group them; on 4, prefill on GPUs
+0-1 and decode on 2-3, as "0,2;1,3" would. On one GPU (the default) every rank shares it, as a node's
+ranks would not: what is measured is then the host side's work, which one process per rank splits.
 
-    python bench/spread_ranks.py --gpu --rounds 3 --out $OUT        # a GPU machine
+    python bench/spread_ranks.py --gpu --gpus 2 --rounds 3 --out $OUT   # a GPU machine of 2 GPUs
     python bench/spread_ranks.py --pulls 128 --no-write              # this machine (host memory)
 """
 
@@ -75,11 +78,11 @@ class Row:
 class Setup:
     """One arrangement's sidecars and engines: a prefill and a decode engine of TP `tp`."""
 
-    def __init__(self, name: str, tp: int, spec: EngineSpec, blocks: int, gpu: bool) -> None:
+    def __init__(self, name: str, tp: int, spec: EngineSpec, blocks: int, n_gpus: int) -> None:
+        """n_gpus: 0 for host memory, else how many GPUs the ranks are placed on (`rank_gpus`)."""
         self.name, self.tp, self.blocks = name, tp, blocks
         self.dspec = spec
         self.pspec = dataclasses.replace(spec, num_blocks=SOURCES * blocks)
-        devices = ["cuda:0"] * tp if gpu else None
         wait = ["--leader-wait-ms", "20000"]
         count = 1 if name == "whole" else tp
         self.sidecars = together(
@@ -90,12 +93,13 @@ class Setup:
         def engine(role: str, spec: EngineSpec, ranks: list[int]) -> EngineProcess:
             home = self.sidecars[0 if name == "whole" else ranks[0]]
             leader = "" if home is self.sidecars[0] else lead
+            placed = rank_gpus(role == "d", tp, n_gpus) if n_gpus else None
             return EngineProcess(
                 home.socket,
                 f"{role}-{name}",
                 spec,
                 ranks=ranks,
-                devices=devices,
+                devices=[placed[r] for r in ranks] if placed else None,
                 leader=leader,
                 start_timeout_s=180,
             )
@@ -191,6 +195,20 @@ class Setup:
             s.stop()
 
 
+def rank_gpus(decode: bool, tp: int, n_gpus: int) -> list[str]:
+    """Each rank's device: the engines' ranks apart where `n_gpus` holds both (decode after prefill),
+    else rank r of either engine on GPU r mod `n_gpus`."""
+    shift = tp if decode and n_gpus >= 2 * tp else 0
+    return [f"cuda:{(r + shift) % n_gpus}" for r in range(tp)]
+
+
+def placement(tp: int, n_gpus: int) -> str:
+    if not n_gpus:
+        return "host memory"
+    prefill, decode = (", ".join(rank_gpus(d, tp, n_gpus)) for d in (False, True))
+    return f"GPU memory: prefill ranks on {prefill}, decode ranks on {decode}"
+
+
 def table(rows: list[Row], tp: int) -> str:
     out = [
         "| setup | round | requests | requests/s | rank pulls/s | p50 ms | p99 ms | CPU % per sidecar | paths | bytes | consumed |",
@@ -220,7 +238,8 @@ def ratios(rows: list[Row]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu", action="store_true", help="every rank on cuda:0 (else host memory)")
+    ap.add_argument("--gpu", action="store_true", help="GPU memory (else host memory)")
+    ap.add_argument("--gpus", type=int, default=1, help="with --gpu: GPUs the ranks are placed on")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--blocks", type=int, default=1, help="blocks per pull")
     ap.add_argument("--pulls", type=int, default=1024, help="requests per round (each rank pulls each)")
@@ -234,7 +253,8 @@ def main() -> int:
     spec = dataclasses.replace(
         base, tp_size=args.tp, num_blocks=max(base.num_blocks, args.pulls * args.blocks)
     )
-    setups = {name: Setup(name, args.tp, spec, args.blocks, args.gpu) for name in ("whole", "spread")}
+    n_gpus = args.gpus if args.gpu else 0
+    setups = {name: Setup(name, args.tp, spec, args.blocks, n_gpus) for name in ("whole", "spread")}
     rows: list[Row] = []
     try:
         for k in range(args.rounds):
@@ -253,7 +273,7 @@ def main() -> int:
             f"Command: `python bench/spread_ranks.py {' '.join(sys.argv[1:])}`  \n"
             f"Machine: {platform.machine()}, {gpus()}, Python {platform.python_version()}  \n"
             f"Date: {datetime.date.today().isoformat()}",
-            f"TP {args.tp} → TP {args.tp}, {'GPU memory (every rank on cuda:0)' if args.gpu else 'host memory'}, "
+            f"TP {args.tp} → TP {args.tp}, {placement(args.tp, n_gpus)}, "
             f"{size / (1 << 20):g} MiB a rank's pull, {args.concurrency} in flight per decode rank as {calls}. "
             "whole: one sidecar; spread: a sidecar per rank, rank 0's leading (the shards of "
             "`control_shard_ranks: spread`). CPU: each sidecar process over the row.",
