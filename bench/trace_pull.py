@@ -20,6 +20,8 @@ median start and end relative to the engine's call and the median duration.
 
 --batch N: each engine call is a PullBatch of N pulls (N requests, each of --blocks blocks), so the
 table's rows are per batch: how often each span ran in one batch and its busy time summed over them.
+The engine's own side of the call (the thin client in this process: the call built and sent, its
+frames read, the results made) is traced too, as side "engine".
 
 --concurrent C: spans overlap between pulls in flight together, so instead of placing them on a
 pull the table compares each span's median duration, one pull at a time against C at a time.
@@ -31,6 +33,7 @@ import argparse
 import bisect
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -193,6 +196,18 @@ BATCH = [
     "kv_sidecar.dataplane.workers:CopyWorker.post_copies",
     "kv_sidecar.dataplane.workers:PostedCopies.wait",
 ]
+# --batch: the engine's own side of a PullBatch call, traced in this process (the thin client): the call
+# built and sent, each frame read, the members' results made.
+ENGINE = [
+    "kv_sidecar_client.client:SidecarClient.pull_batch_async",
+    "kv_sidecar_client.client:SidecarClient._route",
+    "kv_sidecar_client.client:start_batch",
+    "kv_sidecar_client.lane:Lane.send",
+    "kv_sidecar_client.lane:read_answer",
+    "kv_sidecar_client.lane:LaneBatch._ahead",
+    "kv_sidecar_client.lane:LaneBatch.member_result",
+    "kv_sidecar_client.results:batch_results",
+]
 # device_workers, a pull's copy through its worker (these spans also run in the worker, as "... worker"):
 # the message out, the copy there, its answer out, the answer taken in (set_result) and awaited.
 WORKER = [
@@ -301,6 +316,18 @@ def start(
         "KV_SIDECAR_TRACE_SPANS": ",".join(spans),
     }
     return SidecarProcess(name, extra=extra, env=env, start_timeout_s=120)
+
+
+def trace_here(targets: list[str]) -> list[tuple[str, str, float, float]]:
+    """Wrap `targets` in this process as the sidecars' tracer does (bench/pulltrace); the list their
+    spans go to."""
+    spec = importlib.util.spec_from_file_location("pulltrace_here", HERE / "pulltrace" / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    tracer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tracer)  # inert here: no KV_SIDECAR_TRACE in this process's environment
+    for t in targets:
+        tracer._patch(t)
+    return tracer._SPANS
 
 
 def collect(sc: SidecarProcess, path: str) -> list[tuple[str, str, float, float]]:
@@ -434,6 +461,7 @@ def main() -> int:
             compare_phases(windows, spans, args.blocks * block_bytes(spec))
             return 0
         n = args.blocks
+        here = trace_here(ENGINE) if args.batch else None  # the engine's side, this process
         for i in range(args.iters + 20):
             if args.batch:
                 members = [
@@ -460,6 +488,8 @@ def main() -> int:
                 calls.append((t0, t1))
             time.sleep(args.idle)  # keep pulls apart, so late spans (notifications) stay on their pull
         spans = {k: collect(sc, files[k]) for k, sc in (("prefill", a), ("decode", b))}
+        if here is not None:
+            spans["engine"] = list(here)
         for k, sc in (("prefill", a), ("decode", b)):  # device_workers: the workers' own spans
             if in_workers := collect_workers(sc, files[k]):
                 spans[f"{k} worker"] = in_workers
