@@ -249,6 +249,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="also write the section here")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
+    if args.gpus < 1:
+        ap.error("--gpus takes 1 or more")
     base = GPU_SPEC if args.gpu else dataclasses.replace(latency.SPEC, num_blocks=64)
     spec = dataclasses.replace(
         base, tp_size=args.tp, num_blocks=max(base.num_blocks, args.pulls * args.blocks)
