@@ -40,6 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import quantile  # noqa: E402
+
 SECTION = "## GPU pull latency and concurrency (bench/gpu_latency.py)"
 MIB = 1 << 20
 MODEL: dict[str, Any] = {
@@ -84,12 +86,7 @@ NOTES = (
 
 # -- helpers ----------------------------------------------------------------------------
 def percentiles(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-
-    def pick(q: float) -> float:
-        return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-    return {"n": len(s), "p50": pick(0.5), "p99": pick(0.99), "mean": statistics.fmean(s)}
+    return {"n": len(xs), "p50": quantile(xs, 0.5), "p99": quantile(xs, 0.99), "mean": statistics.fmean(xs)}
 
 
 def size(nbytes: int) -> str:

@@ -42,7 +42,7 @@ from kv_sidecar_client.shm import ShmKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
-from report import gpus, write_section
+from report import gpus, quantile, write_section
 
 # One block = 16 tokens x 8 heads x 128 dims x bf16 = 32 KiB per (layer, K/V); 4 layers: 256 KiB.
 SPEC = EngineSpec.from_dict(
@@ -62,9 +62,12 @@ MIB = 1 << 20
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
-    xs = sorted(samples)
-    pick = lambda q: xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]  # noqa: E731
-    return {"n": len(xs), "p50": pick(0.5), "p99": pick(0.99), "mean": statistics.fmean(xs)}
+    return {
+        "n": len(samples),
+        "p50": quantile(samples, 0.5),
+        "p99": quantile(samples, 0.99),
+        "mean": statistics.fmean(samples),
+    }
 
 
 def timed(fn: Callable[[], object], iters: int, warmup: int = 5) -> list[float]:

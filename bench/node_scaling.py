@@ -94,7 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
 import latency
 from gpu_share import mps_state
-from report import gpus, write_section
+from report import gpus, quantile, write_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 TITLES = {
@@ -299,8 +299,7 @@ class Row:
         return whole - whole * self.short // (self.moved * self.block_tokens) if self.short else whole
 
     def pct(self, q: float) -> float:
-        xs = sorted(self.lat_s) or [0.0]
-        return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]
+        return 1e3 * quantile(self.lat_s, q, empty=0.0)
 
     def cpu_of(self, prefix: str) -> float:
         """The busiest process whose name starts with prefix."""

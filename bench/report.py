@@ -6,6 +6,7 @@ import collections
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 HEADER = "# Benchmarks\n\nEach section is written by the script named in its title; re-run it to refresh.\n"
@@ -20,6 +21,15 @@ def write_section(path: Path, title: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text)
+
+
+def quantile(xs: Sequence[float], q: float, empty: float = float("nan")) -> float:
+    """The nearest-rank q-quantile (0 <= q <= 1) of `xs`, one of its values; `empty` where there are none.
+    Every bench's p50/p99 comes from here, so that their tables read alike."""
+    if not xs:
+        return empty
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def gpus() -> str:

@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline
 from gpu_latency import HOST_MODEL, MODEL
+from report import quantile
 
 from kv_sidecar.plan.spec import EngineSpec
 from kv_sidecar.refengine.procs import SidecarProcess, pin_tasks, together
@@ -57,11 +58,6 @@ from kv_sidecar_client import BatchPull, SidecarClient
 # and, for --gpu, the model rank's 2 MiB blocks (32 layers, 8 heads, head_dim 128).
 SPEC = EngineSpec.from_dict(HOST_MODEL | {"num_blocks": 640})
 GPU_SPEC = EngineSpec.from_dict(MODEL | {"num_blocks": 600})
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def main() -> int:
@@ -234,8 +230,8 @@ def main() -> int:
     for (k, n), r in results.items():
         w, s = r["wall"], r["side"]
         print(
-            f"| {n} | {k} | {statistics.median(w) * 1e3:.3f} | {pct(w, 0.9) * 1e3:.3f} | "
-            f"{statistics.median(s) * 1e3:.3f} | {pct(s, 0.9) * 1e3:.3f} |"
+            f"| {n} | {k} | {statistics.median(w) * 1e3:.3f} | {quantile(w, 0.9) * 1e3:.3f} | "
+            f"{statistics.median(s) * 1e3:.3f} | {quantile(s, 0.9) * 1e3:.3f} |"
         )
     if len(trees) > 2 or args.aa:
         print("\n| blocks | ratio | engine wall p50 | sidecar p50 |\n|---|---|---|---|")

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -58,7 +57,7 @@ from kv_sidecar_client import KVSidecarError, SidecarClient
 from kv_sidecar_client.shm import ShmKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_section
+from report import quantile, write_section
 
 BASE: dict[str, Any] = {
     "tp_size": 1,
@@ -256,7 +255,8 @@ def idle_latency(
 
 
 def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+    """The q-th percentile (0-100)."""
+    return quantile(xs, q / 100)
 
 
 def main() -> int:

@@ -46,7 +46,7 @@ from kv_sidecar.refengine.procs import EngineProcess, SidecarProcess, cpu_ticks,
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import latency
 from node_scaling import GPU_SPEC, HZ
-from report import gpus, write_section
+from report import gpus, quantile, write_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 TITLE = "Spread ranks against whole (bench/spread_ranks.py)"
@@ -71,8 +71,7 @@ class Row:
         return self.requests / self.wall_s
 
     def pct(self, q: float) -> float:
-        s = sorted(self.lat_s)
-        return 1000 * s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+        return 1000 * quantile(self.lat_s, q, empty=0.0)
 
 
 class Setup:
