@@ -11,6 +11,8 @@
 #   bash bench/gpu_staged_check.sh throughput  # 1 GiB staged rows, 512 MiB and 2 GiB rings of BIG_SLOTS (default 4,8,16) slots ~4 min
 #   bash bench/gpu_staged_check.sh bench       # latency, then throughput
 #   bash bench/gpu_staged_check.sh scaling     # node scaling: GPU pairs x pulls in flight (node_scaling.py) ~6 min
+#   bash bench/gpu_staged_check.sh spread      # a TP 2 pair spread over a sidecar per rank against one sidecar,
+#                                              # each rank on a GPU of its own where there are 2+ (spread_ranks.py) ~3 min
 #   bash bench/gpu_staged_check.sh host        # issue 11's host rows on this machine (latency.py, cpu_pull.py) ~3 min
 #   bash bench/gpu_staged_check.sh all         # everything (past a 10-minute limit: run tests, then bench)
 #
@@ -136,6 +138,21 @@ if [[ $part == scaling ]]; then
   rm -rf "$OUT/smoke"
   echo "node_scaling exit code: $rc"
   ((rc == 0)) || status=1
+fi
+
+# control_shard_ranks: spread timed (issue 32): 1 MiB and 32 MiB a rank, ranks placed on this machine's GPUs.
+if [[ $part == spread ]]; then
+  say "spread ranks against whole (bench/spread_ranks.py)"
+  n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  ((n_gpus >= 1)) || n_gpus=1
+  for blocks in 1 32; do
+    pulls=$((blocks == 1 ? 4096 : 256))
+    timeout 300 $PY bench/spread_ranks.py --gpu --gpus "$n_gpus" --blocks "$blocks" --pulls "$pulls" \
+      --rounds "${ROUNDS:-3}" --no-write --out "$OUT/spread_b$blocks" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/spread_b$blocks.log" | tail -n 12
+    rc=${PIPESTATUS[0]}
+    echo "spread_ranks --blocks $blocks exit code: $rc"
+    ((rc == 0)) || status=1
+  done
 fi
 
 # The host rows of issue 11 (one-block pulls, CPU host-nixl throughput) on this machine's idle cores.
