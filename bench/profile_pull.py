@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency import pull_once, register
+from report import quantile
 
 from kv_sidecar.refengine.procs import SidecarProcess
 from kv_sidecar_client import SidecarClient
@@ -74,10 +75,9 @@ def main() -> int:
             _, err = s.communicate(timeout=120)
             if s.returncode:
                 print(err, file=sys.stderr)
-        xs = sorted(samples)
         print(
-            f"{tag}: {len(xs)} pulls, p50 {statistics.median(xs) * 1e3:.3f} ms, "
-            f"p99 {xs[int(0.99 * (len(xs) - 1))] * 1e3:.3f} ms; profiles in {out} "
+            f"{tag}: {len(samples)} pulls, p50 {statistics.median(samples) * 1e3:.3f} ms, "
+            f"p99 {quantile(samples, 0.99) * 1e3:.3f} ms; profiles in {out} "
             f"(prefill pid {a.proc.pid}, decode pid {b.proc.pid}, load {os.getloadavg()[0]:.1f})"
         )
     finally:
