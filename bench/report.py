@@ -25,7 +25,8 @@ def write_section(path: Path, title: str, body: str) -> None:
 
 def quantile(xs: Sequence[float], q: float, empty: float = float("nan")) -> float:
     """The nearest-rank q-quantile (0 <= q <= 1) of `xs`, one of its values; `empty` where there are none.
-    Every bench's p50/p99 comes from here, so that their tables read alike."""
+    The benches' tail percentiles (and p50s that are not a median) come from here, so that their tables
+    read alike."""
     if not xs:
         return empty
     s = sorted(xs)
