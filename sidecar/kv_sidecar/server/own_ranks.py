@@ -20,7 +20,7 @@ from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
 from kv_sidecar.server.gone_readers import GoneReaders, Seen
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
-from kv_sidecar.server.pull_direct import needed_ranks
+from kv_sidecar.server.pull_direct import needed_ranks_here
 from kv_sidecar.server.pull_job import PullJob
 from kv_sidecar.server.pull_steps import DirectCopy
 from kv_sidecar.server.routing import depends_on
@@ -50,10 +50,10 @@ class OwnRanks:
         if not self._membership.is_split(engine_id):
             return {}
         try:
-            here = {e.rank: e for e in self._engines.engine_ranks(engine_id)}
+            src_ranks = self._engines.engine_ranks(engine_id)
         except SidecarError:  # a member whose last rank of it left meanwhile
             return {}
-        return {p: here[p] for p in needed_ranks(plan, local) if p in here}
+        return needed_ranks_here(plan, local, src_ranks)[0]
 
     def open(
         self,

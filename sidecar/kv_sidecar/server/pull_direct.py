@@ -74,8 +74,7 @@ class DirectPulls:
             plan = cached_plan(src_ranks[0].spec, local[0].spec)
         except (SidecarError, PlanError):
             return published_here  # the direct path reports it
-        here = {e.rank for e in src_ranks}
-        return all(r in here for r in needed_ranks(plan, local))
+        return not needed_ranks_here(plan, local, src_ranks)[1]
 
     def pull(
         self,
@@ -130,8 +129,7 @@ class DirectPulls:
     ) -> None:
         """Every prefill rank the pull depends on must be registered here (`serves` said so); a Mamba
         state converted between TP sizes reads every prefill rank, so it needs the whole engine here."""
-        here = {e.rank for e in src_ranks}
-        away = [r for r in needed_ranks(plan, local) if r not in here]
+        away = needed_ranks_here(plan, local, src_ranks)[1]
         if away:  # registered here when the path was chosen, gone since
             raise SidecarError(
                 Code.FAILED_PRECONDITION,
@@ -202,3 +200,13 @@ def spread_state_refused(engine_id: str, reader: str) -> SidecarError:
 def needed_ranks(plan: PairPlan, local: Sequence[RankEntry]) -> list[int]:
     """The prefill ranks that the decode ranks `local` read or only notify, in order."""
     return sorted({p for e in local for p in depends_on(plan.decode_ranks[e.rank])})
+
+
+def needed_ranks_here(
+    plan: PairPlan, local: Sequence[RankEntry], src_ranks: Sequence[RankEntry]
+) -> tuple[dict[int, RankEntry], list[int]]:
+    """The prefill ranks `local` read or notify, split: those among `src_ranks` (the engine's ranks
+    registered here), by rank, and those not registered here, in order."""
+    here = {e.rank: e for e in src_ranks}
+    needed = needed_ranks(plan, local)
+    return {r: here[r] for r in needed if r in here}, [r for r in needed if r not in here]
