@@ -87,6 +87,39 @@ def prefill_and_pull(prefill: EngineProcess, decode: EngineProcess, request_id: 
     return decode.send({"cmd": "pull", "params": pub["params"], "block_ids": [9, 4, 6], "seed": seed})
 
 
+def pull_rank_by_rank(
+    source: EngineProcess,
+    reader: EngineProcess,
+    request_id: str,
+    src: list[int],
+    dst: list[int],
+    num_tokens: int,
+    seed: int,
+    path: str,
+    ranks: tuple[int, ...] = (0, 1),
+) -> None:
+    """`source` publishes a request and `reader` pulls it one rank at a time, as a TP engine's workers
+    each pull their own: every rank exact, by `path`."""
+    pub = source.send(
+        {"cmd": "prefill", "request_id": request_id, "block_ids": src, "num_tokens": num_tokens, "seed": seed}
+    )
+    assert pub["ok"], pub
+    for rank in ranks:
+        res = reader.send(
+            {"cmd": "pull", "params": pub["params"], "block_ids": dst, "seed": seed, "ranks": [rank]}
+        )
+        assert res["ok"] and res["verified"] and res["path"] == path, (rank, res)
+
+
+def consumed_on_each_rank(prefill: EngineProcess, request_id: str) -> None:
+    """The TP 2 prefill engine hears "consumed" for the request once on each of its ranks."""
+    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
+    assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
+        ("consumed", request_id, 0),
+        ("consumed", request_id, 1),
+    ], events
+
+
 def test_engines_pull_bit_exact_within_a_shard_and_across_shards(node: SidecarProcess, spawn: Spawn) -> None:
     spec = EngineSpec.from_dict(spec_dict())
     taken: set[str] = set()
@@ -431,31 +464,12 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     placed = shard_of_ranks(door)
     assert all(placed[(aligned, r)] == placed[("spread-p", r)] for r in (0, 1)), placed
     assert all(placed[(misaligned, r)] != placed[("spread-p", r)] for r in (0, 1)), placed
-    pub = source.send(
-        {"cmd": "prefill", "request_id": "spread-in", "block_ids": [1, 2, 3], "num_tokens": 40, "seed": 32}
-    )
-    assert pub["ok"], pub
-    for rank in (0, 1):  # each worker of a TP engine pulls its own rank, on that rank's shard
-        res = reader.send(
-            {"cmd": "pull", "params": pub["params"], "block_ids": [9, 4, 6], "seed": 32, "ranks": [rank]}
-        )
-        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", (rank, res)
+    # Each worker of a TP engine pulls its own rank, on that rank's shard.
+    pull_rank_by_rank(source, reader, "spread-in", [1, 2, 3], [9, 4, 6], 40, 32, "host-nixl")
 
     # Both engines on this node sidecar, both spread, each decode rank on its prefill rank's shard.
-    pub = prefill.send(
-        {"cmd": "prefill", "request_id": "spread-both", "block_ids": [4, 5, 6], "num_tokens": 40, "seed": 33}
-    )
-    assert pub["ok"], pub
-    for rank in (0, 1):
-        res = reader.send(
-            {"cmd": "pull", "params": pub["params"], "block_ids": [10, 11, 12], "seed": 33, "ranks": [rank]}
-        )
-        assert res["ok"] and res["verified"] and res["path"] == "host-direct", (rank, res)
-    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
-    assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
-        ("consumed", "spread-both", 0),
-        ("consumed", "spread-both", 1),
-    ], events
+    pull_rank_by_rank(prefill, reader, "spread-both", [4, 5, 6], [10, 11, 12], 40, 33, "host-direct")
+    consumed_on_each_rank(prefill, "spread-both")
 
     # One PullBatch with a member for each rank: the client sends each rank's members to its shard.
     pubs = [
@@ -496,17 +510,5 @@ def test_spread_ranks_pull_and_serve_each_from_a_shard_of_their_own(spawn: Spawn
     # Misaligned: decode rank 1 sits on the shard that leads the prefill engine and reads its rank 1 on
     # the other shard (through a handshake with itself), decode rank 0 on that other shard reads prefill
     # rank 0 from the leader: each over NIXL between the shards.
-    pub = prefill.send(
-        {"cmd": "prefill", "request_id": "spread-crossed", "block_ids": [7, 8], "num_tokens": 30, "seed": 34}
-    )
-    assert pub["ok"], pub
-    for rank in (1, 0):
-        res = crossed.send(
-            {"cmd": "pull", "params": pub["params"], "block_ids": [13, 14], "seed": 34, "ranks": [rank]}
-        )
-        assert res["ok"] and res["verified"] and res["path"] == "host-nixl", (rank, res)
-    events = [prefill.send({"cmd": "next_event", "timeout_s": 10}) for _ in range(2)]
-    assert sorted((e["kind"], e["request_id"], e["rank"]) for e in events) == [
-        ("consumed", "spread-crossed", 0),
-        ("consumed", "spread-crossed", 1),
-    ], events
+    pull_rank_by_rank(prefill, crossed, "spread-crossed", [7, 8], [13, 14], 30, 34, "host-nixl", ranks=(1, 0))
+    consumed_on_each_rank(prefill, "spread-crossed")
