@@ -17,12 +17,13 @@ from kv_sidecar.dataplane.jobs import LocalCopy, RankRead
 from kv_sidecar.errors import Code, SidecarError
 from kv_sidecar.plan.pair import PairPlan
 from kv_sidecar.server.engines import EngineRegistry, RankEntry, generations
-from kv_sidecar.server.gone_readers import GoneReaders, Seen
+from kv_sidecar.server.gone_readers import GoneReaders
 from kv_sidecar.server.membership import Membership
 from kv_sidecar.server.published import Published, PublishedStore, ReadByAnother
 from kv_sidecar.server.pull_direct import needed_ranks_here
 from kv_sidecar.server.pull_job import PullJob
 from kv_sidecar.server.pull_steps import DirectCopy
+from kv_sidecar.server.reads import prove_reader_gone
 from kv_sidecar.server.routing import depends_on
 from kv_sidecar_client._proto.kvsidecar.v1 import engine_pb2, peer_pb2
 
@@ -84,11 +85,7 @@ class OwnRanks:
         try:
             return open_it()
         except ReadByAnother as e:
-            probed = self._gone.verdict(e.sidecars)
-            if probed is None or probed.seen is not Seen.GONE:
-                detail = probed.detail if probed is not None else "its sidecars not asked"
-                raise SidecarError(e.code, f"{e.message} ({detail})") from None
-            self._published.reader_gone(p.engine_id, p.request_id, e.reader, e.sidecars, probed.detail)
+            prove_reader_gone(self._gone, self._published, p.engine_id, p.request_id, e)
         return open_it()
 
     @staticmethod

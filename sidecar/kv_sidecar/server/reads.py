@@ -86,6 +86,26 @@ class ProbeFirst(SidecarError):
     for one: the OpenRead call that the reader makes when no answer came decides it."""
 
 
+def prove_reader_gone(
+    gone: GoneReaders,
+    published: PublishedStore,
+    engine_id: str,
+    request_id: str,
+    refused: ReadByAnother,
+    probe: bool = True,
+) -> None:
+    """A request read by another engine (`refused`): marks that reader gone where its sidecars are proven
+    so, after which an open takes the request over; else raises the refusal, saying what was seen
+    (ProbeFirst where `probe` is False and nothing is known yet). For every open of a request published
+    here: a reader's OpenRead, and a spread engine's own record (server/own_ranks.py)."""
+    probed = gone.verdict(refused.sidecars, probe)
+    if probed is None:
+        raise ProbeFirst(refused.code, refused.message)
+    if probed.seen is not Seen.GONE:
+        raise SidecarError(refused.code, f"{refused.message} ({probed.detail})")
+    published.reader_gone(engine_id, request_id, refused.reader, refused.sidecars, probed.detail)
+
+
 class PeerPins(Protocol):
     """The data plane keeps host ranks mapped while a peer may READ them by address (DataPlane)."""
 
@@ -133,7 +153,7 @@ class SourceReads:
         try:
             item = self.open_for_reader(request, plan, peer, path)
         except ReadByAnother as e:
-            self._prove_gone(request, e, probe)
+            prove_reader_gone(self._gone, self._published, request.engine_id, request.request_id, e, probe)
             item = self.open_for_reader(request, plan, peer, path)
         return peer_pb2.OpenReadResponse(
             block_ids=item.block_ids,
@@ -141,18 +161,6 @@ class SourceReads:
             lease_deadline_unix_ms=item.deadline_unix_ms(),
             first_token=item.first_token,
             generations=item.generations,  # as open_read found them registered here now
-        )
-
-    def _prove_gone(self, request: peer_pb2.OpenReadRequest, refused: ReadByAnother, probe: bool) -> None:
-        """Marks the request's reader gone where its sidecars are proven so; else raises the refusal,
-        saying what was seen."""
-        probed = self._gone.verdict(refused.sidecars, probe)
-        if probed is None:
-            raise ProbeFirst(refused.code, refused.message)
-        if probed.seen is not Seen.GONE:
-            raise SidecarError(refused.code, f"{refused.message} ({probed.detail})")
-        self._published.reader_gone(
-            request.engine_id, request.request_id, refused.reader, refused.sidecars, probed.detail
         )
 
     def open_for_reader(
